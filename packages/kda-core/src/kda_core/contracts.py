@@ -1,0 +1,47 @@
+"""Geometry and conventions shared by every kda operation (DESIGN §2-§5)."""
+
+from __future__ import annotations
+
+import enum
+
+HEAD_DIM = 128
+"""K = V of the fast kernels."""
+GENERIC_HEAD_DIMS = (64, 128)
+"""Head dims the generic recurrent path accepts."""
+T1_HEAD_COUNTS = (8, 12, 16, 24, 32, 48, 64, 96)
+"""H == HV values the T=1 kernel and the ucache kernel are built and tested for (Kimi K3: 12 at TP=8, 24 at TP=4)."""
+L2NORM_EPS = 1e-6
+POOL_ROW_STRIDE_MULTIPLE = 8
+"""A padded pool's dim-0 stride must be a multiple of 8 elements."""
+RING_SLOTS = 32
+"""Physical slots of each ucache ring (the logical row j lives at (base + j) & 31)."""
+UCACHE_T = (4, 8)
+UCACHE_WRING = (16, 32)
+
+
+class GateMode(enum.Enum):
+    """How the raw gate input g becomes the log-space decay (DESIGN §3 step 2)."""
+
+    LOWER_BOUND = "lower_bound"  # Kimi K3: lb * sigmoid(exp(A_log) * (g + dt_bias)), lb < 0
+    SOFTPLUS = "softplus"  # Kimi-Linear: -exp(A_log) * softplus(g + dt_bias)
+    PRECOMPUTED = "precomputed"  # g is already the log-space decay
+
+
+def gate_mode(use_gate_in_kernel: bool, lower_bound: float | None) -> GateMode:
+    if not use_gate_in_kernel:
+        return GateMode.PRECOMPUTED
+    return GateMode.SOFTPLUS if lower_bound is None else GateMode.LOWER_BOUND
+
+
+def max_flush_min(T: int, w_ring: int) -> int:
+    """Largest legal flush_min: the T appended rows must fit the window and must not wrap onto live rows."""
+    return min(w_ring - T + 1, 33 - 2 * T)
+
+
+def default_flush_min(T: int, w_ring: int) -> int:
+    """Lazy flush: fold as late as the ring allows (9 for T=8 and 13 for T=4 with w_ring 16)."""
+    return max_flush_min(T, w_ring)
+
+
+def max_hist_len(T: int, w_ring: int) -> int:
+    return min(w_ring, RING_SLOTS - T)

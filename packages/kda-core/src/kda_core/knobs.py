@@ -1,0 +1,120 @@
+"""Environment knobs of kda, each declared once here.
+
+Code reads a knob only through :func:`get`, which parses and validates the environment value at call time, so a
+bad value fails with a message naming the knob and its allowed values. ``python -m kda_core.knobs`` prints the
+table.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from kda_core.errors import KDAError
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(text)
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    type: type
+    default: object
+    allowed: tuple
+    doc: str
+    invariant: str = ""
+
+    def parse(self, text: str):
+        """Parse one environment value; raise :class:`KDAError` naming the knob if it is not allowed."""
+        parser: Callable[[str], object] = _parse_bool if self.type is bool else self.type
+        try:
+            value = parser(text.strip())
+        except ValueError:
+            value = None
+        if value is None or (self.allowed and value not in self.allowed):
+            raise KDAError(f"{self.name}: expected one of {self.allowed_text()}, got {text!r}")
+        return value
+
+    def allowed_text(self) -> str:
+        if self.type is bool:
+            return "0/1 (also true/false, yes/no, on/off)"
+        return ", ".join(str(a) for a in self.allowed)
+
+
+KNOBS: dict[str, Knob] = {
+    k.name: k
+    for k in (
+        Knob(
+            "KDA_T1_FAST_PATH",
+            bool,
+            True,
+            (True, False),
+            "route eligible T=1 calls of recurrent_kda to the T=1 decode kernel (0 sends them to the generic kernel)",
+        ),
+        Knob(
+            "KDA_DECODE_TILE_V",
+            int,
+            0,
+            (0, 8, 16, 32, 64, 128),
+            "force the T=1 kernel's state rows per CTA (0 = the schedule policy's choice); for sweeps",
+            "must divide V=128; a tile the chosen variant cannot run raises when the call is configured",
+        ),
+        Knob(
+            "KDA_UCACHE_WRING",
+            int,
+            16,
+            (16, 32),
+            "replay window of the ucache kernel when the call does not pass w_ring",
+            "w_ring 32 needs flush_min > 16; hist_len <= min(w_ring, 32 - T)",
+        ),
+        Knob(
+            "KDA_DEBUG_VALIDATE",
+            bool,
+            False,
+            (True, False),
+            "opt-in value checks that synchronise the device: duplicate active slots, ucache cursor ranges",
+            "never on inside CUDA-graph capture (the checks are skipped there)",
+        ),
+    )
+}
+
+
+def get(name: str):
+    """The typed value of knob ``name`` from the environment, or its default when unset or empty."""
+    try:
+        knob = KNOBS[name]
+    except KeyError:
+        raise KDAError(f"knob name: expected one of {', '.join(KNOBS)}, got {name!r}") from None
+    text = os.environ.get(name, "")
+    if text.strip() == "":
+        return knob.default
+    return knob.parse(text)
+
+
+def table() -> str:
+    """The knob table as aligned text: name, type, default, allowed values, doc, invariant."""
+    rows = [("knob", "type", "default", "allowed", "current", "what it does")]
+    for k in KNOBS.values():
+        try:
+            current = str(get(k.name))
+        except KDAError as err:
+            current = f"INVALID ({err})"
+        doc = k.doc + (f" [{k.invariant}]" if k.invariant else "")
+        rows.append((k.name, k.type.__name__, str(k.default), k.allowed_text(), current, doc))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5] for r in rows)
+
+
+if __name__ == "__main__":
+    print(table())
