@@ -1,0 +1,18 @@
+"""kda-cute: CuTe-DSL kernels for Kimi Delta Attention decode.
+
+Importing this package never touches the GPU or the DSL: kernels compile on first use, so
+``import kda_cute`` works on a machine without CUDA (``CUTE_DSL_ARCH`` lets it compile there too).
+"""
+
+from __future__ import annotations
+
+__all__ = ["kda_decode_t1", "kda_decode_t1_packed"]
+
+
+def __getattr__(name: str):
+    # Lazy: the kernel modules import cutlass, which is slow to import and needs its CUDA libraries.
+    if name in ("kda_decode_t1", "kda_decode_t1_packed"):
+        from . import decode_t1
+
+        return getattr(decode_t1, name)
+    raise AttributeError(f"module 'kda_cute' has no attribute {name!r}")

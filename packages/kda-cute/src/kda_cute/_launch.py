@@ -1,0 +1,167 @@
+"""Launch machinery shared by the kda-cute kernels.
+
+Every kernel family in this package is compiled once per compile-time configuration against
+*fake* tensors (symbolic batch/pool sizes, static head dims) and then called directly with torch
+tensors through TVM-FFI on the caller's current stream. This module holds the pieces every family
+needs, so that the cache key, the fake-tensor conventions and the alignment rule are written once.
+
+API (small on purpose):
+
+``target_arch() -> str``
+    The arch to compile for: ``CUTE_DSL_ARCH`` when set (e.g. ``"sm_90a"``; this is how CI compiles
+    without a GPU), else the current CUDA device's capability (``sm_90a`` on Hopper, ``sm_100a`` on
+    B200). ``arch_number("sm_100a") -> 100`` for ``const_expr`` branches.
+
+``compile_options(arch, extra="") -> str``
+    The ``cute.compile(..., options=...)`` string: TVM-FFI on, the target arch, plus ``extra``
+    (e.g. ``"--keep-ptx --dump-dir D"``).
+
+``get_or_compile(key, build) -> compiled``
+    Process-wide compile cache. ``key`` must be a tuple of *every* code-generation parameter
+    (dtypes, flags, tile sizes, alignment class, ...); the arch is appended here so no caller can
+    forget it. An incomplete key is a silent-corruption bug: two configurations would share code.
+    ``build(arch)`` runs ``cute.compile`` and is called under a lock (``cute.compile`` is not
+    thread-safe). ``cache_size()`` and ``clear_cache()`` are for tests.
+
+``fake_tensor(dtype, shape, stride, *, align_bytes) -> fake tensor``
+    Row-major fake tensors. ``shape`` entries are ints or ``SymInt`` (use ``sym_size()`` for batch /
+    pool sizes and reuse one object for dims that must be equal). ``stride`` entries are ints
+    (static) or ``None`` (dynamic 64-bit, declared divisible by ``align_bytes // element bytes``).
+    The base pointer is assumed ``align_bytes``-aligned. The TVM-FFI adapter does NOT check stride
+    divisibility at call time, so the launcher must only pick the aligned configuration after
+    ``alignment_of`` said so.
+
+``fake_stream()``
+    The TVM-FFI environment-stream placeholder: the compiled function then takes no stream
+    argument and launches on ``torch.cuda.current_stream()``.
+
+``alignment_of(*tensors) -> int``
+    The largest power of two, at most 16, dividing every tensor's data pointer (in bytes) and every
+    stride (in bytes) of a dimension whose size is above 1. Reads metadata only. ``16`` means
+    128-bit vector accesses are legal on every row of every tensor.
+
+``cutlass_dtype(torch_dtype)``
+    torch dtype -> cutlass numeric type (bf16, fp16, fp32, int32).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable
+
+import torch
+
+VECTOR_BYTES = 16  # one 128-bit global load/store: the unit every fast path is built on
+
+_CACHE: dict[tuple, Any] = {}
+_COMPILE_LOCK = threading.Lock()
+
+
+def target_arch() -> str:
+    """Arch string the kernels are compiled for (``sm_90a``, ``sm_100a``, ...)."""
+    env = os.environ.get("CUTE_DSL_ARCH", "").strip()
+    if env:
+        return env
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "kda_cute: no CUDA device and CUTE_DSL_ARCH is unset; set CUTE_DSL_ARCH=sm_90a (or sm_100a) "
+            "to compile without a GPU"
+        )
+    major, minor = torch.cuda.get_device_capability()
+    # 'a' (arch-specific) features exist from sm_90 on; older parts compile for the plain target.
+    return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+
+
+def arch_number(arch: str) -> int:
+    """``"sm_100a" -> 100``."""
+    digits = "".join(ch for ch in arch.split("_", 1)[-1] if ch.isdigit())
+    return int(digits)
+
+
+def compile_options(arch: str, extra: str = "") -> str:
+    return f"--enable-tvm-ffi --gpu-arch {arch} {extra}".strip()
+
+
+def get_or_compile(key: tuple, build: Callable[[str], Any], arch: str | None = None) -> Any:
+    """Return the compiled function for ``key`` (+ arch), compiling it with ``build(arch)`` once."""
+    arch = arch or target_arch()
+    full_key = (*key, arch)
+    fn = _CACHE.get(full_key)
+    if fn is not None:
+        return fn
+    with _COMPILE_LOCK:
+        fn = _CACHE.get(full_key)
+        if fn is None:
+            fn = build(arch)
+            _CACHE[full_key] = fn
+    return fn
+
+
+def cache_size() -> int:
+    return len(_CACHE)
+
+
+def clear_cache() -> None:
+    with _COMPILE_LOCK:
+        _CACHE.clear()
+
+
+def cutlass_dtype(dtype: torch.dtype):
+    import cutlass
+
+    table = {
+        torch.bfloat16: cutlass.BFloat16,
+        torch.float16: cutlass.Float16,
+        torch.float32: cutlass.Float32,
+        torch.int32: cutlass.Int32,
+        torch.int64: cutlass.Int64,
+    }
+    try:
+        return table[dtype]
+    except KeyError:
+        raise TypeError(f"kda_cute: no cutlass type for torch dtype {dtype}") from None
+
+
+def sym_size():
+    """A fresh symbolic size (batch, pool rows). Reuse one object for dims that must be equal."""
+    import cutlass.cute as cute
+
+    return cute.sym_int()
+
+
+def fake_tensor(dtype, shape: tuple, stride: tuple, *, align_bytes: int = VECTOR_BYTES):
+    """Fake gmem tensor; ``None`` in ``stride`` = dynamic stride divisible by ``align_bytes``."""
+    import cutlass.cute as cute
+
+    if len(shape) != len(stride):
+        raise ValueError(f"fake_tensor: shape {shape} and stride {stride} differ in rank")
+    elem_bytes = max(dtype.width // 8, 1)
+    divisibility = max(align_bytes // elem_bytes, 1)
+    full_stride = tuple(
+        cute.sym_int64(divisibility=divisibility) if s is None else s for s in stride
+    )
+    return cute.runtime.make_fake_tensor(
+        dtype, shape, full_stride, assumed_align=max(align_bytes, elem_bytes)
+    )
+
+
+def fake_stream():
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def alignment_of(*tensors: torch.Tensor | None) -> int:
+    """Largest power of two <= 16 dividing every pointer and every (non-trivial) byte stride."""
+    align = VECTOR_BYTES
+    for t in tensors:
+        if t is None:
+            continue
+        elem = t.element_size()
+        values = [t.data_ptr()]
+        values += [s * elem for s, n in zip(t.stride(), t.shape) if n > 1]
+        for value in values:
+            while align > 1 and value % align:
+                align //= 2
+    return align
