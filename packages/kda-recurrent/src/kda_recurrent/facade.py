@@ -1,0 +1,304 @@
+"""``recurrent_kda``: the one function a serving stack calls per KDA layer, and the routing behind it.
+
+Routing (decided per call from tensor metadata only, never from tensor values):
+
+1. kda-core validates the call (``kda_core.validation.validate_recurrent``); a bad call raises
+   :class:`kda_core.errors.KDAError` before anything is launched.
+2. CPU tensors run the PyTorch oracle (``kda_core.oracle.recurrent_kda_ref``).
+3. CUDA tensors whose call meets the T=1 kernel's contract (``call.t1_eligible``) run the T=1 decode kernel,
+   unless the knob ``KDA_T1_FAST_PATH=0`` switches the fast path off.
+4. Every other CUDA call runs the generic CuTe kernel (T > 1, varlen, spec decode, GQA, K = 64, dense states).
+5. When a kernel module of kda-cute cannot be imported (kda-recurrent installed without the ``[cute]`` extra),
+   CUDA calls that needed it run the oracle instead, with one warning per process.
+
+:func:`explain` takes the same arguments and returns the path and the reason without running anything.
+
+Host cost: the hot path is validation, a few attribute tests and one kernel call. Kernel modules are imported
+once (on the first CUDA call) and cached here; nothing is allocated when ``output`` is given.
+Under ``torch.compile`` the call goes through the ``kda::recurrent_kda`` custom op (:mod:`kda_recurrent.ops`),
+whose body is this same eager path.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from kda_core import knobs
+from kda_core.oracle import recurrent_kda_ref
+from kda_core.validation import validate_recurrent
+
+__all__ = ["recurrent_kda", "explain", "Path", "Route"]
+
+
+class Path(str, enum.Enum):
+    """Where a call runs."""
+
+    T1 = "t1_decode"  # kda_cute.decode_t1.kda_decode_t1: the fast T=1 pool-update kernel
+    GENERIC = "generic"  # kda_cute.recurrent.kda_recurrent_fwd: every other shape of call
+    ORACLE = "oracle"  # kda_core.oracle.recurrent_kda_ref: CPU tensors, or CUDA without kda-cute
+
+
+class Route(NamedTuple):
+    path: Path
+    reason: str
+
+
+# Kernel entry points, imported on the first CUDA call that needs them (importing kda-cute's kernels pulls in the
+# CuTe DSL, which is slow to import and needs its CUDA libraries). None after a failed import. Tests replace these
+# module attributes with recorders.
+_UNLOADED = object()
+_t1_kernel = _UNLOADED
+_generic_kernel = _UNLOADED
+_missing: dict[str, str] = {}  # kernel name -> why it could not be imported
+_warned = False
+
+
+def _load(name: str):
+    """Import one kernel entry point once; remember why when it cannot be imported."""
+    global _t1_kernel, _generic_kernel
+    try:
+        if name == "t1":
+            from kda_cute.decode_t1 import kda_decode_t1 as fn
+        else:
+            from kda_cute.recurrent import kda_recurrent_fwd as fn
+    except ImportError as err:  # kda-cute not installed, or its DSL libraries missing
+        fn = None
+        _missing[name] = f"{type(err).__name__}: {err}"
+    if name == "t1":
+        _t1_kernel = fn
+    else:
+        _generic_kernel = fn
+    return fn
+
+
+def _t1():
+    fn = _t1_kernel
+    return _load("t1") if fn is _UNLOADED else fn
+
+
+def _generic():
+    fn = _generic_kernel
+    return _load("generic") if fn is _UNLOADED else fn
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def _route(call, q: torch.Tensor) -> Path:
+    """The path of a validated call (the routing rules of the module docstring, in order)."""
+    if not _on_cuda(q):
+        return Path.ORACLE
+    if call.t1_eligible and knobs.get("KDA_T1_FAST_PATH"):
+        return Path.T1 if _t1() is not None else Path.ORACLE
+    return Path.GENERIC if _generic() is not None else Path.ORACLE
+
+
+def _reason(path: Path, call, q: torch.Tensor) -> str:
+    """Why :func:`_route` chose ``path`` (built only for :func:`explain` and the oracle warning)."""
+    if path is Path.T1:
+        return f"T=1 fast path ({call.t1_reason})"
+    if path is Path.GENERIC:
+        if call.t1_eligible:
+            return "eligible for the T=1 kernel, but KDA_T1_FAST_PATH=0 switches the fast path off"
+        return f"generic kernel: not T=1 eligible ({call.t1_reason})"
+    if not _on_cuda(q):
+        return f"tensors on {q.device.type}: the PyTorch oracle runs (the kernels need CUDA)"
+    wanted = "t1" if call.t1_eligible and knobs.get("KDA_T1_FAST_PATH") else "generic"
+    return f"kda-cute's {wanted} kernel is not importable ({_missing.get(wanted, 'unknown error')}): the oracle runs"
+
+
+def _warn_oracle_once(reason: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"kda_recurrent: {reason}. Install kda-recurrent[cute] for the GPU kernels; this is slow.",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _validate(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+              use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+              output):
+    return validate_recurrent(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, beta_is_logit=beta_is_logit,
+        cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+        output=output,
+    )
+
+
+def recurrent_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log=None,
+    dt_bias=None,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=True,
+    use_gate_in_kernel=False,
+    lower_bound=None,
+    beta_is_logit=False,
+    cu_seqlens=None,
+    ssm_state_indices=None,
+    num_accepted_tokens=None,
+    output=None,
+):
+    r"""Kimi Delta Attention over T tokens per sequence, with an in-place state pool or dense states.
+
+    Names and semantics follow FlashInfer's ``recurrent_kda``, so a serving stack switches by import. The
+    positional order matches FlashInfer's up to ``lower_bound``; pass the rest by keyword.
+
+    Notation: B sequences, T tokens each, H query/key heads, HV value heads (HV % H == 0; value head hv uses
+    query head hv // (HV // H)), K = V = 128 (the generic kernel also takes K = V = 64), N pool slots.
+
+    Args:
+        q, k: [B, T, H, K] bf16, last dim contiguous (other strides free: views of a fused QKV output).
+        v: [B, T, HV, V] bf16, last dim contiguous.
+        g: [B, T, HV, K] bf16 or fp32: the raw gate pre-activation (``use_gate_in_kernel=True``) or the
+            log-space decay itself (``use_gate_in_kernel=False``, the default).
+        beta: [B, T, HV] bf16 or fp32: a logit (``beta_is_logit=True``) or already sigmoided.
+        A_log: [H] fp32, per query head; needed when ``use_gate_in_kernel``.
+        dt_bias: [H*K] (or [H, K]) fp32, per query-head channel, optional; used when ``use_gate_in_kernel``.
+        scale: query scale; default K ** -0.5.
+        initial_state: with ``ssm_state_indices``, the state POOL [N, HV, V, K] (bf16 or fp32, K contiguous,
+            dim-0 stride may be padded to a multiple of 8 elements), updated in place. Without indices, dense
+            initial states [N_seq, HV, V, K] (read only) or None (zeros).
+        output_final_state: dense mode only: also return the final states, fp32 [N_seq, HV, V, K].
+        use_qk_l2norm_in_kernel: L2-normalise q and k per head (eps 1e-6) before use.
+        use_gate_in_kernel: compute the log-space decay from ``g`` in the kernel:
+            ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` (Kimi K3, ``lower_bound < 0``) or
+            ``-exp(A_log) * softplus(g + dt_bias)`` (Kimi-Linear, ``lower_bound=None``).
+        lower_bound: negative float selecting the lower-bound gate, or None.
+        beta_is_logit: apply ``sigmoid`` to ``beta`` in the kernel (in fp32).
+        cu_seqlens: [N_seq + 1] int cumulative lengths; then B == 1 and the N_seq sequences are concatenated
+            along T. Zero-length sequences are allowed.
+        ssm_state_indices: [N_seq] int32 slot of each sequence (read, then the final state written back), or
+            [N_seq, T] int32 for speculative decode: the first state is read from slot
+            ``idx[n, clamp(num_accepted_tokens[n] - 1, 0, T - 1)]`` and the state after token t is written to
+            slot ``idx[n, t]``. A slot outside [0, N) makes its sequence (1-D) or token (2-D) inactive: zero
+            output, the pool is neither read nor written for it, and a skipped token is not absorbed.
+        num_accepted_tokens: [N_seq] int32 accepted draft count per sequence (2-D indices only).
+        output: [B, T, HV, V] bf16 buffer to write into (no allocation then).
+
+    Returns:
+        ``(o, final_state)``: o [B, T, HV, V] bf16 (``output`` when given). final_state is the pool itself with
+        ``ssm_state_indices``; otherwise fp32 [N_seq, HV, V, K] when ``output_final_state``, else None.
+
+    Raises:
+        kda_core.errors.KDAError: a malformed call (shapes, dtypes, strides, devices, flag combinations), before
+        anything is launched. Duplicate active slots in one call are a caller error, detected only with
+        ``KDA_DEBUG_VALIDATE=1``.
+
+    Example (runs on CPU through the oracle, on CUDA through the kernels)::
+
+        >>> import torch
+        >>> from kda_recurrent import recurrent_kda
+        >>> dev = "cuda" if torch.cuda.is_available() else "cpu"
+        >>> B, H, K, N = 4, 12, 128, 16                      # 4 decoding requests, a pool of 16 slots
+        >>> bf = dict(device=dev, dtype=torch.bfloat16)
+        >>> q, k, v, g = (torch.randn(B, 1, H, K, **bf) for _ in range(4))
+        >>> beta = torch.randn(B, 1, H, **bf)
+        >>> A_log = torch.zeros(H, device=dev)
+        >>> dt_bias = torch.zeros(H * K, device=dev)
+        >>> pool = torch.zeros(N, H, K, K, **bf)             # V-first: [N, HV, V, K]
+        >>> slots = torch.tensor([3, 0, 7, -1], device=dev, dtype=torch.int32)  # -1: a padding row
+        >>> o, pool_out = recurrent_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=pool,
+        ...                             use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True,
+        ...                             ssm_state_indices=slots)
+        >>> o.shape, pool_out is pool, bool(o[3].eq(0).all())
+        (torch.Size([4, 1, 12, 128]), True, True)
+    """
+    if torch.compiler.is_compiling():
+        return _ops.recurrent_kda_traced(
+            q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+            output,
+        )
+    return _run_eager(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                      use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
+                      ssm_state_indices, num_accepted_tokens, output)
+
+
+def _run_eager(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+               use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+               output):
+    """Validate, route, run. Returns (o, final_state) as :func:`recurrent_kda` documents."""
+    call = _validate(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                     use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
+                     ssm_state_indices, num_accepted_tokens, output)
+    path = _route(call, q)
+    if path is Path.T1:
+        o = _t1_kernel(
+            q, k, v, g, beta, initial_state, ssm_state_indices, A_log=A_log, dt_bias=dt_bias,
+            lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, scale=scale, output=output,
+        )
+        return (output if o is None else o), initial_state
+    if path is Path.GENERIC:
+        return _generic_kernel(
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, beta_is_logit=beta_is_logit,
+            cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+            output=output,
+        )
+    if _on_cuda(q):
+        _warn_oracle_once(_reason(path, call, q))
+    o, final_state = recurrent_kda_ref(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, beta_is_logit=beta_is_logit,
+        cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+    )
+    if output is not None:
+        output.copy_(o)
+        o = output
+    return o, final_state
+
+
+def explain(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log=None,
+    dt_bias=None,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=True,
+    use_gate_in_kernel=False,
+    lower_bound=None,
+    beta_is_logit=False,
+    cu_seqlens=None,
+    ssm_state_indices=None,
+    num_accepted_tokens=None,
+    output=None,
+) -> Route:
+    """The :class:`Route` (path, reason) :func:`recurrent_kda` would take for these arguments; runs nothing.
+
+    Validates like the real call (a bad call raises the same :class:`kda_core.errors.KDAError`). May import the
+    kda-cute kernel modules, as the first real CUDA call would.
+
+        >>> explain(q, k, v, g, beta, initial_state=pool, ssm_state_indices=slots)  # doctest: +SKIP
+        Route(path=<Path.T1: 't1_decode'>, reason='T=1 fast path (...)')
+    """
+    call = _validate(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                     use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
+                     ssm_state_indices, num_accepted_tokens, output)
+    path = _route(call, q)
+    return Route(path, _reason(path, call, q))
+
+
+# Last: ops registers the kda::recurrent_kda custom op, whose body is _run_eager above.
+from kda_recurrent import ops as _ops  # noqa: E402

@@ -1,0 +1,82 @@
+"""``torch.library`` custom op of the facade, so ``torch.compile(fullgraph=True)`` traces a decode layer.
+
+``kda::recurrent_kda`` takes every argument of :func:`kda_recurrent.recurrent_kda` and runs the facade's eager
+path (validation, routing, kernel) as one opaque node. It declares what it writes: ``output`` always, and
+``initial_state`` (the pool, written in place when ``ssm_state_indices`` is given). Its return value is the
+dense final state (fp32 [N_seq, HV, V, K]) when one is asked for, else an empty tensor: a custom op cannot return
+an alias of its input, so :func:`recurrent_kda_traced` hands the pool back itself.
+
+Routing inside the op happens when the compiled graph runs, not when it is traced, so ``KDA_T1_FAST_PATH`` keeps
+working on a compiled model, and the op body is what a CUDA graph captures: kernel launches on the current stream,
+no host synchronisation. The fake implementation only computes shapes, so tracing never touches the kernels.
+
+The facade calls this module only while ``torch.compiler.is_compiling()``; eager calls skip the dispatcher.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kda_recurrent import facade as _facade
+
+__all__ = ["recurrent_kda_traced"]
+
+_OUTPUT_DTYPE = torch.bfloat16
+_FINAL_STATE_DTYPE = torch.float32
+
+
+@torch.library.custom_op("kda::recurrent_kda", mutates_args=("initial_state", "output"))
+def _recurrent_kda_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    scale: float | None,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    lower_bound: float | None,
+    beta_is_logit: bool,
+    cu_seqlens: torch.Tensor | None,
+    ssm_state_indices: torch.Tensor | None,
+    num_accepted_tokens: torch.Tensor | None,
+    output: torch.Tensor,
+) -> torch.Tensor:
+    o, final_state = _facade._run_eager(
+        q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+        use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens, output,
+    )
+    if o is not output:  # a path that allocated its own output despite being given one
+        output.copy_(o)
+    if ssm_state_indices is None and output_final_state:
+        return final_state
+    return q.new_empty((0,), dtype=_FINAL_STATE_DTYPE)
+
+
+@_recurrent_kda_op.register_fake
+def _recurrent_kda_fake(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                        use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
+                        ssm_state_indices, num_accepted_tokens, output):
+    if ssm_state_indices is None and output_final_state:
+        n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        return q.new_empty((n_seq, v.shape[2], v.shape[3], q.shape[3]), dtype=_FINAL_STATE_DTYPE)
+    return q.new_empty((0,), dtype=_FINAL_STATE_DTYPE)
+
+
+def recurrent_kda_traced(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                         use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
+                         ssm_state_indices, num_accepted_tokens, output):
+    """The facade as a graph: allocate ``output`` when missing, call the op, return what the facade returns."""
+    if output is None:
+        output = v.new_empty(v.shape, dtype=_OUTPUT_DTYPE)
+    final_state = torch.ops.kda.recurrent_kda(
+        q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+        use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens, output,
+    )
+    if ssm_state_indices is not None:
+        return output, initial_state
+    return output, (final_state if output_final_state else None)
