@@ -1,0 +1,190 @@
+"""Sessions of the kda monorepo. A plain `nox` runs exactly what CI runs (`bash ci/test.sh`, `.ci/run`).
+
+CPU sessions (CI): lint, core, cute, recurrent, integration, compile, demo.
+GPU-host sessions (never in CI): gpu, bench.
+
+Every CPU session installs with `-c ci/constraints-cpu.txt`, which pins the CPU build of torch that pip finds on
+disk, so no session ever pulls a multi-GB CUDA build. The GPU-host sessions instead reuse the host's CUDA torch
+(a virtualenv with system site packages) and add no constraint: the CPU pin would replace that torch.
+
+Each pytest run writes a JUnit file under .nox/junit/; `ci/test.sh` prints the totals from them. A test folder that
+holds test files but collects nothing (pytest exit 5) fails its session; a folder with no test file yet says so.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+PACKAGES = ROOT / "packages"
+CONSTRAINTS = ROOT / "ci" / "constraints-cpu.txt"
+JUNIT_DIR = ROOT / ".nox" / "junit"
+COMPILE_TEST = PACKAGES / "kda-cute" / "tests" / "test_compile.py"
+COMPILE_ARCHS = ("sm_90a", "sm_100a")
+RUFF = "ruff==0.17.6"  # the version the tree was last linted with; a newer ruff may add rules
+GPU_MARKER = "gpu: needs a CUDA GPU; skips cleanly without one"
+
+nox.options.sessions = ["lint", "core", "cute", "recurrent", "integration", "compile", "demo"]
+nox.options.default_venv_backend = "venv"
+nox.options.error_on_external_run = True
+
+
+def _install_cpu(session: nox.Session, *requirements: str) -> None:
+    session.install("-c", str(CONSTRAINTS), *requirements)
+
+
+def _package(name: str, extras: str = "") -> str:
+    return f"{PACKAGES / name}{extras}"
+
+
+def _test_files(folder: Path) -> list[Path]:
+    if folder.is_file():
+        return [folder]
+    if not folder.is_dir():
+        return []
+    return sorted({*folder.rglob("test_*.py"), *folder.rglob("*_test.py")})
+
+
+def _junit_counts(path: Path) -> dict[str, int]:
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    if not path.exists():
+        return counts
+    root = ET.parse(path).getroot()
+    for suite in [root] if root.tag == "testsuite" else root.iter("testsuite"):
+        for key in counts:
+            counts[key] += int(suite.get(key, 0))
+    return counts
+
+
+def _pytest(
+    session: nox.Session, folder: Path, *args: str, label: str, env: dict | None = None, allow_empty: bool = False
+) -> int:
+    """Run pytest on one test folder; return how many tests it collected and ran (passed, failed or skipped).
+
+    Exit 5 (nothing collected) is accepted from pytest only to be judged here: a folder without test files is
+    reported as "no tests yet"; a folder with test files that collects nothing fails the session, unless
+    ``allow_empty`` (a marker filter such as ``-m gpu`` may leave one package with nothing to run).
+    """
+    rel = folder.relative_to(ROOT)
+    if not _test_files(folder):
+        session.log(f"{rel}: no tests yet (no test_*.py file); nothing to run")
+        return 0
+    JUNIT_DIR.mkdir(parents=True, exist_ok=True)
+    junit = JUNIT_DIR / f"{label}.xml"
+    junit.unlink(missing_ok=True)
+    options = [f"--junitxml={junit}", "-o", "junit_family=xunit2"]
+    if folder == ROOT / "tests":  # the top-level folder has no pyproject of its own to register the marker
+        options += ["-o", f"markers={GPU_MARKER}"]
+    session.run("pytest", str(rel), *options, *args, *session.posargs, env=env, success_codes=[0, 5])
+    ran = _junit_counts(junit)["tests"]
+    if ran == 0 and not allow_empty:
+        session.error(f"{rel}: holds test files but pytest collected no test (exit 5); see the collection above")
+    return ran
+
+
+def _package_tests(session: nox.Session, name: str, *args: str, label: str, allow_empty: bool = False) -> int:
+    tests = PACKAGES / name / "tests"
+    # test_compile.py belongs to the `compile` session, which sets CUTE_DSL_ARCH for each target.
+    ignore = [f"--ignore={COMPILE_TEST.relative_to(ROOT)}"] if COMPILE_TEST.is_relative_to(tests) else []
+    return _pytest(session, tests, *ignore, *args, label=label, allow_empty=allow_empty)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check over the packages, benchmarks, CI scripts and this file (config: ruff.toml)."""
+    _install_cpu(session, RUFF)
+    targets = [p for p in ("packages", "benchmarks", "ci", "noxfile.py") if (ROOT / p).exists()]
+    session.run("ruff", "check", *targets)
+
+
+@nox.session
+def core(session: nox.Session) -> None:
+    """kda-core alone: torch only."""
+    _install_cpu(session, _package("kda-core", "[test]"))
+    session.run("python", "-c", "import kda_core; print('kda_core', kda_core.__version__)")
+    _package_tests(session, "kda-core", label="core")
+
+
+@nox.session
+def cute(session: nox.Session) -> None:
+    """kda-cute with kda-core and the CuTe DSL; the kernel compile checks are the `compile` session's."""
+    _install_cpu(session, _package("kda-cute", "[test]"))
+    session.run("python", "-c", "import kda_cute; print('kda_cute imported')")
+    _package_tests(session, "kda-cute", label="cute")
+
+
+@nox.session
+def recurrent(session: nox.Session) -> None:
+    """kda-recurrent without kda-cute: the facade's oracle fallback, the demo test."""
+    _install_cpu(session, _package("kda-recurrent", "[test]"))
+    session.run("python", "-c", "import kda_recurrent; print('kda_recurrent', kda_recurrent.__version__)")
+    _package_tests(session, "kda-recurrent", label="recurrent")
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """All three packages in one environment: every package's tests, then the top-level tests/ if any."""
+    _install_cpu(session, _package("kda-recurrent", "[cute,test]"))
+    for name in ("kda-core", "kda-cute", "kda-recurrent"):
+        _package_tests(session, name, label=f"integration-{name}")
+    if (ROOT / "tests").is_dir():
+        _pytest(session, ROOT / "tests", label="integration-top")
+
+
+@nox.session
+def compile(session: nox.Session) -> None:
+    """Compile every kda-cute kernel variant for sm_90a and sm_100a on the CPU (CUTE_DSL_ARCH, no GPU)."""
+    if not COMPILE_TEST.exists():
+        session.skip(f"{COMPILE_TEST.relative_to(ROOT)} does not exist yet: no compile check to run")
+    _install_cpu(session, _package("kda-cute", "[test]"))
+    for arch in COMPILE_ARCHS:
+        session.log(f"compile checks for {arch}")
+        _pytest(session, COMPILE_TEST, label=f"compile-{arch}", env={"CUTE_DSL_ARCH": arch})
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The README's main job: the Kimi K3-shaped decode loop (`python -m kda_recurrent.demo`)."""
+    _install_cpu(session, _package("kda-recurrent"))
+    session.run("python", "-m", "kda_recurrent.demo", *(session.posargs or ["--steps", "4"]))
+
+
+def _install_gpu_host(session: nox.Session) -> None:
+    # No CPU constraint here: the host's CUDA torch (system site packages) satisfies kda-core's torch requirement.
+    session.install(_package("kda-recurrent", "[cute,test]"))
+    session.run(
+        "python", "-c",
+        "import sys, torch; ok = torch.cuda.is_available(); "
+        "print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', ok and torch.cuda.get_device_name()); "
+        "sys.exit(0 if ok else 'this session needs a CUDA GPU and a CUDA build of torch')",
+    )
+
+
+@nox.session(venv_params=["--system-site-packages"])
+def gpu(session: nox.Session) -> None:
+    """GPU-marked tests (`-m gpu`) of every package, for a GPU host; CI has no GPU."""
+    _install_gpu_host(session)
+    ran = sum(
+        _package_tests(session, name, "-m", "gpu", label=f"gpu-{name}", allow_empty=True)
+        for name in ("kda-core", "kda-cute", "kda-recurrent")
+    )
+    if ran == 0:
+        session.error("no GPU-marked test was collected in any package")
+
+
+@nox.session(venv_params=["--system-site-packages"])
+def bench(session: nox.Session) -> None:
+    """Benchmarks on a GPU host: `nox -s bench` runs every benchmarks/bench_*.py with its defaults;
+    `nox -s bench -- bench_packed_kda_decode.py --batch 64` runs one script with those arguments."""
+    scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
+    if not scripts:
+        session.skip("benchmarks/bench_*.py do not exist yet")
+    _install_gpu_host(session)
+    if session.posargs:
+        session.run("python", str(ROOT / "benchmarks" / session.posargs[0]), *session.posargs[1:])
+        return
+    for script in scripts:
+        session.run("python", str(script.relative_to(ROOT)))
