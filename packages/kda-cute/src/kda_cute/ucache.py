@@ -1,0 +1,563 @@
+"""ReplaySSM "ucache" verify+flush kernel for KDA speculative decode (DESIGN §5, issue 5).
+
+One CTA per (V tile, head, request). Four threads share one state row (each owns 32 of its 128 key
+channels, in four interleaved chunks of 8 so that shared-memory reads of the 4 owners hit distinct banks).
+Per (request, head) the CTA first builds, in shared memory:
+
+- the gate of the T draft tokens (g_log), its running sum ``cum`` (the decay restarts at 0 after the
+  checkpoint), the L2-normalised k^ and scale * q^;
+- the replay vectors ``wk_j = exp(G_{P-1} - G_j) * k^_j`` of the live ring rows j < P (rows j >= P are
+  *selected* to zero, never multiplied: stale rows may hold inf) and ``bdec = exp(G_{P-1})``;
+- the decayed draft vectors ``kx_s = exp(cum_s) * k^_s`` and ``qx_s = exp(cum_s) * q^_s``;
+- the T x T triangles ``A[s, r] = sum_c exp(cum_s - cum_r) k^_r k^_s`` (r < s) and
+  ``Aq[s, r] = sum_c exp(cum_s - cum_r) k^_r q^_s`` (r <= s). Exponents of differences, never ratios of
+  exponentials, so strong decay (cum down to -40 and beyond) cannot overflow.
+
+Then every state row v is rebuilt in fp32 registers, ``S_commit[v] = S0[v] * bdec + sum_{j<P} u_j[v] wk_j``
+(R1), stored once (bf16, round to nearest even) on a flush row, and the T drafts follow from 2T dot products
+and the small triangular recurrence (the chunked WY form of DESIGN §3):
+
+    u_s = beta_s (v_s - S_commit kx_s - sum_{r<s} A[s, r] u_r),    o_s = S_commit qx_s + sum_{r<=s} Aq[s, r] u_r
+
+The post-draft state is never needed (the ring keeps its ingredients), so no rank-1 updates run.
+Appends: u_s rows of this CTA's V tile; k^_s and G (cum_s, plus G_{P-1} on a verify row) once per
+(request, head) by the CTA of V tile 0. All appends land at (base + P + s) & 31, past the live window every
+CTA of the same (request, head) reads, so no CTA overwrites a row another still needs.
+
+Rows whose slot is outside [0, pool) are inactive: their output is zero and nothing else is read or written.
+The cursors (hist_len, cache_base) are only read here; the caller's commit is applied by the wrapper in
+kda-recurrent.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int64, const_expr
+
+from kda_core.contracts import HEAD_DIM, RING_SLOTS, max_hist_len
+
+from . import _launch
+
+__all__ = [
+    "UcacheVerifyFlush",
+    "UcacheRestartCursors",
+    "ucache_verify_flush",
+    "restart_cursors",
+    "build_ucache_kernel",
+    "build_restart_kernel",
+    "default_tile_v",
+]
+
+ROW_THREADS = 4
+"""Threads sharing one state row; each owns HEAD_DIM // ROW_THREADS = 32 key channels."""
+CHUNK = 8
+"""Contiguous bf16 channels per 16-byte pool access."""
+CHUNKS_PER_THREAD = HEAD_DIM // (ROW_THREADS * CHUNK)  # 4
+L2NORM_EPS = 1e-6
+
+
+def default_tile_v(batch: int, heads: int) -> int:
+    """State rows per CTA. 32 rows (128 threads) keep 4 CTAs per (request, head) so that even B=1 fills
+    dozens of SMs; the per-CTA preamble (gate, norms, triangles, replay vectors) is repeated per CTA, which
+    costs little next to the state rows once the batch fills the GPU.
+    """
+    return 32
+
+
+class UcacheVerifyFlush:
+    """Compile-time configuration of one ucache verify+flush kernel.
+
+    heads: H == HV; t_draft: T in {4, 8}; w_ring: 16 or 32 (bounds the live rows kept in shared memory);
+    tile_v: state rows per CTA; softplus_gate: Kimi-Linear gate (lower_bound None) instead of the lower bound;
+    aligned: the pool and rings allow 16-byte accesses (else the same code with element-wide accesses).
+    """
+
+    def __init__(self, heads: int, t_draft: int, w_ring: int, tile_v: int, softplus_gate: bool, aligned: bool):
+        self.heads = heads
+        self.aligned = aligned
+        self.t_draft = t_draft
+        self.w_ring = w_ring
+        self.max_rows = max_hist_len(t_draft, w_ring)
+        self.tile_v = tile_v
+        self.threads = ROW_THREADS * tile_v
+        self.softplus_gate = softplus_gate
+        if HEAD_DIM % tile_v or self.threads < HEAD_DIM or self.threads % 32:
+            raise ValueError(f"tile_v: expected 32, 64 or 128, got {tile_v}")
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mALog: cute.Tensor,
+        mDtBias: cute.Tensor,
+        mPool: cute.Tensor,
+        mSlot: cute.Tensor,
+        mKCache: cute.Tensor,
+        mUCache: cute.Tensor,
+        mGCache: cute.Tensor,
+        mHist: cute.Tensor,
+        mBase: cute.Tensor,
+        mOut: cute.Tensor,
+        scale: Float32,
+        lower_bound: Float32,
+        flush_min: cutlass.Int32,
+        stream,
+    ):
+        self.kernel(
+            mQ,
+            mK,
+            mV,
+            mG,
+            mBeta,
+            mALog,
+            mDtBias,
+            mPool,
+            mSlot,
+            mKCache,
+            mUCache,
+            mGCache,
+            mHist,
+            mBase,
+            mOut,
+            scale,
+            lower_bound,
+            flush_min,
+        ).launch(grid=[HEAD_DIM // self.tile_v, self.heads, mQ.shape[0]], block=[self.threads, 1, 1], stream=stream)
+
+    # ------------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mALog: cute.Tensor,
+        mDtBias: cute.Tensor,
+        mPool: cute.Tensor,
+        mSlot: cute.Tensor,
+        mKCache: cute.Tensor,
+        mUCache: cute.Tensor,
+        mGCache: cute.Tensor,
+        mHist: cute.Tensor,
+        mBase: cute.Tensor,
+        mOut: cute.Tensor,
+        scale: Float32,
+        lower_bound: Float32,
+        flush_min: cutlass.Int32,
+    ):
+
+        T = self.t_draft
+        K = HEAD_DIM
+        TV = self.tile_v
+        NT = self.threads
+        NW = NT // 32
+        MAXR = self.max_rows
+
+        tidx, _, _ = cute.arch.thread_idx()
+        tile, h, bi = cute.arch.block_idx()
+        lane = tidx % 32
+        warp = tidx // 32
+        v0 = tile * TV
+
+        smem = cutlass.memory.SmemAllocator()
+        row_major = lambda rows, cols: cute.make_layout((rows, cols), stride=(cols, 1))  # noqa: E731
+        sKh = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # raw k, then k^
+        sQh = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # raw q, then scale*q^
+        sCum = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # g_log, then cum
+        sKx = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
+        sQx = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
+        sWK = smem.allocate_tensor(Float32, row_major(MAXR, K), byte_alignment=16)
+        sU = smem.allocate_tensor(Float32, row_major(MAXR, TV), byte_alignment=16)
+        sVin = smem.allocate_tensor(Float32, row_major(T, TV), byte_alignment=16)
+        sGlast = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
+        sBdec = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
+        sInv = smem.allocate_tensor(Float32, cute.make_layout(2 * T), byte_alignment=16)
+        sBeta = smem.allocate_tensor(Float32, cute.make_layout(T), byte_alignment=16)
+        sA = smem.allocate_tensor(Float32, row_major(T, T), byte_alignment=16)
+        sAq = smem.allocate_tensor(Float32, row_major(T, T), byte_alignment=16)
+
+        slot = mSlot[bi]
+        pool_rows = mPool.shape[0]
+        active = (slot >= 0) & (slot < pool_rows)
+        if active:
+            # Clamp the cursors: a malformed hist_len / cache_base must never index past the shared-memory
+            # tiles or the 32-slot ring (legal values are checked by the caller, under KDA_DEBUG_VALIDATE).
+            P = mHist[bi]
+            if P < 0:
+                P = cutlass.Int32(0)
+            if P > MAXR:
+                P = cutlass.Int32(MAXR)
+            base = mBase[bi] & (RING_SLOTS - 1)
+            is_flush = P >= flush_min
+            slot64 = Int64(slot)
+
+            # ---- phase 1: raw draft inputs, gate, ring tail, u and v tiles --------------------------
+            rate = cute.math.exp(mALog[h].to(Float32), fastmath=False)
+            for i in cutlass.range(tidx, T * K, NT):
+                t = i // K
+                c = i % K
+                sKh[t, c] = mK[bi, t, h, c].to(Float32)
+                sQh[t, c] = mQ[bi, t, h, c].to(Float32)
+                x = mG[bi, t, h, c].to(Float32) + mDtBias[h * K + c].to(Float32)
+                g_log = Float32(0.0)
+                if const_expr(self.softplus_gate):
+                    sp = x
+                    if x <= Float32(20.0):
+                        sp = cute.math.log1p(cute.math.exp(x, fastmath=False), fastmath=False)
+                    g_log = -rate * sp
+                else:
+                    g_log = lower_bound / (Float32(1.0) + cute.math.exp(-rate * x, fastmath=False))
+                sCum[t, c] = g_log
+            if tidx < K:
+                g_last = Float32(0.0)
+                if P > 0:
+                    g_last = mGCache[slot64, h, (base + P - 1) & (RING_SLOTS - 1), tidx]
+                sGlast[tidx] = g_last
+            for i in cutlass.range(tidx, MAXR * TV, NT):
+                j = i // TV
+                r = i % TV
+                u_j = Float32(0.0)
+                if j < P:
+                    u_j = mUCache[slot64, h, (base + j) & (RING_SLOTS - 1), v0 + r].to(Float32)
+                sU[j, r] = u_j
+            for i in cutlass.range(tidx, T * TV, NT):
+                t = i // TV
+                r = i % TV
+                sVin[t, r] = mV[bi, t, h, v0 + r].to(Float32)
+            if tidx < T:
+                sBeta[tidx] = Float32(1.0) / (
+                    Float32(1.0) + cute.math.exp(-mBeta[bi, tidx, h].to(Float32), fastmath=False)
+                )
+            cute.arch.sync_threads()
+
+            # ---- phase 2: norms, cumulative decay, replay vectors -----------------------------------
+            for n in cutlass.range(warp, 2 * T, NW):
+                acc = Float32(0.0)
+                for m in cutlass.range_constexpr(K // 32):
+                    val = Float32(0.0)
+                    if n < T:
+                        val = sKh[n, lane + 32 * m]
+                    else:
+                        val = sQh[n - T, lane + 32 * m]
+                    acc = acc + val * val
+                for sh in cutlass.range_constexpr(5):
+                    acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1 << sh)
+                if lane == 0:
+                    sInv[n] = cute.math.rsqrt(acc + Float32(L2NORM_EPS), fastmath=False)
+            if tidx < K:
+                run = Float32(0.0)
+                for t in cutlass.range_constexpr(T):
+                    run = run + sCum[t, tidx]
+                    sCum[t, tidx] = run
+                bdec = Float32(1.0)
+                if P > 0:
+                    bdec = cute.math.exp(sGlast[tidx], fastmath=False)
+                sBdec[tidx] = bdec
+            for i in cutlass.range(tidx, MAXR * K, NT):
+                j = i // K
+                c = i % K
+                wk = Float32(0.0)
+                if j < P:  # select: a stale row never enters an arithmetic op
+                    phys = (base + j) & (RING_SLOTS - 1)
+                    wk = cute.math.exp(sGlast[c] - mGCache[slot64, h, phys, c], fastmath=False) * mKCache[
+                        slot64, h, phys, c
+                    ].to(Float32)
+                sWK[j, c] = wk
+            cute.arch.sync_threads()
+
+            # ---- phase 3: normalised and decayed draft vectors --------------------------------------
+            for i in cutlass.range(tidx, T * K, NT):
+                t = i // K
+                c = i % K
+                kh = sKh[t, c] * sInv[t]
+                qh = sQh[t, c] * sInv[T + t] * scale
+                decay = cute.math.exp(sCum[t, c], fastmath=False)
+                sKh[t, c] = kh
+                sQh[t, c] = qh
+                sKx[t, c] = decay * kh
+                sQx[t, c] = decay * qh
+            cute.arch.sync_threads()
+
+            # ---- phase 4: the T x T triangles; k^ and G appends (V tile 0 only) ---------------------
+            pair = 0
+            for s in cutlass.range_constexpr(T):
+                for r in cutlass.range_constexpr(s + 1):
+                    if warp == pair % NW:
+                        a_kk = Float32(0.0)
+                        a_qk = Float32(0.0)
+                        for m in cutlass.range_constexpr(K // 32):
+                            c = lane + 32 * m
+                            e = cute.math.exp(sCum[s, c] - sCum[r, c], fastmath=False) * sKh[r, c]
+                            a_kk = a_kk + e * sKh[s, c]
+                            a_qk = a_qk + e * sQh[s, c]
+                        for sh in cutlass.range_constexpr(5):
+                            a_kk = a_kk + cute.arch.shuffle_sync_bfly(a_kk, offset=1 << sh)
+                            a_qk = a_qk + cute.arch.shuffle_sync_bfly(a_qk, offset=1 << sh)
+                        if lane == 0:
+                            sA[s, r] = a_kk
+                            sAq[s, r] = a_qk
+                    pair += 1
+            if tile == 0:
+                g_off = Float32(0.0)
+                if P < flush_min:
+                    g_off = sGlast[tidx % K]
+                for i in cutlass.range(tidx, T * K, NT):
+                    t = i // K
+                    c = i % K
+                    phys = (base + P + t) & (RING_SLOTS - 1)
+                    mKCache[slot64, h, phys, c] = sKh[t, c].to(mKCache.element_type)
+                    mGCache[slot64, h, phys, c] = sCum[t, c] + g_off
+            cute.arch.sync_threads()
+
+            # ---- phase 5: state rows ------------------------------------------------------------------
+            r_loc = tidx // ROW_THREADS
+            seg = tidx % ROW_THREADS
+            v = v0 + r_loc
+            state = cute.make_rmem_tensor((CHUNK * CHUNKS_PER_THREAD,), Float32)
+            row = mPool[slot64, h, v, None]
+            row_chunks = cute.zipped_divide(row, (CHUNK,))  # ((8), (16))
+            raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
+            for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                cute.autovec_copy(row_chunks[None, m * ROW_THREADS + seg], raw)
+                for e in cutlass.range_constexpr(CHUNK):
+                    c = (m * ROW_THREADS + seg) * CHUNK + e
+                    state[m * CHUNK + e] = raw[e].to(Float32) * sBdec[c]
+            for j in cutlass.range(P, unroll=1):
+                u_j = sU[j, r_loc]
+                for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                    for e in cutlass.range_constexpr(CHUNK):
+                        c = (m * ROW_THREADS + seg) * CHUNK + e
+                        state[m * CHUNK + e] = state[m * CHUNK + e] + u_j * sWK[j, c]
+            if is_flush:
+                for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                    for e in cutlass.range_constexpr(CHUNK):
+                        raw[e] = state[m * CHUNK + e].to(mPool.element_type)
+                    cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + seg])
+
+            xs = cute.make_rmem_tensor((T,), Float32)
+            ys = cute.make_rmem_tensor((T,), Float32)
+            for s in cutlass.range_constexpr(T):
+                x = Float32(0.0)
+                y = Float32(0.0)
+                for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                    for e in cutlass.range_constexpr(CHUNK):
+                        c = (m * ROW_THREADS + seg) * CHUNK + e
+                        x = x + state[m * CHUNK + e] * sKx[s, c]
+                        y = y + state[m * CHUNK + e] * sQx[s, c]
+                for sh in cutlass.range_constexpr(2):
+                    x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << sh)
+                    y = y + cute.arch.shuffle_sync_bfly(y, offset=1 << sh)
+                xs[s] = x
+                ys[s] = y
+
+            us = cute.make_rmem_tensor((T,), Float32)
+            for s in cutlass.range_constexpr(T):
+                p = xs[s]
+                for r in cutlass.range_constexpr(s):
+                    p = p + sA[s, r] * us[r]
+                us[s] = sBeta[s] * (sVin[s, r_loc] - p)
+            for s in cutlass.range_constexpr(T):
+                o = ys[s]
+                for r in cutlass.range_constexpr(s + 1):
+                    o = o + sAq[s, r] * us[r]
+                if seg == s % ROW_THREADS:
+                    mOut[bi, s, h, v] = o.to(mOut.element_type)
+                    phys = (base + P + s) & (RING_SLOTS - 1)
+                    mUCache[slot64, h, phys, v] = us[s].to(mUCache.element_type)
+        else:
+            for i in cutlass.range(tidx, T * TV, NT):
+                t = i // TV
+                r = i % TV
+                mOut[bi, t, h, v0 + r] = Float32(0.0).to(mOut.element_type)
+
+
+def _fakes(cfg: UcacheVerifyFlush):
+
+    bf16, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
+    B = _launch.sym_size()
+    N = _launch.sym_size()
+    H, T, K = cfg.heads, cfg.t_draft, HEAD_DIM
+    act = lambda dt: _launch.fake_tensor(dt, (B, T, H, K), (None, None, None, 1), align_bytes=dt.width // 8)  # noqa: E731
+    align = lambda dt: 16 if cfg.aligned else dt.width // 8  # noqa: E731
+    ring = lambda dt: _launch.fake_tensor(  # noqa: E731
+        dt, (N, H, RING_SLOTS, K), (None, RING_SLOTS * K, K, 1), align_bytes=align(dt)
+    )
+    vec = lambda dt, n: _launch.fake_tensor(dt, (n,), (1,), align_bytes=4)  # noqa: E731
+    return (
+        act(bf16),  # q
+        act(bf16),  # k
+        act(bf16),  # v
+        act(bf16),  # g
+        _launch.fake_tensor(bf16, (B, T, H), (None, None, None), align_bytes=2),  # beta logits
+        vec(f32, H),  # A_log
+        vec(f32, H * K),  # dt_bias
+        _launch.fake_tensor(bf16, (N, H, K, K), (None, K * K, K, 1), align_bytes=align(bf16)),  # pool
+        vec(i32, B),  # slot indices
+        ring(bf16),  # k_cache
+        ring(bf16),  # u_cache
+        ring(f32),  # g_cache
+        vec(i32, B),  # hist_len
+        vec(i32, B),  # cache_base
+        act(bf16),  # output
+    )
+
+
+def build_ucache_kernel(
+    heads: int,
+    t_draft: int,
+    w_ring: int,
+    tile_v: int,
+    softplus_gate: bool,
+    aligned: bool,
+    arch: str,
+    extra_options: str = "",
+):
+    """Compile one configuration against fake tensors (no GPU needed when CUTE_DSL_ARCH is set)."""
+    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned)
+    return cute.compile(
+        cfg,
+        *_fakes(cfg),
+        cutlass.Float32(1.0),
+        cutlass.Float32(-5.0),
+        cutlass.Int32(9),
+        _launch.fake_stream(),
+        options=_launch.compile_options(arch, extra_options),
+    )
+
+
+class UcacheRestartCursors:
+    """The flush part of the caller's commit, on device: for every active row with hist_len >= flush_min,
+    cache_base = (cache_base + hist_len) & 31 and hist_len = 0. One thread per row; no host sync, so it
+    captures into CUDA graphs. It runs after the verify kernel (same stream): inside that kernel every CTA of a
+    request reads the cursors, so none of them may rewrite them.
+    """
+
+    threads = 128
+
+    @cute.jit
+    def __call__(
+        self,
+        mSlot: cute.Tensor,
+        mHist: cute.Tensor,
+        mBase: cute.Tensor,
+        pool_rows: cutlass.Int32,
+        flush_min: cutlass.Int32,
+        stream,
+    ):
+        batch = mSlot.shape[0]
+        self.kernel(mSlot, mHist, mBase, pool_rows, flush_min).launch(
+            grid=[(batch + self.threads - 1) // self.threads, 1, 1], block=[self.threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mSlot: cute.Tensor,
+        mHist: cute.Tensor,
+        mBase: cute.Tensor,
+        pool_rows: cutlass.Int32,
+        flush_min: cutlass.Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        i = bidx * self.threads + tidx
+        if i < mSlot.shape[0]:
+            slot = mSlot[i]
+            if (slot >= 0) & (slot < pool_rows):
+                P = mHist[i]
+                if P >= flush_min:
+                    mBase[i] = (mBase[i] + P) & (RING_SLOTS - 1)
+                    mHist[i] = cutlass.Int32(0)
+
+
+def build_restart_kernel(arch: str):
+    i32 = cutlass.Int32
+    B = _launch.sym_size()
+    vec = lambda: _launch.fake_tensor(i32, (B,), (1,), align_bytes=4)  # noqa: E731
+    return cute.compile(
+        UcacheRestartCursors(),
+        vec(),
+        vec(),
+        vec(),
+        i32(1),
+        i32(9),
+        _launch.fake_stream(),
+        options=_launch.compile_options(arch),
+    )
+
+
+def restart_cursors(slot_indices, hist_len, cache_base, pool_rows: int, flush_min: int) -> None:
+    """Apply the flush part of the commit in place (see :class:`UcacheRestartCursors`)."""
+    fn = _launch.get_or_compile(("kda_ucache_restart_cursors",), build_restart_kernel)
+    fn(slot_indices, hist_len, cache_base, int(pool_rows), int(flush_min))
+
+
+def ucache_verify_flush(
+    A_log: torch.Tensor,
+    g: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    b: torch.Tensor,
+    state_pool: torch.Tensor,
+    slot_indices: torch.Tensor,
+    k_cache: torch.Tensor,
+    u_cache: torch.Tensor,
+    g_cache: torch.Tensor,
+    hist_len: torch.Tensor,
+    cache_base: torch.Tensor,
+    flush_min: int,
+    w_ring: int,
+    scale: float,
+    output: torch.Tensor,
+    restart_hist_on_flush: bool = False,
+    aligned: bool = True,
+    tile_v: int | None = None,
+) -> torch.Tensor:
+    """Launch the kernel on the current stream. Arguments are already validated (kda-recurrent does it).
+
+    A_log [H] fp32, dt_bias [H*128] fp32 (contiguous); q, k, v, g [B, T, H, 128] bf16 (last dim contiguous);
+    b [B, T, H] bf16 logits; state_pool [N, H, 128, 128] bf16 (inner dims contiguous, dim-0 stride a multiple
+    of 8); k_cache, u_cache [N, H, 32, 128] bf16 and g_cache fp32 (same rule); slot_indices, hist_len,
+    cache_base [B] int32 contiguous; output [B, T, H, 128] bf16. ``aligned``: every pool/ring pointer and row
+    stride is a multiple of 16 bytes (kda_core's validation says so). The kernel only reads the cursors;
+    ``restart_hist_on_flush`` then applies the flush part of the commit with a second, one-thread-per-row kernel.
+    """
+    B, T, H, _ = q.shape
+    tile_v = tile_v or default_tile_v(B, H)
+    softplus_gate = lower_bound is None
+    key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned))
+    fn = _launch.get_or_compile(
+        key, lambda arch: build_ucache_kernel(H, T, w_ring, tile_v, softplus_gate, bool(aligned), arch)
+    )
+    fn(
+        q,
+        k,
+        v,
+        g,
+        b,
+        A_log,
+        dt_bias,
+        state_pool,
+        slot_indices,
+        k_cache,
+        u_cache,
+        g_cache,
+        hist_len,
+        cache_base,
+        output,
+        float(scale),
+        float(-5.0 if lower_bound is None else lower_bound),
+        int(flush_min),
+    )
+    if restart_hist_on_flush:
+        restart_cursors(slot_indices, hist_len, cache_base, state_pool.shape[0], flush_min)
+    return output
