@@ -1,0 +1,664 @@
+"""Generic KDA recurrence: every call the T=1 fast path does not take (issue 4, item 2).
+
+Math: DESIGN §3 (one delta-rule step per token, fp32 throughout). Contracts: DESIGN §2, §4, §5. The spec of
+every mode is :func:`kda_core.oracle.recurrent_kda_ref`; this kernel computes the same thing:
+
+- dense [B, T] tokens, or varlen ``cu_seqlens`` [N+1] (B == 1, offsets read in the kernel, empty sequences
+  allowed);
+- state from a pool [P, HV, V, K] (bf16 or fp32, K contiguous, dim-0 stride may be padded) through 1-D slot
+  indices [N] (read once, final state written back once), or through 2-D indices [N, T_idx] (spec decode: read
+  slot idx[n, clamp(num_accepted_tokens[n] - 1, 0, T_idx - 1)], state stored after every token t to idx[n, t];
+  a token whose slot lies outside the pool is skipped: zero output, no write, the state does not absorb it);
+  or dense states (initial [N, HV, V, K] of any float dtype, or zeros; final fp32 [N, HV, V, K] on request);
+- a read slot outside [0, P) makes the sequence inactive: zero output, pool neither read nor written. The
+  check is in the kernel against the pool's row count (no host sync; CUDA-graph safe);
+- GQA (value head hv uses q/k head hv // (HV / H)), K = V in {64, 128}, the three gate forms, beta as a logit
+  or not, optional in-kernel q/k L2 norm, any scale.
+
+Work split. A CTA owns (sequence n, value head hv, tile of ``tile_v`` state rows) and 128 threads. A state row
+(K channels, contiguous) belongs to ``K / 8`` lanes, 8 channels each (16 lanes for K=128, 8 for K=64), so the
+CTA covers ``128 / (K / 8)`` rows per step and each thread keeps ``tile_v / row_groups`` rows in fp32
+registers for the whole token loop: the state is read once and written once (or once per token in spec mode).
+Per token every thread loads its lanes' q, k, g channels and its rows' v values, computes the decay and the
+norms with sub-warp butterflies, then updates its rows and writes o. The per-token vectors are tiny and hit
+L2/L1 (every CTA of the head reads the same ones); their latency is hidden by loading token t+1's vectors
+before the rows of token t are updated (a one-stage register prefetch).
+
+Compile-time variants: head dim, activation / g / beta dtypes, state mode (pool / spec / dense with or without
+initial and final state), state dtype, num_accepted_tokens present, varlen, cu_seqlens dtype, gate form, beta
+logit, L2 norm, dt_bias present, tile_v, alignment. B, T, H, HV, N and the pool rows are runtime values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32, Int64, const_expr
+
+from kda_core.contracts import GENERIC_HEAD_DIMS, L2NORM_EPS, GateMode, gate_mode
+from kda_core.errors import fail
+
+from . import _launch
+
+__all__ = [
+    "RecurrentConfig",
+    "StateMode",
+    "KDARecurrent",
+    "kda_recurrent_fwd",
+    "select_config",
+    "variant_key",
+    "compile_variant",
+]
+
+THREADS = 128
+CHANNELS_PER_LANE = 8  # one 16-byte vector of a bf16 row per lane
+
+
+class StateMode:
+    """Where the recurrent state lives (compile-time)."""
+
+    POOL = "pool"  # 1-D slot indices into a pool: read once, final state written back in place
+    SPEC = "spec"  # 2-D slot indices: one checkpoint per token (DESIGN §5, first form)
+    DENSE = "dense"  # initial_state [N, HV, V, K] or zeros; final fp32 state on request
+
+
+def lanes_per_row(head_dim: int) -> int:
+    return head_dim // CHANNELS_PER_LANE
+
+
+def row_groups(head_dim: int) -> int:
+    """State rows one CTA touches per step (128 threads, K / 8 lanes per row)."""
+    return THREADS // lanes_per_row(head_dim)
+
+
+def tile_v_choices(head_dim: int) -> tuple[int, ...]:
+    groups = row_groups(head_dim)
+    return tuple(t for t in (8, 16, 32, 64, 128) if t % groups == 0 and t <= head_dim)
+
+
+@dataclass(frozen=True)
+class RecurrentConfig:
+    """Schedule of one launch: state rows per CTA (the grid is (V / tile_v, HV, N))."""
+
+    tile_v: int
+
+
+# Schedule table, keyed on the number of (sequence, value head) states of the call. Small calls want many CTAs
+# (each is latency-bound: one load round trip per token); large calls want more rows per thread, so that the
+# per-token preamble (q/k/g loads, 8 exps per lane, the norms) is shared by more rows and fewer CTAs compete for
+# the same per-token vectors. tile_v = 32 keeps 4 rows (32 fp32 registers) per thread at K=128.
+# TODO(measure): first guess from the T=1 kernel's table; replace by the H200 sweep of ci/gpu_generic.sh.
+_SCHEDULE = (
+    # (max N*HV, tile_v for K=128, tile_v for K=64)
+    (192, 8, 16),
+    (1536, 16, 32),
+    (1 << 62, 32, 64),
+)
+
+
+def select_config(n_states: int, head_dim: int) -> RecurrentConfig:
+    """Pure schedule policy: the tile for ``n_states`` = N_seq * HV (sequence, value head) pairs."""
+    for max_states, tile_128, tile_64 in _SCHEDULE:
+        if n_states <= max_states:
+            return RecurrentConfig(tile_v=tile_128 if head_dim == 128 else tile_64)
+    raise AssertionError("unreachable: the schedule's last row is unbounded")
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------------
+
+LOAD_STREAM = dict(load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
+STORE_STREAM = dict(store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING)
+
+
+class KDARecurrent:
+    """Compile-time configuration of one generic-recurrence variant (quack style: init / __call__ / kernel)."""
+
+    def __init__(
+        self,
+        *,
+        head_dim: int,
+        state_mode: str,
+        state_dtype,  # cutlass type of the pool / dense initial state, or None (dense, zeros)
+        store_final: bool,  # dense mode: write the fp32 final state
+        has_num_accepted: bool,
+        varlen: bool,
+        gate: GateMode,
+        beta_is_logit: bool,
+        use_qk_l2norm: bool,
+        has_dt_bias: bool,
+        tile_v: int,
+        aligned: bool,
+    ):
+        if head_dim not in GENERIC_HEAD_DIMS:
+            raise ValueError(f"head_dim: expected one of {GENERIC_HEAD_DIMS}, got {head_dim}")
+        if tile_v not in tile_v_choices(head_dim):
+            raise ValueError(f"tile_v: expected one of {tile_v_choices(head_dim)} for K={head_dim}, got {tile_v}")
+        self.head_dim = head_dim
+        self.lanes = lanes_per_row(head_dim)
+        self.groups = row_groups(head_dim)
+        self.state_mode = state_mode
+        self.state_dtype = state_dtype
+        self.store_final = store_final
+        self.has_num_accepted = has_num_accepted
+        self.varlen = varlen
+        self.gate = gate
+        self.beta_is_logit = beta_is_logit
+        self.use_qk_l2norm = use_qk_l2norm
+        self.has_dt_bias = has_dt_bias
+        self.tile_v = tile_v
+        self.aligned = aligned
+        self.rows = tile_v // self.groups
+
+    # ---- small helpers ------------------------------------------------------------------------
+
+    def _copy_bits(self, dtype) -> int:
+        return min(CHANNELS_PER_LANE * dtype.width, 128) if self.aligned else dtype.width
+
+    @cute.jit
+    def row_sum(self, x):
+        """Sum over the ``lanes`` lanes that share one state row (an xor butterfly inside the group)."""
+        for i in cutlass.range_constexpr(self.lanes.bit_length() - 1):
+            x = x + cute.arch.shuffle_sync_bfly(x, offset=(self.lanes >> 1) >> i)
+        return x
+
+    @cute.jit
+    def copy_lane(self, src: cute.Tensor, dst: cute.Tensor, dtype, hints: cutlass.Constexpr = None):
+        """Copy the lane's 8 contiguous elements between gmem and registers (vector width by alignment)."""
+        bits = self._copy_bits(dtype)
+        vec = bits // dtype.width
+        if const_expr(hints == "load"):
+            atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=bits, **LOAD_STREAM)
+        elif const_expr(hints == "store"):
+            atom = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), dtype, num_bits_per_copy=bits, **STORE_STREAM)
+        else:
+            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+        cute.copy(atom, cute.logical_divide(src, (vec,)), cute.logical_divide(dst, (vec,)))
+
+    @cute.jit
+    def load_lane_f32(self, row: cute.Tensor, lane, dst: cute.Tensor):
+        """dst (8 fp32 registers) <- the lane's 8 channels of the gmem row ``row`` [K]."""
+        dtype = row.element_type
+        frag = cute.make_rmem_tensor((CHANNELS_PER_LANE,), dtype)
+        self.copy_lane(cute.local_tile(row, (CHANNELS_PER_LANE,), (lane,)), frag, dtype)
+        dst.store(frag.load().to(Float32))
+
+    # ---- launch ---------------------------------------------------------------------------------
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [B, T, H, K]
+        mK: cute.Tensor,  # [B, T, H, K]
+        mV: cute.Tensor,  # [B, T, HV, V]
+        mG: cute.Tensor,  # [B, T, HV, K]
+        mBeta: cute.Tensor,  # [B, T, HV]
+        mALog,  # [H] fp32 or None
+        mDtBias,  # [H*K] fp32 or None
+        mState,  # pool [P, HV, V, K] / dense initial [N, HV, V, K] / None
+        mFinal,  # dense final fp32 [N, HV, V, K] or None
+        mSlots,  # [N] or [N, T_idx] int32, or None
+        mNumAccepted,  # [N] int32 or None
+        mCuSeqlens,  # [N + 1] int32/int64 or None
+        mOut: cute.Tensor,  # [B, T, HV, V]
+        scale: Float32,
+        lower_bound: Float32,
+        stream,
+    ):
+        HV = cute.size(mV, mode=[2])
+        if const_expr(self.varlen):
+            n_seq = cute.size(mCuSeqlens, mode=[0]) - 1
+        else:
+            n_seq = cute.size(mQ, mode=[0])
+        self.kernel(
+            mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mFinal, mSlots, mNumAccepted, mCuSeqlens, mOut, scale,
+            lower_bound,
+        ).launch(grid=[self.head_dim // self.tile_v, HV, n_seq], block=[THREADS, 1, 1], stream=stream)
+
+    # ---- kernel ---------------------------------------------------------------------------------
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mALog,
+        mDtBias,
+        mState,
+        mFinal,
+        mSlots,
+        mNumAccepted,
+        mCuSeqlens,
+        mOut: cute.Tensor,
+        scale: Float32,
+        lower_bound: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        v_tile, hv, n = cute.arch.block_idx()
+        lane = tidx % self.lanes
+        group = tidx // self.lanes
+        row0 = v_tile * self.tile_v + group  # this thread's rows: row0 + j * groups
+        H = cute.size(mQ, mode=[2])
+        HV = cute.size(mV, mode=[2])
+        h = hv // (HV // H)
+        T_total = cute.size(mQ, mode=[1])
+
+        # ---- where the sequence's tokens live -------------------------------------------------
+        if const_expr(self.varlen):
+            bos = Int32(mCuSeqlens[n])
+            seq_len = Int32(mCuSeqlens[n + 1]) - bos
+            b_in = Int32(0)
+        else:
+            bos = Int32(0)
+            seq_len = T_total
+            b_in = n
+
+        # ---- which state it starts from ----------------------------------------------------------
+        active = cutlass.Boolean(True)
+        read_slot = Int32(0)
+        if const_expr(self.state_mode != StateMode.DENSE):
+            n_slots = cute.size(mState, mode=[0])
+            if const_expr(self.state_mode == StateMode.POOL):
+                read_slot = mSlots[n]
+            else:
+                t_idx = cute.size(mSlots, mode=[1])
+                col = Int32(0)
+                if const_expr(self.has_num_accepted):
+                    col = mNumAccepted[n] - 1
+                    if col < 0:
+                        col = Int32(0)
+                    if col > t_idx - 1:
+                        col = t_idx - 1
+                read_slot = mSlots[n, col]
+            active = (read_slot >= 0) & (read_slot < n_slots)
+
+        state_rows = []
+        for j in cutlass.range_constexpr(self.rows):
+            r = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+            r.fill(0.0)
+            state_rows.append(r)
+
+        has_initial = const_expr(self.state_mode != StateMode.DENSE or self.state_dtype is not None)
+        if const_expr(has_initial):
+            if active:
+                if const_expr(self.state_mode == StateMode.DENSE):
+                    gState = mState[n, hv, None, None]
+                else:
+                    # Int64 slot: slot * (HV*V*K) overflows 32 bits past ~4.3 GB of pool.
+                    gState = mState[Int64(read_slot), hv, None, None]
+                for j in cutlass.range_constexpr(self.rows):
+                    frag = cute.make_rmem_tensor((CHANNELS_PER_LANE,), self.state_dtype)
+                    gRow = cute.local_tile(gState[row0 + j * self.groups, None], (CHANNELS_PER_LANE,), (lane,))
+                    self.copy_lane(gRow, frag, self.state_dtype, "load")
+                    state_rows[j].store(frag.load().to(Float32))
+
+        # ---- the token loop ------------------------------------------------------------------------
+        kf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        qf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        gf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        decay = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        v_rows = cute.make_rmem_tensor((self.rows,), Float32)
+        bias = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        rate = Float32(0.0)
+        if const_expr(self.gate != GateMode.PRECOMPUTED):
+            rate = cute.math.exp(Float32(mALog[h]))
+            if const_expr(self.has_dt_bias):
+                self.load_lane_f32(cute.local_tile(mDtBias, (self.head_dim,), (h,)), lane, bias)
+        s_out = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+
+        for t in cutlass.range(seq_len, unroll=1):
+            tok = bos + t
+            step = active
+            write_slot = Int32(-1)
+            if const_expr(self.state_mode == StateMode.SPEC):
+                if t < cute.size(mSlots, mode=[1]):
+                    write_slot = mSlots[n, t]
+                step = active & (write_slot >= 0) & (write_slot < cute.size(mState, mode=[0]))
+            if step:
+                self.load_lane_f32(mK[b_in, tok, h, None], lane, kf)
+                self.load_lane_f32(mQ[b_in, tok, h, None], lane, qf)
+                self.load_lane_f32(mG[b_in, tok, hv, None], lane, gf)
+                for j in cutlass.range_constexpr(self.rows):
+                    v_rows[j] = Float32(mV[b_in, tok, hv, row0 + j * self.groups])
+                beta = Float32(mBeta[b_in, tok, hv])
+                if const_expr(self.beta_is_logit):
+                    beta = 1.0 / (1.0 + cute.math.exp(-beta))
+
+                # decay a[c] = exp(g_log[c]) for the lane's channels (DESIGN §3 steps 1-3)
+                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                    x = gf[c]
+                    if const_expr(self.gate == GateMode.PRECOMPUTED):
+                        decay[c] = cute.math.exp(x)
+                    else:
+                        if const_expr(self.has_dt_bias):
+                            x = x + bias[c]
+                        if const_expr(self.gate == GateMode.LOWER_BOUND):
+                            decay[c] = cute.math.exp(lower_bound / (1.0 + cute.math.exp(-(rate * x))))
+                        else:
+                            # softplus(x) = max(x, 0) + log1p(exp(-|x|)): no overflow, and equal to x in fp32
+                            # beyond 20 (the reference's threshold).
+                            softplus = cute.math.max(x, Float32(0.0)) + cute.math.log1p(
+                                cute.math.exp(-cute.math.abs(x))
+                            )
+                            decay[c] = cute.math.exp(-rate * softplus)
+
+                # norms (DESIGN §3 step 5)
+                q_scale = scale
+                k_scale = Float32(1.0)
+                if const_expr(self.use_qk_l2norm):
+                    k_ss = Float32(0.0)
+                    q_ss = Float32(0.0)
+                    for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                        k_ss = k_ss + kf[c] * kf[c]
+                        q_ss = q_ss + qf[c] * qf[c]
+                    k_scale = cute.math.rsqrt(self.row_sum(k_ss) + L2NORM_EPS)
+                    q_scale = scale * cute.math.rsqrt(self.row_sum(q_ss) + L2NORM_EPS)
+                kq = Float32(0.0)
+                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                    kf[c] = kf[c] * k_scale
+                    qf[c] = qf[c] * q_scale
+                    kq = kq + kf[c] * qf[c]
+                kq = self.row_sum(kq)
+
+                # rows: S' = a S; p = S'k^; u = b (v - p); S_new = S' + u k^; o = S'q^ + u (k^.q^)
+                for j in cutlass.range_constexpr(self.rows):
+                    sf = state_rows[j]
+                    p = Float32(0.0)
+                    sq = Float32(0.0)
+                    for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                        sf[c] = sf[c] * decay[c]
+                        p = p + sf[c] * kf[c]
+                        sq = sq + sf[c] * qf[c]
+                    p = self.row_sum(p)
+                    sq = self.row_sum(sq)
+                    u = beta * (v_rows[j] - p)
+                    for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                        sf[c] = sf[c] + u * kf[c]
+                    if lane == 0:
+                        mOut[b_in, tok, hv, row0 + j * self.groups] = (sq + u * kq).to(mOut.element_type)
+                if const_expr(self.state_mode == StateMode.SPEC):
+                    self.store_rows(mState[Int64(write_slot), hv, None, None], state_rows, row0, lane)
+            else:
+                if lane == 0:
+                    for j in cutlass.range_constexpr(self.rows):
+                        mOut[b_in, tok, hv, row0 + j * self.groups] = Float32(0.0).to(mOut.element_type)
+
+        # ---- final state ------------------------------------------------------------------------------
+        if const_expr(self.state_mode == StateMode.POOL):
+            if active:
+                self.store_rows(mState[Int64(read_slot), hv, None, None], state_rows, row0, lane)
+        if const_expr(self.state_mode == StateMode.DENSE and self.store_final):
+            self.store_rows(mFinal[n, hv, None, None], state_rows, row0, lane)
+
+        # ---- varlen: tokens outside every sequence get a zero output (as the reference) ---------------
+        if const_expr(self.varlen):
+            if n == 0:
+                for t in cutlass.range(Int32(mCuSeqlens[0]), unroll=1):
+                    self.zero_out(mOut, t, hv, row0, lane)
+            n_seq = cute.size(mCuSeqlens, mode=[0]) - 1
+            if n == n_seq - 1:
+                for t in cutlass.range(Int32(mCuSeqlens[n_seq]), T_total, 1, unroll=1):
+                    self.zero_out(mOut, t, hv, row0, lane)
+
+    @cute.jit
+    def zero_out(self, mOut: cute.Tensor, tok, hv, row0, lane):
+        if lane == 0:
+            for j in cutlass.range_constexpr(self.rows):
+                mOut[0, tok, hv, row0 + j * self.groups] = Float32(0.0).to(mOut.element_type)
+
+    @cute.jit
+    def store_rows(self, gState: cute.Tensor, state_rows, row0, lane):
+        """Store the thread's fp32 rows into gState [V, K], rounded once to its dtype."""
+        dtype = gState.element_type
+        frag = cute.make_rmem_tensor((CHANNELS_PER_LANE,), dtype)
+        for j in cutlass.range_constexpr(self.rows):
+            frag.store(state_rows[j].load().to(dtype))
+            gRow = cute.local_tile(gState[row0 + j * self.groups, None], (CHANNELS_PER_LANE,), (lane,))
+            self.copy_lane(frag, gRow, dtype, "store")
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side: compile cache and the entry point (arguments are validated by the caller: kda_recurrent's facade
+# runs kda_core.validation.validate_recurrent first; this module reads metadata only and never syncs)
+# --------------------------------------------------------------------------------------------------
+
+
+def variant_key(
+    *,
+    head_dim: int,
+    act_dtype: torch.dtype,
+    g_dtype: torch.dtype,
+    beta_dtype: torch.dtype,
+    state_mode: str,
+    state_dtype: torch.dtype | None,
+    store_final: bool,
+    has_num_accepted: bool,
+    varlen: bool,
+    cu_dtype: torch.dtype | None,
+    gate: GateMode,
+    beta_is_logit: bool,
+    use_qk_l2norm: bool,
+    has_dt_bias: bool,
+    tile_v: int,
+    aligned: bool,
+) -> tuple:
+    """Every code-generation parameter of one variant, in the order ``_compile`` reads them (arch added by
+    ``_launch.get_or_compile``). Facts that cannot change the code are normalised so they share one entry."""
+    if gate == GateMode.PRECOMPUTED:
+        has_dt_bias = False
+    if state_mode != StateMode.DENSE:
+        store_final = False  # the pool is the final state
+    if state_mode != StateMode.SPEC:
+        has_num_accepted = False
+    if not varlen:
+        cu_dtype = None
+    return (
+        "recurrent", int(head_dim), act_dtype, g_dtype, beta_dtype, state_mode, state_dtype, bool(store_final),
+        bool(has_num_accepted), bool(varlen), cu_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm),
+        bool(has_dt_bias), int(tile_v), bool(aligned),
+    )
+
+
+_EXTRA_OPTIONS = ""  # compile_variant() sets e.g. "--keep-ptx --dump-dir D" for one compile
+
+
+def _compile(key: tuple, arch: str):
+    (_, K, act_dt, g_dt, beta_dt, state_mode, state_dt, store_final, has_nat, varlen, cu_dt, gate, beta_is_logit,
+     l2norm, has_dt_bias, tile_v, aligned) = key
+    cdt = _launch.cutlass_dtype
+    align = _launch.VECTOR_BYTES if aligned else 1
+    sym = _launch.sym_size
+    B, T, H, HV = sym(), sym(), sym(), sym()
+    head_elems = K * K
+
+    def act(dtype, heads):
+        return _launch.fake_tensor(cdt(dtype), (B, T, heads, K), (None, None, None, 1), align_bytes=align)
+
+    def states(dtype, rows):
+        return _launch.fake_tensor(cdt(dtype), (rows, HV, K, K), (None, head_elems, K, 1), align_bytes=align)
+
+    n_seq = sym()
+    m_state = m_final = m_slots = m_nat = m_cu = m_alog = m_dt_bias = None
+    if state_mode == StateMode.DENSE:
+        if state_dt is not None:
+            m_state = states(state_dt, n_seq)
+        if store_final:
+            m_final = states(torch.float32, n_seq)
+    else:
+        m_state = states(state_dt, sym())
+        if state_mode == StateMode.POOL:
+            m_slots = _launch.fake_tensor(cutlass.Int32, (n_seq,), (None,), align_bytes=1)
+        else:
+            m_slots = _launch.fake_tensor(cutlass.Int32, (n_seq, sym()), (None, None), align_bytes=1)
+            if has_nat:
+                m_nat = _launch.fake_tensor(cutlass.Int32, (n_seq,), (None,), align_bytes=1)
+    if varlen:
+        m_cu = _launch.fake_tensor(cdt(cu_dt), (sym(),), (None,), align_bytes=1)
+    if gate != GateMode.PRECOMPUTED:
+        m_alog = _launch.fake_tensor(cutlass.Float32, (H,), (None,), align_bytes=1)
+        if has_dt_bias:
+            m_dt_bias = _launch.fake_tensor(cutlass.Float32, (sym(),), (1,), align_bytes=align)
+    kernel = KDARecurrent(
+        head_dim=K, state_mode=state_mode, state_dtype=None if state_dt is None else cdt(state_dt),
+        store_final=store_final, has_num_accepted=has_nat, varlen=varlen, gate=gate, beta_is_logit=beta_is_logit,
+        use_qk_l2norm=l2norm, has_dt_bias=has_dt_bias, tile_v=tile_v, aligned=aligned,
+    )
+    return cute.compile(
+        kernel,
+        act(act_dt, H), act(act_dt, H), act(act_dt, HV), act(g_dt, HV),
+        _launch.fake_tensor(cdt(beta_dt), (B, T, HV), (None, None, None), align_bytes=1),
+        m_alog, m_dt_bias, m_state, m_final, m_slots, m_nat, m_cu,
+        act(torch.bfloat16, HV),
+        cutlass.Float32(1.0), cutlass.Float32(-1.0), _launch.fake_stream(),
+        options=_launch.compile_options(arch, _EXTRA_OPTIONS),
+    )
+
+
+def compile_variant(key: tuple, arch: str, extra_options: str = ""):
+    """Compile one variant outside the cache (CI compile checks, PTX dumps)."""
+    global _EXTRA_OPTIONS
+    saved, _EXTRA_OPTIONS = _EXTRA_OPTIONS, extra_options
+    try:
+        return _compile(key, arch)
+    finally:
+        _EXTRA_OPTIONS = saved
+
+
+_ARCH_BY_DEVICE: dict[int, str] = {}
+
+
+def _arch_for(device: torch.device) -> str:
+    import os
+
+    env = os.environ.get("CUTE_DSL_ARCH", "").strip()
+    if env:
+        return env
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    arch = _ARCH_BY_DEVICE.get(index)
+    if arch is None:
+        with torch.cuda.device(index):
+            arch = _ARCH_BY_DEVICE[index] = _launch.target_arch()
+    return arch
+
+
+def _compact_states(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Dense initial states need compact inner dims [HV, V, K]; copy the rare strided view (not a pool)."""
+    HV, V, K = t.shape[1:]
+    if tuple(t.stride()[1:]) == (V * K, K, 1):
+        return t
+    return t.contiguous()
+
+
+def kda_recurrent_fwd(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    A_log=None,
+    dt_bias=None,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=True,
+    use_gate_in_kernel=False,
+    lower_bound=None,
+    beta_is_logit=False,
+    cu_seqlens=None,
+    ssm_state_indices=None,
+    num_accepted_tokens=None,
+    output=None,
+):
+    """The KDA recurrence over T tokens per sequence on the GPU; same semantics as
+    :func:`kda_core.oracle.recurrent_kda_ref` (its docstring is the spec). Arguments are already validated.
+
+    Args (B batch, T tokens, H q/k heads, HV value heads, K = V in {64, 128}, N sequences, P pool rows):
+        q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV]. bf16/fp16/fp32, last dim
+            contiguous, other strides free.
+        A_log: [H] fp32, dt_bias: [H*K] or [H, K] fp32 (optional), lower_bound: float < 0 or None; used when
+            ``use_gate_in_kernel`` (else g is the log-space decay).
+        initial_state: the pool [P, HV, V, K] (bf16/fp32, updated in place) with ``ssm_state_indices``; else a dense
+            [N, HV, V, K] initial state or None (zeros).
+        ssm_state_indices: [N] int32 (pool) or [N, T] int32 (spec decode, one checkpoint per token);
+            num_accepted_tokens: [N] int32 (spec decode only).
+        cu_seqlens: [N + 1] int32/int64 with B == 1 (varlen); values are read in the kernel.
+        output: [B, T, HV, V] bf16 or None (allocated).
+
+    Returns (o [B, T, HV, V] bf16, final_state): the pool in pool/spec modes, the fp32 dense state
+    [N, HV, V, K] when ``output_final_state`` in dense mode, else None.
+
+    Duplicate active slots in one call are a caller error (CTAs would race on one state). No host sync; no
+    allocation when ``output`` is given (and no final state is requested).
+
+    Example::
+
+        o, pool = kda_recurrent_fwd(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+                                    use_gate_in_kernel=True, initial_state=pool, ssm_state_indices=slots2d,
+                                    num_accepted_tokens=accepted)
+    """
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    if K not in GENERIC_HEAD_DIMS:
+        fail("q", f"a head dim K in {GENERIC_HEAD_DIMS}", K)
+    varlen = cu_seqlens is not None
+    n_seq = cu_seqlens.shape[0] - 1 if varlen else B
+    if ssm_state_indices is None:
+        state_mode = StateMode.DENSE
+    elif ssm_state_indices.dim() == 1:
+        state_mode = StateMode.POOL
+    else:
+        state_mode = StateMode.SPEC
+    if output is None:
+        output = torch.empty((B, T, HV, K), dtype=torch.bfloat16, device=q.device)
+
+    final_state = None
+    if state_mode == StateMode.DENSE:
+        if initial_state is not None:
+            initial_state = _compact_states("initial_state", initial_state)
+        if output_final_state:
+            final_state = torch.empty((n_seq, HV, K, K), dtype=torch.float32, device=q.device)
+    else:
+        final_state = initial_state
+
+    if n_seq == 0 or (T == 0 and not varlen):
+        output.zero_()
+        if final_state is not None and state_mode == StateMode.DENSE:
+            final_state.zero_() if initial_state is None else final_state.copy_(initial_state)
+        return output, final_state
+    if T == 0:  # varlen with no tokens at all: every sequence is empty
+        if final_state is not None and state_mode == StateMode.DENSE:
+            final_state.zero_() if initial_state is None else final_state.copy_(initial_state)
+        return output, final_state
+
+    gate = gate_mode(use_gate_in_kernel, lower_bound)
+    if gate == GateMode.PRECOMPUTED:
+        A_log = dt_bias = None
+    else:
+        A_log = A_log.reshape(-1)
+        if dt_bias is not None:
+            dt_bias = dt_bias.reshape(-1)
+    aligned = _launch.alignment_of(q, k, v, g, initial_state, final_state, output, dt_bias) == _launch.VECTOR_BYTES
+    cfg = select_config(n_seq * HV, K)
+    key = variant_key(
+        head_dim=K, act_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, state_mode=state_mode,
+        state_dtype=None if initial_state is None else initial_state.dtype, store_final=final_state is not None,
+        has_num_accepted=num_accepted_tokens is not None, varlen=varlen,
+        cu_dtype=None if cu_seqlens is None else cu_seqlens.dtype, gate=gate, beta_is_logit=beta_is_logit,
+        use_qk_l2norm=use_qk_l2norm_in_kernel, has_dt_bias=dt_bias is not None, tile_v=cfg.tile_v, aligned=aligned,
+    )
+    fn = _launch.get_or_compile(key, _compile, _arch_for(q.device))
+    fn(
+        q, k, v, g, beta, A_log, dt_bias, initial_state,
+        final_state if state_mode == StateMode.DENSE else None,
+        ssm_state_indices, num_accepted_tokens if state_mode == StateMode.SPEC else None, cu_seqlens, output,
+        K**-0.5 if scale is None else float(scale), -1.0 if lower_bound is None else float(lower_bound),
+    )
+    return output, final_state
