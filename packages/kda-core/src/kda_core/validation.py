@@ -1,0 +1,874 @@
+"""Host-side validation of every kda call (DESIGN §2, §4, §5): metadata only.
+
+Each ``validate_*`` function checks shapes, dtypes, strides, alignment, devices and scalar arguments of one
+operation, raises :class:`kda_core.errors.KDAError` (``"<argument>: expected <what>, got <what>"``) on the first
+broken rule, and otherwise returns a small frozen dataclass describing the call, which the launchers key their
+compile caches on and the facade routes on.
+
+What these functions never do: read a tensor's values (no ``.item()``, ``.tolist()``, no comparison that
+materialises), synchronise the device, or allocate on it, so they are safe during CUDA-graph capture and cost a few
+microseconds. Value checks that do synchronise (duplicate active slots, ucache cursor ranges) are separate
+``debug_check_*`` functions, run only when :func:`debug_checks_enabled` says so (``KDA_DEBUG_VALIDATE=1`` and no
+graph capture in progress).
+
+Policies written down here:
+
+- A slot index outside [0, N) is legal: its row is inactive (zero output, pool untouched). Validation never looks
+  at index values; the kernels bound-check them against N.
+- Alignment is a classification, never a rejection: a legal tensor whose pointer or strides are not 16-byte
+  multiples sets ``aligned=False`` and takes the unaligned kernel variant.
+- ``device_kind="cuda"`` (the kernel launchers) requires every tensor on one CUDA device; ``device_kind="any"``
+  (the oracle path, tests on CPU or ``meta`` tensors) requires only that they share one device.
+- fp32 ``g`` / ``beta`` on the T=1 path belong to the precomputed convention (``use_gate_in_kernel=False``: g is a
+  log-space decay, often produced in fp32 by a separate gate kernel); the raw-gate convention takes bf16.
+- With ``use_gate_in_kernel=False`` the gate parameters ``A_log``, ``dt_bias`` and ``lower_bound`` are ignored
+  (the FLA / FlashInfer convention), so adapters may pass them unconditionally.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Real
+
+import torch
+
+from kda_core import knobs
+from kda_core.contracts import (
+    GENERIC_HEAD_DIMS,
+    HEAD_DIM,
+    POOL_ROW_STRIDE_MULTIPLE,
+    RING_SLOTS,
+    T1_HEAD_COUNTS,
+    UCACHE_T,
+    UCACHE_WRING,
+    GateMode,
+    default_flush_min,
+    gate_mode,
+    max_flush_min,
+    max_hist_len,
+)
+from kda_core.errors import KDAError, fail
+
+__all__ = [
+    "DecodeT1Call",
+    "RecurrentCall",
+    "UcacheCall",
+    "tensor_alignment",
+    "is_aligned",
+    "validate_decode_t1",
+    "validate_packed_decode_t1",
+    "validate_recurrent",
+    "validate_ucache",
+    "debug_checks_enabled",
+    "debug_check_slots",
+    "debug_check_ucache_cursors",
+]
+
+_BF16 = torch.bfloat16
+_F16 = torch.float16
+_F32 = torch.float32
+_I32 = torch.int32
+_I64 = torch.int64
+_POOL_DTYPES = (_BF16, _F32)
+_BF16_ONLY = (_BF16,)
+_F32_ONLY = (_F32,)
+_T1_PRECOMPUTED_TYPES = (_BF16, _F32)
+_Tensor = torch.Tensor
+_ACT_DTYPES = (_BF16, _F16, _F32)  # the generic path; the T=1 and ucache kernels take bf16
+_DEVICE_KINDS = ("cuda", "any")
+VECTOR_BYTES = 16
+"""One 128-bit global access: a tensor is 'aligned' when every row it is read by starts on such a boundary."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Call descriptions
+
+
+def _build(cls, **fields):
+    # A frozen dataclass's generated __init__ costs ~1 µs for a dozen fields (object.__setattr__ per field); filling
+    # the instance dict directly keeps the whole T=1 validation inside its few-microsecond budget.
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
+
+
+@dataclass(frozen=True)
+class DecodeT1Call:
+    """A validated T=1 decode call (unpacked or packed inputs); what the T=1 launcher needs to pick a kernel."""
+
+    B: int
+    H: int
+    head_dim: int
+    N: int
+    """Pool rows; slots outside [0, N) are inactive rows."""
+    state_dtype: torch.dtype
+    g_dtype: torch.dtype
+    beta_dtype: torch.dtype
+    gate_mode: GateMode
+    beta_is_logit: bool
+    lower_bound: float | None
+    scale: float
+    aligned: bool
+    """Every vector-read tensor is 16-byte aligned (pointer and strides): the fast variant may run."""
+    alignment: int
+    """The largest of 16/8/4/2/1 bytes that holds for all of them."""
+    packed: bool
+    has_output: bool
+
+
+@dataclass(frozen=True)
+class RecurrentCall:
+    """A validated ``recurrent_kda`` call, and whether the T=1 kernel can take it (``t1_reason`` says why)."""
+
+    mode: str
+    """"dense" (no indices), "pool" (1-D indices, in place) or "spec" (2-D indices, one checkpoint per token)."""
+    B: int
+    T: int
+    N_seq: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    N: int | None
+    """Pool rows (pool and spec modes), else None."""
+    varlen: bool
+    gate_mode: GateMode
+    beta_is_logit: bool
+    use_qk_l2norm_in_kernel: bool
+    output_final_state: bool
+    state_dtype: torch.dtype | None
+    """Dtype of the pool, or of the dense initial state (None: zeros)."""
+    act_dtype: torch.dtype
+    scale: float
+    aligned: bool
+    alignment: int
+    on_cuda: bool
+    t1_eligible: bool
+    t1_reason: str
+
+
+@dataclass(frozen=True)
+class UcacheCall:
+    """A validated ucache verify(+flush) call (DESIGN §5)."""
+
+    B: int
+    T: int
+    H: int
+    head_dim: int
+    N: int
+    w_ring: int
+    flush_min: int
+    max_hist_len: int
+    gate_mode: GateMode
+    lower_bound: float | None
+    scale: float
+    restart_hist_on_flush: bool
+    aligned: bool
+    alignment: int
+    has_output: bool
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Alignment
+
+
+def tensor_alignment(t: torch.Tensor) -> int:
+    """Largest of 16/8/4/2/1 bytes dividing ``t``'s data pointer and every non-unit stride in bytes.
+
+    Strides of size-1 dimensions (never stepped over) and unit strides (the contiguous dimension, read in vectors)
+    are ignored. Reads metadata only; ``meta`` tensors report pointer 0.
+    """
+    elem = t.element_size()
+    acc = t.data_ptr()
+    for n, s in zip(t.shape, t.stride()):
+        if n > 1 and s != 1:
+            acc |= s * elem
+    return _pow2_alignment(acc)
+
+
+def _pow2_alignment(acc: int) -> int:
+    if acc % 16 == 0:
+        return 16
+    if acc % 8 == 0:
+        return 8
+    if acc % 4 == 0:
+        return 4
+    if acc % 2 == 0:
+        return 2
+    return 1
+
+
+def _alignment_all(tensors) -> int:
+    acc = 0
+    for t in tensors:
+        if t is None:
+            continue
+        elem = t.element_size()
+        acc |= t.data_ptr()
+        for n, s in zip(t.shape, t.stride()):
+            if n > 1 and s != 1:
+                acc |= s * elem
+    return _pow2_alignment(acc)
+
+
+def is_aligned(*tensors: torch.Tensor | None, bytes: int = VECTOR_BYTES) -> bool:  # noqa: A002 (the brief's name)
+    """True when every given tensor (``None`` skipped) is ``bytes``-aligned in the sense of :func:`tensor_alignment`."""
+    if bytes not in (1, 2, 4, 8, 16):
+        fail("bytes", "one of 1, 2, 4, 8, 16", bytes)
+    return _alignment_all(tensors) >= bytes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shared checks (each raises through fail() naming the argument)
+#
+# The T=1 path must cost a few microseconds in Python, where each tensor attribute read costs 50-100 ns: every
+# tensor's metadata is read once, by one helper that checks it and returns the bits its alignment depends on.
+
+
+def _require_tensor(name: str, t) -> None:
+    if not isinstance(t, _Tensor):
+        fail(name, "a torch.Tensor", type(t).__name__)
+
+
+def _check(name: str, t, shape: tuple, shape_text: str, dtypes: tuple, dtype_text: str, dev: int) -> None:
+    """Type, exact shape, dtype and device index of one tensor."""
+    if not isinstance(t, _Tensor):
+        fail(name, "a torch.Tensor", type(t).__name__)
+    if t.shape != shape:
+        fail(name, f"shape {shape_text} = {tuple(shape)}", tuple(t.shape))
+    if t.dtype not in dtypes:
+        fail(name, f"dtype {dtype_text}", t.dtype)
+    if t.get_device() != dev:
+        _fail_device(name, t, dev)
+
+
+def _device_index(name: str, t, device_kind: str) -> int:
+    """The device index every tensor of the call must share (``t``'s; -1 off CUDA), after the device_kind rule.
+
+    Devices are compared by ``get_device()`` (a tenth of the cost of comparing ``torch.device`` objects), which
+    tells CUDA devices apart but not cpu from meta; neither of those launches a kernel, so that is harmless.
+    """
+    dev = t.get_device()
+    if device_kind == "cuda":
+        if dev < 0:
+            fail(name, "a CUDA tensor (device_kind='cuda'; the oracle path passes device_kind='any')", t.device)
+    elif device_kind != "any":
+        fail("device_kind", f"one of {_DEVICE_KINDS}", repr(device_kind))
+    return dev
+
+
+def _fail_device(name: str, t, dev: int):
+    where = f"cuda:{dev}" if dev >= 0 else "the CPU (or meta)"
+    fail(name, f"a tensor on {where}, the device of the call's first tensor", t.device)
+
+
+def _act(name: str, t, shape: tuple, shape_text: str, dtypes: tuple, dtype_text: str, dev: int) -> int:
+    """A 4-D activation [B, T, heads, head_dim]: type, shape, dtype and a contiguous last dim (other strides free).
+
+    Returns the data pointer OR'ed with the byte stride of every other dimension it steps over (size > 1), whose
+    lowest set bit is the tensor's alignment.
+    """
+    if not isinstance(t, _Tensor):
+        fail(name, "a torch.Tensor", type(t).__name__)
+    if t.shape != shape:
+        fail(name, f"shape {shape_text} = {tuple(shape)}", tuple(t.shape))
+    if t.dtype not in dtypes:
+        fail(name, f"dtype {dtype_text}", t.dtype)
+    if t.get_device() != dev:
+        _fail_device(name, t, dev)
+    st = t.stride()
+    if st[3] != 1:
+        fail(name, "a contiguous last dimension (stride 1; other strides are free)", f"strides {st}")
+    e = t.element_size()
+    acc = t.data_ptr()
+    if shape[0] > 1:
+        acc |= st[0] * e
+    if shape[1] > 1:
+        acc |= st[1] * e
+    if shape[2] > 1:
+        acc |= st[2] * e
+    return acc
+
+
+def _check_contiguous_1d(name: str, t: torch.Tensor) -> None:
+    if t.shape[0] > 1 and t.stride(0) != 1:
+        fail(name, "a contiguous 1-D tensor (stride 1)", f"stride {t.stride(0)}")
+
+
+def _index(name: str, t, n: int, text: str, dev: int) -> None:
+    """An int32 [n] contiguous index/cursor tensor (values are never read)."""
+    if not isinstance(t, _Tensor):
+        fail(name, "a torch.Tensor", type(t).__name__)
+    if t.shape != (n,):
+        fail(name, f"shape {text} = ({n},)", tuple(t.shape))
+    if t.dtype is not _I32:
+        fail(name, "dtype int32", t.dtype)
+    if t.get_device() != dev:
+        _fail_device(name, t, dev)
+    if n > 1 and t.stride(0) != 1:
+        fail(name, "a contiguous 1-D tensor (stride 1)", f"stride {t.stride(0)}")
+
+
+def _rows(name: str, t, row_shape: tuple, dtypes: tuple, dtype_text: str, what: str, dev: int) -> int:
+    """A pool or ring [N, *row_shape]: inner dims compact (last contiguous), dim-0 stride >= the row and a multiple
+    of 8 elements (padding allowed). Returns N. Such a tensor's strides are all 16-byte multiples, so only its pointer
+    decides its alignment."""
+    if not isinstance(t, _Tensor):
+        fail(name, "a torch.Tensor", type(t).__name__)
+    shape = t.shape
+    if len(shape) != 4 or shape[1:] != row_shape:
+        fail(name, f"shape {what} = (N, {', '.join(map(str, row_shape))})", tuple(shape))
+    if t.dtype not in dtypes:
+        fail(name, f"dtype {dtype_text}", t.dtype)
+    if t.get_device() != dev:
+        _fail_device(name, t, dev)
+    a, b, c = row_shape
+    st = t.stride()
+    if st[1] != b * c or st[2] != c or st[3] != 1:
+        fail(name, f"compact inner dims (strides ({b * c}, {c}, 1), K contiguous)", f"strides {st}")
+    if shape[0] > 1 and (st[0] < a * b * c or st[0] % POOL_ROW_STRIDE_MULTIPLE):
+        fail(name, f"a dim-0 (row) stride >= {a * b * c} elements and a multiple of {POOL_ROW_STRIDE_MULTIPLE}",
+             f"stride {st[0]}")
+    return shape[0]
+
+
+def _is_number(x) -> bool:
+    t = type(x)
+    return t is float or t is int or (t is not bool and isinstance(x, Real))
+
+
+def _check_scalar_args(lower_bound, scale, K: int, use_gate: bool) -> float:
+    if use_gate and lower_bound is not None:
+        if not _is_number(lower_bound):
+            fail("lower_bound", "a negative float or None", type(lower_bound).__name__)
+        if not (lower_bound < 0 and math.isfinite(lower_bound)):
+            fail("lower_bound", "a finite negative float (the floor of the log-decay) or None", lower_bound)
+    if scale is None:
+        return K**-0.5
+    if not _is_number(scale):
+        fail("scale", "a positive finite float or None", type(scale).__name__)
+    if not (scale > 0 and math.isfinite(scale)):
+        fail("scale", "a positive finite float or None", scale)
+    return float(scale)
+
+
+def _check_gate_params(A_log, dt_bias, H: int, K: int, required: bool, dev: int) -> int:
+    """A_log fp32 [H]; dt_bias fp32 [H*K] or [H, K] contiguous. Returns dt_bias's pointer (0 when absent)."""
+    if A_log is None:
+        if required:
+            fail("A_log", f"an fp32 tensor [H] = ({H},) when use_gate_in_kernel=True", None)
+    else:
+        _check("A_log", A_log, (H,), "[H]", _F32_ONLY, "float32", dev)
+    if dt_bias is None:
+        if required:
+            fail("dt_bias", f"an fp32 tensor [H*K] = ({H * K},) or [H, K] when use_gate_in_kernel=True", None)
+        return 0
+    if not isinstance(dt_bias, _Tensor):
+        fail("dt_bias", "a torch.Tensor", type(dt_bias).__name__)
+    shape = dt_bias.shape
+    if shape != (H * K,) and shape != (H, K):
+        fail("dt_bias", f"shape [H*K] = ({H * K},) or [H, K] = ({H}, {K})", tuple(shape))
+    if dt_bias.dtype is not _F32:
+        fail("dt_bias", "dtype float32", dt_bias.dtype)
+    if dt_bias.get_device() != dev:
+        _fail_device("dt_bias", dt_bias, dev)
+    if not dt_bias.is_contiguous():
+        fail("dt_bias", "a contiguous tensor", f"strides {dt_bias.stride()}")
+    return dt_bias.data_ptr()
+
+
+def _check_flag(name: str, value) -> None:
+    if value is not True and value is not False:
+        fail(name, "a bool", type(value).__name__)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# T=1 decode
+
+
+def _check_t1_rest(
+    B, H, g_dtype, beta_dtype, state_pool, slot_indices, A_log, dt_bias, lower_bound, use_gate_in_kernel,
+    beta_is_logit, scale, output, names, dev,
+):
+    """Checks shared by the unpacked and packed T=1 entries once the activations gave B and H.
+
+    Returns (gate mode, scale, pool rows, pointer/stride bits of dt_bias and output)."""
+    _check_flag("use_gate_in_kernel", use_gate_in_kernel)
+    _check_flag("beta_is_logit", beta_is_logit)
+    mode = gate_mode(use_gate_in_kernel, lower_bound)
+    if mode is GateMode.PRECOMPUTED:
+        types, text = _T1_PRECOMPUTED_TYPES, "bfloat16 or float32 (precomputed gate)"
+    else:
+        types, text = _BF16_ONLY, "bfloat16 (raw gate; float32 only with use_gate_in_kernel=False)"
+    if g_dtype not in types:
+        fail(names[0], f"dtype {text}", g_dtype)
+    if beta_dtype not in types:
+        fail(names[1], f"dtype {text}", beta_dtype)
+    N = _rows("state_pool", state_pool, (H, HEAD_DIM, HEAD_DIM), _POOL_DTYPES, "bfloat16 or float32",
+              "[N, H, V, K]", dev)
+    _index("slot_indices", slot_indices, B, "[B]", dev)
+    acc = _check_gate_params(A_log, dt_bias, H, HEAD_DIM, use_gate_in_kernel, dev)
+    scale = _check_scalar_args(lower_bound, scale, HEAD_DIM, use_gate_in_kernel)
+    if output is not None:
+        acc |= _act("output", output, (B, 1, H, HEAD_DIM), "[B, 1, H, V]", _BF16_ONLY, "bfloat16", dev)
+    return mode, scale, N, acc
+
+
+def validate_decode_t1(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state_pool,
+    slot_indices,
+    *,
+    A_log=None,
+    dt_bias=None,
+    lower_bound=None,
+    use_gate_in_kernel=True,
+    beta_is_logit=True,
+    scale=None,
+    output=None,
+    device_kind="cuda",
+) -> DecodeT1Call:
+    """Validate one T=1 decode call on a state pool (the T=1 kernel's contract, DESIGN §2-§4).
+
+    q, k, v, g [B, 1, H, 128] with H == HV in ``T1_HEAD_COUNTS``, beta [B, 1, H]: bf16 (g and beta may be fp32 with
+    ``use_gate_in_kernel=False``), last dim contiguous, other strides free. state_pool [N, H, 128, 128] bf16 or fp32,
+    K contiguous, inner dims compact, dim-0 stride >= H*128*128 and a multiple of 8. slot_indices int32 [B]
+    contiguous (values are not read: out-of-range slots are inactive rows). A_log fp32 [H] and dt_bias fp32 [H*128]
+    or [H, 128] are required with ``use_gate_in_kernel``; ``lower_bound`` < 0 selects the lower-bound gate, None the
+    softplus gate. ``output`` bf16 [B, 1, H, 128]. ``device_kind``: "cuda" (the kernel) or "any" (the oracle).
+    """
+    if not isinstance(q, _Tensor):
+        fail("q", "a torch.Tensor", type(q).__name__)
+    shape = q.shape
+    if len(shape) != 4 or shape[1] != 1 or shape[3] != HEAD_DIM:
+        fail("q", f"shape [B, 1, H, {HEAD_DIM}] (T=1 decode)", tuple(shape))
+    B, H = shape[0], shape[2]
+    if H not in T1_HEAD_COUNTS:
+        fail("q", f"a head count H (dim 2) in {T1_HEAD_COUNTS}", H)
+    dev = _device_index("q", q, device_kind)
+    text = "[B, 1, H, K] (H == HV on the T=1 path)"
+    acc = _act("q", q, shape, text, _BF16_ONLY, "bfloat16", dev)
+    acc |= _act("k", k, shape, text, _BF16_ONLY, "bfloat16", dev)
+    acc |= _act("v", v, shape, text, _BF16_ONLY, "bfloat16", dev)
+    acc |= _act("g", g, shape, text, _T1_PRECOMPUTED_TYPES, "bfloat16 or float32", dev)
+    _check("beta", beta, (B, 1, H), "[B, 1, H]", _T1_PRECOMPUTED_TYPES, "bfloat16 or float32", dev)
+    g_dtype, beta_dtype = g.dtype, beta.dtype
+    mode, scale, N, more = _check_t1_rest(
+        B, H, g_dtype, beta_dtype, state_pool, slot_indices, A_log, dt_bias, lower_bound, use_gate_in_kernel,
+        beta_is_logit, scale, output, ("g", "beta"), dev,
+    )
+    alignment = _pow2_alignment(acc | more | state_pool.data_ptr())
+    return _build(
+        DecodeT1Call, B=B, H=H, head_dim=HEAD_DIM, N=N, state_dtype=state_pool.dtype, g_dtype=g_dtype,
+        beta_dtype=beta_dtype, gate_mode=mode, beta_is_logit=beta_is_logit,
+        lower_bound=float(lower_bound) if mode is GateMode.LOWER_BOUND else None, scale=scale,
+        aligned=alignment >= VECTOR_BYTES, alignment=alignment, packed=False, has_output=output is not None,
+    )
+
+
+def validate_packed_decode_t1(
+    mixed_qkv,
+    raw_gate,
+    raw_beta,
+    state_pool,
+    slot_indices,
+    *,
+    num_heads,
+    A_log=None,
+    dt_bias=None,
+    lower_bound=None,
+    use_gate_in_kernel=True,
+    beta_is_logit=True,
+    scale=None,
+    output=None,
+    device_kind="cuda",
+) -> DecodeT1Call:
+    """Validate a packed T=1 decode call: rows of one GEMM output (row strides may exceed the row).
+
+    mixed_qkv [B, 3*H*128] bf16 laid out [q heads | k heads | v heads]; raw_gate [B, H*128]; raw_beta [B, H]; each
+    with a contiguous last dim (raw_beta: any strides) and a row stride of at least its row (padding allowed,
+    overlap not). The rest as :func:`validate_decode_t1`.
+    """
+    if type(num_heads) is not int:
+        fail("num_heads", f"an int in {T1_HEAD_COUNTS}", type(num_heads).__name__)
+    H = num_heads
+    if H not in T1_HEAD_COUNTS:
+        fail("num_heads", f"a head count in {T1_HEAD_COUNTS}", H)
+    width = 3 * H * HEAD_DIM
+    if not isinstance(mixed_qkv, _Tensor):
+        fail("mixed_qkv", "a torch.Tensor", type(mixed_qkv).__name__)
+    shape = mixed_qkv.shape
+    if len(shape) != 2 or shape[1] != width:
+        fail("mixed_qkv", f"shape [B, 3*num_heads*{HEAD_DIM}] = (B, {width})", tuple(shape))
+    if mixed_qkv.dtype is not _BF16:
+        fail("mixed_qkv", "dtype bfloat16", mixed_qkv.dtype)
+    B = shape[0]
+    dev = _device_index("mixed_qkv", mixed_qkv, device_kind)
+    acc = 0
+    for name, t, row in (("mixed_qkv", mixed_qkv, width), ("raw_gate", raw_gate, H * HEAD_DIM)):
+        if not isinstance(t, _Tensor):
+            fail(name, "a torch.Tensor", type(t).__name__)
+        if t.shape != (B, row):
+            fail(name, f"shape [B, {row // HEAD_DIM}*{HEAD_DIM}] = {(B, row)}", tuple(t.shape))
+        if t.get_device() != dev:
+            _fail_device(name, t, dev)
+        st = t.stride()
+        if st[1] != 1:
+            fail(name, "a contiguous last dimension (stride 1; the row stride is free)", f"strides {st}")
+        if B > 1:
+            if st[0] < row:
+                fail(name, f"a row stride >= the row ({row} elements; rows must not overlap)", f"stride {st[0]}")
+            acc |= st[0] * t.element_size()
+        acc |= t.data_ptr()
+    _check("raw_beta", raw_beta, (B, H), "[B, num_heads]", _T1_PRECOMPUTED_TYPES, "bfloat16 or float32", dev)
+    mode, scale, N, more = _check_t1_rest(
+        B, H, raw_gate.dtype, raw_beta.dtype, state_pool, slot_indices, A_log, dt_bias, lower_bound,
+        use_gate_in_kernel, beta_is_logit, scale, output, ("raw_gate", "raw_beta"), dev,
+    )
+    alignment = _pow2_alignment(acc | more | state_pool.data_ptr())
+    return _build(
+        DecodeT1Call, B=B, H=H, head_dim=HEAD_DIM, N=N, state_dtype=state_pool.dtype, g_dtype=raw_gate.dtype,
+        beta_dtype=raw_beta.dtype, gate_mode=mode, beta_is_logit=beta_is_logit,
+        lower_bound=float(lower_bound) if mode is GateMode.LOWER_BOUND else None, scale=scale,
+        aligned=alignment >= VECTOR_BYTES, alignment=alignment, packed=True, has_output=output is not None,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Multi-token recurrence (the facade's contract)
+
+
+def validate_recurrent(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log=None,
+    dt_bias=None,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=True,
+    use_gate_in_kernel=False,
+    lower_bound=None,
+    beta_is_logit=False,
+    cu_seqlens=None,
+    ssm_state_indices=None,
+    num_accepted_tokens=None,
+    output=None,
+    *,
+    device_kind="any",
+) -> RecurrentCall:
+    """Validate a ``recurrent_kda`` call (the facade's argument names and order) and decide T=1 eligibility.
+
+    q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]; K == V in ``GENERIC_HEAD_DIMS``;
+    HV % H == 0; q, k, v one dtype of bf16/fp16/fp32, g and beta any of those; last dims contiguous.
+    ``cu_seqlens`` int32/int64 1-D [N_seq + 1] requires B == 1 (its values are not read).
+    Modes: ``ssm_state_indices`` None -> "dense" (``initial_state`` None or [N_seq, HV, V, K]);
+    1-D int32 [N_seq] -> "pool"; 2-D int32 [N_seq, T] ([N_seq, >= 1] with cu_seqlens: the max tokens) -> "spec",
+    where ``num_accepted_tokens`` int32 [N_seq] is optional (and only allowed there). In pool and spec modes
+    ``initial_state`` is the pool [N, HV, V, K], bf16 or fp32, K contiguous, inner dims compact, dim-0 stride
+    >= HV*V*K and a multiple of 8. ``output`` bf16 [B, T, HV, V]. ``device_kind``: "any" (default; the facade runs
+    CPU calls on the oracle) or "cuda".
+    """
+    if not isinstance(q, _Tensor):
+        fail("q", "a torch.Tensor", type(q).__name__)
+    shape = q.shape
+    if len(shape) != 4:
+        fail("q", "a 4-D tensor [B, T, H, K]", tuple(shape))
+    B, T, H, K = shape
+    if K not in GENERIC_HEAD_DIMS:
+        fail("q", f"a head dim K (dim 3) in {GENERIC_HEAD_DIMS}", K)
+    act = q.dtype
+    if act not in _ACT_DTYPES:
+        fail("q", "dtype bfloat16, float16 or float32", act)
+    dev = _device_index("q", q, device_kind)
+    acc = _act("q", q, shape, "[B, T, H, K]", _ACT_DTYPES, "bfloat16, float16 or float32", dev)
+    act_only = (act,)
+    acc |= _act("k", k, shape, "[B, T, H, K] (the shape of q)", act_only, f"{act} (the dtype of q)", dev)
+    if not isinstance(v, _Tensor):
+        fail("v", "a torch.Tensor", type(v).__name__)
+    vs = v.shape
+    if len(vs) != 4 or vs[0] != B or vs[1] != T or vs[3] != K:
+        fail("v", f"shape [B, T, HV, V] with B, T, V = {B}, {T}, {K} (V == K)", tuple(vs))
+    HV = vs[2]
+    if H < 1 or HV % H:
+        fail("v", f"a value-head count HV (dim 2) divisible by the query-head count H = {H}", HV)
+    acc |= _act("v", v, vs, "[B, T, HV, V]", act_only, f"{act} (the dtype of q)", dev)
+    acc |= _act("g", g, vs, "[B, T, HV, K]", _ACT_DTYPES, "bfloat16, float16 or float32", dev)
+    _check("beta", beta, (B, T, HV), "[B, T, HV]", _ACT_DTYPES, "bfloat16, float16 or float32", dev)
+    _check_flag("output_final_state", output_final_state)
+    _check_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
+    _check_flag("use_gate_in_kernel", use_gate_in_kernel)
+    _check_flag("beta_is_logit", beta_is_logit)
+
+    varlen = cu_seqlens is not None
+    if varlen:
+        if not isinstance(cu_seqlens, _Tensor):
+            fail("cu_seqlens", "a torch.Tensor", type(cu_seqlens).__name__)
+        if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 1:
+            fail("cu_seqlens", "a 1-D tensor [N_seq + 1] of sequence offsets", tuple(cu_seqlens.shape))
+        if cu_seqlens.dtype is not _I32 and cu_seqlens.dtype is not _I64:
+            fail("cu_seqlens", "dtype int32 or int64", cu_seqlens.dtype)
+        if cu_seqlens.get_device() != dev:
+            _fail_device("cu_seqlens", cu_seqlens, dev)
+        if B != 1:
+            fail("q", "batch size B == 1 when cu_seqlens is given (sequences concatenated along T)", f"B={B}")
+        N_seq = cu_seqlens.shape[0] - 1
+    else:
+        N_seq = B
+
+    mode = "dense"
+    N = None
+    state_dtype = None
+    idx = ssm_state_indices
+    if idx is not None:
+        if not isinstance(idx, _Tensor):
+            fail("ssm_state_indices", "a torch.Tensor", type(idx).__name__)
+        if idx.dtype is not _I32:
+            fail("ssm_state_indices", "dtype int32", idx.dtype)
+        if idx.get_device() != dev:
+            _fail_device("ssm_state_indices", idx, dev)
+        ishape = idx.shape
+        if len(ishape) == 1:
+            mode = "pool"
+            _index("ssm_state_indices", idx, N_seq, "[N_seq] (one slot per sequence)", dev)
+        elif len(ishape) == 2:
+            mode = "spec"
+            cols_ok = ishape[1] >= 1 if varlen else ishape[1] == T
+            if ishape[0] != N_seq or not cols_ok:
+                want = f"[N_seq, max tokens] = ({N_seq}, >= 1)" if varlen else f"[N_seq, T] = {(N_seq, T)}"
+                fail("ssm_state_indices", f"2-D shape {want} (one write slot per token)", tuple(ishape))
+            if ishape[1] > 1 and idx.stride(1) != 1:
+                fail("ssm_state_indices", "a contiguous last dimension", f"strides {idx.stride()}")
+        else:
+            fail("ssm_state_indices", "a 1-D [N_seq] or 2-D [N_seq, T] tensor", tuple(ishape))
+        if initial_state is None:
+            fail("initial_state", "the state pool [N, HV, V, K] when ssm_state_indices is given", None)
+        N = _rows("initial_state", initial_state, (HV, K, K), _POOL_DTYPES, "bfloat16 or float32 (a pool)",
+                  "[N, HV, V, K]", dev)
+        acc |= initial_state.data_ptr()
+        state_dtype = initial_state.dtype
+    elif initial_state is not None:
+        _check("initial_state", initial_state, (N_seq, HV, K, K), "[N_seq, HV, V, K]", _ACT_DTYPES,
+               "bfloat16, float16 or float32", dev)
+        state_dtype = initial_state.dtype
+    if num_accepted_tokens is not None:
+        if mode != "spec":
+            fail("num_accepted_tokens", "None unless ssm_state_indices is 2-D [N_seq, T] (spec decode)",
+                 "a tensor")
+        _index("num_accepted_tokens", num_accepted_tokens, N_seq, "[N_seq]", dev)
+
+    gmode = gate_mode(use_gate_in_kernel, lower_bound)
+    acc |= _check_gate_params(A_log, dt_bias, H, K, use_gate_in_kernel, dev)
+    scale = _check_scalar_args(lower_bound, scale, K, use_gate_in_kernel)
+    if output is not None:
+        acc |= _act("output", output, vs, "[B, T, HV, V]", _BF16_ONLY, "bfloat16", dev)
+    on_cuda = dev >= 0
+    alignment = _pow2_alignment(acc)
+    aligned = alignment >= VECTOR_BYTES
+    reason = _t1_reason(
+        T, varlen, mode, H, HV, K, act, g.dtype, beta.dtype, gmode, use_qk_l2norm_in_kernel, on_cuda
+    )
+    return _build(
+        RecurrentCall, mode=mode, B=B, T=T, N_seq=N_seq, H=H, HV=HV, K=K, V=K, N=N, varlen=varlen, gate_mode=gmode,
+        beta_is_logit=beta_is_logit, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        output_final_state=output_final_state, state_dtype=state_dtype, act_dtype=act, scale=scale,
+        aligned=aligned, alignment=alignment, on_cuda=on_cuda, t1_eligible=reason is None,
+        t1_reason=reason or _T1_OK[aligned],
+    )
+
+
+_T1_OK = {
+    True: "eligible: T=1, pool with 1-D slot indices, H == HV in T1_HEAD_COUNTS, K = V = 128, bf16, aligned",
+    False: "eligible: T=1, pool with 1-D slot indices, H == HV in T1_HEAD_COUNTS, K = V = 128, bf16; misaligned "
+    "tensors take the unaligned variant",
+}
+
+
+def _t1_reason(T, varlen, mode, H, HV, K, act, g_dtype, beta_dtype, gmode, l2norm, on_cuda):
+    """Why the T=1 kernel cannot take the call, or None when it can (mirrors :func:`validate_decode_t1`)."""
+    if T != 1:
+        return f"not eligible: T={T} tokens per sequence (the T=1 kernel takes one)"
+    if varlen:
+        return "not eligible: cu_seqlens given (sequence lengths live on the device and are not read on the host)"
+    if mode == "dense":
+        return "not eligible: no ssm_state_indices (the T=1 kernel updates a state pool in place by slot)"
+    if mode == "spec":
+        return "not eligible: 2-D ssm_state_indices (spec-decode checkpoints go to the generic kernel)"
+    if H != HV:
+        return f"not eligible: GQA H={H}, HV={HV} (the T=1 kernel needs H == HV)"
+    if H not in T1_HEAD_COUNTS:
+        return f"not eligible: H={H} is not one of the T=1 head counts {T1_HEAD_COUNTS}"
+    if K != HEAD_DIM:
+        return f"not eligible: head dim {K} (the T=1 kernel is built for {HEAD_DIM})"
+    if act is not _BF16:
+        return f"not eligible: q, k, v in {act} (the T=1 kernel takes bfloat16)"
+    types = _T1_PRECOMPUTED_TYPES if gmode is GateMode.PRECOMPUTED else _BF16_ONLY
+    if g_dtype not in types:
+        return f"not eligible: g in {g_dtype} (bfloat16, or float32 only with use_gate_in_kernel=False)"
+    if beta_dtype not in types:
+        return f"not eligible: beta in {beta_dtype} (bfloat16, or float32 only with use_gate_in_kernel=False)"
+    if not l2norm:
+        return "not eligible: use_qk_l2norm_in_kernel=False (the T=1 kernel always normalises q and k)"
+    if not on_cuda:
+        return "not eligible: tensors not on a CUDA device (the oracle runs the call)"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ucache verify + flush
+
+
+def validate_ucache(
+    A_log,
+    g,
+    dt_bias,
+    lower_bound=-5.0,
+    *,
+    q,
+    k,
+    v,
+    b,
+    initial_state_source,
+    initial_state_indices,
+    k_cache,
+    u_cache,
+    g_cache,
+    hist_len,
+    cache_base,
+    flush_min=None,
+    restart_hist_on_flush=True,
+    w_ring=None,
+    scale=None,
+    output=None,
+    device_kind="cuda",
+) -> UcacheCall:
+    """Validate a ucache verify(+flush) call (DESIGN §5; the signature of ``kda_delta_rule_mtp_ucache_flush``).
+
+    q, k, v, g [B, T, H, 128] bf16 with T in {4, 8} and H == HV in ``T1_HEAD_COUNTS``; b [B, T, H] bf16 beta
+    logits; A_log fp32 [H]; dt_bias fp32 [H*128] or [H, 128]; lower_bound < 0 (None: the softplus gate).
+    initial_state_source: bf16 pool [N, H, 128, 128] (padded row stride allowed); k_cache, u_cache bf16 and g_cache
+    fp32 rings [N, H, 32, 128] (inner dims compact); initial_state_indices, hist_len, cache_base int32 [B]
+    contiguous. w_ring: the argument or ``KDA_UCACHE_WRING``, in {16, 32}. flush_min: default
+    ``default_flush_min(T, w_ring)``; 1 <= flush_min <= ``max_flush_min(T, w_ring)``, and > 16 when w_ring == 32.
+    """
+    if not isinstance(q, _Tensor):
+        fail("q", "a torch.Tensor", type(q).__name__)
+    shape = q.shape
+    if len(shape) != 4 or shape[3] != HEAD_DIM:
+        fail("q", f"shape [B, T, H, {HEAD_DIM}]", tuple(shape))
+    B, T, H, _ = shape
+    if T not in UCACHE_T:
+        fail("q", f"T in {UCACHE_T} draft tokens (dim 1)", f"T={T}")
+    if H not in T1_HEAD_COUNTS:
+        fail("q", f"a head count H (dim 2) in {T1_HEAD_COUNTS}", H)
+    dev = _device_index("q", q, device_kind)
+    text = "[B, T, H, 128]"
+    acc = _act("q", q, shape, text, _BF16_ONLY, "bfloat16", dev)
+    acc |= _act("k", k, shape, text, _BF16_ONLY, "bfloat16", dev)
+    acc |= _act("v", v, shape, text, _BF16_ONLY, "bfloat16", dev)
+    acc |= _act("g", g, shape, text, _BF16_ONLY, "bfloat16", dev)
+    _check("b", b, (B, T, H), "[B, T, H]", _BF16_ONLY, "bfloat16", dev)
+    acc |= _check_gate_params(A_log, dt_bias, H, HEAD_DIM, True, dev)
+    scale = _check_scalar_args(lower_bound, scale, HEAD_DIM, True)
+    pool = initial_state_source
+    N = _rows("initial_state_source", pool, (H, HEAD_DIM, HEAD_DIM), _BF16_ONLY, "bfloat16", "[N, H, V, K]", dev)
+    acc |= pool.data_ptr()
+    ring = (N, H, RING_SLOTS, HEAD_DIM)
+    for name, t, dtypes, dtype_text in (("k_cache", k_cache, _BF16_ONLY, "bfloat16"),
+                                        ("u_cache", u_cache, _BF16_ONLY, "bfloat16"),
+                                        ("g_cache", g_cache, _F32_ONLY, "float32")):
+        _check(name, t, ring, "[N, H, 32, 128] (N = pool rows)", dtypes, dtype_text, dev)
+        _rows(name, t, ring[1:], dtypes, dtype_text, "[N, H, 32, 128]", dev)
+        acc |= t.data_ptr()
+    _index("initial_state_indices", initial_state_indices, B, "[B]", dev)
+    _index("hist_len", hist_len, B, "[B]", dev)
+    _index("cache_base", cache_base, B, "[B]", dev)
+    if w_ring is None:
+        w_ring = knobs.get("KDA_UCACHE_WRING")
+    elif type(w_ring) is not int or w_ring not in UCACHE_WRING:
+        fail("w_ring", f"one of {UCACHE_WRING} (or None: KDA_UCACHE_WRING)", repr(w_ring))
+    top = max_flush_min(T, w_ring)
+    if flush_min is None:
+        flush_min = default_flush_min(T, w_ring)
+    elif type(flush_min) is not int:
+        fail("flush_min", "an int or None", type(flush_min).__name__)
+    low = 17 if w_ring == 32 else 1
+    if not low <= flush_min <= top:
+        rule = "> 16 (w_ring 32)" if w_ring == 32 else ">= 1"
+        fail("flush_min", f"{rule} and <= min(w_ring - T + 1, 33 - 2T) = {top} (T={T}, w_ring={w_ring})", flush_min)
+    _check_flag("restart_hist_on_flush", restart_hist_on_flush)
+    if output is not None:
+        acc |= _act("output", output, shape, text, _BF16_ONLY, "bfloat16", dev)
+    alignment = _pow2_alignment(acc)
+    return _build(
+        UcacheCall, B=B, T=T, H=H, head_dim=HEAD_DIM, N=N, w_ring=w_ring, flush_min=flush_min,
+        max_hist_len=max_hist_len(T, w_ring), gate_mode=gate_mode(True, lower_bound),
+        lower_bound=None if lower_bound is None else float(lower_bound), scale=scale,
+        restart_hist_on_flush=restart_hist_on_flush, aligned=alignment >= VECTOR_BYTES, alignment=alignment,
+        has_output=output is not None,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Debug value checks (these synchronise; never in the hot path)
+
+
+def debug_checks_enabled() -> bool:
+    """``KDA_DEBUG_VALIDATE`` is on and no CUDA graph is being captured on the current stream."""
+    if not knobs.get("KDA_DEBUG_VALIDATE"):
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def debug_check_slots(slot_indices: torch.Tensor, N: int, *, argument: str = "slot_indices") -> None:
+    """Raise when two active entries (in [0, N)) of ``slot_indices`` (1-D or 2-D) name the same pool slot.
+
+    Two rows writing one slot race on the device and corrupt a request's state (DESIGN §4). Reads values: syncs.
+    """
+    flat = slot_indices.reshape(-1).to(torch.int64)
+    active = flat[(flat >= 0) & (flat < N)]
+    if active.numel() < 2:
+        return
+    uniq, counts = torch.unique(active, return_counts=True)
+    dup = uniq[counts > 1]
+    if dup.numel():
+        fail(argument, f"distinct active slots in [0, {N}) (duplicates race on the pool)",
+             f"slots {dup[:8].tolist()} more than once")
+
+
+def debug_check_ucache_cursors(
+    hist_len: torch.Tensor,
+    cache_base: torch.Tensor,
+    T: int,
+    w_ring: int,
+    *,
+    slot_indices: torch.Tensor | None = None,
+    N: int | None = None,
+) -> None:
+    """Raise when a cursor is out of range: hist_len in [0, min(w_ring, 32 - T)], cache_base in [0, 32).
+
+    With ``slot_indices`` and ``N`` only active rows (slot in [0, N)) are checked. Reads values: syncs.
+    """
+    top = max_hist_len(T, w_ring)
+    rows = torch.ones(hist_len.shape, dtype=torch.bool, device=hist_len.device)
+    if slot_indices is not None:
+        if N is None:
+            raise KDAError("N: expected the pool row count when slot_indices is given, got None")
+        rows = (slot_indices >= 0) & (slot_indices < N)
+    bad_len = rows & ((hist_len < 0) | (hist_len > top))
+    if bool(bad_len.any()):
+        i = int(bad_len.nonzero()[0, 0])
+        fail("hist_len", f"values in [0, min(w_ring, 32 - T)] = [0, {top}] (T={T}, w_ring={w_ring})",
+             f"{int(hist_len[i])} at row {i}")
+    bad_base = rows & ((cache_base < 0) | (cache_base >= RING_SLOTS))
+    if bool(bad_base.any()):
+        i = int(bad_base.nonzero()[0, 0])
+        fail("cache_base", f"values in [0, {RING_SLOTS})", f"{int(cache_base[i])} at row {i}")
