@@ -37,8 +37,8 @@ API (small on purpose):
 
 ``alignment_of(*tensors) -> int``
     The largest power of two, at most 16, dividing every tensor's data pointer (in bytes) and every
-    stride (in bytes) of a dimension whose size is above 1. Reads metadata only. ``16`` means
-    128-bit vector accesses are legal on every row of every tensor.
+    stride (in bytes) of a dimension whose size is above 1, except the unit-stride (vector) dim.
+    Reads metadata only. ``16`` means 128-bit vector accesses are legal on every row of every tensor.
 
 ``cutlass_dtype(torch_dtype)``
     torch dtype -> cutlass numeric type (bf16, fp16, fp32, int32).
@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -153,14 +154,14 @@ def fake_stream():
 
 
 def alignment_of(*tensors: torch.Tensor | None) -> int:
-    """Largest power of two <= 16 dividing every pointer and every (non-trivial) byte stride."""
+    """Largest power of two <= 16 dividing every pointer and every non-unit byte stride of a dim of size > 1."""
     align = VECTOR_BYTES
     for t in tensors:
         if t is None:
             continue
         elem = t.element_size()
         values = [t.data_ptr()]
-        values += [s * elem for s, n in zip(t.stride(), t.shape) if n > 1]
+        values += [s * elem for s, n in zip(t.stride(), t.shape) if n > 1 and s != 1]
         for value in values:
             while align > 1 and value % align:
                 align //= 2

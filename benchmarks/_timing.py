@@ -1,0 +1,199 @@
+"""Timing helpers shared by the kda benchmarks (GPU only; import cost is torch only).
+
+- ``KernelTimer``: per-iteration GPU kernel time of a callable. CUPTI activity records (cupti-python) when
+  available: the sum of the kernel durations each iteration launched, excluding the L2-flush kernels; else CUDA
+  events around each iteration (these read about 3 us higher: they include launch gaps).
+- ``graph_of(fn)``: capture one call of ``fn`` into a CUDA graph (after a warm-up call on a side stream) and
+  return the replay callable.
+- ``L2Flusher``: writes a buffer of at least 120 MiB (twice the H200's 60 MiB L2) between iterations.
+- ``copy_roofline(nbytes)``: a device-to-device copy moving ``nbytes`` in total (half read, half written): the
+  bandwidth ceiling of a kernel that streams the same bytes, measured in the same process.
+- ``eager_wall_us(fn)``: host wall time per call of back-to-back eager calls (the launcher's host cost).
+- ``median``, ``write_json``, ``write_plot`` (matplotlib optional: skipped with a message when missing),
+  ``gpu_name``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+MIB = 1 << 20
+L2_FLUSH_BYTES = 256 * MIB  # >= 2x the H200's 60 MiB L2
+
+
+def median(values):
+    return float(statistics.median(values))
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+class L2Flusher:
+    def __init__(self, nbytes: int = L2_FLUSH_BYTES, device="cuda"):
+        self.buffer = torch.empty(nbytes // 4, dtype=torch.int32, device=device)
+        self.step = 0
+
+    def __call__(self):
+        self.step += 1
+        self.buffer.fill_(self.step)
+
+
+def graph_of(fn: Callable[[], object]) -> Callable[[], None]:
+    """One call of ``fn`` captured into a CUDA graph; returns ``graph.replay``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up: lazy module loads and allocations happen outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
+def copy_roofline(nbytes: int, device="cuda") -> Callable[[], None]:
+    """A D2D copy of nbytes/2 bytes (nbytes moved: read + write)."""
+    half = max(nbytes // 2 // 16, 1)
+    src = torch.empty(half, 4, dtype=torch.int32, device=device).random_()
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+class KernelTimer:
+    """Kernel time per iteration, in microseconds: CUPTI when importable, else CUDA events."""
+
+    def __init__(self, prefer_cupti: bool = True):
+        self.backend = "cuda_event"
+        self._records: list[tuple[str, int, int]] = []
+        if prefer_cupti:
+            try:
+                from cupti import cupti
+
+                self._cupti = cupti
+                cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
+                self.backend = "cupti"
+            except Exception as err:  # cupti-python missing or CUPTI unusable: events are the fallback
+                print(f"[timing] CUPTI unavailable ({type(err).__name__}: {err}); using CUDA events")
+
+    # CUPTI buffer callbacks
+    @staticmethod
+    def _buffer_requested():
+        return 8 * MIB, 0
+
+    def _buffer_completed(self, activities):
+        for act in activities:
+            if act.kind == self._cupti.ActivityKind.CONCURRENT_KERNEL:
+                self._records.append((act.name, act.start, act.end))
+
+    def _collect(self, fn: Callable[[], object]) -> list[tuple[str, int, int]]:
+        cupti = self._cupti
+        self._records = []
+        cupti.activity_enable(cupti.ActivityKind.CONCURRENT_KERNEL)
+        try:
+            fn()
+            torch.cuda.synchronize()
+            cupti.activity_flush_all(1)
+        finally:
+            cupti.activity_disable(cupti.ActivityKind.CONCURRENT_KERNEL)
+        return sorted(self._records, key=lambda r: r[1])
+
+    def time(self, fn: Callable[[], object], *, iterations: int = 100, warmup: int = 10,
+             flush: Callable[[], None] | None = None) -> list[float]:
+        for _ in range(warmup):
+            if flush:
+                flush()
+            fn()
+        torch.cuda.synchronize()
+        if self.backend == "cupti":
+            return self._time_cupti(fn, iterations, flush)
+        return self._time_events(fn, iterations, flush)
+
+    def _time_events(self, fn, iterations, flush):
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iterations)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iterations)]
+        for i in range(iterations):
+            if flush:
+                flush()
+            starts[i].record()
+            fn()
+            ends[i].record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+
+    def _time_cupti(self, fn, iterations, flush):
+        flush_names = {name for name, _, _ in self._collect(flush)} if flush else set()
+        per_call = len([r for r in self._collect(fn) if r[0] not in flush_names])  # kernels one call launches
+        if per_call == 0:
+            raise RuntimeError("timed function launched no kernel")
+
+        def run_all():
+            for _ in range(iterations):
+                if flush:
+                    flush()
+                fn()
+
+        records = [r for r in self._collect(run_all) if r[0] not in flush_names]
+        if len(records) != per_call * iterations:
+            raise RuntimeError(f"CUPTI saw {len(records)} kernels for {iterations} x {per_call}")
+        chunks = (records[i : i + per_call] for i in range(0, len(records), per_call))
+        return [sum(end - start for _, start, end in chunk) / 1e3 for chunk in chunks]
+
+
+def eager_wall_us(fn: Callable[[], object], calls: int = 200, warmup: int = 20) -> float:
+    """Host wall time per call of ``calls`` back-to-back eager calls (one sync at the end)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def write_json(path, records) -> None:
+    with open(path, "w") as fh:
+        json.dump(records, fh, indent=1)
+    print(f"[timing] wrote {path} ({len(records)} records)")
+
+
+def write_plot(path, records, *, x: str, series: dict[str, str], title: str, ylabel: str, logx=True, logy=True,
+               group: str | None = None) -> None:
+    """Line plot of ``records`` (list of dicts): one line per (series label -> key) and per ``group`` value."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"[timing] matplotlib missing: no plot written to {path}")
+        return
+    groups = sorted({r.get(group) for r in records}, key=str) if group else [None]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for gval in groups:
+        rows = sorted((r for r in records if group is None or r.get(group) == gval), key=lambda r: r[x])
+        for label, key in series.items():
+            pts = [(r[x], r[key]) for r in rows if r.get(key) is not None]
+            if pts:
+                suffix = f" ({group}={gval})" if group else ""
+                ax.plot(*zip(*pts), marker="o", label=label + suffix)
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(x)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"[timing] wrote {path}")

@@ -1,0 +1,194 @@
+"""Benchmark the packed T=1 KDA decode against FLA's in-place kernel and the copy roofline, in one process.
+
+For each batch size: build packed inputs (rows of one GEMM output) and a state pool, check ours against the
+kda-core oracle (and FLA against ours) on a copy of the pool, then time, with the same timer and in the same
+process: ours (``kda_decode_t1_packed``), FLA 0.6.0 ``fused_recurrent_kda_fwd`` (state_v_first, in place,
+ssm_state_indices) and a device-to-device copy of the same state bytes (read + write).
+
+    python benchmarks/bench_packed_kda_decode.py --batch-size 1 8 64 512 --mode cuda_graph \
+        --json out.json --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _timing  # noqa: E402
+
+HEAD_DIM = 128
+LOWER_BOUND = -5.0
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024])
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--mode", choices=["direct", "cuda_graph"], default="cuda_graph")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iterations", type=int, default=100)
+    p.add_argument("--state-dtype", choices=sorted(DTYPES), nargs="+", default=["bf16"])
+    p.add_argument("--tile-v", type=int, nargs="+", default=[0],
+                   help="KDA_DECODE_TILE_V values to run (0 = the schedule policy); several make a sweep")
+    p.add_argument("--cold-l2", action="store_true", help="flush the L2 (256 MiB write) before every iteration")
+    p.add_argument("--no-fla", action="store_true", help="skip FLA (e.g. fla-core missing)")
+    p.add_argument("--eager-calls", type=int, default=200, help="calls for the eager wall-time figure (0 = skip)")
+    p.add_argument("--json", type=str, default=None)
+    p.add_argument("--plot", type=str, default=None)
+    return p.parse_args(argv)
+
+
+def make_inputs(B, H, state_dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    K = HEAD_DIM
+    mixed = torch.randn(B, 3 * H * K, generator=gen, device="cuda").to(torch.bfloat16)
+    raw_gate = torch.randn(B, H * K, generator=gen, device="cuda").to(torch.bfloat16)
+    raw_beta = torch.randn(B, H, generator=gen, device="cuda").to(torch.bfloat16)
+    pool = (torch.randn(B, H, K, K, generator=gen, device="cuda") * 0.1).to(state_dtype)
+    slots = torch.randperm(B, generator=gen, device="cuda").to(torch.int32)
+    A_log = torch.log(torch.rand(H, generator=gen, device="cuda") * 15 + 1)
+    dt_bias = torch.randn(H * K, generator=gen, device="cuda") * 0.5
+    return dict(mixed=mixed, raw_gate=raw_gate, raw_beta=raw_beta, pool=pool, slots=slots, A_log=A_log,
+                dt_bias=dt_bias)
+
+
+def ours_fn(x, H, out):
+    from kda_cute import kda_decode_t1_packed
+
+    def call():
+        kda_decode_t1_packed(x["mixed"], x["raw_gate"], x["raw_beta"], x["pool"], x["slots"], num_heads=H,
+                             A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=LOWER_BOUND, output=out)
+
+    return call
+
+
+def fla_fn(x, H, pool):
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    from kda_core.oracle import unpack_packed
+
+    # FLA indexes q/k/v/g/beta as contiguous [B, T, H, K]: give it contiguous copies (not timed).
+    q, k, v, g, beta = (t.contiguous() for t in unpack_packed(x["mixed"], x["raw_gate"], x["raw_beta"], H, HEAD_DIM))
+    out = torch.empty_like(v)
+
+    def call():
+        return fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=x["A_log"], dt_bias=x["dt_bias"], initial_state=pool,
+                                       inplace_final_state=True, state_v_first=True, ssm_state_indices=x["slots"],
+                                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                       use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND, out=out)
+
+    return call, out
+
+
+def check_correctness(x, H, B, with_fla):
+    """Ours vs the oracle (and FLA vs ours) on copies of the pool; raises on mismatch."""
+    from kda_core.oracle import recurrent_kda_ref, unpack_packed
+
+    q, k, v, g, beta = unpack_packed(x["mixed"], x["raw_gate"], x["raw_beta"], H, HEAD_DIM)
+    ref_pool = x["pool"].clone()
+    ref_out, ref_pool = recurrent_kda_ref(q, k, v, g, beta, A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                          initial_state=ref_pool, use_qk_l2norm_in_kernel=True,
+                                          use_gate_in_kernel=True, lower_bound=LOWER_BOUND, beta_is_logit=True,
+                                          ssm_state_indices=x["slots"].long())
+    saved = x["pool"].clone()
+    out = torch.empty(B, 1, H, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    ours_fn(x, H, out)()
+    s_err = (x["pool"].float() - ref_pool.float()).abs().max().item()
+    o_err = (out.float() - ref_out.float()).abs().max().item()
+    o_scale = ref_out.float().abs().max().item()
+    s_tol = 2e-2 if x["pool"].dtype == torch.bfloat16 else 1e-4
+    if s_err > s_tol or o_err > 2e-2 * o_scale + 1e-3:
+        raise SystemExit(f"correctness check failed at B={B}: state err {s_err:.3e}, output err {o_err:.3e}")
+    fla_err = None
+    if with_fla:
+        fla_pool = saved.clone()
+        call, fla_out = fla_fn(x, H, fla_pool)
+        call()
+        fla_err = max((fla_pool.float() - x["pool"].float()).abs().max().item(),
+                      (fla_out.float() - out.float()).abs().max().item())
+    x["pool"].copy_(saved)
+    return s_err, o_err, fla_err
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    with_fla = not args.no_fla
+    if with_fla:
+        try:
+            import fla.ops.kda.fused_recurrent  # noqa: F401
+        except ImportError as err:
+            print(f"FLA unavailable ({err}); timing ours and the copy only")
+            with_fla = False
+    timer = _timing.KernelTimer()
+    flush = _timing.L2Flusher() if args.cold_l2 else None
+    records = []
+    H = args.heads
+    total = len(args.batch_size) * len(args.state_dtype) * len(args.tile_v)
+    done = 0
+    for dtype_name in args.state_dtype:
+        for B in args.batch_size:
+            x = make_inputs(B, H, DTYPES[dtype_name], seed=B)
+            state_bytes = 2 * x["pool"].numel() * x["pool"].element_size()  # read + write
+            copy_call = _timing.copy_roofline(state_bytes)
+            fla_call = None
+            if with_fla:
+                fla_pool = x["pool"].clone()
+                fla_call, _ = fla_fn(x, H, fla_pool)
+            for tile_v in args.tile_v:
+                os.environ["KDA_DECODE_TILE_V"] = str(tile_v)
+                s_err, o_err, fla_err = check_correctness(x, H, B, with_fla)
+                from kda_cute.decode_t1 import select_config
+
+                used_tile = select_config(B, H, DTYPES[dtype_name], True).tile_v
+                out = torch.empty(B, 1, H, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+                ours_call = ours_fn(x, H, out)
+                calls = {"ours": ours_call, "copy": copy_call}
+                if fla_call is not None:
+                    calls["fla"] = fla_call
+                if args.mode == "cuda_graph":
+                    calls = {name: _timing.graph_of(fn) for name, fn in calls.items()}
+                times = {name: _timing.median(timer.time(fn, iterations=args.iterations, warmup=args.warmup,
+                                                         flush=flush))
+                         for name, fn in calls.items()}
+                rec = dict(B=B, heads=H, state_dtype=dtype_name, mode=args.mode, tile_v=used_tile,
+                           tile_v_forced=tile_v, cold_l2=args.cold_l2, timer=timer.backend,
+                           ours_us=times["ours"], fla_us=times.get("fla"), copy_us=times["copy"],
+                           state_bytes=state_bytes,
+                           ours_TBps=state_bytes / times["ours"] / 1e6, copy_TBps=state_bytes / times["copy"] / 1e6,
+                           gpu=_timing.gpu_name(), check_state_err=s_err, check_out_err=o_err, fla_vs_ours_err=fla_err)
+                rec["frac_of_copy"] = times["copy"] / times["ours"]
+                if times.get("fla"):
+                    rec["ours_over_fla"] = times["ours"] / times["fla"]
+                    rec["fla_TBps"] = state_bytes / times["fla"] / 1e6
+                if args.eager_calls and tile_v == args.tile_v[0]:
+                    rec["ours_eager_call_us"] = _timing.eager_wall_us(ours_call, calls=args.eager_calls)
+                    if fla_call is not None:
+                        rec["fla_eager_call_us"] = _timing.eager_wall_us(fla_call, calls=max(args.eager_calls // 4, 10))
+                records.append(rec)
+                done += 1
+                fla_txt = f"fla {rec['fla_us']:8.2f} us ({rec['ours_over_fla']:.2f}x)  " if rec["fla_us"] else ""
+                eager = f"  eager {rec['ours_eager_call_us']:.1f} us" if "ours_eager_call_us" in rec else ""
+                print(f"[{done}/{total}] {dtype_name} B={B:5d} tile={used_tile:3d}  ours {rec['ours_us']:8.2f} us "
+                      f"({rec['ours_TBps']:.2f} TB/s, {100 * rec['frac_of_copy']:.0f}% of copy)  {fla_txt}"
+                      f"copy {rec['copy_us']:8.2f} us{eager}", flush=True)
+            del x
+            torch.cuda.empty_cache()
+    os.environ.pop("KDA_DECODE_TILE_V", None)
+    if args.json:
+        _timing.write_json(args.json, records)
+    if args.plot:
+        _timing.write_plot(args.plot, records, x="B", series={"ours": "ours_us", "FLA": "fla_us", "copy": "copy_us"},
+                           title=f"T=1 KDA decode, H={H}, {args.mode}, {_timing.gpu_name()}", ylabel="us",
+                           group="state_dtype" if len(args.state_dtype) > 1 else None)
+    return records
+
+
+if __name__ == "__main__":
+    main()

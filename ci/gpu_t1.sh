@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# T=1 decode on the GPU host: GPU tests, a compute-sanitizer memcheck of a small case, then the benchmark.
+# Run from the repository root after `source .gpu*/setup.sh` (wheels + PYTHONPATH). Logs, JSON and PNG go to
+# $OUT (default ./gpu_out). Stages: T1_STAGES="tests memcheck bench sweep" (default: all four).
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+stages=${T1_STAGES:-"tests memcheck bench sweep"}
+status=0
+py=${PYTHON:-python3}
+
+run() {  # run NAME CMD...: tee the output to $OUT/NAME.log and remember a failure
+  local name=$1; shift
+  echo "=== $name: $*"
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || { echo "=== $name FAILED (rc=$rc)"; status=1; }
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+
+case " $stages " in *" tests "*)
+  run t1_tests "$py" -m pytest -q -ra -m gpu -p no:cacheprovider packages/kda-cute/tests/test_decode_t1.py ;;
+esac
+
+case " $stages " in *" memcheck "*)
+  cat > "$OUT/t1_memcheck_case.py" <<'PY'
+import torch
+from kda_core.oracle import unpack_packed  # noqa: F401  (import check)
+from kda_cute import kda_decode_t1_packed
+B, H, K = 3, 12, 128
+mixed = torch.randn(B, 3 * H * K + 3, device="cuda").bfloat16()[:, : 3 * H * K]  # odd row stride: unaligned path
+gate = torch.randn(B, H * K, device="cuda").bfloat16()
+beta = torch.randn(B, H, device="cuda").bfloat16()
+for dtype in (torch.bfloat16, torch.float32):
+    pool = torch.randn(4, H, K, K, device="cuda").to(dtype)
+    slots = torch.tensor([2, -1, 4], dtype=torch.int32, device="cuda")  # one active, two inactive
+    A_log, dt_bias = torch.zeros(H, device="cuda"), torch.zeros(H * K, device="cuda")
+    kda_decode_t1_packed(mixed, gate, beta, pool, slots, num_heads=H, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+    aligned = torch.randn(B, 3 * H * K, device="cuda").bfloat16()
+    kda_decode_t1_packed(aligned, gate, beta, pool, slots, num_heads=H, A_log=A_log, dt_bias=dt_bias)
+torch.cuda.synchronize()
+print("memcheck case done")
+PY
+  if command -v compute-sanitizer >/dev/null; then
+    run t1_memcheck compute-sanitizer --tool memcheck --error-exitcode 3 "$py" "$OUT/t1_memcheck_case.py"
+  else
+    echo "compute-sanitizer not on PATH: memcheck skipped" | tee "$OUT/t1_memcheck.log"
+  fi ;;
+esac
+
+bench=benchmarks/bench_packed_kda_decode.py
+case " $stages " in *" bench "*)
+  run t1_bench_bf16 "$py" $bench --mode cuda_graph --state-dtype bf16 --json "$OUT/t1_bench_bf16.json" \
+      --plot "$OUT/t1_bench_bf16.png"
+  run t1_bench_fp32 "$py" $bench --mode cuda_graph --state-dtype fp32 --batch-size 1 8 64 256 512 1024 \
+      --eager-calls 0 --json "$OUT/t1_bench_fp32.json" ;;
+esac
+
+case " $stages " in *" sweep "*)
+  run t1_tile_sweep "$py" $bench --mode cuda_graph --state-dtype bf16 fp32 --tile-v 8 16 32 64 128 \
+      --batch-size 1 4 16 64 256 1024 --iterations 50 --eager-calls 0 --no-fla --json "$OUT/t1_tile_sweep.json" ;;
+esac
+
+exit $status

@@ -1,0 +1,563 @@
+"""T=1 KDA decode: one delta-rule step per (sequence, head) on a V-first state pool, in place.
+
+Math: DESIGN §3. Contracts: DESIGN §2 and §4 (slots outside [0, N) are inactive: zero output, pool
+neither read nor written; the check runs in the kernel against the pool's row count).
+
+Work split. The state of one (slot, head) is [V=128 rows, K=128 channels], K contiguous. Once the
+per-channel decay a[c], k^, q^ and b are known, every state row is independent:
+
+    S'[v,:] = a * S[v,:];  p = S'[v,:].k^;  u = b (v[v] - p);  S_new[v,:] = S' + u k^
+    o[v]    = S'[v,:].q^ + u (k^.q^)          (the fp32 S_new's dot with q^, regrouped)
+
+so a CTA owns (batch row, head, tile of ``tile_v`` rows) and 128 threads. Each 16-lane half-warp
+owns one row at a time; lane l holds channels [8l, 8l+8): one 16-byte load per row for a bf16 pool,
+two for fp32. The two row dots are 16-lane xor butterflies. Half-warp w takes rows w, w+8, w+16, ...
+of the tile, so at every step the CTA touches 8 consecutive rows (2 KB contiguous for bf16).
+
+Memory-level parallelism is what decides this kernel (it is a pure stream of the state). Each thread
+issues the loads of ``rows_in_flight`` of its rows before it uses any, and it issues the first ones
+before the gate/normalisation preamble, so that preamble runs under the state's load latency.
+Stores carry the streaming hint (the state is touched once per step).
+
+Variants (compile-time): pool dtype x gate mode x beta logit x l2norm x dt_bias present x g/beta
+dtypes x tile_v x alignment. Batch, pool rows and the head count are runtime values (the head count
+only enters the grid and the index math), so one compiled function serves every B and every H.
+"""
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int64, const_expr
+
+from kda_core import knobs
+from kda_core.contracts import HEAD_DIM, L2NORM_EPS, GateMode, gate_mode
+from kda_core.errors import fail
+from kda_core.oracle import unpack_packed
+
+from . import _launch
+
+__all__ = ["DecodeT1Config", "select_config", "kda_decode_t1", "kda_decode_t1_packed", "KDADecodeT1"]
+
+THREADS = 128  # 8 half-warps of 16 lanes
+HALF_WARP = 16
+ROW_GROUPS = THREADS // HALF_WARP  # state rows a CTA touches per step
+CHANNELS_PER_LANE = HEAD_DIM // HALF_WARP  # 8 -> one 16-byte bf16 vector
+TILE_V_CHOICES = (8, 16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class DecodeT1Config:
+    """Schedule of one launch: state rows per CTA (the grid is (128 / tile_v, H, B))."""
+
+    tile_v: int
+
+    @property
+    def rows_per_half_warp(self) -> int:
+        return self.tile_v // ROW_GROUPS
+
+
+# Schedule table: CTAs should cover the H200's 132 SMs several times over at small B (few bytes
+# per CTA, latency-bound) while at large B a bigger tile amortises the per-CTA preamble (q/k/g
+# loads, gate, norms). Keyed on B*H = number of (sequence, head) states in the call.
+# TODO(measure): first guess; replaced by the H200 sweep (benchmarks/results/) when it lands.
+_SCHEDULE = (
+    # (max B*H, tile_v)
+    (96, 8),
+    (768, 16),
+    (1 << 62, 32),
+)
+
+
+def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool) -> DecodeT1Config:
+    """Pure schedule policy; ``KDA_DECODE_TILE_V`` (if non-zero) forces the tile."""
+    forced = knobs.get("KDA_DECODE_TILE_V")
+    if forced:
+        if forced not in TILE_V_CHOICES:
+            fail("KDA_DECODE_TILE_V", f"one of {TILE_V_CHOICES}", forced)
+        return DecodeT1Config(tile_v=forced)
+    states = B * H
+    for max_states, tile_v in _SCHEDULE:
+        if states <= max_states:
+            return DecodeT1Config(tile_v=tile_v)
+    raise AssertionError("unreachable: the schedule's last row is unbounded")
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------------
+
+
+LOAD_HINTS = dict(load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
+STORE_HINTS = dict(store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING)
+
+@cute.jit
+def half_warp_sum(x):
+    for shift in cutlass.range_constexpr(4):  # xor 8, 4, 2, 1 stays inside the 16-lane half
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=8 >> shift)
+    return x
+
+class KDADecodeT1:
+    """Compile-time configuration of one T=1 decode variant (quack style)."""
+
+    def __init__(
+        self,
+        *,
+        state_dtype,
+        gate: GateMode,
+        beta_is_logit: bool,
+        use_qk_l2norm: bool,
+        has_dt_bias: bool,
+        tile_v: int,
+        aligned: bool,
+    ):
+        self.state_dtype = state_dtype
+        self.gate = gate
+        self.beta_is_logit = beta_is_logit
+        self.use_qk_l2norm = use_qk_l2norm
+        self.has_dt_bias = has_dt_bias
+        self.tile_v = tile_v
+        self.aligned = aligned
+        self.rows = tile_v // ROW_GROUPS
+        # 32 registers of raw state in flight per thread: 8 bf16 rows or 4 fp32 rows.
+        row_regs = CHANNELS_PER_LANE * state_dtype.width // 32
+        self.rows_in_flight = min(self.rows, 32 // row_regs)
+
+    def _copy_bits(self, dtype, n: int) -> int:
+        return min(n * dtype.width, 128) if self.aligned else dtype.width
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [B, 1, H, K]
+        mK: cute.Tensor,  # [B, 1, H, K]
+        mV: cute.Tensor,  # [B, 1, H, V]
+        mG: cute.Tensor,  # [B, 1, H, K]
+        mBeta: cute.Tensor,  # [B, 1, H]
+        mALog,  # [H] fp32, or None (precomputed gate)
+        mDtBias,  # [H*K] fp32, or None
+        mState: cute.Tensor,  # [N, H, V, K]
+        mSlot: cute.Tensor,  # [B] int32
+        mOut: cute.Tensor,  # [B, 1, H, V]
+        scale: Float32,
+        lower_bound: Float32,
+        stream,
+    ):
+        B = cute.size(mQ, mode=[0])
+        H = cute.size(mQ, mode=[2])
+        self.kernel(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mSlot, mOut, scale, lower_bound).launch(
+            grid=[HEAD_DIM // self.tile_v, H, B], block=[THREADS, 1, 1], stream=stream
+        )
+
+    @cute.jit
+    def load_lane_vector(self, row: cute.Tensor, lane, dtype):
+        """The lane's 8 channels of a [K] row, converted to fp32."""
+        frag = cute.make_rmem_tensor((CHANNELS_PER_LANE,), dtype)
+        bits = self._copy_bits(dtype, CHANNELS_PER_LANE)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+        vec = (bits // dtype.width,)
+        src = cute.local_tile(row, (CHANNELS_PER_LANE,), (lane,))
+        cute.copy(atom, cute.logical_divide(src, vec), cute.logical_divide(frag, vec))
+        out = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        out.store(frag.load().to(Float32))
+        return out
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mALog,
+        mDtBias,
+        mState: cute.Tensor,
+        mSlot: cute.Tensor,
+        mOut: cute.Tensor,
+        scale: Float32,
+        lower_bound: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        v_tile, h, b = cute.arch.block_idx()
+        lane = tidx % HALF_WARP
+        group = tidx // HALF_WARP
+        n_slots = cute.size(mState, mode=[0])
+        slot = mSlot[b]
+        active = (slot >= 0) & (slot < n_slots)
+        row0 = v_tile * self.tile_v
+
+        if active:
+            # ---- issue the state loads first: they are the whole cost of this kernel --------
+            sdt = self.state_dtype
+            s_bits = self._copy_bits(sdt, CHANNELS_PER_LANE)
+            s_vec = s_bits // sdt.width
+            load_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), sdt, num_bits_per_copy=s_bits, **LOAD_HINTS)
+            store_atom = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), sdt, num_bits_per_copy=s_bits, **STORE_HINTS)
+            # Int64 slot: slot * (H*V*K) overflows 32 bits past ~4.3 GB of pool.
+            gState = mState[Int64(slot), h, None, None]  # [V, K]
+            row_views = []
+            row_regs = []
+            for j in cutlass.range_constexpr(self.rows):
+                gRow = gState[row0 + group + j * ROW_GROUPS, None]
+                row_views.append(cute.logical_divide(cute.local_tile(gRow, (CHANNELS_PER_LANE,), (lane,)), (s_vec,)))
+                row_regs.append(cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt))
+            for j in cutlass.range_constexpr(self.rows_in_flight):
+                cute.copy(load_atom, row_views[j], cute.logical_divide(row_regs[j], (s_vec,)))
+
+            # ---- per-lane preamble: decay a[c], k^, q^ for channels [8 lane, 8 lane + 8) --------
+            kf = self.load_lane_vector(mK[b, 0, h, None], lane, mK.element_type)
+            qf = self.load_lane_vector(mQ[b, 0, h, None], lane, mQ.element_type)
+            gf = self.load_lane_vector(mG[b, 0, h, None], lane, mG.element_type)
+            v_rows = cute.make_rmem_tensor((self.rows,), Float32)
+            for j in cutlass.range_constexpr(self.rows):
+                v_rows[j] = mV[b, 0, h, row0 + group + j * ROW_GROUPS].to(Float32)
+            beta = mBeta[b, 0, h].to(Float32)
+            if const_expr(self.beta_is_logit):
+                beta = 1.0 / (1.0 + cute.math.exp(-beta))
+
+            decay = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+            if const_expr(self.gate == GateMode.PRECOMPUTED):
+                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                    decay[c] = cute.math.exp(gf[c])
+            else:
+                rate = cute.math.exp(mALog[h])
+                if const_expr(self.has_dt_bias):
+                    bias = self.load_lane_vector(cute.local_tile(mDtBias, (HEAD_DIM,), (h,)), lane, Float32)
+                    for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                        gf[c] = gf[c] + bias[c]
+                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                    x = gf[c]
+                    if const_expr(self.gate == GateMode.LOWER_BOUND):
+                        g_log = lower_bound / (1.0 + cute.math.exp(-(rate * x)))
+                    else:
+                        # softplus(x) = max(x, 0) + log1p(exp(-|x|)): no overflow, and equal to x
+                        # in fp32 beyond 20 (the reference's threshold).
+                        softplus = cute.math.max(x, 0.0) + cute.math.log1p(cute.math.exp(-cute.math.abs(x)))
+                        g_log = -rate * softplus
+                    decay[c] = cute.math.exp(g_log)
+
+            q_scale = scale
+            k_scale = Float32(1.0)
+            if const_expr(self.use_qk_l2norm):
+                k_ss = Float32(0.0)
+                q_ss = Float32(0.0)
+                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                    k_ss = k_ss + kf[c] * kf[c]
+                    q_ss = q_ss + qf[c] * qf[c]
+                k_scale = cute.math.rsqrt(half_warp_sum(k_ss) + L2NORM_EPS)
+                q_scale = scale * cute.math.rsqrt(half_warp_sum(q_ss) + L2NORM_EPS)
+            kq = Float32(0.0)
+            for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                kf[c] = kf[c] * k_scale
+                qf[c] = qf[c] * q_scale
+                kq = kq + kf[c] * qf[c]
+            kq = half_warp_sum(kq)
+
+            # ---- stream the rows: S' = a S; p, S'q^; u; S_new; o -------------------------------
+            s_new = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
+            for j in cutlass.range_constexpr(self.rows):
+                if const_expr(j + self.rows_in_flight < self.rows):
+                    nxt = j + self.rows_in_flight
+                    cute.copy(load_atom, row_views[nxt], cute.logical_divide(row_regs[nxt], (s_vec,)))
+                sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+                sf.store(row_regs[j].load().to(Float32))
+                p = Float32(0.0)
+                sq = Float32(0.0)
+                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                    sf[c] = sf[c] * decay[c]
+                    p = p + sf[c] * kf[c]
+                    sq = sq + sf[c] * qf[c]
+                p = half_warp_sum(p)
+                sq = half_warp_sum(sq)
+                u = beta * (v_rows[j] - p)
+                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                    sf[c] = sf[c] + u * kf[c]
+                s_new.store(sf.load().to(sdt))
+                cute.copy(store_atom, cute.logical_divide(s_new, (s_vec,)), row_views[j])
+                if lane == 0:
+                    mOut[b, 0, h, row0 + group + j * ROW_GROUPS] = (sq + u * kq).to(mOut.element_type)
+        else:
+            if lane == 0:
+                for j in cutlass.range_constexpr(self.rows):
+                    mOut[b, 0, h, row0 + group + j * ROW_GROUPS] = Float32(0.0).to(mOut.element_type)
+
+
+
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side: validation (metadata only), compile cache, the two entry points
+# --------------------------------------------------------------------------------------------------
+
+_BF16_OR_FP32 = (torch.bfloat16, torch.float32)
+
+
+def _check_args(q, k, v, g, beta, state_pool, slot_indices, output, A_log, dt_bias, lower_bound, use_gate_in_kernel):
+    """Metadata checks of one T=1 call (no .item(), no sync). Raises KDAError naming the argument.
+
+    Stand-in for ``kda_core.validation.validate_decode_t1`` where that module is missing (older kda-core).
+    """
+    tensors = dict(q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool, slot_indices=slot_indices)
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            fail(name, "a torch.Tensor", type(t).__name__)
+    if q.dim() != 4 or q.shape[1] != 1 or q.shape[3] != HEAD_DIM:
+        fail("q", f"shape [B, 1, H, {HEAD_DIM}]", tuple(q.shape))
+    B, _, H, _ = q.shape
+    act_shape = (B, 1, H, HEAD_DIM)
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g)):
+        if tuple(t.shape) != act_shape:
+            fail(name, f"shape {list(act_shape)}", list(t.shape))
+        if t.stride(-1) != 1:
+            fail(name, "a contiguous last dim (stride 1)", f"stride {t.stride(-1)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != torch.bfloat16:
+            fail(name, "dtype torch.bfloat16", t.dtype)
+    if g.dtype not in _BF16_OR_FP32:
+        fail("g", "dtype torch.bfloat16 or torch.float32", g.dtype)
+    if tuple(beta.shape) != (B, 1, H):
+        fail("beta", f"shape {[B, 1, H]}", list(beta.shape))
+    if beta.dtype not in _BF16_OR_FP32:
+        fail("beta", "dtype torch.bfloat16 or torch.float32", beta.dtype)
+    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (H, HEAD_DIM, HEAD_DIM):
+        fail("state_pool", f"shape [N, {H}, {HEAD_DIM}, {HEAD_DIM}]", list(state_pool.shape))
+    if state_pool.dtype not in _BF16_OR_FP32:
+        fail("state_pool", "dtype torch.bfloat16 or torch.float32", state_pool.dtype)
+    head_elems = HEAD_DIM * HEAD_DIM
+    if tuple(state_pool.stride()[1:]) != (head_elems, HEAD_DIM, 1):
+        fail("state_pool", f"strides (*, {head_elems}, {HEAD_DIM}, 1) (only dim 0 may be padded)",
+             tuple(state_pool.stride()))
+    if state_pool.shape[0] > 1 and (state_pool.stride(0) < H * head_elems or state_pool.stride(0) % 8):
+        fail("state_pool", f"a dim-0 stride >= {H * head_elems} and a multiple of 8", state_pool.stride(0))
+    if slot_indices.dtype != torch.int32 or tuple(slot_indices.shape) != (B,):
+        fail("slot_indices", f"an int32 tensor of shape [{B}]", f"{slot_indices.dtype} {list(slot_indices.shape)}")
+    if output is not None:
+        if not isinstance(output, torch.Tensor) or tuple(output.shape) != act_shape or output.dtype != torch.bfloat16:
+            fail("output", f"a bf16 tensor of shape {list(act_shape)}",
+                 f"{getattr(output, 'dtype', type(output).__name__)} {list(getattr(output, 'shape', []))}")
+        if output.stride(-1) != 1:
+            fail("output", "a contiguous last dim (stride 1)", f"stride {output.stride(-1)}")
+    if use_gate_in_kernel:
+        if not isinstance(A_log, torch.Tensor) or A_log.dtype != torch.float32 or A_log.numel() != H:
+            fail("A_log", f"a float32 tensor of {H} elements (use_gate_in_kernel=True)",
+                 None if A_log is None else f"{getattr(A_log, 'dtype', '?')} {list(getattr(A_log, 'shape', []))}")
+        if dt_bias is not None:
+            if dt_bias.dtype != torch.float32 or dt_bias.numel() != H * HEAD_DIM or not dt_bias.is_contiguous():
+                fail("dt_bias", f"a contiguous float32 tensor of {H * HEAD_DIM} elements ([H*K] or [H, K])",
+                     f"{dt_bias.dtype} {list(dt_bias.shape)} contiguous={dt_bias.is_contiguous()}")
+        if lower_bound is not None and not lower_bound < 0:
+            fail("lower_bound", "a negative float or None", lower_bound)
+    device = q.device
+    if device.type != "cuda":
+        fail("q", "a CUDA tensor", device)
+    others = [k, v, g, beta, state_pool, slot_indices, output]
+    if use_gate_in_kernel:
+        others += [A_log, dt_bias]
+    for t in others:
+        if t is not None and t.device != device:
+            fail("tensors", f"every tensor on {device}", t.device)
+
+
+try:  # kda-core's shared validation (metadata only; it also classifies alignment)
+    from kda_core.validation import validate_decode_t1 as _shared_validate
+    from kda_core.validation import validate_packed_decode_t1 as _shared_validate_packed
+except ImportError:  # an older kda-core: the private checker above stands in
+    _shared_validate = _shared_validate_packed = None
+
+
+def _compile(key, arch):
+    (state_dt, g_dt, beta_dt, gate, beta_is_logit, l2norm, has_dt_bias, tile_v, aligned) = key
+    cdt = _launch.cutlass_dtype
+    align = _launch.VECTOR_BYTES if aligned else 1
+    B, N, H = _launch.sym_size(), _launch.sym_size(), _launch.sym_size()
+    head_elems = HEAD_DIM * HEAD_DIM
+
+    def activation(dtype):
+        return _launch.fake_tensor(cdt(dtype), (B, 1, H, HEAD_DIM), (None, None, None, 1), align_bytes=align)
+
+    fake_args = [
+        activation(torch.bfloat16),  # q
+        activation(torch.bfloat16),  # k
+        activation(torch.bfloat16),  # v
+        activation(g_dt),  # g
+        _launch.fake_tensor(cdt(beta_dt), (B, 1, H), (None, None, None), align_bytes=1),
+        None,
+        None,
+        _launch.fake_tensor(cdt(state_dt), (N, H, HEAD_DIM, HEAD_DIM), (None, head_elems, HEAD_DIM, 1),
+                            align_bytes=align),
+        _launch.fake_tensor(cutlass.Int32, (B,), (None,), align_bytes=1),
+        activation(torch.bfloat16),  # output
+        cutlass.Float32(1.0),
+        cutlass.Float32(-1.0),
+        _launch.fake_stream(),
+    ]
+    if gate != GateMode.PRECOMPUTED:
+        fake_args[5] = _launch.fake_tensor(cutlass.Float32, (H,), (None,), align_bytes=1)
+        if has_dt_bias:
+            fake_args[6] = _launch.fake_tensor(cutlass.Float32, (cute.sym_int(),), (1,), align_bytes=align)
+    kernel = KDADecodeT1(
+        state_dtype=cdt(state_dt),
+        gate=gate,
+        beta_is_logit=beta_is_logit,
+        use_qk_l2norm=l2norm,
+        has_dt_bias=has_dt_bias,
+        tile_v=tile_v,
+        aligned=aligned,
+    )
+    return cute.compile(kernel, *fake_args, options=_launch.compile_options(arch, _EXTRA_OPTIONS))
+
+
+_EXTRA_OPTIONS = ""  # tests set "--keep-ptx --dump-dir D" through compile_variant()
+
+
+def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk_l2norm, has_dt_bias, tile_v, aligned):
+    """Every code-generation parameter of one variant, in the order ``_compile`` reads them."""
+    if gate == GateMode.PRECOMPUTED:
+        has_dt_bias = False
+    return (state_dtype, g_dtype, beta_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm), bool(has_dt_bias),
+            int(tile_v), bool(aligned))
+
+
+def compile_variant(key, arch: str, extra_options: str = ""):
+    """Compile one variant outside the cache (CI compile checks, PTX dumps)."""
+    global _EXTRA_OPTIONS
+    saved, _EXTRA_OPTIONS = _EXTRA_OPTIONS, extra_options
+    try:
+        return _compile(key, arch)
+    finally:
+        _EXTRA_OPTIONS = saved
+
+
+_ARCH_BY_DEVICE: dict[int, str] = {}
+
+
+def _arch_for(device: torch.device) -> str:
+    # CUTE_DSL_ARCH wins (read each call: cheap); else the device's capability, looked up once.
+    import os
+
+    env = os.environ.get("CUTE_DSL_ARCH", "").strip()
+    if env:
+        return env
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    arch = _ARCH_BY_DEVICE.get(index)
+    if arch is None:
+        with torch.cuda.device(index):
+            arch = _ARCH_BY_DEVICE[index] = _launch.target_arch()
+    return arch
+
+
+def kda_decode_t1(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state_pool,
+    slot_indices,
+    *,
+    A_log=None,
+    dt_bias=None,
+    lower_bound=None,
+    use_gate_in_kernel=True,
+    beta_is_logit=True,
+    use_qk_l2norm_in_kernel=True,
+    scale=None,
+    output=None,
+):
+    """One T=1 KDA decode step, updating ``state_pool`` in place. Returns ``output``.
+
+    Args (B sequences, H heads, K = V = 128):
+        q, k, v: [B, 1, H, 128] bf16, last dim contiguous (other strides free: views of a fused QKV output).
+        g: [B, 1, H, 128] bf16 (or fp32): the raw gate (``use_gate_in_kernel=True``) or the log-space decay.
+        beta: [B, 1, H] bf16 or fp32: a logit (``beta_is_logit=True``) or already sigmoided.
+        state_pool: [N, H, 128, 128] bf16 or fp32, K contiguous, dim-0 stride may be padded (multiple of 8).
+        slot_indices: [B] int32. A slot outside [0, N) makes its row inactive: zero output, pool untouched.
+        A_log: [H] fp32 (in-kernel gate). dt_bias: [H*128] or [H, 128] fp32, optional.
+        lower_bound: float < 0 for the Kimi K3 gate ``lb * sigmoid(exp(A_log) * x)``; None for the softplus gate.
+        use_gate_in_kernel: False means ``g`` is already log-space (A_log, dt_bias, lower_bound are ignored).
+        scale: query scale, default 128 ** -0.5. output: [B, 1, H, 128] bf16, allocated when None.
+
+    Duplicate active slots in one call are a caller error (two CTAs would race on one state).
+    No host sync, no allocation when ``output`` is given; safe under CUDA-graph capture.
+
+    Example::
+
+        out = kda_decode_t1(q, k, v, g, beta, pool, slots, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+    """
+    kwargs = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
+                  beta_is_logit=beta_is_logit, scale=scale, output=output)
+    if _shared_validate is not None:
+        call = _shared_validate(q, k, v, g, beta, state_pool, slot_indices, **kwargs)
+        aligned, gate, scale = call.aligned, call.gate_mode, call.scale
+    else:
+        _check_args(q, k, v, g, beta, state_pool, slot_indices, output, A_log, dt_bias, lower_bound,
+                    use_gate_in_kernel)
+        gate = gate_mode(use_gate_in_kernel, lower_bound)
+        aligned = _launch.alignment_of(q, k, v, g, state_pool, output, dt_bias) == _launch.VECTOR_BYTES
+        scale = HEAD_DIM**-0.5 if scale is None else float(scale)
+    return _run(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound, gate, beta_is_logit,
+                use_qk_l2norm_in_kernel, scale, output, aligned)
+
+
+def _run(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound, gate, beta_is_logit, l2norm,
+         scale, output, aligned):
+    """Launch on validated arguments (shared by both entry points)."""
+    B, _, H, _ = q.shape
+    if output is None:
+        output = torch.empty((B, 1, H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
+    if B == 0:
+        return output
+    if gate == GateMode.PRECOMPUTED:
+        A_log = dt_bias = None
+    elif dt_bias is not None and dt_bias.dim() != 1:
+        dt_bias = dt_bias.view(-1)
+    cfg = select_config(B, H, state_pool.dtype, aligned)
+    key = variant_key(
+        state_dtype=state_pool.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, gate=gate, beta_is_logit=beta_is_logit,
+        use_qk_l2norm=l2norm, has_dt_bias=dt_bias is not None, tile_v=cfg.tile_v, aligned=aligned,
+    )
+    fn = _launch.get_or_compile(key, _compile, _arch_for(q.device))
+    fn(q, k, v, g, beta, A_log, dt_bias, state_pool, slot_indices, output, scale,
+       -1.0 if lower_bound is None else float(lower_bound))
+    return output
+
+
+def kda_decode_t1_packed(
+    mixed_qkv,
+    raw_gate,
+    raw_beta,
+    state_pool,
+    slot_indices,
+    *,
+    num_heads,
+    A_log=None,
+    dt_bias=None,
+    lower_bound=None,
+    use_gate_in_kernel=True,
+    beta_is_logit=True,
+    use_qk_l2norm_in_kernel=True,
+    scale=None,
+    output=None,
+):
+    """:func:`kda_decode_t1` on the packed rows of one GEMM output (zero-copy views, same compiled kernel).
+
+    mixed_qkv [B, 3*H*128] laid out [q heads | k heads | v heads]; raw_gate [B, H*128]; raw_beta [B, H]; row
+    strides may exceed the row. Other arguments as :func:`kda_decode_t1`; returns output [B, 1, H, 128].
+    """
+    if _shared_validate_packed is None:
+        q, k, v, g, beta = unpack_packed(mixed_qkv, raw_gate, raw_beta, num_heads, HEAD_DIM)
+        return kda_decode_t1(
+            q, k, v, g, beta, state_pool, slot_indices, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+            use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, scale=scale, output=output,
+        )
+    call = _shared_validate_packed(
+        mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, num_heads=num_heads, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit, scale=scale,
+        output=output,
+    )
+    q, k, v, g, beta = unpack_packed(mixed_qkv, raw_gate, raw_beta, num_heads, HEAD_DIM)
+    return _run(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound, call.gate_mode,
+                beta_is_logit, use_qk_l2norm_in_kernel, call.scale, output, call.aligned)

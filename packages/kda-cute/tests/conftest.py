@@ -1,0 +1,114 @@
+"""Shared fixtures of the kda-cute tests.
+
+GPU tests carry ``@pytest.mark.gpu`` and skip cleanly where CUDA is missing. CPU tests (compile checks,
+validation, schedule policy) compile for ``CUTE_DSL_ARCH`` (default sm_90a here) without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # The DSL reads the target once at import: set it before anything imports cutlass.
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+HEAD_DIM = 128
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@dataclass
+class DecodeCase:
+    """One T=1 decode call's inputs (unpacked views of a packed GEMM output, like a serving engine's)."""
+
+    mixed_qkv: torch.Tensor
+    raw_gate: torch.Tensor
+    raw_beta: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    pool: torch.Tensor
+    slots: torch.Tensor
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+    lower_bound: float | None
+    use_gate_in_kernel: bool
+    beta_is_logit: bool
+
+    def kwargs(self):
+        return dict(A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
+                    use_gate_in_kernel=self.use_gate_in_kernel, beta_is_logit=self.beta_is_logit)
+
+    def oracle(self, pool=None, dtype=torch.float32):
+        """(output, pool after the step) from kda_core's oracle, on a copy of the pool."""
+        from kda_core.oracle import recurrent_kda_ref
+
+        ref_pool = (self.pool if pool is None else pool).clone()
+        o, ref_pool = recurrent_kda_ref(
+            self.q, self.k, self.v, self.g, self.beta, A_log=self.A_log, dt_bias=self.dt_bias,
+            initial_state=ref_pool, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=self.use_gate_in_kernel,
+            lower_bound=self.lower_bound, beta_is_logit=self.beta_is_logit, ssm_state_indices=self.slots.long(),
+            dtype=dtype,
+        )
+        return o, ref_pool
+
+
+def make_case(B, H, *, state_dtype=torch.bfloat16, gate="lower_bound", n_slots=None, slots=None, seed=0,
+              row_pad=0, pool_row_pad=0, g_dtype=torch.bfloat16, device="cuda"):
+    """Random decode inputs. ``gate``: "lower_bound" | "softplus" | "precomputed".
+
+    ``row_pad`` pads the packed GEMM rows (elements), ``pool_row_pad`` pads the pool's dim-0 stride.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    K = HEAD_DIM
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, device=device) * scale
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=gen, device=device)
+
+    mixed = randn(B, 3 * H * K + row_pad).to(torch.bfloat16)[:, : 3 * H * K]
+    precomputed = gate == "precomputed"
+    if precomputed:
+        raw_gate = (-rand(B, H * K + row_pad) * 0.5).to(g_dtype)[:, : H * K]
+        raw_beta = rand(B, H).to(torch.bfloat16)
+    else:
+        raw_gate = randn(B, H * K + row_pad).to(g_dtype)[:, : H * K]
+        raw_beta = randn(B, H).to(torch.bfloat16)
+    from kda_core.oracle import unpack_packed
+
+    q, k, v, g, beta = unpack_packed(mixed, raw_gate, raw_beta, H, K)
+    n_slots = n_slots if n_slots is not None else 2 * B + 3
+    pool_storage = randn(n_slots, H * K * K + pool_row_pad, scale=0.1).to(state_dtype)
+    pool = pool_storage[:, : H * K * K].view(n_slots, H, K, K) if pool_row_pad == 0 else \
+        pool_storage.as_strided((n_slots, H, K, K), (H * K * K + pool_row_pad, K * K, K, 1))
+    if slots is None:
+        slots = torch.randperm(n_slots, generator=gen, device=device)[:B]
+    slots = torch.as_tensor(slots, dtype=torch.int32).to(device)
+    A_log = dt_bias = lb = None
+    if not precomputed:
+        A_log = torch.log(rand(H) * 15 + 1)
+        dt_bias = randn(H * K, scale=0.5)
+        lb = -5.0 if gate == "lower_bound" else None
+    return DecodeCase(mixed, raw_gate, raw_beta, q, k, v, g, beta, pool, slots, A_log, dt_bias, lb,
+                      use_gate_in_kernel=not precomputed, beta_is_logit=not precomputed)
+
+
+@pytest.fixture(name="make_case")
+def make_case_fixture():
+    """The :func:`make_case` factory."""
+    return make_case

@@ -1,0 +1,90 @@
+"""CPU compile checks: every T=1 decode variant builds for sm_90a and sm_100a, and none spills registers.
+
+No GPU needed (``CUTE_DSL_ARCH`` is set by conftest; ``--gpu-arch`` picks the target per compile).
+The structural axes (pool dtype x gate x tile x alignment) are crossed in full; the small const_expr
+flags (beta logit, in-kernel L2 norm, dt_bias, fp32 g / beta) are each flipped on a fixed base.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+ARCHS = ("sm_90a", "sm_100a")
+TILES = (8, 16, 32, 64, 128)
+
+
+def _variants():
+    from kda_core.contracts import GateMode
+
+    base = dict(state_dtype=torch.bfloat16, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
+                gate=GateMode.LOWER_BOUND, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True, tile_v=32,
+                aligned=True)
+    out = []
+    for sd, gate, tile, aligned in itertools.product((torch.bfloat16, torch.float32), tuple(GateMode), TILES,
+                                                      (True, False)):
+        out.append({**base, "state_dtype": sd, "gate": gate, "tile_v": tile, "aligned": aligned})
+    for flag in (dict(beta_is_logit=False), dict(use_qk_l2norm=False), dict(has_dt_bias=False),
+                 dict(g_dtype=torch.float32, gate=GateMode.PRECOMPUTED), dict(beta_dtype=torch.float32)):
+        out.append({**base, **flag})
+    return out
+
+
+def _ident(v):
+    return (f"{str(v['state_dtype'])[6:]}-{v['gate'].value}-tv{v['tile_v']}-{'al' if v['aligned'] else 'unal'}"
+            f"{'' if v['beta_is_logit'] else '-sigbeta'}{'' if v['use_qk_l2norm'] else '-nonorm'}"
+            f"{'' if v['has_dt_bias'] else '-nobias'}-g{str(v['g_dtype'])[6:]}-b{str(v['beta_dtype'])[6:]}")
+
+
+VARIANTS = _variants()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("variant", VARIANTS, ids=[_ident(v) for v in VARIANTS])
+def test_decode_t1_variant_compiles(variant, arch):
+    from kda_cute import decode_t1
+
+    key = decode_t1.variant_key(**variant)
+    assert decode_t1.compile_variant(key, arch) is not None
+
+
+def _ptxas_report(ptx_path, arch):
+    """``ptxas -v`` output; a PTX newer than the local ptxas is retried with the .version it supports."""
+    cmd = [shutil.which("ptxas"), f"-arch={arch}", "-v", str(ptx_path), "-o", "/dev/null"]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    newest = re.search(r"Unsupported \.version \S+; current version is '([\d.]+)'", run.stderr)
+    if run.returncode and newest:
+        text = ptx_path.read_text()
+        ptx_path.write_text(re.sub(r"^\.version \S+", f".version {newest.group(1)}", text, count=1, flags=re.M))
+        run = subprocess.run(cmd, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return run.stderr + run.stdout
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("tile_v", TILES)
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, arch, tmp_path):
+    from kda_core.contracts import GateMode
+    from kda_cute import decode_t1
+
+    # The softplus gate is the longest preamble (log1p + exp per channel): the register high-water mark.
+    key = decode_t1.variant_key(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
+                                gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
+                                tile_v=tile_v, aligned=aligned)
+    decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    ptx = sorted(tmp_path.glob("*.ptx"))
+    assert ptx, "no PTX kept"
+    report = _ptxas_report(ptx[0], arch)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills, report
+    assert all(int(s) == 0 and int(ld) == 0 for s, ld in spills), report
+    stack = re.findall(r"(\d+) bytes stack frame", report)
+    assert all(int(x) == 0 for x in stack), report

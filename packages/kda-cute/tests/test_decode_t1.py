@@ -1,0 +1,210 @@
+"""T=1 decode kernel against kda-core's oracle (GPU), one behaviour per test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+TILES = (8, 16, 32, 64, 128)
+
+
+def _decode(case, *, output=None, **over):
+    from kda_cute import kda_decode_t1
+
+    kw = case.kwargs()
+    kw.update(over)
+    return kda_decode_t1(case.q, case.k, case.v, case.g, case.beta, case.pool, case.slots, output=output, **kw)
+
+
+def _assert_matches_oracle(case, out, pool_after, ref_out, ref_pool):
+    """State within one rounding of the pool dtype; output within bf16 rounding of the oracle's."""
+    if pool_after.dtype == torch.bfloat16:
+        s_tol = dict(atol=2e-3, rtol=1.6e-2)
+    else:
+        s_tol = dict(atol=2e-5, rtol=2e-4)
+    torch.testing.assert_close(pool_after.float(), ref_pool.float(), **s_tol)
+    scale = ref_out.float().abs().max().item() + 1e-6
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2 * scale, rtol=2e-2)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus", "precomputed"])
+@pytest.mark.parametrize("tile_v", TILES)
+def test_every_tile_gate_and_pool_dtype_matches_oracle(state_dtype, gate, tile_v, monkeypatch, make_case):
+    monkeypatch.setenv("KDA_DECODE_TILE_V", str(tile_v))
+    case = make_case(5, 12, state_dtype=state_dtype, gate=gate, seed=tile_v)
+    ref_out, ref_pool = case.oracle()
+    out = _decode(case)
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+@pytest.mark.parametrize("B", [1, 2, 3, 7, 16, 33, 64, 100, 255, 512, 1000, 1024])
+def test_batch_sizes_match_oracle_with_policy_tile(B, make_case):
+    case = make_case(B, 12, seed=B)
+    ref_out, ref_pool = case.oracle()
+    out = _decode(case)
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+@pytest.mark.parametrize("H", [8, 16, 24, 32, 48, 64, 96])
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_head_counts_match_oracle(H, state_dtype, make_case):
+    case = make_case(3, H, state_dtype=state_dtype, gate="softplus", seed=H)
+    ref_out, ref_pool = case.oracle()
+    out = _decode(case)
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+def test_fp32_precomputed_gate_and_fp32_beta_match_oracle(make_case):
+    case = make_case(9, 12, gate="precomputed", g_dtype=torch.float32, seed=3)
+    case.beta = case.beta.float()
+    ref_out, ref_pool = case.oracle()
+    out = _decode(case)
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+def test_inactive_slots_give_zero_output_and_leave_pool_bitwise_untouched(make_case):
+    case = make_case(6, 12, n_slots=10, slots=[3, -1, 10, 7, -2147483648, 2147483647], seed=1)
+    before = case.pool.clone()
+    ref_out, ref_pool = case.oracle()
+    out = _decode(case, output=torch.full((6, 1, 12, 128), 7.0, dtype=torch.bfloat16, device="cuda"))
+    inactive = torch.tensor([1, 2, 4, 5], device="cuda")
+    assert torch.count_nonzero(out[inactive]) == 0
+    untouched = [s for s in range(10) if s not in (3, 7)]
+    assert torch.equal(case.pool[untouched], before[untouched])
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_all_inactive_batch_is_a_bitwise_noop_on_the_pool(state_dtype, make_case):
+    case = make_case(4, 12, state_dtype=state_dtype, n_slots=5, slots=[-1, 5, 99, -7])
+    before = case.pool.clone()
+    out = _decode(case)
+    assert torch.equal(case.pool, before)
+    assert torch.count_nonzero(out) == 0
+
+
+def test_packed_and_unpacked_entries_are_bitwise_identical(make_case):
+    from kda_cute import kda_decode_t1_packed
+
+    case = make_case(37, 12, row_pad=24, seed=5)
+    pool_a = case.pool.clone()
+    out_unpacked = _decode(case)
+    pool_unpacked = case.pool.clone()
+    case.pool.copy_(pool_a)
+    out_packed = kda_decode_t1_packed(case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, case.slots,
+                                      num_heads=12, **case.kwargs())
+    assert torch.equal(out_packed, out_unpacked)
+    assert torch.equal(case.pool, pool_unpacked)
+
+
+def _shifted(t, shift=1):
+    """Same values in a buffer offset by ``shift`` elements: the data pointer loses 16-byte alignment."""
+    buf = torch.empty(t.numel() + shift, dtype=t.dtype, device=t.device)
+    view = buf[shift:].view(t.shape)
+    view.copy_(t.contiguous())
+    return view
+
+
+@pytest.mark.parametrize("arg", ["q", "k", "v", "g", "beta", "dt_bias", "output", "pool"])
+def test_misaligned_argument_takes_unaligned_variant_and_matches_oracle(arg, make_case):
+    case = make_case(5, 12, seed=11)
+    output = None
+    if arg == "output":
+        output = _shifted(torch.zeros(5, 1, 12, 128, dtype=torch.bfloat16, device="cuda"))
+    elif arg == "pool":
+        case.pool = _shifted(case.pool)
+    elif arg == "dt_bias":
+        case.dt_bias = _shifted(case.dt_bias)
+    else:
+        setattr(case, arg, _shifted(getattr(case, arg)))
+    ref_out, ref_pool = case.oracle()
+    out = _decode(case, output=output)
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+def test_odd_row_strides_and_padded_pool_match_oracle(make_case):
+    # 3*12*128 + 3 elements per packed row: every row after the first is misaligned.
+    case = make_case(7, 12, row_pad=3, pool_row_pad=8, seed=13)
+    assert case.pool.stride(0) == 12 * 128 * 128 + 8
+    ref_out, ref_pool = case.oracle()
+    out = _decode(case)
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+def test_cuda_graph_replay_follows_changed_inputs_and_indices(make_case):
+    case = make_case(16, 12, n_slots=40, seed=17)
+    out = torch.empty(16, 1, 12, 128, dtype=torch.bfloat16, device="cuda")
+    _decode(case, output=out)  # load the module before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _decode(case, output=out)
+    for step in range(3):
+        fresh = make_case(16, 12, n_slots=40, seed=100 + step)
+        case.mixed_qkv.copy_(fresh.mixed_qkv)
+        case.raw_gate.copy_(fresh.raw_gate)
+        case.raw_beta.copy_(fresh.raw_beta)
+        case.slots.copy_(fresh.slots)
+        ref_out, ref_pool = case.oracle()
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+def test_runs_on_a_non_default_stream(make_case):
+    case = make_case(8, 12, seed=19)
+    ref_out, ref_pool = case.oracle()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        # A long kernel first on the same stream: a launch on the default stream would race it.
+        torch.cuda._sleep(2_000_000)
+        out = _decode(case)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+def test_512_step_fp32_pool_drift_against_fp64_oracle_is_bounded(make_case):
+    """Drift diagnostic: the fp32 pool after 512 kernel steps vs an fp64 running state."""
+    B, H, steps = 4, 12, 512
+    case = make_case(B, H, state_dtype=torch.float32, n_slots=B, slots=list(range(B)), seed=23)
+    ref64 = case.pool.double().clone()
+    worst = 0.0
+    for step in range(steps):
+        fresh = make_case(B, H, state_dtype=torch.float32, n_slots=B, slots=list(range(B)), seed=1000 + step)
+        case.mixed_qkv.copy_(fresh.mixed_qkv)
+        case.raw_gate.copy_(fresh.raw_gate)
+        case.raw_beta.copy_(fresh.raw_beta)
+        _, ref64 = case.oracle(pool=ref64, dtype=torch.float64)
+        _decode(case)
+        if step % 64 == 63 or step == steps - 1:
+            rel = ((case.pool.double() - ref64).norm() / ref64.norm()).item()
+            worst = max(worst, rel)
+    print(f"512-step fp32 drift: worst relative Frobenius error {worst:.3e}")
+    assert worst < 1e-4
+
+
+def test_agrees_with_fla_in_place_kernel(make_case):
+    fla = pytest.importorskip("fla.ops.kda.fused_recurrent")
+    for gate in ("lower_bound", "softplus"):
+        case = make_case(32, 12, n_slots=64, seed=29, gate=gate)
+        q, k, v, g, beta = (x.contiguous() for x in (case.q, case.k, case.v, case.g, case.beta))
+        fla_pool = case.pool.clone()
+        fla_out, _ = fla.fused_recurrent_kda_fwd(
+            q, k, v, g, beta, A_log=case.A_log, dt_bias=case.dt_bias, initial_state=fla_pool,
+            inplace_final_state=True, state_v_first=True, ssm_state_indices=case.slots,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+            lower_bound=case.lower_bound,
+        )
+        out = _decode(case)
+        _assert_matches_oracle(case, out, case.pool, fla_out, fla_pool)
+
+
+def test_given_output_is_written_and_returned_without_allocation(make_case):
+    case = make_case(3, 12, seed=31)
+    out = torch.zeros(3, 1, 12, 128, dtype=torch.bfloat16, device="cuda")
+    assert _decode(case, output=out) is out
+    assert torch.count_nonzero(out) > 0

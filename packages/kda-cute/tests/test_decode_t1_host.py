@@ -1,0 +1,104 @@
+"""Host side of the T=1 decode (CPU): schedule policy, forced tiles, argument checks, alignment classes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kda_core.errors import KDAError
+
+
+def test_policy_returns_a_legal_tile_for_every_batch_and_head_count():
+    from kda_cute.decode_t1 import TILE_V_CHOICES, select_config
+
+    for B in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096):
+        for H in (8, 12, 16, 24, 32, 48, 64, 96):
+            for dtype in (torch.bfloat16, torch.float32):
+                assert select_config(B, H, dtype, True).tile_v in TILE_V_CHOICES
+
+
+def test_policy_uses_smaller_tiles_at_small_batch():
+    from kda_cute.decode_t1 import select_config
+
+    assert select_config(1, 12, torch.bfloat16, True).tile_v <= select_config(512, 12, torch.bfloat16, True).tile_v
+
+
+@pytest.mark.parametrize("tile_v", [8, 16, 32, 64, 128])
+def test_knob_forces_the_tile(tile_v, monkeypatch):
+    from kda_cute.decode_t1 import select_config
+
+    monkeypatch.setenv("KDA_DECODE_TILE_V", str(tile_v))
+    assert select_config(512, 12, torch.bfloat16, True).tile_v == tile_v
+
+
+@pytest.mark.parametrize("bad", ["24", "256", "-8", "abc"])
+def test_invalid_forced_tile_raises_naming_the_knob(bad, monkeypatch):
+    from kda_cute.decode_t1 import select_config
+
+    monkeypatch.setenv("KDA_DECODE_TILE_V", bad)
+    with pytest.raises(KDAError, match="KDA_DECODE_TILE_V"):
+        select_config(4, 12, torch.bfloat16, True)
+
+
+def _call(case, **over):
+    from kda_cute import kda_decode_t1
+
+    args = dict(q=case.q, k=case.k, v=case.v, g=case.g, beta=case.beta, state_pool=case.pool,
+                slot_indices=case.slots)
+    kw = case.kwargs()
+    for name, value in over.items():
+        (args if name in args else kw)[name] = value
+    return kda_decode_t1(*args.values(), **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "argument, bad",
+    [
+        ("q", lambda c: c.q[..., :64]),
+        ("k", lambda c: c.k.float()),
+        ("v", lambda c: c.v[:1]),
+        ("g", lambda c: c.g.half()),
+        ("beta", lambda c: c.beta[..., :4]),
+        ("state_pool", lambda c: c.pool.transpose(2, 3)),
+        ("state_pool", lambda c: c.pool.half()),
+        ("state_pool", lambda c: c.pool[:, :4]),
+        ("slot_indices", lambda c: c.slots.long()),
+        ("A_log", lambda c: None),
+        ("dt_bias", lambda c: c.dt_bias[:100]),
+        ("lower_bound", lambda c: 0.5),
+    ],
+)
+def test_bad_argument_raises_kdaerror_naming_it(make_case, argument, bad):
+    case = make_case(2, 8, n_slots=3)
+    with pytest.raises(KDAError, match=rf"^{argument}: expected"):
+        _call(case, **{argument: bad(case)})
+
+
+def test_cpu_tensors_are_rejected_before_any_launch(make_case):
+    with pytest.raises(KDAError, match="^q: expected a CUDA tensor"):
+        _call(make_case(2, 8, n_slots=3, device="cpu"))
+
+
+@pytest.mark.parametrize("argument", ["q", "state_pool", "slot_indices"])
+def test_private_checker_names_the_bad_argument(make_case, argument):
+    """The stand-in used where kda_core.validation is missing follows the same message shape."""
+    from kda_cute.decode_t1 import _check_args
+
+    c = make_case(2, 8, n_slots=3, device="cpu")
+    bad = {"q": c.q[..., :64], "state_pool": c.pool.transpose(2, 3), "slot_indices": c.slots.long()}
+    args = dict(q=c.q, k=c.k, v=c.v, g=c.g, beta=c.beta, state_pool=c.pool, slot_indices=c.slots)
+    args[argument] = bad[argument]
+    with pytest.raises(KDAError, match=rf"^{argument}: expected"):
+        _check_args(*args.values(), None, c.A_log, c.dt_bias, c.lower_bound, True)
+
+
+def test_alignment_classes_follow_pointer_and_strides():
+    from kda_cute._launch import alignment_of
+
+    base = torch.zeros(4, 3 * 128 + 8, dtype=torch.bfloat16)
+    assert alignment_of(base[:, :128]) == 16
+    assert alignment_of(base[:, 1:129]) == 2  # pointer shifted by one bf16
+    odd_rows = torch.zeros(4, 3 * 128 + 3, dtype=torch.bfloat16)[:, :128]
+    assert alignment_of(odd_rows) == 2  # 774-byte row stride
+    assert alignment_of(torch.zeros(1, 1, 2, 128, dtype=torch.bfloat16)[:, :, :1]) == 16  # size-1 dims ignored
