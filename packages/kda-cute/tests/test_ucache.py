@@ -1,0 +1,314 @@
+"""GPU tests of the ucache verify+flush kernel against kda-core's oracle (issue 5, item 5).
+
+Each test builds one random step (pool, rings with a live window of P rows, cursors), runs the kernel and the
+oracle on separate copies, and compares outputs (fp32 oracle vs bf16 kernel: atol = rtol = 8e-3), the pool
+(bf16 both sides, rounded once: 2e-2) and the appended ring rows. Stale ring rows (j >= P) hold NaN / inf so
+any read of them shows up as a non-finite result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+from kda_core.contracts import RING_SLOTS, default_flush_min, max_hist_len
+
+K = 128
+OUT_TOL = dict(atol=8e-3, rtol=8e-3)
+STATE_TOL = dict(atol=2e-2, rtol=1e-2)
+RING_TOL = dict(atol=1e-2, rtol=1e-2)
+
+pytestmark = pytest.mark.gpu
+
+
+@dataclass
+class Step:
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    lower_bound: float | None
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    b: torch.Tensor
+    pool: torch.Tensor
+    slots: torch.Tensor
+    k_cache: torch.Tensor
+    u_cache: torch.Tensor
+    g_cache: torch.Tensor
+    hist_len: torch.Tensor
+    cache_base: torch.Tensor
+    flush_min: int
+    w_ring: int
+
+    def clone(self) -> Step:
+        def copy(t):
+            if t.dim() == 4 and t.shape[2:] == (K, K) and not t.is_contiguous():  # keep a padded pool padded
+                storage = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                storage.copy_(t)
+                return storage
+            return t.clone()
+
+        fields = {f: copy(getattr(self, f)) for f in ("pool", "k_cache", "u_cache", "g_cache", "hist_len",
+                                                       "cache_base")}
+        return replace(self, **fields)
+
+
+def make_step(B, T, H, *, hist=None, bases=None, n_slots=None, slots=None, w_ring=16, flush_min=None,
+              gate="lower_bound", decay_range=(-0.5, 0.0), pool_row_pad=0, seed=0, device="cuda"):
+    """Random step. hist/bases: per-row P and cache_base (default: random legal values)."""
+    gen = torch.Generator().manual_seed(seed)
+    cap = max_hist_len(T, w_ring)
+    n_slots = n_slots or 2 * B + 3
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen) * scale
+
+    hist = torch.randint(0, cap + 1, (B,), generator=gen) if hist is None else torch.as_tensor(hist)
+    bases = torch.randint(0, RING_SLOTS, (B,), generator=gen) if bases is None else torch.as_tensor(bases)
+    hist = hist.expand(B).to(torch.int32)
+    bases = bases.expand(B).to(torch.int32)
+    if slots is None:
+        slots = torch.randperm(n_slots, generator=gen)[:B]
+    slots = torch.as_tensor(slots, dtype=torch.int32)
+
+    storage = randn(n_slots, H * K * K + pool_row_pad, scale=0.1).to(torch.bfloat16)
+    pool = storage.as_strided((n_slots, H, K, K), (H * K * K + pool_row_pad, K * K, K, 1))
+    # Rings: every slot stale (NaN / inf) except the live windows of the rows of this step.
+    k_cache = torch.full((n_slots, H, RING_SLOTS, K), float("inf"), dtype=torch.bfloat16)
+    u_cache = torch.full((n_slots, H, RING_SLOTS, K), float("nan"), dtype=torch.bfloat16)
+    g_cache = torch.full((n_slots, H, RING_SLOTS, K), float("nan"), dtype=torch.float32)
+    lo, hi = decay_range
+    for i in range(B):
+        s, P, base = int(slots[i]), int(hist[i]), int(bases[i])
+        if not 0 <= s < n_slots or P == 0:
+            continue
+        phys = [(base + j) % RING_SLOTS for j in range(P)]
+        kk = randn(H, P, K)
+        k_cache[s, :, phys] = (kk / kk.norm(dim=-1, keepdim=True)).to(torch.bfloat16)
+        u_cache[s, :, phys] = randn(H, P, K).to(torch.bfloat16)
+        steps = lo + (hi - lo) * torch.rand(H, P, K, generator=gen)
+        g_cache[s, :, phys] = steps.cumsum(1)
+
+    gate_in = randn(B, T, H, K)
+    lower_bound = -5.0
+    if gate == "softplus":
+        lower_bound = None
+    A_log = torch.log(torch.rand(H, generator=gen) * 15 + 1)
+    dt_bias = randn(H * K, scale=0.5)
+    step = Step(
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        q=randn(B, T, H, K).to(torch.bfloat16), k=randn(B, T, H, K).to(torch.bfloat16),
+        v=randn(B, T, H, K).to(torch.bfloat16), g=gate_in.to(torch.bfloat16), b=randn(B, T, H).to(torch.bfloat16),
+        pool=pool, slots=slots, k_cache=k_cache, u_cache=u_cache, g_cache=g_cache, hist_len=hist,
+        cache_base=bases, flush_min=flush_min or default_flush_min(T, w_ring), w_ring=w_ring,
+    )  # fmt: skip
+    moved = {}
+    for name, value in vars(step).items():
+        if isinstance(value, torch.Tensor):
+            if name == "pool":
+                padded = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
+                padded.copy_(value)
+                moved[name] = padded
+            else:
+                moved[name] = value.to(device)
+    return replace(step, **moved)
+
+
+def run_kernel(step: Step, restart=False, output=None) -> torch.Tensor:
+    from kda_cute.ucache import ucache_verify_flush
+
+    B, T, H, _ = step.q.shape
+    out = output if output is not None else torch.empty(B, T, H, K, dtype=torch.bfloat16, device=step.q.device)
+    return ucache_verify_flush(
+        step.A_log, step.g, step.dt_bias, step.lower_bound, step.q, step.k, step.v, step.b, step.pool, step.slots,
+        step.k_cache, step.u_cache, step.g_cache, step.hist_len, step.cache_base, step.flush_min, step.w_ring,
+        K**-0.5, out, restart_hist_on_flush=restart,
+    )  # fmt: skip
+
+
+def run_oracle(step: Step, restart=False) -> torch.Tensor:
+    from kda_core.oracle import ucache_verify_flush_ref
+
+    return ucache_verify_flush_ref(
+        step.A_log, step.g, step.dt_bias, step.lower_bound, q=step.q, k=step.k, v=step.v, b=step.b,
+        initial_state_source=step.pool, initial_state_indices=step.slots, k_cache=step.k_cache,
+        u_cache=step.u_cache, g_cache=step.g_cache, hist_len=step.hist_len, cache_base=step.cache_base,
+        flush_min=step.flush_min, restart_hist_on_flush=restart, w_ring=step.w_ring, out_dtype=None,
+    )  # fmt: skip
+
+
+def check_against_oracle(step: Step, restart=False):
+    """Run both on copies; assert every quantity matches; return (kernel step, oracle step, out, ref)."""
+    mine, ref = step.clone(), step.clone()
+    out = run_kernel(mine, restart)
+    expected = run_oracle(ref, restart)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), expected, **OUT_TOL)
+    torch.testing.assert_close(mine.pool.float(), ref.pool.float(), **STATE_TOL)
+    torch.testing.assert_close(mine.k_cache.float(), ref.k_cache.float(), equal_nan=True, **RING_TOL)
+    torch.testing.assert_close(mine.u_cache.float(), ref.u_cache.float(), equal_nan=True, **RING_TOL)
+    torch.testing.assert_close(mine.g_cache, ref.g_cache, equal_nan=True, atol=1e-4, rtol=1e-5)
+    assert torch.equal(mine.hist_len, ref.hist_len) and torch.equal(mine.cache_base, ref.cache_base)
+    return mine, ref, out, expected
+
+
+@pytest.mark.parametrize("T", [4, 8])
+def test_empty_history_matches_oracle(T):
+    check_against_oracle(make_step(8, T, 12, hist=0, seed=1))
+
+
+@pytest.mark.parametrize("T", [4, 8])
+@pytest.mark.parametrize("base", [0, 29])
+def test_full_window_flush_matches_oracle(T, base):
+    step = make_step(8, T, 12, hist=default_flush_min(T, 16), bases=base, seed=2)
+    mine, _, _, _ = check_against_oracle(step)
+    # every row flushed: the pool rows of the batch changed
+    assert not torch.equal(mine.pool[step.slots.long()], step.pool[step.slots.long()])
+
+
+@pytest.mark.parametrize("T", [4, 8])
+def test_mixed_folds_wrapped_bases_match_oracle(T):
+    check_against_oracle(make_step(32, T, 12, seed=3))
+
+
+@pytest.mark.parametrize("H", [8, 24, 96])
+def test_head_counts_match_oracle(H):
+    check_against_oracle(make_step(4, 8, H, seed=4))
+
+
+def test_softplus_gate_matches_oracle():
+    check_against_oracle(make_step(16, 8, 12, gate="softplus", seed=5))
+
+
+def test_strong_decay_matches_oracle():
+    # ring G down to about -40 per channel, and the softplus gate for unbounded per-token decay
+    step = make_step(16, 8, 12, hist=torch.arange(16) % 9 + 8, decay_range=(-5.0, -1.0), gate="softplus",
+                     seed=6)  # fmt: skip
+    assert step.g_cache[torch.isfinite(step.g_cache)].min() < -35
+    check_against_oracle(step)
+
+
+@pytest.mark.parametrize("T", [4, 8])
+def test_w_ring_32_matches_oracle(T):
+    fm = default_flush_min(T, 32)
+    step = make_step(16, T, 12, w_ring=32, flush_min=fm, hist=torch.arange(16) % (max_hist_len(T, 32) + 1),
+                     seed=7)  # fmt: skip
+    check_against_oracle(step)
+
+
+def test_flush_never_modifies_the_live_window():
+    T = 8
+    step = make_step(8, T, 12, hist=9, bases=torch.tensor([0, 5, 20, 23, 24, 28, 30, 31]), seed=8)
+    mine = step.clone()
+    run_kernel(mine)
+    torch.cuda.synchronize()
+    for i in range(8):
+        s, base = int(step.slots[i]), int(step.cache_base[i])
+        live = [(base + j) % RING_SLOTS for j in range(9)]
+        for name in ("k_cache", "u_cache", "g_cache"):
+            assert torch.equal(getattr(mine, name)[s][:, live], getattr(step, name)[s][:, live]), name
+
+
+def test_appends_per_quantity():
+    T = 8
+    step = make_step(8, T, 12, hist=torch.tensor([0, 3, 8, 9, 9, 2, 5, 16]), seed=9)
+    mine, ref, _, _ = check_against_oracle(step)
+    for i in range(8):
+        s, P, base = int(step.slots[i]), int(step.hist_len[i]), int(step.cache_base[i])
+        new = [(base + P + t) % RING_SLOTS for t in range(T)]
+        torch.testing.assert_close(mine.k_cache[s][:, new].float(), ref.k_cache[s][:, new].float(), **RING_TOL)
+        torch.testing.assert_close(mine.u_cache[s][:, new].float(), ref.u_cache[s][:, new].float(), **RING_TOL)
+        torch.testing.assert_close(mine.g_cache[s][:, new], ref.g_cache[s][:, new], atol=1e-4, rtol=1e-5)
+        assert torch.isfinite(mine.g_cache[s][:, new]).all()
+
+
+def test_two_chained_steps_match_2T_sequential_tokens():
+    from kda_core.oracle import commit_ucache_ref, recurrent_kda_ref
+
+    T, H, B = 4, 12, 4
+    first = make_step(B, T, H, hist=0, bases=7, seed=10)
+    second = make_step(B, T, H, seed=11)
+    state0 = first.pool.clone()
+    step = first.clone()
+    out1 = run_kernel(step, restart=True)
+    commit_ucache_ref(step.hist_len, step.cache_base, torch.full((B,), T, device=step.hist_len.device))
+    assert torch.equal(step.hist_len.cpu(), torch.full((B,), T, dtype=torch.int32))
+    step2 = replace(step, q=second.q, k=second.k, v=second.v, g=second.g, b=second.b)
+    out2 = run_kernel(step2, restart=True)
+    torch.cuda.synchronize()
+    cat = lambda a, b: torch.cat([a, b], dim=1)  # noqa: E731
+    expected, _ = recurrent_kda_ref(
+        cat(first.q, second.q), cat(first.k, second.k), cat(first.v, second.v), cat(first.g, second.g),
+        cat(first.b, second.b), A_log=first.A_log, dt_bias=first.dt_bias, initial_state=state0[first.slots.long()],
+        use_gate_in_kernel=True, lower_bound=first.lower_bound, beta_is_logit=True,
+    )  # fmt: skip
+    torch.testing.assert_close(cat(out1, out2).float(), expected.float(), atol=1.6e-2, rtol=1.6e-2)
+
+
+def test_padded_pool_and_permuted_slots_leave_other_rows_untouched():
+    step = make_step(8, 8, 12, n_slots=40, pool_row_pad=8, hist=9, seed=12)
+    assert not step.pool.is_contiguous()
+    mine, _, _, _ = check_against_oracle(step)
+    others = sorted(set(range(40)) - set(step.slots.tolist()))
+    assert torch.equal(mine.pool[others], step.pool[others])
+    for name in ("k_cache", "u_cache", "g_cache"):
+        assert torch.equal(getattr(mine, name)[others].nan_to_num(), getattr(step, name)[others].nan_to_num())
+
+
+def test_out_of_range_slots_are_inactive():
+    n = 10
+    step = make_step(6, 8, 12, n_slots=n, slots=[-1, 3, n, -7, 5, n + 100], hist=9, seed=13)
+    mine, _, out, _ = check_against_oracle(step, restart=True)
+    inactive = torch.tensor([0, 2, 3, 5])
+    assert torch.equal(out[inactive].float(), torch.zeros_like(out[inactive].float()))
+    assert torch.equal(mine.hist_len[inactive], step.hist_len[inactive])
+    assert torch.equal(mine.cache_base[inactive], step.cache_base[inactive])
+
+
+def test_only_inactive_rows_is_a_bitwise_noop():
+    step = make_step(4, 8, 12, n_slots=6, slots=[-1, 6, 7, -2], hist=9, seed=14)
+    mine = step.clone()
+    run_kernel(mine, restart=True)
+    torch.cuda.synchronize()
+    assert torch.equal(mine.pool, step.pool)
+    for name in ("k_cache", "u_cache", "g_cache"):
+        assert torch.equal(getattr(mine, name).nan_to_num(), getattr(step, name).nan_to_num())
+
+
+def test_restart_hist_on_flush_matches_oracle_cursors():
+    check_against_oracle(make_step(32, 8, 12, seed=15), restart=True)
+
+
+def test_graph_replay_is_bitwise_equal_to_eager():
+    step = make_step(16, 8, 12, seed=16)
+    eager = step.clone()
+    out_eager = run_kernel(eager, restart=True)
+    graphed = step.clone()
+    out = torch.empty_like(out_eager)
+    run_kernel(graphed.clone(), restart=True)  # load the modules before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_kernel(graphed, restart=True, output=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, out_eager)
+    assert torch.equal(graphed.pool, eager.pool)
+    for name in ("k_cache", "u_cache", "g_cache", "hist_len", "cache_base"):
+        assert torch.equal(getattr(graphed, name).nan_to_num(), getattr(eager, name).nan_to_num()), name
+
+
+def test_batch_64_random_is_deterministic():
+    step = make_step(64, 8, 12, seed=17)
+    first, _, out1, _ = check_against_oracle(step)
+    second = step.clone()
+    out2 = run_kernel(second)
+    torch.cuda.synchronize()
+    assert torch.equal(out1, out2)
+    assert torch.equal(first.pool, second.pool)
+    for name in ("k_cache", "u_cache", "g_cache"):
+        assert torch.equal(getattr(first, name).nan_to_num(), getattr(second, name).nan_to_num())

@@ -1,0 +1,57 @@
+"""CPU compile checks of the ucache kernels for Hopper (sm_90a) and Blackwell (sm_100a).
+
+``cute.compile`` runs without a GPU once ``CUTE_DSL_ARCH`` is set (conftest.py does it on CPU machines); the
+``--gpu-arch`` option picks the target per compile, so one process builds both.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+ARCHS = ("sm_90a", "sm_100a")
+
+# (heads, T, w_ring, tile_v, softplus gate, aligned): the benchmark's configuration first, then the corners.
+CONFIGS = (
+    (12, 8, 16, 32, False, True),
+    (96, 4, 32, 32, True, False),
+    (8, 8, 32, 64, False, True),
+)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "H{}-T{}-w{}-tv{}-{}-{}".format(
+    c[0], c[1], c[2], c[3], "softplus" if c[4] else "lb", "aligned" if c[5] else "unaligned"))
+def test_verify_flush_kernel_compiles(arch, config):
+    from kda_cute.ucache import build_ucache_kernel
+
+    assert build_ucache_kernel(*config, arch) is not None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cursor_restart_kernel_compiles(arch):
+    from kda_cute.ucache import build_restart_kernel
+
+    assert build_restart_kernel(arch) is not None
+
+
+def test_compile_cache_key_separates_every_code_generation_parameter(monkeypatch):
+    from kda_cute import _launch, ucache
+
+    built = []
+    monkeypatch.setattr(ucache, "build_ucache_kernel", lambda *args, **kw: built.append(args) or (lambda *a: None))
+    monkeypatch.setattr(ucache, "restart_cursors", lambda *a: None)
+    import torch
+
+    def call(T=8, H=12, w_ring=16, lower_bound=-5.0, aligned=True, tile_v=None):
+        q = torch.empty(2, T, H, 128)
+        ucache.ucache_verify_flush(None, None, None, lower_bound, q, None, None, None, None, None, None, None, None,
+                                   None, None, 9, w_ring, 1.0, None, aligned=aligned, tile_v=tile_v)
+
+    _launch.clear_cache()
+    for kwargs in ({}, {"T": 4}, {"H": 24}, {"w_ring": 32}, {"lower_bound": None}, {"aligned": False},
+                   {"tile_v": 64}, {}):
+        call(**kwargs)
+    assert len(built) == 7  # the last call is a cache hit
+    _launch.clear_cache()
