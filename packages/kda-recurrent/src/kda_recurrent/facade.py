@@ -57,12 +57,40 @@ _missing: dict[str, str] = {}  # kernel name -> why it could not be imported
 _warned = False
 
 
+def _t1_entry():
+    """The T=1 kernel as ``fn(call, q, k, v, g, beta, pool, slots, A_log, dt_bias, lower_bound, use_gate_in_kernel,
+    beta_is_logit, use_qk_l2norm_in_kernel, scale, output) -> o``.
+
+    The facade has validated the call already, so it launches through decode_t1's launch-on-validated-arguments
+    entry (``_run``) when there is one: validating twice would cost about as much as the rest of the host path.
+    """
+    from kda_cute import decode_t1
+
+    launch = getattr(decode_t1, "_run", None)
+    if launch is None:
+        public = decode_t1.kda_decode_t1
+
+        def t1(call, q, k, v, g, beta, pool, slots, A_log, dt_bias, lower_bound, use_gate_in_kernel, beta_is_logit,
+               use_qk_l2norm_in_kernel, scale, output):
+            return public(q, k, v, g, beta, pool, slots, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                          use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit,
+                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, scale=scale, output=output)
+    else:
+
+        def t1(call, q, k, v, g, beta, pool, slots, A_log, dt_bias, lower_bound, use_gate_in_kernel, beta_is_logit,
+               use_qk_l2norm_in_kernel, scale, output):
+            return launch(q, k, v, g, beta, pool, slots, A_log, dt_bias, lower_bound, call.gate_mode, beta_is_logit,
+                          use_qk_l2norm_in_kernel, call.scale, output, call.aligned)
+
+    return t1
+
+
 def _load(name: str):
     """Import one kernel entry point once; remember why when it cannot be imported."""
     global _t1_kernel, _generic_kernel
     try:
         if name == "t1":
-            from kda_cute.decode_t1 import kda_decode_t1 as fn
+            fn = _t1_entry()
         else:
             from kda_cute.recurrent import kda_recurrent_fwd as fn
     except ImportError as err:  # kda-cute not installed, or its DSL libraries missing
@@ -85,13 +113,9 @@ def _generic():
     return _load("generic") if fn is _UNLOADED else fn
 
 
-def _on_cuda(t: torch.Tensor) -> bool:
-    return t.is_cuda
-
-
-def _route(call, q: torch.Tensor) -> Path:
+def _route(call) -> Path:
     """The path of a validated call (the routing rules of the module docstring, in order)."""
-    if not _on_cuda(q):
+    if not call.on_cuda:
         return Path.ORACLE
     if call.t1_eligible and knobs.get("KDA_T1_FAST_PATH"):
         return Path.T1 if _t1() is not None else Path.ORACLE
@@ -106,7 +130,7 @@ def _reason(path: Path, call, q: torch.Tensor) -> str:
         if call.t1_eligible:
             return "eligible for the T=1 kernel, but KDA_T1_FAST_PATH=0 switches the fast path off"
         return f"generic kernel: not T=1 eligible ({call.t1_reason})"
-    if not _on_cuda(q):
+    if not call.on_cuda:
         return f"tensors on {q.device.type}: the PyTorch oracle runs (the kernels need CUDA)"
     wanted = "t1" if call.t1_eligible and knobs.get("KDA_T1_FAST_PATH") else "generic"
     return f"kda-cute's {wanted} kernel is not importable ({_missing.get(wanted, 'unknown error')}): the oracle runs"
@@ -235,13 +259,10 @@ def _run_eager(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_fi
     call = _validate(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                      use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
                      ssm_state_indices, num_accepted_tokens, output)
-    path = _route(call, q)
+    path = _route(call)
     if path is Path.T1:
-        o = _t1_kernel(
-            q, k, v, g, beta, initial_state, ssm_state_indices, A_log=A_log, dt_bias=dt_bias,
-            lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, scale=scale, output=output,
-        )
+        o = _t1_kernel(call, q, k, v, g, beta, initial_state, ssm_state_indices, A_log, dt_bias, lower_bound,
+                       use_gate_in_kernel, beta_is_logit, use_qk_l2norm_in_kernel, scale, output)
         return (output if o is None else o), initial_state
     if path is Path.GENERIC:
         return _generic_kernel(
@@ -251,7 +272,7 @@ def _run_eager(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_fi
             cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
             output=output,
         )
-    if _on_cuda(q):
+    if call.on_cuda:
         _warn_oracle_once(_reason(path, call, q))
     o, final_state = recurrent_kda_ref(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
@@ -296,7 +317,7 @@ def explain(
     call = _validate(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                      use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
                      ssm_state_indices, num_accepted_tokens, output)
-    path = _route(call, q)
+    path = _route(call)
     return Route(path, _reason(path, call, q))
 
 

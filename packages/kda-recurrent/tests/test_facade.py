@@ -1,0 +1,195 @@
+"""``recurrent_kda`` against the kda-core oracle, in every state mode, on whatever device the machine has.
+
+On the CPU every call runs the oracle (the plumbing is under test: what is returned, what is written in place, what
+is left alone). On a GPU (``@pytest.mark.gpu``) the same cases run the kernels and are held to bf16 tolerances.
+"""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+import torch
+
+from kda_core.oracle import recurrent_kda_ref
+from kda_recurrent import facade
+from kda_recurrent.facade import Path, explain, recurrent_kda
+
+BF16 = torch.bfloat16
+HAS_CUDA = torch.cuda.is_available()
+
+
+def make_call(device, *, B=4, T=1, H=12, HV=None, K=128, mode="pool", N=16, pool_dtype=BF16, seed=0,
+              lower_bound=-5.0, pad_pool_stride=False):
+    """Keyword arguments of one Kimi K3-style call (in-kernel lower-bound gate, beta logits).
+
+    mode: "pool" (1-D slots with a padding row), "spec" (2-D slots, heterogeneous accepted counts, one padded
+    token), "varlen" (cu_seqlens with a zero-length sequence), "dense" (dense initial states, final state out).
+    """
+    HV = HV or H
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, dtype=BF16, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    def i32(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    Bq, Tq = (1, 3 * T + 1) if mode == "varlen" else (B, T)
+    kw = dict(
+        q=rnd(Bq, Tq, H, K), k=rnd(Bq, Tq, H, K), v=rnd(Bq, Tq, HV, K), g=rnd(Bq, Tq, HV, K),
+        beta=rnd(Bq, Tq, HV), A_log=rnd(H, dtype=torch.float32, scale=0.5), dt_bias=rnd(H * K, dtype=torch.float32),
+        use_gate_in_kernel=True, lower_bound=lower_bound, beta_is_logit=True,
+    )
+    if mode == "dense":
+        kw.update(initial_state=rnd(B, HV, K, K, dtype=torch.float32, scale=0.1), output_final_state=True)
+        return kw
+    rows = N + 3 if pad_pool_stride else N
+    storage = rnd(rows * HV * K * K, dtype=pool_dtype, scale=0.1)
+    row_stride = HV * K * K + (24 if pad_pool_stride else 0)
+    kw["initial_state"] = storage.as_strided((N, HV, K, K), (row_stride, K * K, K, 1))
+    if mode == "pool":
+        slots = [(3 * b + 1) % N for b in range(B)]
+        slots[B // 2] = -1  # a CUDA-graph padding row
+        kw["ssm_state_indices"] = i32(slots)
+    elif mode == "spec":
+        idx = torch.arange(B * T).reshape(B, T) % N
+        idx[B - 1, T - 1] = N + 5  # a padded token slot past the pool: skipped
+        kw["ssm_state_indices"] = idx.to(device=device, dtype=torch.int32)
+        kw["num_accepted_tokens"] = i32([1 + (b * 3) % T for b in range(B)])
+    elif mode == "varlen":
+        kw["cu_seqlens"] = i32([0, T, T, 3 * T, 3 * T + 1])  # a zero-length second sequence
+        kw["ssm_state_indices"] = i32([2, 5, 9, 11])
+    return kw
+
+
+def flat_storage(state):
+    """Every element of the state's storage, padding between pool rows included."""
+    return state.as_strided((state.untyped_storage().nbytes() // state.element_size(),), (1,), 0)
+
+
+def copy_call(kw):
+    """A deep copy of the call; the pool keeps its strides (and its padding) in a storage of its own."""
+    out = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    s = kw.get("initial_state")
+    if s is not None:
+        out["initial_state"] = flat_storage(s).clone().as_strided(s.shape, s.stride(), s.storage_offset())
+    return out
+
+
+def padding_of(state):
+    """The storage elements no pool row covers (a padded dim-0 stride)."""
+    covered = torch.zeros(flat_storage(state).numel(), dtype=torch.bool, device=state.device)
+    covered.as_strided(state.shape, state.stride(), state.storage_offset()).fill_(True)
+    return flat_storage(state)[~covered]
+
+
+def tol(dtype):
+    return dict(rtol=2e-2, atol=2e-2) if dtype == BF16 else dict(rtol=1e-3, atol=1e-3)
+
+
+def check_against_oracle(kw, exact):
+    mine, ref = copy_call(kw), copy_call(kw)
+    o, final = recurrent_kda(**mine)
+    o_ref, final_ref = recurrent_kda_ref(**ref)
+    t = dict(rtol=0, atol=0) if exact else tol(BF16)
+    torch.testing.assert_close(o, o_ref, **t)
+    if "ssm_state_indices" in kw:
+        pool = mine["initial_state"]
+        assert final is pool
+        torch.testing.assert_close(pool.float(), ref["initial_state"].float(), **(t if exact else tol(pool.dtype)))
+        assert torch.equal(padding_of(pool), padding_of(kw["initial_state"]))
+    else:
+        torch.testing.assert_close(final, final_ref, **(t if exact else tol(torch.float32)))
+    return o
+
+
+CASES = [
+    dict(mode="pool"),
+    dict(mode="pool", pool_dtype=torch.float32),
+    dict(mode="pool", pad_pool_stride=True),
+    dict(mode="pool", lower_bound=None),
+    dict(mode="spec", T=4),
+    dict(mode="varlen", T=2),
+    dict(mode="dense", T=3),
+    dict(mode="pool", T=2, H=4, HV=8),
+    dict(mode="pool", T=2, K=64),
+]
+IDS = ["pool", "fp32-pool", "padded-pool", "softplus-gate", "spec-T4", "varlen", "dense-T3", "gqa", "K64"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_cpu_facade_returns_the_oracle_result_and_updates_the_pool_in_place(case):
+    check_against_oracle(make_call("cpu", **case), exact=True)
+
+
+def test_inactive_rows_have_zero_output_and_leave_the_pool_alone():
+    kw = make_call("cpu")
+    before = kw["initial_state"].clone()
+    o, pool = recurrent_kda(**kw)
+    pad = kw["ssm_state_indices"].tolist().index(-1)
+    assert o[pad].eq(0).all()
+    used = set(kw["ssm_state_indices"].tolist()) - {-1}
+    untouched = [s for s in range(pool.shape[0]) if s not in used]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_dense_call_without_final_state_returns_none():
+    kw = make_call("cpu", mode="dense", T=2)
+    kw["output_final_state"] = False
+    _, final = recurrent_kda(**kw)
+    assert final is None
+
+
+def test_docstring_example_runs():
+    finder = doctest.DocTestFinder()
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in finder.find(facade.recurrent_kda, "recurrent_kda", globs={}):
+        runner.run(test)
+    assert runner.failures == 0 and runner.tries > 5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: the same cases through the kernels, and the two kernels against each other on T=1 calls.
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_gpu_facade_matches_the_oracle(case):
+    check_against_oracle(make_call("cuda", **case), exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pool_dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("B", [1, 5, 64])
+def test_gpu_fast_path_and_generic_path_agree_on_t1_calls(monkeypatch, pool_dtype, B):
+    kw = make_call("cuda", B=B, N=2 * B + 3, pool_dtype=pool_dtype)
+    monkeypatch.delenv("KDA_T1_FAST_PATH", raising=False)
+    assert explain(**kw).path is Path.T1
+    fast, generic = copy_call(kw), copy_call(kw)
+    o_fast, pool_fast = recurrent_kda(**fast)
+    monkeypatch.setenv("KDA_T1_FAST_PATH", "0")
+    assert explain(**kw).path is Path.GENERIC
+    o_gen, pool_gen = recurrent_kda(**generic)
+    torch.testing.assert_close(o_fast, o_gen, **tol(BF16))
+    torch.testing.assert_close(pool_fast.float(), pool_gen.float(), **tol(pool_dtype))
+    # both also agree with the oracle, and neither touched a slot no row addressed
+    check_against_oracle(kw, exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_t1_call_with_a_given_output_allocates_nothing():
+    kw = make_call("cuda", B=8, N=32)
+    out = torch.full(kw["v"].shape, 3.0, dtype=BF16, device="cuda")
+    mine, ref = copy_call(kw), copy_call(kw)
+    recurrent_kda(**copy_call(kw), output=out)  # warm-up: compile and module load
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    o, _ = recurrent_kda(**mine, output=out)
+    after = torch.cuda.memory_stats()["allocation.all.allocated"]
+    assert o is out and after == before
+    o_ref, _ = recurrent_kda_ref(**ref)
+    torch.testing.assert_close(out, o_ref, **tol(BF16))

@@ -1,0 +1,335 @@
+"""Every routing rule of ``recurrent_kda`` and its kill switch, on the CPU.
+
+The kernel entry points are replaced by recorders that run the kda-core oracle with the arguments the facade passed
+them, so a test sees both WHICH path ran and whether the facade handed that path the right arguments. "CUDA" is
+simulated by marking the validated call as on a CUDA device (the only fact routing reads about the device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from kda_core.errors import KDAError
+from kda_core.oracle import recurrent_kda_ref
+from kda_recurrent import facade
+from kda_recurrent.facade import Path, explain, recurrent_kda
+
+BF16 = torch.bfloat16
+
+
+class Recorder:
+    """Stands in for the kda-cute entry points; records the path of every launch."""
+
+    def __init__(self):
+        self.paths: list[Path] = []
+
+    def t1(self, call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound, use_gate_in_kernel,
+           beta_is_logit, use_qk_l2norm_in_kernel, scale, output):
+        self.paths.append(Path.T1)
+        o, _ = recurrent_kda_ref(
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=state_pool,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            lower_bound=lower_bound, beta_is_logit=beta_is_logit, ssm_state_indices=slot_indices,
+        )
+        if output is None:
+            return o
+        output.copy_(o)
+        return output
+
+    def generic(self, q, k, v, g, beta, *, output, **kwargs):
+        self.paths.append(Path.GENERIC)
+        o, final_state = recurrent_kda_ref(q, k, v, g, beta, **kwargs)
+        if output is not None:
+            output.copy_(o)
+            o = output
+        return o, final_state
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    rec = Recorder()
+    monkeypatch.setattr(facade, "_t1_kernel", rec.t1)
+    monkeypatch.setattr(facade, "_generic_kernel", rec.generic)
+    monkeypatch.delenv("KDA_T1_FAST_PATH", raising=False)
+    return rec
+
+
+@pytest.fixture
+def as_if_cuda(monkeypatch):
+    """Validate for real, then mark the call as on CUDA; T=1 eligibility is then what it would be on a GPU."""
+    real = facade._validate
+
+    def validate(*args):
+        call = real(*args)
+        eligible = call.t1_eligible or "tensors not on a CUDA device" in call.t1_reason
+        return dataclasses.replace(call, on_cuda=True, t1_eligible=eligible)
+
+    monkeypatch.setattr(facade, "_validate", validate)
+
+
+def make_call(B=3, T=1, H=12, HV=None, K=128, mode="pool", N=8, act=BF16, gate=True, l2norm=True, seed=0):
+    """Keyword arguments of one recurrent_kda call. mode: pool | spec | dense | varlen."""
+    HV = HV or H
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, dtype=act):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    Bq = 1 if mode == "varlen" else B
+    Tq = 2 * B if mode == "varlen" else T
+    kw = dict(q=rnd(Bq, Tq, H, K), k=rnd(Bq, Tq, H, K), v=rnd(Bq, Tq, HV, K), g=rnd(Bq, Tq, HV, K, dtype=BF16),
+              beta=rnd(Bq, Tq, HV, dtype=BF16), use_qk_l2norm_in_kernel=l2norm)
+    if gate:
+        kw.update(A_log=rnd(H, dtype=torch.float32) * 0.1, dt_bias=rnd(H * K, dtype=torch.float32),
+                  use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True)
+    else:
+        kw.update(g=-torch.rand(Bq, Tq, HV, K, generator=gen), beta=torch.rand(Bq, Tq, HV, generator=gen))
+    pool = rnd(N, HV, K, K, dtype=BF16) * 0.1
+    if mode == "pool":
+        kw.update(initial_state=pool, ssm_state_indices=torch.tensor([5, 0, -1, 2, 7][:B], dtype=torch.int32))
+    elif mode == "spec":
+        idx = torch.arange(B * T, dtype=torch.int32).reshape(B, T) % N
+        kw.update(initial_state=pool, ssm_state_indices=idx,
+                  num_accepted_tokens=torch.tensor([1, T, 2][:B], dtype=torch.int32))
+    elif mode == "varlen":
+        kw.update(cu_seqlens=torch.tensor([0, 2, 2, 2 * B][: B + 1], dtype=torch.int32),
+                  initial_state=pool, ssm_state_indices=torch.tensor([1, 4, 6][:B], dtype=torch.int32))
+    else:
+        kw.update(initial_state=rnd(B, HV, K, K, dtype=torch.float32), output_final_state=True)
+    return kw
+
+
+def clone_call(kw):
+    """Deep copies of the inputs; a given ``output`` buffer stays the same object."""
+    return {n: (t.clone() if isinstance(t, torch.Tensor) and n != "output" else t) for n, t in kw.items()}
+
+
+def assert_matches_oracle(kw):
+    """Run the facade and the oracle on copies; outputs and states must be identical (the recorders ARE the oracle)."""
+    mine, ref = clone_call(kw), clone_call(kw)
+    ref.pop("output", None)
+    o, s = recurrent_kda(**mine)
+    o_ref, s_ref = recurrent_kda_ref(**ref)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    if s_ref is not None:
+        torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    return o, s, mine
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_cpu_tensors_run_the_oracle_and_launch_nothing(kernels):
+    kw = make_call()
+    assert_matches_oracle(kw)
+    assert kernels.paths == []
+    assert explain(**kw).path is Path.ORACLE
+
+
+def test_t1_eligible_call_takes_the_t1_kernel(kernels, as_if_cuda):
+    kw = make_call()
+    assert explain(**kw).path is Path.T1
+    _, pool, mine = assert_matches_oracle(kw)
+    assert kernels.paths == [Path.T1]
+    assert pool is mine["initial_state"]
+
+
+def test_kill_switch_sends_t1_eligible_calls_to_the_generic_kernel(kernels, as_if_cuda, monkeypatch):
+    monkeypatch.setenv("KDA_T1_FAST_PATH", "0")
+    kw = make_call()
+    route = explain(**kw)
+    assert route.path is Path.GENERIC and "KDA_T1_FAST_PATH=0" in route.reason
+    assert_matches_oracle(kw)
+    assert kernels.paths == [Path.GENERIC]
+
+
+def test_kill_switch_is_read_at_call_time(kernels, as_if_cuda, monkeypatch):
+    kw = make_call()
+    recurrent_kda(**clone_call(kw))
+    monkeypatch.setenv("KDA_T1_FAST_PATH", "off")
+    recurrent_kda(**clone_call(kw))
+    monkeypatch.setenv("KDA_T1_FAST_PATH", "1")
+    recurrent_kda(**clone_call(kw))
+    assert kernels.paths == [Path.T1, Path.GENERIC, Path.T1]
+
+
+def test_bad_kill_switch_value_names_the_knob(kernels, as_if_cuda, monkeypatch):
+    monkeypatch.setenv("KDA_T1_FAST_PATH", "maybe")
+    with pytest.raises(KDAError, match="KDA_T1_FAST_PATH"):
+        recurrent_kda(**make_call())
+    assert kernels.paths == []
+
+
+@pytest.mark.parametrize(
+    "case, kw",
+    [
+        ("T=2 dense", dict(T=2, mode="dense")),
+        ("T=4 pool", dict(T=4)),
+        ("spec decode 2-D indices", dict(T=3, mode="spec")),
+        ("varlen with a zero-length row", dict(mode="varlen")),
+        ("T=1 dense states", dict(mode="dense")),
+        ("GQA", dict(H=4, HV=8)),
+        ("K=64", dict(K=64)),
+        ("H not a T=1 head count", dict(H=6)),
+        ("fp32 activations", dict(act=torch.float32)),
+        ("no in-kernel L2 norm", dict(l2norm=False)),
+        ("precomputed fp32 gate, T=2", dict(T=2, gate=False)),
+    ],
+)
+def test_every_other_cuda_call_takes_the_generic_kernel(kernels, as_if_cuda, case, kw):
+    call = make_call(**kw)
+    route = explain(**call)
+    assert route.path is Path.GENERIC, route
+    assert "not T=1 eligible" in route.reason
+    assert_matches_oracle(call)
+    assert kernels.paths == [Path.GENERIC]
+
+
+def test_precomputed_fp32_gate_at_t1_still_takes_the_fast_path(kernels, as_if_cuda):
+    kw = make_call(gate=False)
+    assert explain(**kw).path is Path.T1
+    assert_matches_oracle(kw)
+    assert kernels.paths == [Path.T1]
+
+
+def test_without_kda_cute_cuda_calls_run_the_oracle_with_one_warning(kernels, as_if_cuda, monkeypatch):
+    monkeypatch.setattr(facade, "_t1_kernel", None)
+    monkeypatch.setattr(facade, "_generic_kernel", None)
+    monkeypatch.setattr(facade, "_missing", {"t1": "ImportError: no kda_cute", "generic": "ImportError: no kda_cute"})
+    monkeypatch.setattr(facade, "_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for kw in (make_call(), make_call(T=2, mode="dense"), make_call()):
+            assert explain(**kw).path is Path.ORACLE
+            assert_matches_oracle(kw)
+    mine = [w for w in caught if "kda-cute" in str(w.message)]
+    assert len(mine) == 1, [str(w.message) for w in caught]
+    assert "no kda_cute" in str(mine[0].message)
+    assert kernels.paths == []
+
+
+def test_a_missing_generic_kernel_does_not_hide_the_t1_kernel(kernels, as_if_cuda, monkeypatch):
+    monkeypatch.setattr(facade, "_generic_kernel", None)
+    monkeypatch.setattr(facade, "_missing", {"generic": "ImportError: kda_cute.recurrent"})
+    monkeypatch.setattr(facade, "_warned", True)
+    recurrent_kda(**make_call())
+    recurrent_kda(**make_call(T=2, mode="dense"))
+    assert kernels.paths == [Path.T1]
+    assert "kda_cute.recurrent" in explain(**make_call(T=2, mode="dense")).reason
+
+
+def test_kernel_modules_are_imported_once_not_per_call(kernels, as_if_cuda, monkeypatch):
+    loads = []
+    monkeypatch.setattr(facade, "_t1_kernel", facade._UNLOADED)
+
+    def load(name):
+        loads.append(name)
+        monkeypatch.setattr(facade, "_t1_kernel", kernels.t1)
+        return kernels.t1
+
+    monkeypatch.setattr(facade, "_load", load)
+    for _ in range(3):
+        recurrent_kda(**make_call())
+    assert loads == ["t1"] and kernels.paths == [Path.T1] * 3
+
+
+def test_given_output_is_written_and_returned(kernels, as_if_cuda):
+    for kw in (make_call(), make_call(T=2, mode="spec")):
+        out = torch.full(kw["v"].shape, 7.0, dtype=BF16)
+        o, _, _ = assert_matches_oracle({**kw, "output": out})
+        assert o is out
+
+
+def test_given_output_is_written_on_the_oracle_path():
+    kw = make_call(T=2, mode="dense")
+    out = torch.full(kw["v"].shape, 7.0, dtype=BF16)
+    o, _, _ = assert_matches_oracle({**kw, "output": out})
+    assert o is out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad inputs: the kda-core error, naming the argument, before any launch.
+
+
+def _bad(kw, **changes):
+    return {**kw, **changes}
+
+
+BAD_CASES = [
+    ("k", lambda kw: _bad(kw, k=kw["k"][:, :, :6])),
+    ("v", lambda kw: _bad(kw, v=kw["v"][..., :64])),
+    ("g", lambda kw: _bad(kw, g=kw["g"][:, :, :6])),
+    ("beta", lambda kw: _bad(kw, beta=kw["beta"][..., None])),
+    ("q", lambda kw: _bad(kw, q=kw["q"].to(torch.int32))),
+    ("q", lambda kw: _bad(kw, q=kw["q"].transpose(-1, -2).contiguous().transpose(-1, -2))),
+    ("ssm_state_indices", lambda kw: _bad(kw, ssm_state_indices=kw["ssm_state_indices"].long())),
+    ("ssm_state_indices", lambda kw: _bad(kw, ssm_state_indices=kw["ssm_state_indices"][:2])),
+    ("initial_state", lambda kw: _bad(kw, initial_state=None)),
+    ("initial_state", lambda kw: _bad(kw, initial_state=kw["initial_state"].half())),
+    ("initial_state", lambda kw: _bad(kw, initial_state=kw["initial_state"].transpose(-1, -2))),
+    ("num_accepted_tokens", lambda kw: _bad(kw, num_accepted_tokens=torch.ones(3, dtype=torch.int32))),
+    ("A_log", lambda kw: _bad(kw, A_log=None)),
+    ("A_log", lambda kw: _bad(kw, A_log=kw["A_log"].double())),
+    ("dt_bias", lambda kw: _bad(kw, dt_bias=kw["dt_bias"][:100])),
+    ("lower_bound", lambda kw: _bad(kw, lower_bound=2.0)),
+    ("output", lambda kw: _bad(kw, output=torch.empty(kw["v"].shape, dtype=torch.float32))),
+    ("output", lambda kw: _bad(kw, output=torch.empty(3, 2, 12, 128, dtype=BF16))),
+    ("q", lambda kw: _bad(kw, cu_seqlens=torch.tensor([0, 1, 2, 3], dtype=torch.int32))),
+    ("cu_seqlens", lambda kw: _bad(kw, cu_seqlens=torch.tensor([0.0, 1.0]))),
+]
+
+
+@pytest.mark.parametrize("argument, breaker", BAD_CASES, ids=[f"{a}-{i}" for i, (a, _) in enumerate(BAD_CASES)])
+def test_bad_inputs_raise_the_kda_error_before_any_launch(kernels, as_if_cuda, argument, breaker):
+    kw = breaker(make_call())
+    pool_before = kw["initial_state"].clone() if isinstance(kw.get("initial_state"), torch.Tensor) else None
+    with pytest.raises(KDAError, match=rf"^{argument}: expected"):
+        recurrent_kda(**kw)
+    with pytest.raises(KDAError, match=rf"^{argument}: expected"):
+        explain(**kw)
+    assert kernels.paths == []
+    if pool_before is not None and kw["initial_state"].device.type == "cpu":
+        assert torch.equal(kw["initial_state"], pool_before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("argument", ["k", "beta", "initial_state", "ssm_state_indices", "A_log"])
+def test_a_tensor_on_another_device_raises_before_any_launch(kernels, argument):
+    kw = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in make_call().items()}
+    kw[argument] = kw[argument].cpu()
+    with pytest.raises(KDAError, match=rf"^{argument}: expected"):
+        recurrent_kda(**kw)
+    assert kernels.paths == []
+
+
+def test_kda_error_is_a_value_error():
+    assert issubclass(KDAError, ValueError)
+
+
+def test_t1_entry_launches_on_the_validated_call_without_validating_again(monkeypatch):
+    decode_t1 = pytest.importorskip("kda_cute.decode_t1")
+    launches = []
+    monkeypatch.setattr(decode_t1, "_run", lambda *args: launches.append(args) or "o")
+    monkeypatch.setattr(decode_t1, "kda_decode_t1", lambda *a, **k: pytest.fail("validated twice"))
+    kw = make_call()
+    call = facade._validate(*(kw.get(n, d) for n, d in FACADE_ARGS))
+    o = facade._t1_entry()(call, kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["initial_state"],
+                           kw["ssm_state_indices"], kw["A_log"], kw["dt_bias"], kw["lower_bound"], True, True, True,
+                           None, None)
+    assert o == "o" and len(launches) == 1
+    args = launches[0]
+    assert args[:7] == (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["initial_state"], kw["ssm_state_indices"])
+    assert args[10] is call.gate_mode and args[13] == call.scale == 128**-0.5 and args[15] is call.aligned
+
+
+FACADE_ARGS = [
+    ("q", None), ("k", None), ("v", None), ("g", None), ("beta", None), ("A_log", None), ("dt_bias", None),
+    ("scale", None), ("initial_state", None), ("output_final_state", False), ("use_qk_l2norm_in_kernel", True),
+    ("use_gate_in_kernel", False), ("lower_bound", None), ("beta_is_logit", False), ("cu_seqlens", None),
+    ("ssm_state_indices", None), ("num_accepted_tokens", None), ("output", None),
+]
