@@ -1,0 +1,223 @@
+"""Benchmark the ucache verify+flush kernel against FLA's per-token-checkpoint spec decode, in one process.
+
+For each batch size and fold rate: build a pool, rings whose live windows hold P rows per request (rows picked to
+fold get P = flush_min, the others P uniform in [0, flush_min) or, with ``--verify-hist max``, flush_min - 1),
+check the kernel against the kda-core oracle (B <= --check-max-batch), then time on CUDA-graph replay, with the same
+timer: ours (``kda_delta_rule_mtp_ucache_flush``, ``w_ring`` passed explicitly), FLA 0.6.0
+``fused_recurrent_kda_fwd`` with 2-D ``ssm_state_indices`` [B, T] and ``num_accepted_tokens`` (one state write per
+draft token) for the same T and B, and a device-to-device copy of the bytes our kernel must move.
+
+    python benchmarks/bench_kda_ucache_flush.py --t 8 --w-ring 16 --batch-size 1 64 512 --fold-pct 0 100 \
+        --json out.json --plot out.png
+
+``--restart-hist-on-flush 1`` adds the one-thread-per-row cursor restart kernel to every timed call (serving stacks
+sharing one cursor set across layers run it once per step instead: the default 0 times the per-layer kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _timing  # noqa: E402
+
+HEAD_DIM = 128
+RING_SLOTS = 32
+LOWER_BOUND = -5.0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 512])
+    p.add_argument("--fold-pct", type=int, nargs="+", default=[0, 13, 25, 50, 100],
+                   help="percent of requests whose ring is folded into the checkpoint this step")
+    p.add_argument("--t", type=int, choices=[4, 8], default=8, help="draft tokens per request")
+    p.add_argument("--w-ring", type=int, choices=[16, 32], default=16)
+    p.add_argument("--flush-min", type=int, default=None, help="default: kda_core default_flush_min(T, w_ring)")
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--verify-hist", choices=["uniform", "max"], default="uniform",
+                   help="P of the rows that do not fold: uniform in [0, flush_min) or flush_min - 1")
+    p.add_argument("--restart-hist-on-flush", type=int, choices=[0, 1], default=0)
+    p.add_argument("--cold-l2", action="store_true", help="flush the L2 (256 MiB write) before every iteration")
+    p.add_argument("--no-fla", action="store_true", help="skip FLA (e.g. fla-core missing)")
+    p.add_argument("--check-max-batch", type=int, default=64, help="oracle check for B up to this (0 = never)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iterations", type=int, default=100)
+    p.add_argument("--json", type=str, default=None)
+    p.add_argument("--plot", type=str, default=None)
+    return p.parse_args(argv)
+
+
+def make_step(B, T, H, w_ring, flush_min, fold_pct, verify_hist, seed=0):
+    """Inputs of one verify step: a pool of B slots (permuted), rings with live windows, cursors."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    K = HEAD_DIM
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, device="cuda") * scale
+
+    n_fold = round(B * fold_pct / 100)
+    fold = torch.zeros(B, dtype=torch.bool, device="cuda")
+    fold[torch.randperm(B, generator=gen, device="cuda")[:n_fold]] = True
+    if verify_hist == "max":
+        verify_P = torch.full((B,), flush_min - 1, device="cuda")
+    else:
+        verify_P = torch.randint(0, flush_min, (B,), generator=gen, device="cuda")
+    hist = torch.where(fold, torch.full_like(verify_P, flush_min), verify_P).to(torch.int32)
+    base = torch.randint(0, RING_SLOTS, (B,), generator=gen, device="cuda").to(torch.int32)
+    slots = torch.randperm(B, generator=gen, device="cuda").to(torch.int32)
+    kk = randn(B, H, RING_SLOTS, K)
+    g_steps = -0.5 * torch.rand(B, H, RING_SLOTS, K, generator=gen, device="cuda")
+    return dict(
+        q=randn(B, T, H, K).bfloat16(), k=randn(B, T, H, K).bfloat16(), v=randn(B, T, H, K).bfloat16(),
+        g=randn(B, T, H, K).bfloat16(), b=randn(B, T, H).bfloat16(),
+        A_log=torch.log(torch.rand(H, generator=gen, device="cuda") * 15 + 1), dt_bias=randn(H * K, scale=0.5),
+        pool=randn(B, H, K, K, scale=0.1).bfloat16(), slots=slots,
+        # The ring contents only need to be finite and plausible: logical order does not matter for timing.
+        k_cache=(kk / kk.norm(dim=-1, keepdim=True)).bfloat16(), u_cache=randn(B, H, RING_SLOTS, K).bfloat16(),
+        g_cache=g_steps.cumsum(2), hist_len=hist, cache_base=base,
+    )  # fmt: skip
+
+
+def ours_fn(x, w_ring, flush_min, restart, out):
+    from kda_recurrent.ucache import kda_delta_rule_mtp_ucache_flush
+
+    def call():
+        kda_delta_rule_mtp_ucache_flush(
+            x["A_log"], x["g"], x["dt_bias"], LOWER_BOUND, q=x["q"], k=x["k"], v=x["v"], b=x["b"],
+            initial_state_source=x["pool"], initial_state_indices=x["slots"], k_cache=x["k_cache"],
+            u_cache=x["u_cache"], g_cache=x["g_cache"], hist_len=x["hist_len"], cache_base=x["cache_base"],
+            flush_min=flush_min, restart_hist_on_flush=restart, w_ring=w_ring, output=out,
+        )  # fmt: skip
+
+    return call
+
+
+def fla_spec_fn(x, B, T, H):
+    """FLA's per-token checkpoints: read slot idx[b, accepted-1], write a state after every draft token."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    gen = torch.Generator(device="cuda").manual_seed(B)
+    pool = (torch.randn(B * T, H, HEAD_DIM, HEAD_DIM, generator=gen, device="cuda") * 0.1).bfloat16()
+    idx = torch.randperm(B * T, generator=gen, device="cuda").to(torch.int32).view(B, T)
+    accepted = torch.randint(1, T + 1, (B,), generator=gen, device="cuda").to(torch.int32)
+    out = torch.empty_like(x["v"])
+
+    def call():
+        fused_recurrent_kda_fwd(
+            x["q"], x["k"], x["v"], x["g"], x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"], initial_state=pool,
+            inplace_final_state=True, state_v_first=True, ssm_state_indices=idx, num_accepted_tokens=accepted,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+            lower_bound=LOWER_BOUND, out=out,
+        )  # fmt: skip
+
+    return call
+
+
+def moved_bytes(x, T, flush_min):
+    """DRAM bytes the verify step must move: checkpoints read (and written on folds), the live ring rows read,
+    the appended rows written, the draft inputs read and the outputs written."""
+    B, _, H, K = x["q"].shape
+    P = x["hist_len"].long()
+    state = H * K * K * 2
+    ring_row = H * K * (2 + 2 + 4)  # k^ bf16, u bf16, G fp32
+    folds = int((P >= flush_min).sum())
+    per_step_io = B * T * H * K * 2 * 5 + B * T * H * 2  # q, k, v, g in; o out; beta
+    return B * state + folds * state + int(P.sum()) * ring_row + B * T * ring_row + per_step_io
+
+
+def check_correctness(x, T, w_ring, flush_min):
+    """Ours vs the oracle on copies; raises on mismatch. Returns (output err, state err)."""
+    from kda_core.oracle import ucache_verify_flush_ref
+
+    mine = {n: t.clone() for n, t in x.items()}
+    ref = {n: t.clone() for n, t in x.items()}
+    out = torch.empty_like(x["v"])
+    ours_fn(mine, w_ring, flush_min, True, out)()
+    expected = ucache_verify_flush_ref(
+        ref["A_log"], ref["g"], ref["dt_bias"], LOWER_BOUND, q=ref["q"], k=ref["k"], v=ref["v"], b=ref["b"],
+        initial_state_source=ref["pool"], initial_state_indices=ref["slots"], k_cache=ref["k_cache"],
+        u_cache=ref["u_cache"], g_cache=ref["g_cache"], hist_len=ref["hist_len"], cache_base=ref["cache_base"],
+        flush_min=flush_min, restart_hist_on_flush=True, w_ring=w_ring, out_dtype=None,
+    )  # fmt: skip
+    o_err = (out.float() - expected).abs().max().item()
+    s_err = (mine["pool"].float() - ref["pool"].float()).abs().max().item()
+    r_err = max((mine[n].float() - ref[n].float()).abs().max().item() for n in ("k_cache", "u_cache", "g_cache"))
+    cursors_ok = torch.equal(mine["hist_len"], ref["hist_len"]) and torch.equal(mine["cache_base"], ref["cache_base"])
+    if o_err > 8e-3 + 8e-3 * expected.abs().max().item() or s_err > 2e-2 or r_err > 2e-2 or not cursors_ok:
+        raise SystemExit(f"correctness check failed: output {o_err:.3e}, state {s_err:.3e}, rings {r_err:.3e}, "
+                         f"cursors {'ok' if cursors_ok else 'WRONG'}")
+    return o_err, s_err
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    from kda_core.contracts import default_flush_min
+
+    T, H, w_ring = args.t, args.heads, args.w_ring
+    flush_min = args.flush_min or default_flush_min(T, w_ring)
+    with_fla = not args.no_fla
+    if with_fla:
+        try:
+            import fla.ops.kda.fused_recurrent  # noqa: F401
+        except ImportError as err:
+            print(f"FLA unavailable ({err}); timing ours and the copy only")
+            with_fla = False
+    timer = _timing.KernelTimer()
+    flush = _timing.L2Flusher() if args.cold_l2 else None
+    records = []
+    total = len(args.batch_size) * len(args.fold_pct)
+    done = 0
+    for B in args.batch_size:
+        fla_us = None
+        for fold_pct in args.fold_pct:
+            x = make_step(B, T, H, w_ring, flush_min, fold_pct, args.verify_hist, seed=B * 101 + fold_pct)
+            check = None
+            if B <= args.check_max_batch:
+                check = check_correctness(x, T, w_ring, flush_min)
+            nbytes = moved_bytes(x, T, flush_min)
+            out = torch.empty_like(x["v"])
+            calls = {"ours": ours_fn(x, w_ring, flush_min, bool(args.restart_hist_on_flush), out),
+                     "copy": _timing.copy_roofline(nbytes)}
+            if with_fla and fla_us is None:  # FLA's cost does not depend on our fold rate: once per B
+                calls["fla"] = fla_spec_fn(x, B, T, H)
+            graphs = {name: _timing.graph_of(fn) for name, fn in calls.items()}
+            times = {name: _timing.median(timer.time(fn, iterations=args.iterations, warmup=args.warmup,
+                                                     flush=flush))
+                     for name, fn in graphs.items()}
+            fla_us = times.get("fla", fla_us)
+            rec = dict(B=B, T=T, H=H, w_ring=w_ring, flush_min=flush_min, fold_pct=fold_pct,
+                       mean_hist_len=float(x["hist_len"].float().mean()), verify_hist=args.verify_hist,
+                       restart_hist_on_flush=bool(args.restart_hist_on_flush), cold_l2=args.cold_l2,
+                       timer=timer.backend, ours_us=times["ours"], fla_spec_us=fla_us, copy_us=times["copy"],
+                       moved_bytes=nbytes, ours_TBps=nbytes / times["ours"] / 1e6,
+                       copy_TBps=nbytes / times["copy"] / 1e6, gpu=_timing.gpu_name())  # fmt: skip
+            if check is not None:
+                rec["check_out_err"], rec["check_state_err"] = check
+            if fla_us:
+                rec["speedup_vs_fla"] = fla_us / times["ours"]
+            records.append(rec)
+            done += 1
+            fla_txt = f"fla {fla_us:8.2f} us ({rec['speedup_vs_fla']:.1f}x)  " if fla_us else ""
+            print(f"[{done}/{total}] T={T} w={w_ring} B={B:4d} fold={fold_pct:3d}%  ours {times['ours']:8.2f} us "
+                  f"({rec['ours_TBps']:.2f} TB/s)  {fla_txt}copy {times['copy']:8.2f} us", flush=True)
+            del x, graphs, calls
+            torch.cuda.empty_cache()
+    if args.json:
+        _timing.write_json(args.json, records)
+    if args.plot:
+        _timing.write_plot(args.plot, records, x="B", series={"ours": "ours_us", "FLA per-token": "fla_spec_us",
+                                                               "copy": "copy_us"},
+                           title=f"KDA ucache verify+flush, T={T}, w_ring={w_ring}, H={H}, {_timing.gpu_name()}",
+                           ylabel="us (CUDA-graph replay)", group="fold_pct")
+    return records
+
+
+if __name__ == "__main__":
+    main()
