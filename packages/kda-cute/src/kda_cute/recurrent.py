@@ -74,9 +74,14 @@ def row_groups(head_dim: int) -> int:
     return THREADS // lanes_per_row(head_dim)
 
 
+MAX_ROWS_PER_THREAD = 8  # 64 fp32 registers of state; 16 rows (tile_v = 128 at K=128) would spill
+
+
 def tile_v_choices(head_dim: int) -> tuple[int, ...]:
+    """Legal tiles: whole row groups per thread, at most ``MAX_ROWS_PER_THREAD`` rows each."""
     groups = row_groups(head_dim)
-    return tuple(t for t in (8, 16, 32, 64, 128) if t % groups == 0 and t <= head_dim)
+    return tuple(t for t in (8, 16, 32, 64, 128)
+                 if t % groups == 0 and t <= head_dim and t // groups <= MAX_ROWS_PER_THREAD)
 
 
 @dataclass(frozen=True)
@@ -280,7 +285,7 @@ class KDARecurrent:
             active = (read_slot >= 0) & (read_slot < n_slots)
 
         state_rows = []
-        for j in cutlass.range_constexpr(self.rows):
+        for _ in cutlass.range_constexpr(self.rows):
             r = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
             r.fill(0.0)
             state_rows.append(r)
@@ -311,10 +316,27 @@ class KDARecurrent:
             rate = cute.math.exp(Float32(mALog[h]))
             if const_expr(self.has_dt_bias):
                 self.load_lane_f32(cute.local_tile(mDtBias, (self.head_dim,), (h,)), lane, bias)
-        s_out = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+
+        # One-stage register prefetch: token t+1's vectors are loaded (raw dtype) while token t is computed.
+        next_k = cute.make_rmem_tensor((CHANNELS_PER_LANE,), mK.element_type)
+        next_q = cute.make_rmem_tensor((CHANNELS_PER_LANE,), mQ.element_type)
+        next_g = cute.make_rmem_tensor((CHANNELS_PER_LANE,), mG.element_type)
+        next_v = cute.make_rmem_tensor((self.rows,), mV.element_type)
+        next_beta = cute.make_rmem_tensor((1,), mBeta.element_type)
+        if seq_len > 0:
+            self.load_token(mQ, mK, mV, mG, mBeta, b_in, bos, h, hv, row0, lane,
+                            next_q, next_k, next_v, next_g, next_beta)
 
         for t in cutlass.range(seq_len, unroll=1):
             tok = bos + t
+            kf.store(next_k.load().to(Float32))
+            qf.store(next_q.load().to(Float32))
+            gf.store(next_g.load().to(Float32))
+            v_rows.store(next_v.load().to(Float32))
+            beta = Float32(next_beta[0])
+            if t + 1 < seq_len:
+                self.load_token(mQ, mK, mV, mG, mBeta, b_in, tok + 1, h, hv, row0, lane,
+                                next_q, next_k, next_v, next_g, next_beta)
             step = active
             write_slot = Int32(-1)
             if const_expr(self.state_mode == StateMode.SPEC):
@@ -322,12 +344,6 @@ class KDARecurrent:
                     write_slot = mSlots[n, t]
                 step = active & (write_slot >= 0) & (write_slot < cute.size(mState, mode=[0]))
             if step:
-                self.load_lane_f32(mK[b_in, tok, h, None], lane, kf)
-                self.load_lane_f32(mQ[b_in, tok, h, None], lane, qf)
-                self.load_lane_f32(mG[b_in, tok, hv, None], lane, gf)
-                for j in cutlass.range_constexpr(self.rows):
-                    v_rows[j] = Float32(mV[b_in, tok, hv, row0 + j * self.groups])
-                beta = Float32(mBeta[b_in, tok, hv])
                 if const_expr(self.beta_is_logit):
                     beta = 1.0 / (1.0 + cute.math.exp(-beta))
 
@@ -406,6 +422,16 @@ class KDARecurrent:
             if n == n_seq - 1:
                 for t in cutlass.range(Int32(mCuSeqlens[n_seq]), T_total, 1, unroll=1):
                     self.zero_out(mOut, t, hv, row0, lane)
+
+    @cute.jit
+    def load_token(self, mQ, mK, mV, mG, mBeta, b_in, tok, h, hv, row0, lane, dq, dk, dv, dg, dbeta):
+        """Raw (input dtype) registers <- token ``tok``'s k, q, g lane channels, v of the thread's rows, beta."""
+        self.copy_lane(cute.local_tile(mK[b_in, tok, h, None], (CHANNELS_PER_LANE,), (lane,)), dk, mK.element_type)
+        self.copy_lane(cute.local_tile(mQ[b_in, tok, h, None], (CHANNELS_PER_LANE,), (lane,)), dq, mQ.element_type)
+        self.copy_lane(cute.local_tile(mG[b_in, tok, hv, None], (CHANNELS_PER_LANE,), (lane,)), dg, mG.element_type)
+        for j in cutlass.range_constexpr(self.rows):
+            dv[j] = mV[b_in, tok, hv, row0 + j * self.groups]
+        dbeta[0] = mBeta[b_in, tok, hv]
 
     @cute.jit
     def zero_out(self, mOut: cute.Tensor, tok, hv, row0, lane):
@@ -548,9 +574,9 @@ def _arch_for(device: torch.device) -> str:
     return arch
 
 
-def _compact_states(name: str, t: torch.Tensor) -> torch.Tensor:
+def _compact_states(t: torch.Tensor) -> torch.Tensor:
     """Dense initial states need compact inner dims [HV, V, K]; copy the rare strided view (not a pool)."""
-    HV, V, K = t.shape[1:]
+    _, V, K = t.shape[1:]
     if tuple(t.stride()[1:]) == (V * K, K, 1):
         return t
     return t.contiguous()
@@ -622,20 +648,20 @@ def kda_recurrent_fwd(
     final_state = None
     if state_mode == StateMode.DENSE:
         if initial_state is not None:
-            initial_state = _compact_states("initial_state", initial_state)
+            initial_state = _compact_states(initial_state)
         if output_final_state:
             final_state = torch.empty((n_seq, HV, K, K), dtype=torch.float32, device=q.device)
     else:
         final_state = initial_state
 
-    if n_seq == 0 or (T == 0 and not varlen):
+    if n_seq == 0 or T == 0:
+        # Nothing to launch (a grid dimension would be 0): no token, so no output value and no state change.
         output.zero_()
         if final_state is not None and state_mode == StateMode.DENSE:
-            final_state.zero_() if initial_state is None else final_state.copy_(initial_state)
-        return output, final_state
-    if T == 0:  # varlen with no tokens at all: every sequence is empty
-        if final_state is not None and state_mode == StateMode.DENSE:
-            final_state.zero_() if initial_state is None else final_state.copy_(initial_state)
+            if initial_state is None:
+                final_state.zero_()
+            else:
+                final_state.copy_(initial_state)
         return output, final_state
 
     gate = gate_mode(use_gate_in_kernel, lower_bound)

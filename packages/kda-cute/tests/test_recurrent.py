@@ -1,0 +1,460 @@
+"""Generic recurrent kernel (kda_cute.recurrent) against kda-core's oracle on the GPU, one behaviour per test.
+
+Every expected value comes from ``kda_core.oracle.recurrent_kda_ref`` run on clones of the same inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+
+
+def _gen(seed):
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def make_inputs(B, T, H=4, HV=None, K=128, *, gate="lower_bound", act_dtype=torch.bfloat16, g_dtype=None,
+                beta_dtype=None, l2norm=True, seed=0, unaligned=False):
+    """Random q, k, v, g, beta [B, T, ...] plus gate parameters, as keyword arguments of the facade.
+
+    ``unaligned``: every activation is a view one element into a larger buffer (pointers and row strides not
+    16-byte aligned), so the kernel must take its unaligned variant.
+    """
+    HV = HV or H
+    gen = _gen(seed)
+    pad = 1 if unaligned else 0
+
+    def act(heads, dtype, scale=1.0, shift=0.0):
+        base = torch.randn(B, T, heads, K + pad, generator=gen, device=DEV) * scale + shift
+        return base.to(dtype)[..., pad:]
+
+    k_scale = 1.0 if l2norm else K**-0.5  # unnormalised keys must keep |k|^2 * beta < 2 for a stable recurrence
+    precomputed = gate == "precomputed"
+    g_dtype = g_dtype or act_dtype
+    beta_dtype = beta_dtype or act_dtype
+    kw = dict(
+        q=act(H, act_dtype), k=act(H, act_dtype, k_scale), v=act(HV, act_dtype),
+        g=act(HV, g_dtype, 0.3, -0.2) if precomputed else act(HV, g_dtype),
+        beta=(torch.rand(B, T, HV, generator=gen, device=DEV) if precomputed
+              else torch.randn(B, T, HV, generator=gen, device=DEV)).to(beta_dtype),
+        use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=not precomputed, beta_is_logit=not precomputed,
+    )
+    if not precomputed:
+        kw["A_log"] = torch.log(torch.rand(H, generator=gen, device=DEV) * 15 + 1)
+        kw["dt_bias"] = torch.randn(H * K, generator=gen, device=DEV) * 0.5
+        kw["lower_bound"] = -5.0 if gate == "lower_bound" else None
+    return kw
+
+
+def make_pool(N, HV, K=128, dtype=torch.bfloat16, *, seed=1, row_pad=0):
+    """A pool [N, HV, K, K] (K contiguous) whose dim-0 stride is padded by ``row_pad`` elements."""
+    gen = _gen(seed)
+    storage = (torch.randn(N, HV * K * K + row_pad, generator=gen, device=DEV) * 0.1).to(dtype)
+    return storage.as_strided((N, HV, K, K), (HV * K * K + row_pad, K * K, K, 1))
+
+
+def run_both(inputs, **state_kw):
+    """(kernel (o, final), oracle (o, final)); pools are cloned so that each side updates its own copy."""
+    from kda_core.oracle import recurrent_kda_ref
+    from kda_cute.recurrent import kda_recurrent_fwd
+
+    def args(clone):
+        kw = dict(state_kw)
+        init = kw.get("initial_state")
+        if init is not None and clone:
+            kw["initial_state"] = init.clone()
+        return kw
+
+    ref = recurrent_kda_ref(**inputs, **args(clone=True))
+    out = kda_recurrent_fwd(**inputs, **args(clone=False))
+    torch.cuda.synchronize()
+    return out, ref
+
+
+def assert_output_close(o, ref_o):
+    """Outputs within bf16 rounding (plus fp32 summation order) of the oracle's."""
+    assert o.dtype == torch.bfloat16 and o.shape == ref_o.shape
+    scale = ref_o.float().abs().max().item() + 1e-6
+    torch.testing.assert_close(o.float(), ref_o.float(), atol=2e-2 * scale, rtol=2e-2)
+
+
+def assert_state_close(state, ref_state):
+    if state.dtype == torch.bfloat16:
+        tol = dict(atol=2e-3, rtol=1.6e-2)  # one bf16 rounding of the stored state
+    else:
+        tol = dict(atol=5e-5, rtol=5e-4)
+    torch.testing.assert_close(state.float(), ref_state.float(), **tol)
+
+
+# --------------------------------------------------------------------------------------------------
+# tokens per sequence, gates, dtypes
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 8, 16, 64])
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_pool_call_with_T_tokens_matches_oracle(T, pool_dtype):
+    B, H, N = 5, 4, 9
+    inputs = make_inputs(B, T, H, seed=T)
+    pool = make_pool(N, H, dtype=pool_dtype)
+    slots = torch.tensor([7, 0, 3, 8, 5], dtype=torch.int32, device=DEV)
+    (o, pool_out), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=slots)
+    assert pool_out is pool
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus", "precomputed"])
+@pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm", "no_l2norm"])
+def test_every_gate_form_with_and_without_l2norm_matches_oracle(gate, l2norm):
+    inputs = make_inputs(3, 6, 4, gate=gate, l2norm=l2norm, seed=11)
+    pool = make_pool(4, 4)
+    slots = torch.tensor([2, 0, 3], dtype=torch.int32, device=DEV)
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=slots)
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+
+
+@pytest.mark.parametrize("beta_is_logit", [True, False])
+def test_beta_as_logit_or_probability_matches_oracle(beta_is_logit):
+    inputs = make_inputs(2, 5, 4, seed=12)
+    inputs["beta_is_logit"] = beta_is_logit
+    if not beta_is_logit:
+        inputs["beta"] = torch.rand_like(inputs["beta"].float()).to(inputs["beta"].dtype)
+    (o, final), (ref_o, ref_final) = run_both(inputs, output_final_state=True)
+    assert_output_close(o, ref_o)
+    assert_state_close(final, ref_final)
+
+
+def test_custom_scale_matches_oracle():
+    inputs = make_inputs(2, 4, 4, seed=13)
+    (o, _), (ref_o, _) = run_both(inputs, scale=0.37)
+    assert_output_close(o, ref_o)
+
+
+@pytest.mark.parametrize("act_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_fp32_and_fp16_activations_with_fp32_gate_and_beta_match_oracle(act_dtype):
+    inputs = make_inputs(3, 4, 4, act_dtype=act_dtype, g_dtype=torch.float32, beta_dtype=torch.float32, seed=14)
+    pool = make_pool(3, 4, dtype=torch.float32)
+    slots = torch.tensor([1, 2, 0], dtype=torch.int32, device=DEV)
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=slots)
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+
+
+# --------------------------------------------------------------------------------------------------
+# geometry: GQA, K = 64, many heads
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("H, HV", [(1, 4), (2, 8), (4, 16), (3, 12)])
+def test_gqa_value_heads_share_query_heads_like_the_oracle(H, HV):
+    inputs = make_inputs(3, 5, H, HV, seed=HV)
+    pool = make_pool(6, HV)
+    slots = torch.tensor([5, 1, 2], dtype=torch.int32, device=DEV)
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=slots)
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("T", [1, 8])
+def test_head_dim_64_matches_oracle(pool_dtype, T):
+    inputs = make_inputs(4, T, 2, 4, K=64, seed=64 + T)
+    pool = make_pool(5, 4, K=64, dtype=pool_dtype)
+    slots = torch.tensor([4, 0, 2, 1], dtype=torch.int32, device=DEV)
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=slots)
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+
+
+@pytest.mark.parametrize("B", [1, 7, 64, 300])
+def test_batch_sizes_across_the_schedule_table_match_oracle(B):
+    inputs = make_inputs(B, 3, 12, seed=B)
+    pool = make_pool(B + 2, 12)
+    slots = torch.randperm(B + 2, generator=_gen(B), device=DEV)[:B].to(torch.int32)
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=slots)
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+
+
+# --------------------------------------------------------------------------------------------------
+# dense states (no pool)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("init_dtype", [None, torch.bfloat16, torch.float32], ids=["zeros", "bf16", "fp32"])
+def test_dense_states_match_oracle_and_final_state_is_fp32(init_dtype):
+    B, H = 3, 4
+    inputs = make_inputs(B, 7, H, seed=21)
+    init = None if init_dtype is None else (torch.randn(B, H, 128, 128, device=DEV) * 0.1).to(init_dtype)
+    init_before = None if init is None else init.clone()
+    (o, final), (ref_o, ref_final) = run_both(inputs, initial_state=init, output_final_state=True)
+    assert final.dtype == torch.float32 and final.shape == (B, H, 128, 128)
+    assert_output_close(o, ref_o)
+    assert_state_close(final, ref_final)
+    if init is not None:
+        assert torch.equal(init, init_before)  # the dense initial state is an input, never written
+
+
+def test_dense_call_without_final_state_returns_none():
+    inputs = make_inputs(2, 3, 4, seed=22)
+    (o, final), (ref_o, _) = run_both(inputs)
+    assert final is None
+    assert_output_close(o, ref_o)
+
+
+# --------------------------------------------------------------------------------------------------
+# varlen
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_varlen_with_zero_length_sequences_matches_oracle_dense(cu_dtype):
+    cu = torch.tensor([0, 3, 3, 8, 8, 9, 9], dtype=cu_dtype, device=DEV)  # three empty sequences
+    N, H = cu.numel() - 1, 4
+    inputs = make_inputs(1, 9, H, seed=31)
+    init = torch.randn(N, H, 128, 128, device=DEV) * 0.1
+    (o, final), (ref_o, ref_final) = run_both(inputs, initial_state=init, output_final_state=True, cu_seqlens=cu)
+    assert_output_close(o, ref_o)
+    assert_state_close(final, ref_final)
+    assert torch.equal(final[1], init[1]) and torch.equal(final[5], init[5])  # empty sequence: state unchanged
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_varlen_pool_call_matches_oracle(pool_dtype):
+    cu = torch.tensor([0, 0, 5, 6, 20], dtype=torch.int32, device=DEV)
+    inputs = make_inputs(1, 20, 4, 8, seed=32)
+    pool = make_pool(7, 8, dtype=pool_dtype, row_pad=16)
+    slots = torch.tensor([6, 2, -1, 0], dtype=torch.int32, device=DEV)
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=slots, cu_seqlens=cu)
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+
+
+def test_varlen_tokens_outside_every_sequence_get_zero_output():
+    cu = torch.tensor([2, 4, 6], dtype=torch.int32, device=DEV)  # tokens 0, 1 and 6.. belong to no sequence
+    inputs = make_inputs(1, 9, 4, seed=33)
+    from kda_cute.recurrent import kda_recurrent_fwd
+
+    out = torch.full((1, 9, 4, 128), 7.0, dtype=torch.bfloat16, device=DEV)
+    kda_recurrent_fwd(**inputs, cu_seqlens=cu, output=out)
+    torch.cuda.synchronize()
+    assert torch.count_nonzero(out[:, [0, 1, 6, 7, 8]]) == 0
+    from kda_core.oracle import recurrent_kda_ref
+
+    assert_output_close(out, recurrent_kda_ref(**inputs, cu_seqlens=cu)[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# spec decode: 2-D slot indices, one checkpoint per token
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("T", [2, 4, 8])
+def test_spec_decode_with_heterogeneous_accepted_tokens_and_padded_rows(pool_dtype, T):
+    B, H, N = 6, 4, 60
+    inputs = make_inputs(B, T, H, seed=40 + T)
+    pool = make_pool(N, H, dtype=pool_dtype)
+    before = pool.clone()
+    slots = torch.randperm(N - 5, generator=_gen(T), device=DEV)[: B * T].view(B, T).to(torch.int32)
+    slots[1, T - 1] = -1  # a padded draft position: skipped, nothing written
+    slots[3, :] = -1  # a padded request: inactive row
+    slots[4, 0] = N + 3  # read slot of row 4 is past the pool when nat - 1 == 0
+    accepted = torch.tensor([T, 1, 0, 2, 1, T - 1], dtype=torch.int32, device=DEV)
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=slots,
+                                         num_accepted_tokens=accepted)
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+    written = {int(s) for s in slots[[0, 1, 2, 5]].flatten().tolist() if 0 <= s < N}
+    untouched = [s for s in range(N) if s not in written]
+    assert torch.equal(pool[untouched], before[untouched])
+    assert torch.count_nonzero(o[3]) == 0 and torch.count_nonzero(o[4]) == 0
+
+
+def test_spec_decode_without_num_accepted_reads_column_zero():
+    B, T, H, N = 3, 4, 4, 20
+    inputs = make_inputs(B, T, H, seed=45)
+    pool = make_pool(N, H)
+    slots = torch.arange(B * T, dtype=torch.int32, device=DEV).view(B, T)
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=slots)
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+
+
+def test_spec_decode_skipped_token_does_not_enter_the_state():
+    B, T, H, N = 2, 4, 4, 10
+    inputs = make_inputs(B, T, H, seed=46)
+    pool = make_pool(N, H, dtype=torch.float32)
+    slots = torch.tensor([[0, 1, -1, 3], [4, 5, 6, 7]], dtype=torch.int32, device=DEV)
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=slots)
+    assert torch.count_nonzero(o[0, 2]) == 0
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+
+
+def test_spec_decode_varlen_with_fewer_index_columns_than_tokens():
+    cu = torch.tensor([0, 3, 3, 5], dtype=torch.int32, device=DEV)
+    inputs = make_inputs(1, 5, 4, seed=47)
+    pool = make_pool(12, 4)
+    slots = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32, device=DEV)  # token 2 of seq 0 has no slot
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=slots, cu_seqlens=cu,
+                                         num_accepted_tokens=torch.tensor([2, 1, 1], dtype=torch.int32, device=DEV))
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+
+
+# --------------------------------------------------------------------------------------------------
+# pool bounds, layout, strides
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_inactive_rows_give_zero_output_and_leave_pool_bitwise_untouched(pool_dtype):
+    B, T, H, N = 6, 3, 4, 10
+    inputs = make_inputs(B, T, H, seed=51)
+    pool = make_pool(N, H, dtype=pool_dtype)
+    before = pool.clone()
+    slots = torch.tensor([3, -1, 10, 7, -2147483648, 2147483647], dtype=torch.int32, device=DEV)
+    from kda_core.oracle import recurrent_kda_ref
+    from kda_cute.recurrent import kda_recurrent_fwd
+
+    ref_o, ref_pool = recurrent_kda_ref(**inputs, initial_state=pool.clone(), ssm_state_indices=slots)
+    out = torch.full((B, T, H, 128), 7.0, dtype=torch.bfloat16, device=DEV)
+    o, _ = kda_recurrent_fwd(**inputs, initial_state=pool, ssm_state_indices=slots, output=out)
+    torch.cuda.synchronize()
+    assert o is out
+    assert torch.count_nonzero(out[[1, 2, 4, 5]]) == 0
+    untouched = [s for s in range(N) if s not in (3, 7)]
+    assert torch.equal(pool[untouched], before[untouched])
+    assert_output_close(out, ref_o)
+    assert_state_close(pool, ref_pool)
+
+
+def test_only_inactive_rows_is_a_bitwise_no_op_on_the_pool():
+    inputs = make_inputs(3, 4, 4, seed=52)
+    pool = make_pool(5, 4)
+    before = pool.clone()
+    slots = torch.tensor([-1, 5, 99], dtype=torch.int32, device=DEV)
+    from kda_cute.recurrent import kda_recurrent_fwd
+
+    o, _ = kda_recurrent_fwd(**inputs, initial_state=pool, ssm_state_indices=slots)
+    torch.cuda.synchronize()
+    assert torch.equal(pool, before)
+    assert torch.count_nonzero(o) == 0
+
+
+def test_misaligned_strided_inputs_take_the_unaligned_variant_and_match_oracle():
+    inputs = make_inputs(3, 4, 4, seed=61, unaligned=True)
+    from kda_cute import _launch
+
+    assert _launch.alignment_of(inputs["q"]) < _launch.VECTOR_BYTES
+    pool = make_pool(5, 4, row_pad=8)
+    slots = torch.tensor([4, 1, 0], dtype=torch.int32, device=DEV)
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=slots)
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+
+
+def test_views_of_a_fused_qkv_output_match_oracle():
+    """q, k, v, g as strided views of packed GEMM rows [B*T, (2H+HV)*K] (aligned row stride, not contiguous)."""
+    B, T, H, K = 3, 4, 4, 128
+    gen = _gen(62)
+    mixed = torch.randn(B, T, 3 * H * K + 64, generator=gen, device=DEV).bfloat16()
+    q, k, v = (mixed[..., i * H * K:(i + 1) * H * K].view(B, T, H, K) for i in range(3))
+    inputs = make_inputs(B, T, H, seed=62)
+    inputs.update(q=q, k=k, v=v)
+    (o, final), (ref_o, ref_final) = run_both(inputs, output_final_state=True)
+    assert_output_close(o, ref_o)
+    assert_state_close(final, ref_final)
+
+
+def test_slot_offsets_past_4gb_use_64_bit_math():
+    HV, K = 12, 128
+    slot_bytes = HV * K * K * 2
+    N = (4 << 30) // slot_bytes + 64  # the last slots start past 4 GiB
+    try:
+        pool = torch.empty(N, HV, K, K, dtype=torch.bfloat16, device=DEV)
+    except torch.cuda.OutOfMemoryError:
+        pytest.skip("not enough GPU memory for a 4 GiB pool")
+    last = N - 1
+    pool[last] = (torch.randn(HV, K, K, generator=_gen(70), device=DEV) * 0.1).bfloat16()
+    pool[:128].zero_()
+    inputs = make_inputs(1, 3, HV, seed=70)
+    from kda_core.oracle import recurrent_kda_ref
+    from kda_cute.recurrent import kda_recurrent_fwd
+
+    small = pool[last:last + 1].clone()
+    ref_o, _ = recurrent_kda_ref(**inputs, initial_state=small, ssm_state_indices=torch.zeros(1, dtype=torch.int32,
+                                                                                               device=DEV))
+    o, _ = kda_recurrent_fwd(**inputs, initial_state=pool, ssm_state_indices=torch.tensor([last], dtype=torch.int32,
+                                                                                          device=DEV))
+    torch.cuda.synchronize()
+    assert_output_close(o, ref_o)
+    assert_state_close(pool[last:last + 1], small)
+    assert torch.count_nonzero(pool[:128]) == 0  # a 32-bit wrap of the offset would land in a low slot
+    del pool
+
+
+# --------------------------------------------------------------------------------------------------
+# launch behaviour: compile cache, streams, CUDA graphs
+# --------------------------------------------------------------------------------------------------
+
+
+def test_batch_and_token_counts_do_not_recompile():
+    from kda_cute import _launch
+    from kda_cute.recurrent import kda_recurrent_fwd
+
+    for B, T in ((2, 3), (3, 5)):  # both within the schedule table's first row: one tile, one variant
+        inputs = make_inputs(B, T, 4, seed=B)
+        kda_recurrent_fwd(**inputs, output_final_state=True)
+        if (B, T) == (2, 3):
+            size = _launch.cache_size()
+    assert _launch.cache_size() == size
+
+
+def test_spec_decode_replays_in_a_cuda_graph_bit_for_bit():
+    from kda_cute.recurrent import kda_recurrent_fwd
+
+    B, T, H, N = 8, 4, 4, 40
+    inputs = make_inputs(B, T, H, seed=80)
+    slots = torch.arange(B * T, dtype=torch.int32, device=DEV).view(B, T)
+    accepted = torch.tensor([1, 2, 3, 4, 4, 3, 2, 1], dtype=torch.int32, device=DEV)
+    pool_eager, pool_graph = make_pool(N, H), make_pool(N, H)
+    out_eager = torch.empty(B, T, H, 128, dtype=torch.bfloat16, device=DEV)
+    out_graph = torch.empty_like(out_eager)
+    kw = dict(ssm_state_indices=slots, num_accepted_tokens=accepted)
+    kda_recurrent_fwd(**inputs, initial_state=pool_eager, output=out_eager, **kw)
+    warm = make_pool(N, H)
+    kda_recurrent_fwd(**inputs, initial_state=warm, output=out_graph, **kw)  # module load before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kda_recurrent_fwd(**inputs, initial_state=pool_graph, output=out_graph, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out_graph, out_eager)
+    assert torch.equal(pool_graph, pool_eager)
+
+
+def test_runs_on_the_callers_current_stream():
+    from kda_cute.recurrent import kda_recurrent_fwd
+
+    inputs = make_inputs(4, 8, 4, seed=81)
+    q_new = inputs["q"].clone()
+    ref_o = kda_recurrent_fwd(**inputs)[0].clone()
+    inputs["q"] = torch.zeros_like(q_new)
+    out = torch.zeros_like(ref_o)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # a launch on another stream would run before q is filled below
+        inputs["q"].copy_(q_new)
+        kda_recurrent_fwd(**inputs, output=out)
+    stream.synchronize()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref_o)

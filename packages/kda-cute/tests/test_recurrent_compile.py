@@ -1,0 +1,178 @@
+"""CPU compile checks of the generic recurrent kernel: every variant axis builds for sm_90a and sm_100a, the
+largest-register variants do not spill, and the compile-cache key names every code-generation parameter.
+
+No GPU needed: conftest sets ``CUTE_DSL_ARCH`` and ``compile_variant`` passes ``--gpu-arch`` per compile. The state
+configurations are crossed with both head dims and both alignment classes; tiles, gates, dtypes and the small
+const_expr flags are each varied on a fixed base (crossing them all would be thousands of compiles).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from kda_core.contracts import GateMode
+from kda_cute import recurrent as R
+
+ARCHS = ("sm_90a", "sm_100a")
+
+BASE = dict(
+    head_dim=128, act_dtype=torch.bfloat16, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
+    state_mode=R.StateMode.SPEC, state_dtype=torch.bfloat16, store_final=False, has_num_accepted=True,
+    varlen=False, cu_dtype=None, gate=GateMode.LOWER_BOUND, beta_is_logit=True, use_qk_l2norm=True,
+    has_dt_bias=True, tile_v=32, aligned=True,
+)
+
+STATE_CONFIGS = {
+    "pool-bf16": dict(state_mode=R.StateMode.POOL, state_dtype=torch.bfloat16),
+    "pool-fp32": dict(state_mode=R.StateMode.POOL, state_dtype=torch.float32),
+    "spec-bf16-nat": dict(state_mode=R.StateMode.SPEC, state_dtype=torch.bfloat16, has_num_accepted=True),
+    "spec-fp32-nonat": dict(state_mode=R.StateMode.SPEC, state_dtype=torch.float32, has_num_accepted=False),
+    "dense-zeros-final": dict(state_mode=R.StateMode.DENSE, state_dtype=None, store_final=True),
+    "dense-bf16-nofinal": dict(state_mode=R.StateMode.DENSE, state_dtype=torch.bfloat16, store_final=False),
+    "dense-fp16-final": dict(state_mode=R.StateMode.DENSE, state_dtype=torch.float16, store_final=True),
+}
+
+
+def _variants():
+    out = {}
+    for name, state in STATE_CONFIGS.items():
+        for K in (128, 64):
+            for aligned in (True, False):
+                out[f"{name}-K{K}-{'al' if aligned else 'unal'}"] = {
+                    **BASE, **state, "head_dim": K, "aligned": aligned, "tile_v": R.tile_v_choices(K)[-1]}
+    for K in (128, 64):
+        for tile in R.tile_v_choices(K):
+            out[f"tile{tile}-K{K}"] = {**BASE, "head_dim": K, "tile_v": tile}
+    for gate in GateMode:
+        out[f"gate-{gate.value}"] = {**BASE, "gate": gate}
+    flags = {
+        "sigmoided-beta": dict(beta_is_logit=False),
+        "no-l2norm": dict(use_qk_l2norm=False),
+        "no-dt-bias": dict(has_dt_bias=False),
+        "varlen-int32": dict(varlen=True, cu_dtype=torch.int32),
+        "varlen-int64-dense": dict(varlen=True, cu_dtype=torch.int64, state_mode=R.StateMode.DENSE, state_dtype=None,
+                                   store_final=True),
+        "fp32-act-gate-beta": dict(act_dtype=torch.float32, g_dtype=torch.float32, beta_dtype=torch.float32),
+        "fp16-act": dict(act_dtype=torch.float16),
+        "precomputed-fp32-g": dict(gate=GateMode.PRECOMPUTED, g_dtype=torch.float32, beta_dtype=torch.float32),
+    }
+    for name, flag in flags.items():
+        out[name] = {**BASE, **flag}
+    return out
+
+
+VARIANTS = _variants()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_recurrent_variant_compiles(name, arch):
+    assert R.compile_variant(R.variant_key(**VARIANTS[name]), arch) is not None
+
+
+def _ptxas_registers_and_spills(ptx_path, arch):
+    """(registers, spill bytes) from ``ptxas -v``; a PTX newer than the local ptxas is retried with the .version
+    that ptxas names as its newest."""
+    cmd = [shutil.which("ptxas"), f"-arch={arch}", "-v", str(ptx_path), "-o", "/dev/null"]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    newest = re.search(r"Unsupported \.version \S+; current version is '([\d.]+)'", run.stderr)
+    if run.returncode and newest:
+        text = ptx_path.read_text()
+        ptx_path.write_text(re.sub(r"^\.version \S+", f".version {newest.group(1)}", text, count=1, flags=re.M))
+        run = subprocess.run(cmd, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    report = run.stderr + run.stdout
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+    return registers, spills
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("K", [128, 64])
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+def test_largest_tile_does_not_spill(K, aligned, arch, tmp_path):
+    # Most rows per thread, fp32 activations (widest raw prefetch), softplus gate (longest preamble), spec mode
+    # with varlen (most live indices): the register high-water mark of each head dim.
+    variant = {**BASE, "head_dim": K, "tile_v": R.tile_v_choices(K)[-1], "aligned": aligned,
+               "act_dtype": torch.float32, "gate": GateMode.SOFTPLUS, "state_dtype": torch.float32,
+               "varlen": True, "cu_dtype": torch.int64}
+    R.compile_variant(R.variant_key(**variant), arch, f"--keep-ptx --dump-dir {tmp_path}")
+    (ptx,) = list(tmp_path.glob("*.ptx"))
+    registers, spills = _ptxas_registers_and_spills(ptx, arch)
+    assert spills == 0, f"{registers} registers, {spills} bytes of spill traffic"
+    assert registers <= 255
+
+
+def test_every_code_generation_parameter_changes_the_cache_key():
+    base_key = R.variant_key(**BASE)
+    changes = dict(
+        head_dim=64, act_dtype=torch.float32, g_dtype=torch.float32, beta_dtype=torch.float32,
+        state_mode=R.StateMode.POOL, state_dtype=torch.float32, has_num_accepted=False, varlen=True,
+        gate=GateMode.SOFTPLUS, beta_is_logit=False, use_qk_l2norm=False, has_dt_bias=False, tile_v=16,
+        aligned=False,
+    )
+    assert set(changes) | {"store_final", "cu_dtype"} == set(BASE)
+    for name, value in changes.items():
+        assert R.variant_key(**{**BASE, name: value}) != base_key, name
+    dense = {**BASE, "state_mode": R.StateMode.DENSE}
+    assert R.variant_key(**{**dense, "store_final": True}) != R.variant_key(**{**dense, "store_final": False})
+    varlen = {**BASE, "varlen": True, "cu_dtype": torch.int32}
+    assert R.variant_key(**varlen) != R.variant_key(**{**varlen, "cu_dtype": torch.int64})
+
+
+def test_facts_that_cannot_change_the_code_share_one_cache_entry():
+    pre = {**BASE, "gate": GateMode.PRECOMPUTED}
+    assert R.variant_key(**{**pre, "has_dt_bias": True}) == R.variant_key(**{**pre, "has_dt_bias": False})
+    pool = {**BASE, "state_mode": R.StateMode.POOL}
+    assert R.variant_key(**{**pool, "has_num_accepted": True}) == R.variant_key(**{**pool, "has_num_accepted": False})
+    assert R.variant_key(**{**pool, "store_final": True}) == R.variant_key(**{**pool, "store_final": False})
+    assert R.variant_key(**{**BASE, "cu_dtype": torch.int64}) == R.variant_key(**BASE)  # not varlen
+
+
+@pytest.mark.parametrize("K", [128, 64])
+def test_schedule_picks_a_legal_tile_that_grows_with_the_call(K):
+    tiles = [R.select_config(n, K).tile_v for n in (1, 12, 96, 192, 193, 768, 1536, 1537, 6144, 1 << 20)]
+    assert all(t in R.tile_v_choices(K) for t in tiles)
+    assert tiles == sorted(tiles)
+    assert dataclasses.is_dataclass(R.select_config(1, K))
+
+
+def test_tile_choices_keep_whole_row_groups_and_at_most_eight_rows_per_thread():
+    for K in (128, 64):
+        for tile in R.tile_v_choices(K):
+            assert tile % R.row_groups(K) == 0
+            assert tile // R.row_groups(K) <= R.MAX_ROWS_PER_THREAD
+    with pytest.raises(ValueError, match="tile_v"):
+        R.KDARecurrent(**{**_kernel_args(), "tile_v": 8, "head_dim": 64})
+
+
+def _kernel_args():
+    return dict(head_dim=128, state_mode=R.StateMode.POOL, state_dtype=None, store_final=False,
+                has_num_accepted=False, varlen=False, gate=GateMode.LOWER_BOUND, beta_is_logit=True,
+                use_qk_l2norm=True, has_dt_bias=True, tile_v=32, aligned=True)
+
+
+def test_empty_calls_launch_nothing_and_return_zero_outputs():
+    """No sequence (varlen with cu_seqlens = [0]) or no token: the output is zero-filled on the host side and the
+    dense final state is the initial one; nothing is compiled or launched (runs on CPU tensors)."""
+    from kda_cute import _launch
+
+    before = _launch.cache_size()
+    q = torch.randn(1, 0, 2, 64)
+    v = torch.randn(1, 0, 2, 64)
+    init = torch.randn(1, 2, 64, 64)
+    o, final = R.kda_recurrent_fwd(q, q, v, v, torch.randn(1, 0, 2), initial_state=init, output_final_state=True)
+    assert o.shape == (1, 0, 2, 64) and torch.equal(final, init)
+    out = torch.full((1, 3, 2, 64), 7.0, dtype=torch.bfloat16)
+    q3, v3 = torch.randn(1, 3, 2, 64), torch.randn(1, 3, 2, 64)
+    o, final = R.kda_recurrent_fwd(q3, q3, v3, v3, torch.randn(1, 3, 2), cu_seqlens=torch.zeros(1, dtype=torch.int32),
+                                   output=out, output_final_state=True)
+    assert o is out and torch.count_nonzero(out) == 0 and final.shape == (0, 2, 64, 64)
+    assert _launch.cache_size() == before
