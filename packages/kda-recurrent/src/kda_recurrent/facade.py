@@ -141,7 +141,7 @@ def _warn_oracle_once(reason: str) -> None:
     if not _warned:
         _warned = True
         warnings.warn(f"kda_recurrent: {reason}. Install kda-recurrent[cute] for the GPU kernels; this is slow.",
-                      RuntimeWarning, stacklevel=3)
+                      RuntimeWarning, stacklevel=4)
 
 
 def _validate(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
