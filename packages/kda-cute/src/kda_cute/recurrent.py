@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 THREADS = 128
+MAX_SEQUENCES = 65535  # sequences ride on grid z, whose CUDA limit this is
 CHANNELS_PER_LANE = 8  # one 16-byte vector of a bf16 row per lane
 
 
@@ -636,6 +637,8 @@ def kda_recurrent_fwd(
         fail("q", f"a head dim K in {GENERIC_HEAD_DIMS}", K)
     varlen = cu_seqlens is not None
     n_seq = cu_seqlens.shape[0] - 1 if varlen else B
+    if n_seq > MAX_SEQUENCES:
+        fail("q" if not varlen else "cu_seqlens", f"at most {MAX_SEQUENCES} sequences per call (grid z limit)", n_seq)
     if ssm_state_indices is None:
         state_mode = StateMode.DENSE
     elif ssm_state_indices.dim() == 1:
