@@ -1,0 +1,680 @@
+"""One test per validation rule: the right argument is named, with what was expected and what was given.
+
+Calls are built on CPU tensors with ``device_kind="any"`` (the metadata path is the same on every device); the CUDA
+device rules run in the GPU-marked tests at the end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kda_core import validation as V
+from kda_core.contracts import GateMode
+from kda_core.errors import KDAError
+
+BF16, F32 = torch.bfloat16, torch.float32
+I32 = torch.int32
+H, D = 12, 128
+
+
+def _raises(fn, argument, fragment):
+    with pytest.raises(KDAError) as info:
+        fn()
+    msg = str(info.value)
+    assert msg.startswith(f"{argument}: expected "), msg
+    assert fragment in msg, msg
+    assert ", got " in msg, msg
+    return msg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Baseline legal calls
+
+
+def t1_args(B=3, N=8, state_dtype=BF16, device="cpu"):
+    mk = dict(device=device)
+    return dict(
+        q=torch.zeros(B, 1, H, D, dtype=BF16, **mk), k=torch.zeros(B, 1, H, D, dtype=BF16, **mk),
+        v=torch.zeros(B, 1, H, D, dtype=BF16, **mk), g=torch.zeros(B, 1, H, D, dtype=BF16, **mk),
+        beta=torch.zeros(B, 1, H, dtype=BF16, **mk), state_pool=torch.zeros(N, H, D, D, dtype=state_dtype, **mk),
+        slot_indices=torch.zeros(B, dtype=I32, **mk), A_log=torch.zeros(H, **mk), dt_bias=torch.zeros(H * D, **mk),
+        lower_bound=-5.0, device_kind="any",
+    )
+
+
+def t1(a):
+    return V.validate_decode_t1(**a)
+
+
+def packed_args(B=3, N=8, pad=0):
+    return dict(
+        mixed_qkv=torch.zeros(B, 3 * H * D + pad, dtype=BF16)[:, : 3 * H * D],
+        raw_gate=torch.zeros(B, H * D + pad, dtype=BF16)[:, : H * D], raw_beta=torch.zeros(B, H, dtype=BF16),
+        state_pool=torch.zeros(N, H, D, D, dtype=BF16), slot_indices=torch.zeros(B, dtype=I32), num_heads=H,
+        A_log=torch.zeros(H), dt_bias=torch.zeros(H * D), lower_bound=-5.0, device_kind="any",
+    )
+
+
+def packed(a):
+    return V.validate_packed_decode_t1(**a)
+
+
+def rec_args(B=2, T=1, Hq=H, HV=H, K=D, mode="pool", N=8):
+    a = dict(
+        q=torch.zeros(B, T, Hq, K, dtype=BF16), k=torch.zeros(B, T, Hq, K, dtype=BF16),
+        v=torch.zeros(B, T, HV, K, dtype=BF16), g=torch.zeros(B, T, HV, K, dtype=BF16),
+        beta=torch.zeros(B, T, HV, dtype=BF16), A_log=torch.zeros(Hq), dt_bias=torch.zeros(Hq * K),
+        use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True,
+    )
+    if mode == "pool":
+        a.update(initial_state=torch.zeros(N, HV, K, K, dtype=BF16), ssm_state_indices=torch.zeros(B, dtype=I32))
+    elif mode == "spec":
+        a.update(initial_state=torch.zeros(N, HV, K, K, dtype=BF16),
+                 ssm_state_indices=torch.zeros(B, T, dtype=I32), num_accepted_tokens=torch.ones(B, dtype=I32))
+    return a
+
+
+def rec(a):
+    return V.validate_recurrent(**a)
+
+
+def uc_args(B=2, T=8, N=5):
+    return dict(
+        A_log=torch.zeros(H), g=torch.zeros(B, T, H, D, dtype=BF16), dt_bias=torch.zeros(H * D), lower_bound=-5.0,
+        q=torch.zeros(B, T, H, D, dtype=BF16), k=torch.zeros(B, T, H, D, dtype=BF16),
+        v=torch.zeros(B, T, H, D, dtype=BF16), b=torch.zeros(B, T, H, dtype=BF16),
+        initial_state_source=torch.zeros(N, H, D, D, dtype=BF16), initial_state_indices=torch.zeros(B, dtype=I32),
+        k_cache=torch.zeros(N, H, 32, D, dtype=BF16), u_cache=torch.zeros(N, H, 32, D, dtype=BF16),
+        g_cache=torch.zeros(N, H, 32, D, dtype=F32), hist_len=torch.zeros(B, dtype=I32),
+        cache_base=torch.zeros(B, dtype=I32), device_kind="any",
+    )
+
+
+def uc(a):
+    return V.validate_ucache(**a)
+
+
+def _with(a, **changes):
+    out = dict(a)
+    out.update(changes)
+    return out
+
+
+def _strided_last(t):
+    """The same shape with a last-dim stride of 2 (a legal torch view; not a legal kda input)."""
+    big = torch.zeros(*t.shape[:-1], t.shape[-1] * 2, dtype=t.dtype)
+    return big[..., ::2]
+
+
+def _padded_rows(shape, dtype, row_stride):
+    n, inner = shape[0], shape[1:]
+    row = 1
+    for x in inner:
+        row *= x
+    flat = torch.zeros(n * max(row_stride, row) + row, dtype=dtype)
+    strides = [row_stride]
+    acc = row
+    for x in inner:
+        acc //= x
+        strides.append(acc)
+    return flat.as_strided(shape, strides)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Legal calls and the call descriptions
+
+
+def test_legal_t1_call_is_described():
+    call = t1(t1_args())
+    assert (call.B, call.H, call.head_dim, call.N) == (3, H, D, 8)
+    assert call.state_dtype == BF16 and call.gate_mode is GateMode.LOWER_BOUND and call.lower_bound == -5.0
+    assert call.beta_is_logit is True and call.scale == pytest.approx(D**-0.5)
+    assert call.aligned and call.alignment == 16 and not call.packed and not call.has_output
+
+
+def test_t1_precomputed_convention_accepts_fp32_gate_and_beta_without_gate_params():
+    a = _with(t1_args(state_dtype=F32), g=torch.zeros(3, 1, H, D), beta=torch.zeros(3, 1, H), A_log=None,
+              dt_bias=None, use_gate_in_kernel=False, beta_is_logit=False, lower_bound=None, scale=0.5)
+    call = t1(a)
+    assert call.gate_mode is GateMode.PRECOMPUTED and call.g_dtype == F32 and call.state_dtype == F32
+    assert call.scale == 0.5 and call.lower_bound is None
+
+
+def test_t1_softplus_gate_and_2d_dt_bias():
+    call = t1(_with(t1_args(), lower_bound=None, dt_bias=torch.zeros(H, D)))
+    assert call.gate_mode is GateMode.SOFTPLUS
+
+
+def test_t1_padded_pool_row_stride_is_legal():
+    pool = _padded_rows((8, H, D, D), BF16, H * D * D + 64)
+    assert t1(_with(t1_args(), state_pool=pool)).N == 8
+
+
+def test_packed_call_with_padded_row_strides_is_described():
+    call = packed(packed_args(pad=8))
+    assert call.packed and call.aligned and call.B == 3 and call.H == H
+
+
+def test_packed_row_stride_that_breaks_16_byte_alignment_is_classified_not_rejected():
+    call = packed(packed_args(pad=1))
+    assert not call.aligned and call.alignment == 2
+
+
+@pytest.mark.parametrize("mode", ["dense", "pool", "spec"])
+def test_recurrent_modes(mode):
+    call = rec(rec_args(T=3, mode=mode))
+    assert call.mode == mode and call.T == 3 and call.N_seq == 2
+    assert call.N == (None if mode == "dense" else 8)
+    assert not call.t1_eligible
+
+
+def test_recurrent_varlen_counts_sequences_from_cu_seqlens_shape():
+    a = _with(rec_args(B=1, T=7, mode="dense"), cu_seqlens=torch.tensor([0, 3, 3, 7], dtype=torch.int64))
+    call = rec(a)
+    assert call.varlen and call.N_seq == 3 and call.B == 1
+
+
+def test_recurrent_gqa_and_head_dim_64():
+    call = rec(rec_args(T=2, Hq=2, HV=6, K=64, mode="dense"))
+    assert (call.H, call.HV, call.K, call.V) == (2, 6, 64, 64)
+
+
+def test_legal_ucache_call_is_described(monkeypatch):
+    monkeypatch.delenv("KDA_UCACHE_WRING", raising=False)
+    call = uc(uc_args())
+    assert (call.B, call.T, call.H, call.N) == (2, 8, H, 5)
+    assert call.w_ring == 16 and call.flush_min == 9 and call.max_hist_len == 16
+    assert call.gate_mode is GateMode.LOWER_BOUND and call.aligned
+
+
+@pytest.mark.parametrize("T, w_ring, flush_min", [(8, 16, 9), (4, 16, 13), (8, 32, 17), (4, 32, 25)])
+def test_ucache_default_flush_min(T, w_ring, flush_min):
+    call = uc(_with(uc_args(T=T), w_ring=w_ring))
+    assert call.flush_min == flush_min
+
+
+def test_ucache_w_ring_comes_from_the_knob(monkeypatch):
+    monkeypatch.setenv("KDA_UCACHE_WRING", "32")
+    assert uc(uc_args(T=4)).w_ring == 32
+    monkeypatch.setenv("KDA_UCACHE_WRING", "24")
+    _raises(lambda: uc(uc_args(T=4)), "KDA_UCACHE_WRING", "16, 32")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# T=1 rules (unpacked)
+
+T1_RULES = [
+    ("q is a tensor", lambda a: a.update(q=[0.0]), "q", "a torch.Tensor"),
+    ("q has T=1", lambda a: a.update(q=torch.zeros(3, 2, H, D, dtype=BF16)), "q", "shape [B, 1, H, 128]"),
+    ("q head dim 128", lambda a: a.update(q=torch.zeros(3, 1, H, 64, dtype=BF16)), "q", "shape [B, 1, H, 128]"),
+    ("H in T1_HEAD_COUNTS", lambda a: a.update(q=torch.zeros(3, 1, 10, D, dtype=BF16)), "q", "a head count"),
+    ("q is bf16", lambda a: a.update(q=torch.zeros(3, 1, H, D, dtype=F32)), "q", "dtype bfloat16"),
+    ("q last dim contiguous", lambda a: a.update(q=_strided_last(a["q"])), "q", "contiguous last dimension"),
+    ("k shape", lambda a: a.update(k=torch.zeros(2, 1, H, D, dtype=BF16)), "k", "shape [B, 1, H, K]"),
+    ("k last dim contiguous", lambda a: a.update(k=_strided_last(a["k"])), "k", "contiguous last dimension"),
+    ("v is bf16", lambda a: a.update(v=torch.zeros(3, 1, H, D, dtype=torch.float16)), "v", "dtype bfloat16"),
+    ("v has H == HV heads", lambda a: a.update(v=torch.zeros(3, 1, 2 * H, D, dtype=BF16)), "v", "H == HV"),
+    ("raw g is bf16", lambda a: a.update(g=torch.zeros(3, 1, H, D)), "g", "raw gate"),
+    ("g shape", lambda a: a.update(g=torch.zeros(3, 1, H, 64, dtype=BF16)), "g", "shape"),
+    ("beta shape", lambda a: a.update(beta=torch.zeros(3, H, dtype=BF16)), "beta", "shape [B, 1, H]"),
+    ("raw-gate beta is bf16", lambda a: a.update(beta=torch.zeros(3, 1, H)), "beta", "raw gate"),
+    ("beta is not fp16", lambda a: a.update(beta=torch.zeros(3, 1, H, dtype=torch.float16)), "beta", "dtype"),
+    ("pool is a tensor", lambda a: a.update(state_pool=None), "state_pool", "a torch.Tensor"),
+    ("pool heads", lambda a: a.update(state_pool=torch.zeros(8, 8, D, D, dtype=BF16)), "state_pool",
+     "shape [N, H, V, K]"),
+    ("pool is 4-D", lambda a: a.update(state_pool=torch.zeros(H, D, D, dtype=BF16)), "state_pool", "shape"),
+    ("pool dtype", lambda a: a.update(state_pool=torch.zeros(8, H, D, D, dtype=torch.float16)), "state_pool",
+     "bfloat16 or float32"),
+    ("pool K contiguous", lambda a: a.update(state_pool=a["state_pool"].transpose(2, 3)), "state_pool",
+     "compact inner dims"),
+    ("pool heads compact", lambda a: a.update(
+        state_pool=torch.zeros(8, 2 * H, D, D, dtype=BF16)[:, ::2]), "state_pool", "compact inner dims"),
+    ("pool row stride multiple of 8", lambda a: a.update(
+        state_pool=_padded_rows((8, H, D, D), BF16, H * D * D + 4)), "state_pool", "a multiple of 8"),
+    ("pool rows do not overlap", lambda a: a.update(
+        state_pool=_padded_rows((8, H, D, D), BF16, H * D * D - 8)), "state_pool", f">= {H * D * D}"),
+    ("slots int32", lambda a: a.update(slot_indices=torch.zeros(3, dtype=torch.int64)), "slot_indices",
+     "dtype int32"),
+    ("slots [B]", lambda a: a.update(slot_indices=torch.zeros(4, dtype=I32)), "slot_indices", "shape [B]"),
+    ("slots 1-D", lambda a: a.update(slot_indices=torch.zeros(3, 1, dtype=I32)), "slot_indices", "shape [B]"),
+    ("slots contiguous", lambda a: a.update(slot_indices=torch.zeros(6, dtype=I32)[::2]), "slot_indices",
+     "contiguous 1-D"),
+    ("A_log required", lambda a: a.update(A_log=None), "A_log", "when use_gate_in_kernel=True"),
+    ("A_log fp32", lambda a: a.update(A_log=torch.zeros(H, dtype=BF16)), "A_log", "dtype float32"),
+    ("A_log [H]", lambda a: a.update(A_log=torch.zeros(H + 1)), "A_log", "shape [H]"),
+    ("dt_bias required", lambda a: a.update(dt_bias=None), "dt_bias", "when use_gate_in_kernel=True"),
+    ("dt_bias shape", lambda a: a.update(dt_bias=torch.zeros(H * 64)), "dt_bias", "[H*K]"),
+    ("dt_bias fp32", lambda a: a.update(dt_bias=torch.zeros(H * D, dtype=BF16)), "dt_bias", "dtype float32"),
+    ("dt_bias contiguous", lambda a: a.update(dt_bias=torch.zeros(D, H).t()), "dt_bias", "contiguous"),
+    ("lower_bound < 0", lambda a: a.update(lower_bound=0.0), "lower_bound", "finite negative"),
+    ("lower_bound positive", lambda a: a.update(lower_bound=2.0), "lower_bound", "finite negative"),
+    ("lower_bound finite", lambda a: a.update(lower_bound=float("-inf")), "lower_bound", "finite negative"),
+    ("lower_bound nan", lambda a: a.update(lower_bound=float("nan")), "lower_bound", "finite negative"),
+    ("lower_bound a number", lambda a: a.update(lower_bound="-5"), "lower_bound", "a negative float"),
+    ("lower_bound not a tensor", lambda a: a.update(lower_bound=torch.tensor(-5.0)), "lower_bound",
+     "a negative float"),
+    ("scale > 0", lambda a: a.update(scale=0.0), "scale", "positive finite"),
+    ("scale negative", lambda a: a.update(scale=-1.0), "scale", "positive finite"),
+    ("scale finite", lambda a: a.update(scale=float("inf")), "scale", "positive finite"),
+    ("scale a number", lambda a: a.update(scale="0.1"), "scale", "positive finite"),
+    ("output dtype", lambda a: a.update(output=torch.zeros(3, 1, H, D)), "output", "dtype bfloat16"),
+    ("output shape", lambda a: a.update(output=torch.zeros(3, H, D, dtype=BF16)), "output", "shape [B, 1, H, V]"),
+    ("output last dim", lambda a: a.update(output=_strided_last(torch.zeros(3, 1, H, D, dtype=BF16))), "output",
+     "contiguous last dimension"),
+    ("beta_is_logit a bool", lambda a: a.update(beta_is_logit=1), "beta_is_logit", "a bool"),
+    ("use_gate_in_kernel a bool", lambda a: a.update(use_gate_in_kernel="yes"), "use_gate_in_kernel", "a bool"),
+    ("device_kind value", lambda a: a.update(device_kind="gpu"), "device_kind", "one of"),
+    ("cuda device kind needs CUDA tensors", lambda a: a.update(device_kind="cuda"), "q", "a CUDA tensor"),
+]
+
+
+@pytest.mark.parametrize("mutate, argument, fragment", [r[1:] for r in T1_RULES], ids=[r[0] for r in T1_RULES])
+def test_t1_rule(mutate, argument, fragment):
+    a = t1_args()
+    mutate(a)
+    _raises(lambda: t1(a), argument, fragment)
+
+
+def test_t1_message_says_what_was_given():
+    a = _with(t1_args(), slot_indices=torch.zeros(3, dtype=torch.int64))
+    assert _raises(lambda: t1(a), "slot_indices", "int32").endswith("got torch.int64")
+    a = _with(t1_args(), q=torch.zeros(3, 1, 10, D, dtype=BF16))
+    assert _raises(lambda: t1(a), "q", "head count").endswith("got 10")
+
+
+def test_precomputed_gate_ignores_gate_parameters():
+    call = t1(_with(t1_args(), use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=3.0))
+    assert call.gate_mode is GateMode.PRECOMPUTED and call.lower_bound is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Packed rules
+
+PACKED_RULES = [
+    ("num_heads int", lambda a: a.update(num_heads=12.0), "num_heads", "an int"),
+    ("num_heads in counts", lambda a: a.update(num_heads=7), "num_heads", "a head count"),
+    ("mixed_qkv tensor", lambda a: a.update(mixed_qkv=None), "mixed_qkv", "a torch.Tensor"),
+    ("mixed_qkv width", lambda a: a.update(mixed_qkv=torch.zeros(3, 2 * H * D, dtype=BF16)), "mixed_qkv",
+     "3*num_heads*128"),
+    ("mixed_qkv 2-D", lambda a: a.update(mixed_qkv=torch.zeros(3, 1, 3 * H * D, dtype=BF16)), "mixed_qkv",
+     "shape"),
+    ("mixed_qkv bf16", lambda a: a.update(mixed_qkv=torch.zeros(3, 3 * H * D)), "mixed_qkv", "dtype bfloat16"),
+    ("mixed_qkv last dim", lambda a: a.update(mixed_qkv=_strided_last(torch.zeros(3, 3 * H * D, dtype=BF16))),
+     "mixed_qkv", "contiguous last dimension"),
+    ("mixed_qkv rows do not overlap", lambda a: a.update(
+        mixed_qkv=torch.zeros(6 * H * D, dtype=BF16).as_strided((3, 3 * H * D), (H * D, 1))), "mixed_qkv",
+     "row stride >="),
+    ("raw_gate shape", lambda a: a.update(raw_gate=torch.zeros(3, H * 64, dtype=BF16)), "raw_gate", "shape"),
+    ("raw_gate batch", lambda a: a.update(raw_gate=torch.zeros(2, H * D, dtype=BF16)), "raw_gate", "shape"),
+    ("raw_gate bf16 with raw gate", lambda a: a.update(raw_gate=torch.zeros(3, H * D)), "raw_gate", "raw gate"),
+    ("raw_gate rows", lambda a: a.update(
+        raw_gate=torch.zeros(2 * H * D, dtype=BF16).as_strided((3, H * D), (8, 1))), "raw_gate", "row stride >="),
+    ("raw_beta shape", lambda a: a.update(raw_beta=torch.zeros(3, 1, H, dtype=BF16)), "raw_beta",
+     "shape [B, num_heads]"),
+    ("raw_beta dtype", lambda a: a.update(raw_beta=torch.zeros(3, H, dtype=torch.float16)), "raw_beta", "dtype"),
+    ("pool heads follow num_heads", lambda a: a.update(state_pool=torch.zeros(4, 8, D, D, dtype=BF16)),
+     "state_pool", "shape"),
+    ("slots [B]", lambda a: a.update(slot_indices=torch.zeros(2, dtype=I32)), "slot_indices", "shape [B]"),
+]
+
+
+@pytest.mark.parametrize("mutate, argument, fragment", [r[1:] for r in PACKED_RULES],
+                         ids=[r[0] for r in PACKED_RULES])
+def test_packed_rule(mutate, argument, fragment):
+    a = packed_args()
+    mutate(a)
+    _raises(lambda: packed(a), argument, fragment)
+
+
+def test_packed_and_unpacked_views_of_one_buffer_describe_the_same_call():
+    from kda_core.oracle import unpack_packed
+
+    a = packed_args(pad=16)
+    q, k, v, g, beta = unpack_packed(a["mixed_qkv"], a["raw_gate"], a["raw_beta"], H)
+    call_p = packed(a)
+    call_u = t1(dict(q=q, k=k, v=v, g=g, beta=beta, state_pool=a["state_pool"], slot_indices=a["slot_indices"],
+                     A_log=a["A_log"], dt_bias=a["dt_bias"], lower_bound=-5.0, device_kind="any"))
+    for field in ("B", "H", "N", "state_dtype", "g_dtype", "beta_dtype", "gate_mode", "scale", "aligned"):
+        assert getattr(call_p, field) == getattr(call_u, field), field
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# recurrent_kda rules
+
+REC_RULES = [
+    ("q tensor", "pool", lambda a: a.update(q=None), "q", "a torch.Tensor"),
+    ("q 4-D", "pool", lambda a: a.update(q=torch.zeros(2, H, D, dtype=BF16)), "q", "4-D"),
+    ("head dim in GENERIC_HEAD_DIMS", "dense", lambda a: a.update(
+        q=torch.zeros(2, 1, H, 32, dtype=BF16), k=torch.zeros(2, 1, H, 32, dtype=BF16)), "q", "(64, 128)"),
+    ("q dtype", "pool", lambda a: a.update(q=torch.zeros(2, 1, H, D, dtype=torch.float64)), "q", "dtype"),
+    ("k shape of q", "pool", lambda a: a.update(k=torch.zeros(2, 1, H, 64, dtype=BF16)), "k", "the shape of q"),
+    ("k dtype of q", "pool", lambda a: a.update(k=torch.zeros(2, 1, H, D)), "k", "the dtype of q"),
+    ("k last dim", "pool", lambda a: a.update(k=_strided_last(a["k"])), "k", "contiguous last dimension"),
+    ("v shape", "pool", lambda a: a.update(v=torch.zeros(2, 2, H, D, dtype=BF16)), "v", "shape [B, T, HV, V]"),
+    ("V == K", "dense", lambda a: a.update(v=torch.zeros(2, 1, H, 64, dtype=BF16)), "v", "V == K"),
+    ("HV % H == 0", "dense", lambda a: a.update(
+        v=torch.zeros(2, 1, 18, D, dtype=BF16), g=torch.zeros(2, 1, 18, D, dtype=BF16),
+        beta=torch.zeros(2, 1, 18, dtype=BF16)), "v", "divisible"),
+    ("v dtype of q", "pool", lambda a: a.update(v=torch.zeros(2, 1, H, D, dtype=torch.float16)), "v",
+     "the dtype of q"),
+    ("g shape [B, T, HV, K]", "pool", lambda a: a.update(g=torch.zeros(2, 1, H, 64, dtype=BF16)), "g", "shape"),
+    ("g dtype", "pool", lambda a: a.update(g=torch.zeros(2, 1, H, D, dtype=torch.float64)), "g", "dtype"),
+    ("g last dim", "pool", lambda a: a.update(g=_strided_last(a["g"])), "g", "contiguous last dimension"),
+    ("beta shape", "pool", lambda a: a.update(beta=torch.zeros(2, 1, H, 1, dtype=BF16)), "beta", "shape"),
+    ("beta dtype", "pool", lambda a: a.update(beta=torch.zeros(2, 1, H, dtype=I32)), "beta", "dtype"),
+    ("cu_seqlens 1-D", "dense", lambda a: a.update(
+        q=a["q"][:1], k=a["k"][:1], v=a["v"][:1], g=a["g"][:1], beta=a["beta"][:1],
+        cu_seqlens=torch.zeros(2, 2, dtype=I32)), "cu_seqlens", "1-D"),
+    ("cu_seqlens integer", "dense", lambda a: a.update(
+        q=a["q"][:1], k=a["k"][:1], v=a["v"][:1], g=a["g"][:1], beta=a["beta"][:1],
+        cu_seqlens=torch.zeros(3)), "cu_seqlens", "int32 or int64"),
+    ("cu_seqlens needs B == 1", "dense", lambda a: a.update(cu_seqlens=torch.zeros(3, dtype=I32)), "q",
+     "B == 1"),
+    ("indices int32", "pool", lambda a: a.update(ssm_state_indices=torch.zeros(2, dtype=torch.int64)),
+     "ssm_state_indices", "dtype int32"),
+    ("1-D indices [N_seq]", "pool", lambda a: a.update(ssm_state_indices=torch.zeros(3, dtype=I32)),
+     "ssm_state_indices", "[N_seq]"),
+    ("1-D indices contiguous", "pool", lambda a: a.update(ssm_state_indices=torch.zeros(4, dtype=I32)[::2]),
+     "ssm_state_indices", "contiguous"),
+    ("2-D indices [N_seq, T]", "spec", lambda a: a.update(ssm_state_indices=torch.zeros(2, 2, dtype=I32)),
+     "ssm_state_indices", "[N_seq, T]"),
+    ("indices at most 2-D", "pool", lambda a: a.update(ssm_state_indices=torch.zeros(2, 1, 1, dtype=I32)),
+     "ssm_state_indices", "1-D [N_seq] or 2-D"),
+    ("pool required with indices", "pool", lambda a: a.update(initial_state=None), "initial_state",
+     "the state pool"),
+    ("pool heads", "pool", lambda a: a.update(initial_state=torch.zeros(8, 6, D, D, dtype=BF16)),
+     "initial_state", "[N, HV, V, K]"),
+    ("pool dtype", "pool", lambda a: a.update(initial_state=torch.zeros(8, H, D, D, dtype=torch.float16)),
+     "initial_state", "bfloat16 or float32"),
+    ("pool K contiguous", "spec", lambda a: a.update(initial_state=a["initial_state"].transpose(2, 3)),
+     "initial_state", "compact inner dims"),
+    ("pool row stride", "pool", lambda a: a.update(
+        initial_state=_padded_rows((8, H, D, D), BF16, H * D * D + 2)), "initial_state", "multiple of 8"),
+    ("dense state shape", "dense", lambda a: a.update(initial_state=torch.zeros(3, H, D, D)), "initial_state",
+     "[N_seq, HV, V, K]"),
+    ("accepted tokens need 2-D indices", "pool", lambda a: a.update(
+        num_accepted_tokens=torch.ones(2, dtype=I32)), "num_accepted_tokens", "2-D"),
+    ("accepted tokens int32", "spec", lambda a: a.update(num_accepted_tokens=torch.ones(2, dtype=torch.int64)),
+     "num_accepted_tokens", "dtype int32"),
+    ("accepted tokens [N_seq]", "spec", lambda a: a.update(num_accepted_tokens=torch.ones(3, dtype=I32)),
+     "num_accepted_tokens", "[N_seq]"),
+    ("A_log with in-kernel gate", "pool", lambda a: a.update(A_log=None), "A_log", "use_gate_in_kernel=True"),
+    ("dt_bias shape", "pool", lambda a: a.update(dt_bias=torch.zeros(3)), "dt_bias", "shape"),
+    ("lower_bound < 0", "pool", lambda a: a.update(lower_bound=1.0), "lower_bound", "negative"),
+    ("scale > 0", "pool", lambda a: a.update(scale=-0.1), "scale", "positive"),
+    ("output shape", "pool", lambda a: a.update(output=torch.zeros(2, 1, H, 64, dtype=BF16)), "output", "shape"),
+    ("output bf16", "pool", lambda a: a.update(output=torch.zeros(2, 1, H, D)), "output", "dtype bfloat16"),
+    ("output_final_state bool", "pool", lambda a: a.update(output_final_state=None), "output_final_state",
+     "a bool"),
+    ("use_qk_l2norm_in_kernel bool", "pool", lambda a: a.update(use_qk_l2norm_in_kernel=0),
+     "use_qk_l2norm_in_kernel", "a bool"),
+    ("device_kind cuda", "pool", lambda a: a.update(device_kind="cuda"), "q", "a CUDA tensor"),
+]
+
+
+@pytest.mark.parametrize("mode, mutate, argument, fragment", [r[1:] for r in REC_RULES],
+                         ids=[r[0] for r in REC_RULES])
+def test_recurrent_rule(mode, mutate, argument, fragment):
+    a = rec_args(mode=mode)
+    mutate(a)
+    _raises(lambda: rec(a), argument, fragment)
+
+
+def test_recurrent_varlen_spec_indices_take_any_column_count():
+    a = _with(rec_args(B=1, T=5, mode="dense"), cu_seqlens=torch.tensor([0, 2, 5], dtype=I32),
+              initial_state=torch.zeros(4, H, D, D, dtype=BF16), ssm_state_indices=torch.zeros(2, 3, dtype=I32))
+    assert rec(a).mode == "spec"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# T=1 eligibility of recurrent_kda calls
+
+ELIGIBILITY = [
+    ("T > 1", dict(T=2), None, "T=2"),
+    ("varlen", dict(B=1), lambda a: a.update(cu_seqlens=torch.tensor([0, 1], dtype=I32)), "cu_seqlens"),
+    ("dense", dict(mode="dense"), None, "no ssm_state_indices"),
+    ("spec", dict(mode="spec"), None, "2-D ssm_state_indices"),
+    ("GQA", dict(Hq=4, HV=H), None, "GQA"),
+    ("head count", dict(Hq=4, HV=4), None, "H=4"),
+    ("head dim", dict(K=64), None, "head dim 64"),
+    ("fp32 activations", dict(), lambda a: a.update(**{n: a[n].float() for n in ("q", "k", "v")}), "bfloat16"),
+    ("fp32 raw gate", dict(), lambda a: a.update(g=a["g"].float()), "g in torch.float32"),
+    ("fp16 beta", dict(), lambda a: a.update(beta=a["beta"].half()), "beta in torch.float16"),
+    ("no l2 norm", dict(), lambda a: a.update(use_qk_l2norm_in_kernel=False), "use_qk_l2norm_in_kernel=False"),
+    ("CPU", dict(), None, "not on a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("shape, mutate, reason", [r[1:] for r in ELIGIBILITY], ids=[r[0] for r in ELIGIBILITY])
+def test_t1_ineligibility_reason(shape, mutate, reason):
+    a = rec_args(**shape)
+    if mutate:
+        mutate(a)
+    call = rec(a)
+    assert not call.t1_eligible
+    assert call.t1_reason.startswith("not eligible") and reason in call.t1_reason, call.t1_reason
+
+
+def test_precomputed_fp32_gate_is_not_a_reason_to_leave_the_t1_path():
+    a = _with(rec_args(), g=torch.zeros(2, 1, H, D), beta=torch.zeros(2, 1, H), use_gate_in_kernel=False)
+    assert "CUDA" in rec(a).t1_reason  # only the device is missing
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ucache rules
+
+UC_RULES = [
+    ("T in {4, 8}", lambda a: a.update(**{n: torch.zeros(2, 6, H, D, dtype=BF16) for n in "qkvg"}), "q",
+     "T in (4, 8)"),
+    ("q head dim", lambda a: a.update(q=torch.zeros(2, 8, H, 64, dtype=BF16)), "q", "shape [B, T, H, 128]"),
+    ("heads in counts", lambda a: a.update(q=torch.zeros(2, 8, 6, D, dtype=BF16)), "q", "a head count"),
+    ("q bf16", lambda a: a.update(q=torch.zeros(2, 8, H, D)), "q", "dtype bfloat16"),
+    ("k shape", lambda a: a.update(k=torch.zeros(2, 4, H, D, dtype=BF16)), "k", "shape"),
+    ("v bf16", lambda a: a.update(v=torch.zeros(2, 8, H, D)), "v", "dtype bfloat16"),
+    ("g bf16", lambda a: a.update(g=torch.zeros(2, 8, H, D)), "g", "dtype bfloat16"),
+    ("b shape", lambda a: a.update(b=torch.zeros(2, 8, H, 1, dtype=BF16)), "b", "shape [B, T, H]"),
+    ("b bf16", lambda a: a.update(b=torch.zeros(2, 8, H)), "b", "dtype bfloat16"),
+    ("A_log required", lambda a: a.update(A_log=None), "A_log", "fp32 tensor"),
+    ("dt_bias fp32", lambda a: a.update(dt_bias=torch.zeros(H * D, dtype=BF16)), "dt_bias", "float32"),
+    ("lower_bound < 0", lambda a: a.update(lower_bound=0.5), "lower_bound", "negative"),
+    ("scale > 0", lambda a: a.update(scale=0), "scale", "positive"),
+    ("pool bf16", lambda a: a.update(initial_state_source=torch.zeros(5, H, D, D)), "initial_state_source",
+     "dtype bfloat16"),
+    ("pool shape", lambda a: a.update(initial_state_source=torch.zeros(5, H, D, 64, dtype=BF16)),
+     "initial_state_source", "shape"),
+    ("pool row stride", lambda a: a.update(
+        initial_state_source=_padded_rows((5, H, D, D), BF16, H * D * D + 3)), "initial_state_source",
+     "multiple of 8"),
+    ("k ring N = pool rows", lambda a: a.update(k_cache=torch.zeros(4, H, 32, D, dtype=BF16)), "k_cache",
+     "N = pool rows"),
+    ("k ring 32 slots", lambda a: a.update(k_cache=torch.zeros(5, H, 16, D, dtype=BF16)), "k_cache", "32"),
+    ("u ring bf16", lambda a: a.update(u_cache=torch.zeros(5, H, 32, D)), "u_cache", "dtype bfloat16"),
+    ("g ring fp32", lambda a: a.update(g_cache=torch.zeros(5, H, 32, D, dtype=BF16)), "g_cache", "dtype float32"),
+    ("ring compact", lambda a: a.update(g_cache=torch.zeros(5, H, D, 32).transpose(2, 3)), "g_cache",
+     "compact inner dims"),
+    ("indices int32", lambda a: a.update(initial_state_indices=torch.zeros(2, dtype=torch.int64)),
+     "initial_state_indices", "dtype int32"),
+    ("hist_len [B]", lambda a: a.update(hist_len=torch.zeros(3, dtype=I32)), "hist_len", "shape [B]"),
+    ("cache_base int32", lambda a: a.update(cache_base=torch.zeros(2, dtype=torch.int16)), "cache_base",
+     "dtype int32"),
+    ("cache_base contiguous", lambda a: a.update(cache_base=torch.zeros(4, dtype=I32)[::2]), "cache_base",
+     "contiguous"),
+    ("w_ring 16 or 32", lambda a: a.update(w_ring=24), "w_ring", "(16, 32)"),
+    ("w_ring an int", lambda a: a.update(w_ring=16.0), "w_ring", "(16, 32)"),
+    ("flush_min >= 1", lambda a: a.update(flush_min=0), "flush_min", ">= 1"),
+    ("flush_min <= max (T=8, w16)", lambda a: a.update(flush_min=10), "flush_min", "= 9"),
+    ("flush_min > 16 with w_ring 32", lambda a: a.update(w_ring=32, flush_min=16), "flush_min", "> 16"),
+    ("flush_min <= max (T=8, w32)", lambda a: a.update(w_ring=32, flush_min=18), "flush_min", "= 17"),
+    ("flush_min an int", lambda a: a.update(flush_min=9.0), "flush_min", "an int"),
+    ("restart flag bool", lambda a: a.update(restart_hist_on_flush=None), "restart_hist_on_flush", "a bool"),
+    ("output shape", lambda a: a.update(output=torch.zeros(2, 8, H, 64, dtype=BF16)), "output", "shape"),
+    ("device_kind cuda", lambda a: a.update(device_kind="cuda"), "q", "a CUDA tensor"),
+]
+
+
+@pytest.mark.parametrize("mutate, argument, fragment", [r[1:] for r in UC_RULES], ids=[r[0] for r in UC_RULES])
+def test_ucache_rule(mutate, argument, fragment, monkeypatch):
+    monkeypatch.delenv("KDA_UCACHE_WRING", raising=False)
+    a = uc_args()
+    mutate(a)
+    _raises(lambda: uc(a), argument, fragment)
+
+
+def test_ucache_flush_min_bounds_for_t4():
+    assert uc(_with(uc_args(T=4), flush_min=13)).flush_min == 13
+    _raises(lambda: uc(_with(uc_args(T=4), flush_min=14)), "flush_min", "= 13")
+    assert uc(_with(uc_args(T=4), w_ring=32, flush_min=17)).flush_min == 17
+    _raises(lambda: uc(_with(uc_args(T=4), w_ring=32, flush_min=26)), "flush_min", "= 25")
+
+
+def test_ucache_softplus_gate():
+    assert uc(_with(uc_args(), lower_bound=None)).gate_mode is GateMode.SOFTPLUS
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Alignment: classified, never rejected
+
+
+def test_tensor_alignment_of_fresh_and_shifted_tensors():
+    base = torch.zeros(64, dtype=BF16)
+    assert V.tensor_alignment(base) == 16
+    assert V.tensor_alignment(base[1:]) == 2
+    assert V.tensor_alignment(base[2:]) == 4
+    assert V.tensor_alignment(base[4:]) == 8
+    assert V.tensor_alignment(base[8:]) == 16
+    assert V.tensor_alignment(torch.zeros(16)[1:]) == 4
+    assert V.tensor_alignment(torch.zeros(16, dtype=torch.uint8)[3:]) == 1
+
+
+def test_tensor_alignment_reads_strides_of_stepped_dims_only():
+    rows = torch.zeros(4, 130, dtype=BF16)[:, :128]  # row stride 260 bytes
+    assert V.tensor_alignment(rows) == 4
+    one_row = torch.zeros(1, 130, dtype=BF16)[:, :128]  # a single row is never stepped over
+    assert V.tensor_alignment(one_row) == 16
+    odd_unit = torch.zeros(64, dtype=BF16).as_strided((8, 1), (8, 3))  # size-1 dim with an odd stride
+    assert V.tensor_alignment(odd_unit) == 16
+
+
+def test_is_aligned_over_several_tensors():
+    a, b = torch.zeros(32, dtype=BF16), torch.zeros(33, dtype=BF16)[1:]
+    assert V.is_aligned(a, None)
+    assert not V.is_aligned(a, b)
+    assert V.is_aligned(a, b, bytes=2)
+    _raises(lambda: V.is_aligned(a, bytes=3), "bytes", "one of")
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "output"])
+def test_t1_shifted_activation_takes_the_unaligned_variant(name):
+    a = t1_args()
+    shape = (3, 1, H, D)
+    a[name] = torch.zeros(3 * H * D + 1, dtype=BF16)[1:].view(shape)
+    call = t1(a)
+    assert not call.aligned and call.alignment == 2
+
+
+def test_t1_shifted_pool_and_dt_bias_take_the_unaligned_variant():
+    pool = torch.zeros(8 * H * D * D + 4, dtype=BF16)[4:].view(8, H, D, D)
+    assert t1(_with(t1_args(), state_pool=pool)).alignment == 8
+    dt = torch.zeros(H * D + 1)[1:]
+    assert t1(_with(t1_args(), dt_bias=dt)).alignment == 4
+
+
+def test_t1_odd_head_stride_takes_the_unaligned_variant():
+    q = torch.zeros(3, 1, H, D + 1, dtype=BF16)[..., :D]
+    assert t1(_with(t1_args(), q=q)).alignment == 2
+
+
+def test_recurrent_and_ucache_classify_alignment():
+    a = rec_args()
+    a["v"] = torch.zeros(2 * H * D + 4, dtype=BF16)[4:].view(2, 1, H, D)
+    assert rec(a).alignment == 8 and not rec(a).aligned
+    u = uc_args()
+    u["g_cache"] = torch.zeros(5 * H * 32 * D + 1)[1:].view(5, H, 32, D)
+    assert uc(u).alignment == 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Metadata only
+
+
+def _meta(args):
+    return {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+
+
+def test_validation_works_on_meta_tensors():
+    assert t1(_meta(t1_args())).B == 3
+    assert packed(_meta(packed_args(pad=8))).packed
+    assert rec(_meta(rec_args(T=4, mode="spec"))).mode == "spec"
+    assert uc(_meta(uc_args())).T == 8
+
+
+def test_validation_never_reads_values(monkeypatch):
+    def boom(*_args, **_kw):
+        raise AssertionError("validation read a tensor value")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "any", "all"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    t1(t1_args())
+    packed(packed_args(pad=8))
+    rec(rec_args(T=2, mode="spec"))
+    rec(_with(rec_args(B=1, T=3, mode="dense"), cu_seqlens=torch.tensor([0, 1, 3], dtype=I32)))
+    uc(uc_args())
+    with pytest.raises(KDAError):  # the error path only formats metadata too
+        t1(_with(t1_args(), slot_indices=torch.zeros(5, dtype=I32)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Debug value checks
+
+
+def test_debug_checks_follow_the_knob(monkeypatch):
+    monkeypatch.delenv("KDA_DEBUG_VALIDATE", raising=False)
+    assert V.debug_checks_enabled() is False
+    monkeypatch.setenv("KDA_DEBUG_VALIDATE", "1")
+    assert V.debug_checks_enabled() is (not torch.cuda.is_available() or
+                                        not torch.cuda.is_current_stream_capturing())
+    monkeypatch.setenv("KDA_DEBUG_VALIDATE", "maybe")
+    _raises(V.debug_checks_enabled, "KDA_DEBUG_VALIDATE", "0/1")
+
+
+def test_debug_check_slots_finds_duplicate_active_slots():
+    V.debug_check_slots(torch.tensor([3, 1, 0], dtype=I32), 4)
+    V.debug_check_slots(torch.tensor([-1, -1, 4, 4, 2], dtype=I32), 4)  # inactive duplicates are padding
+    msg = _raises(lambda: V.debug_check_slots(torch.tensor([2, 0, 2, -1], dtype=I32), 4), "slot_indices",
+                  "distinct active slots")
+    assert "[2]" in msg
+    _raises(lambda: V.debug_check_slots(torch.tensor([[0, 1], [2, 1]], dtype=I32), 4), "slot_indices", "distinct")
+
+
+def test_debug_check_ucache_cursors():
+    V.debug_check_ucache_cursors(torch.tensor([0, 16], dtype=I32), torch.tensor([0, 31], dtype=I32), 8, 16)
+    _raises(lambda: V.debug_check_ucache_cursors(torch.tensor([17], dtype=I32), torch.tensor([0], dtype=I32), 8, 16),
+            "hist_len", "[0, 16]")
+    _raises(lambda: V.debug_check_ucache_cursors(torch.tensor([25], dtype=I32), torch.tensor([0], dtype=I32), 8, 32),
+            "hist_len", "[0, 24]")
+    _raises(lambda: V.debug_check_ucache_cursors(torch.tensor([-1], dtype=I32), torch.tensor([0], dtype=I32), 4, 16),
+            "hist_len", "at row 0")
+    _raises(lambda: V.debug_check_ucache_cursors(torch.tensor([0, 0], dtype=I32), torch.tensor([0, 32], dtype=I32),
+                                                 4, 16), "cache_base", "[0, 32)")
+    # rows whose slot is inactive are padding: their cursors are not checked
+    V.debug_check_ucache_cursors(torch.tensor([0, 99], dtype=I32), torch.tensor([0, -5], dtype=I32), 4, 16,
+                                 slot_indices=torch.tensor([0, -1], dtype=I32), N=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA device rules
+
+
+@pytest.mark.gpu
+def test_cuda_calls_are_eligible_and_mixed_devices_are_named():
+    a = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in t1_args().items()}
+    a["device_kind"] = "cuda"
+    assert t1(a).aligned
+    a["slot_indices"] = a["slot_indices"].cpu()
+    _raises(lambda: t1(a), "slot_indices", "cuda:0")
+    r = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in rec_args().items()}
+    call = rec(r)
+    assert call.on_cuda and call.t1_eligible and call.t1_reason.startswith("eligible")
+    r["dt_bias"] = r["dt_bias"].cpu()
+    _raises(lambda: rec(r), "dt_bias", "cuda:0")
