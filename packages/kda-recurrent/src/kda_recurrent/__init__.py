@@ -1,9 +1,21 @@
 """kda-recurrent: the ``recurrent_kda`` facade, the ucache API and serving adapters of Kimi Delta Attention decode.
 
-In progress: the facade and the ucache API have not landed yet, so this package exports nothing that would pretend
-to compute. What works today is the README's main job, ``python -m kda_recurrent.demo``: a Kimi K3-shaped decode
-loop on the kda-core PyTorch oracle, on the CPU.
+``recurrent_kda`` routes each call to the fastest kda-cute kernel that accepts it, or to the kda-core oracle when
+kda-cute is not installed (slow, with a one-time warning); ``explain`` says which path a call would take.
+``kda_delta_rule_mtp_ucache_flush`` and its companions are the speculative-decode replay-cache API (DESIGN §5).
+``python -m kda_recurrent.demo`` is the README's main job.
 """
 
+from kda_recurrent.facade import explain, recurrent_kda
+from kda_recurrent.ucache import allocate_cursors, allocate_ucache, commit_ucache, kda_delta_rule_mtp_ucache_flush
+
 __version__ = "0.1.0"
-__all__ = ["__version__"]
+__all__ = [
+    "__version__",
+    "allocate_cursors",
+    "allocate_ucache",
+    "commit_ucache",
+    "explain",
+    "kda_delta_rule_mtp_ucache_flush",
+    "recurrent_kda",
+]
