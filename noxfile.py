@@ -7,8 +7,8 @@ Every CPU session installs with `-c ci/constraints-cpu.txt`, which pins the CPU 
 disk, so no session ever pulls a multi-GB CUDA build. The GPU-host sessions instead reuse the host's CUDA torch
 (a virtualenv with system site packages) and add no constraint: the CPU pin would replace that torch.
 
-Each pytest run writes a JUnit file under .nox/junit/; `ci/test.sh` prints the totals from them. A test folder that
-holds test files but collects nothing (pytest exit 5) fails its session; a folder with no test file yet says so.
+Each pytest run writes a JUnit file under .nox/junit/; `ci/test.sh` prints their totals (`junit_summary`). A test
+folder that holds test files but collects nothing (pytest exit 5) fails its session; one with no test file says so.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent
 PACKAGES = ROOT / "packages"
 CONSTRAINTS = ROOT / "ci" / "constraints-cpu.txt"
 JUNIT_DIR = ROOT / ".nox" / "junit"
-COMPILE_TEST = PACKAGES / "kda-cute" / "tests" / "test_compile.py"
+CUTE_TESTS = PACKAGES / "kda-cute" / "tests"
 COMPILE_ARCHS = ("sm_90a", "sm_100a")
 RUFF = "ruff==0.17.6"  # the version the tree was last linted with; a newer ruff may add rules
 GPU_MARKER = "gpu: needs a CUDA GPU; skips cleanly without one"
@@ -40,55 +40,74 @@ def _package(name: str, extras: str = "") -> str:
     return f"{PACKAGES / name}{extras}"
 
 
-def _test_files(folder: Path) -> list[Path]:
-    if folder.is_file():
-        return [folder]
-    if not folder.is_dir():
-        return []
-    return sorted({*folder.rglob("test_*.py"), *folder.rglob("*_test.py")})
+def _test_files(targets: list[Path]) -> list[Path]:
+    found = set()
+    for target in targets:
+        if target.is_file():
+            found.add(target)
+        elif target.is_dir():
+            found.update([*target.rglob("test_*.py"), *target.rglob("*_test.py")])
+    return sorted(found)
 
 
-def _junit_counts(path: Path) -> dict[str, int]:
+def _junit_counts(paths) -> dict[str, int]:
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-    if not path.exists():
-        return counts
-    root = ET.parse(path).getroot()
-    for suite in [root] if root.tag == "testsuite" else root.iter("testsuite"):
-        for key in counts:
-            counts[key] += int(suite.get(key, 0))
+    for path in paths:
+        root = ET.parse(path).getroot()
+        for suite in [root] if root.tag == "testsuite" else root.iter("testsuite"):
+            for key in counts:
+                counts[key] += int(suite.get(key, 0))
     return counts
 
 
+def junit_summary() -> str:
+    """One closing line over every pytest run of the last `nox` (ci/test.sh prints it)."""
+    counts = _junit_counts(sorted(JUNIT_DIR.glob("*.xml")))
+    failed = counts["failures"] + counts["errors"]
+    passed = counts["tests"] - failed - counts["skipped"]
+    return f"tests: {passed} passed, {failed} failed, {counts['skipped']} skipped"
+
+
 def _pytest(
-    session: nox.Session, folder: Path, *args: str, label: str, env: dict | None = None, allow_empty: bool = False
+    session: nox.Session,
+    target: Path | list[Path],
+    *args: str,
+    label: str,
+    env: dict | None = None,
+    allow_empty: bool = False,
 ) -> int:
-    """Run pytest on one test folder; return how many tests it collected and ran (passed, failed or skipped).
+    """Run pytest on a test folder (or files); return how many tests it collected and ran (passed, failed, skipped).
 
     Exit 5 (nothing collected) is accepted from pytest only to be judged here: a folder without test files is
-    reported as "no tests yet"; a folder with test files that collects nothing fails the session, unless
-    ``allow_empty`` (a marker filter such as ``-m gpu`` may leave one package with nothing to run).
+    reported as "no tests yet"; test files that collect nothing fail the session, unless ``allow_empty`` (a
+    marker filter such as ``-m gpu`` may leave one package with nothing to run).
     """
-    rel = folder.relative_to(ROOT)
-    if not _test_files(folder):
-        session.log(f"{rel}: no tests yet (no test_*.py file); nothing to run")
+    targets = target if isinstance(target, list) else [target]
+    rel = [str(path.relative_to(ROOT)) for path in targets]
+    if not _test_files(targets):
+        session.log(f"{' '.join(rel)}: no tests yet (no test_*.py file); nothing to run")
         return 0
     JUNIT_DIR.mkdir(parents=True, exist_ok=True)
     junit = JUNIT_DIR / f"{label}.xml"
     junit.unlink(missing_ok=True)
     options = [f"--junitxml={junit}", "-o", "junit_family=xunit2"]
-    if folder == ROOT / "tests":  # the top-level folder has no pyproject of its own to register the marker
-        options += ["-o", f"markers={GPU_MARKER}"]
-    session.run("pytest", str(rel), *options, *args, *session.posargs, env=env, success_codes=[0, 5])
-    ran = _junit_counts(junit)["tests"]
+    if targets == [ROOT / "tests"]:  # the top-level folder has no pyproject of its own to configure pytest
+        options += ["--import-mode=importlib", "-o", f"markers={GPU_MARKER}"]
+    session.run("pytest", *rel, *options, *args, *session.posargs, env=env, success_codes=[0, 5])
+    ran = _junit_counts([junit])["tests"] if junit.exists() else 0
     if ran == 0 and not allow_empty:
-        session.error(f"{rel}: holds test files but pytest collected no test (exit 5); see the collection above")
+        session.error(f"{' '.join(rel)}: holds test files but pytest collected no test (exit 5); see above")
     return ran
+
+
+def _compile_tests() -> list[Path]:
+    """kda-cute's CPU compile checks (test_compile.py, test_ucache_compile.py, ...): the `compile` session's."""
+    return sorted(CUTE_TESTS.glob("test*compile*.py"))
 
 
 def _package_tests(session: nox.Session, name: str, *args: str, label: str, allow_empty: bool = False) -> int:
     tests = PACKAGES / name / "tests"
-    # test_compile.py belongs to the `compile` session, which sets CUTE_DSL_ARCH for each target.
-    ignore = [f"--ignore={COMPILE_TEST.relative_to(ROOT)}"] if COMPILE_TEST.is_relative_to(tests) else []
+    ignore = [f"--ignore={path.relative_to(ROOT)}" for path in _compile_tests() if path.is_relative_to(tests)]
     return _pytest(session, tests, *ignore, *args, label=label, allow_empty=allow_empty)
 
 
@@ -136,13 +155,19 @@ def integration(session: nox.Session) -> None:
 
 @nox.session
 def compile(session: nox.Session) -> None:
-    """Compile every kda-cute kernel variant for sm_90a and sm_100a on the CPU (CUTE_DSL_ARCH, no GPU)."""
-    if not COMPILE_TEST.exists():
-        session.skip(f"{COMPILE_TEST.relative_to(ROOT)} does not exist yet: no compile check to run")
+    """Compile every kda-cute kernel variant for sm_90a and sm_100a on the CPU (CUTE_DSL_ARCH, no GPU).
+
+    Runs kda-cute's tests/test*compile*.py once per target with CUTE_DSL_ARCH set and ``-k <arch>``: their test
+    ids name the target, so each run compiles that target's variants only (and a file whose ids don't fails here,
+    having collected nothing).
+    """
+    tests = _compile_tests()
+    if not tests:
+        session.skip("packages/kda-cute/tests/test*compile*.py do not exist yet: no compile check to run")
     _install_cpu(session, _package("kda-cute", "[test]"))
     for arch in COMPILE_ARCHS:
-        session.log(f"compile checks for {arch}")
-        _pytest(session, COMPILE_TEST, label=f"compile-{arch}", env={"CUTE_DSL_ARCH": arch})
+        session.log(f"compile checks for {arch}: {', '.join(path.name for path in tests)}")
+        _pytest(session, tests, "-k", arch, label=f"compile-{arch}", env={"CUTE_DSL_ARCH": arch})
 
 
 @nox.session

@@ -18,18 +18,5 @@ rm -rf .nox/junit
 status=$?
 
 # One closing line over every pytest run of the sessions above (their JUnit files in .nox/junit/).
-"$python" - <<'PY'
-import glob
-import xml.etree.ElementTree as ET
-
-totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-for path in sorted(glob.glob(".nox/junit/*.xml")):
-    root = ET.parse(path).getroot()
-    for suite in [root] if root.tag == "testsuite" else root.iter("testsuite"):
-        for key in totals:
-            totals[key] += int(suite.get(key, 0))
-failed = totals["failures"] + totals["errors"]
-passed = totals["tests"] - failed - totals["skipped"]
-print(f"tests: {passed} passed, {failed} failed, {totals['skipped']} skipped")
-PY
+"$python" -c "import noxfile; print(noxfile.junit_summary())"
 exit $status
