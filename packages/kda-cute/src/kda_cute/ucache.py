@@ -32,7 +32,9 @@ kda-recurrent.
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int64, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T as ir_types
 
 from kda_core.contracts import HEAD_DIM, RING_SLOTS, max_hist_len
 
@@ -54,14 +56,63 @@ CHUNK = 8
 """Contiguous bf16 channels per 16-byte pool access."""
 CHUNKS_PER_THREAD = HEAD_DIM // (ROW_THREADS * CHUNK)  # 4
 L2NORM_EPS = 1e-6
+MMA_K = 16
+"""K extent of one m16n8k16 MMA; HEAD_DIM // MMA_K = 8 steps cover a state row."""
 
 
-def default_tile_v(batch: int, heads: int) -> int:
-    """State rows per CTA. 32 rows (128 threads) keep 4 CTAs per (request, head) so that even B=1 fills
-    dozens of SMs; the per-CTA preamble (gate, norms, triangles, replay vectors) is repeated per CTA, which
-    costs little next to the state rows once the batch fills the GPU.
+def _split_bf16x2(lo: Float32, hi: Float32):
+    """(hi part, lo part) of two fp32 values as packed bf16 pairs: x = bf16(x) + bf16(x - bf16(x)) to ~2^-16.
+
+    Three bf16 MMAs (hi*hi + lo*hi + hi*lo) then give the dot products to about fp32 accuracy; a single bf16
+    pass was measured (torch emulation of this kernel) to miss the 8e-3 output tolerance by 5x, because the
+    triangular recurrence amplifies the error of S_commit . kx_s.
     """
-    return 32
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([ir_types.i32(), ir_types.i32()]),
+        [lo.ir_value(), hi.ir_value()],
+        "{ .reg .b32 h, t0, t1; .reg .f32 f0, f1;"
+        " cvt.rn.bf16x2.f32 h, $3, $2;"
+        " shl.b32 t0, h, 16; and.b32 t1, h, 0xffff0000;"
+        " mov.b32 f0, t0; mov.b32 f1, t1;"
+        " sub.f32 f0, $2, f0; sub.f32 f1, $3, f1;"
+        " cvt.rn.bf16x2.f32 $1, f1, f0; mov.b32 $0, h; }",
+        "=r,=r,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return (
+        Int32(llvm.extractvalue(ir_types.i32(), res, [0])),
+        Int32(llvm.extractvalue(ir_types.i32(), res, [1])),
+    )
+
+
+def _mma_bf16_m16n8k16(a, b, c):
+    """D = A B + C, one warp-wide SM80-style MMA (bf16 in, fp32 accumulate; sm_80 and later, incl. sm_90a and
+    sm_100a). a: 4 packed i32, b: 2 packed i32, c: 4 fp32 (row g: c0 c1, row g + 8: c2 c3)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([ir_types.f32()] * 4),
+        [x.ir_value() for x in (*a, *b, *c)],
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return [Float32(llvm.extractvalue(ir_types.f32(), res, [i])) for i in range(4)]
+
+
+DEFAULT_MMA = True
+"""Dot products on warp MMA by default; the CUDA-core variant is kept for comparison (``mma=False``)."""
+
+
+def default_tile_v(batch: int, heads: int, mma: bool = DEFAULT_MMA) -> int:
+    """State rows per CTA: 64 (128 threads). Two CTAs per (request, head) give B=1 24 CTAs at H=12, and the
+    per-CTA preamble (gate, norms, triangles, replay vectors) is repeated only twice per (request, head).
+    Not yet tuned on hardware.
+    """
+    return 64
 
 
 class UcacheVerifyFlush:
@@ -69,20 +120,25 @@ class UcacheVerifyFlush:
 
     heads: H == HV; t_draft: T in {4, 8}; w_ring: 16 or 32 (bounds the live rows kept in shared memory);
     tile_v: state rows per CTA; softplus_gate: Kimi-Linear gate (lower_bound None) instead of the lower bound;
-    aligned: the pool and rings allow 16-byte accesses (else the same code with element-wide accesses).
+    aligned: the pool and rings allow 16-byte accesses (else the same code with element-wide accesses);
+    mma: the 2T dot products of every state row on warp MMA (else on CUDA cores).
     """
 
-    def __init__(self, heads: int, t_draft: int, w_ring: int, tile_v: int, softplus_gate: bool, aligned: bool):
+    def __init__(
+        self, heads: int, t_draft: int, w_ring: int, tile_v: int, softplus_gate: bool, aligned: bool, mma: bool
+    ):
         self.heads = heads
         self.aligned = aligned
         self.t_draft = t_draft
         self.w_ring = w_ring
         self.max_rows = max_hist_len(t_draft, w_ring)
         self.tile_v = tile_v
-        self.threads = ROW_THREADS * tile_v
+        self.mma = mma
+        # MMA: one warp per 16 rows (2 rows x 32 channels per thread); CUDA cores: 4 threads per row.
+        self.threads = (2 if mma else ROW_THREADS) * tile_v
         self.softplus_gate = softplus_gate
-        if HEAD_DIM % tile_v or self.threads < HEAD_DIM or self.threads % 32:
-            raise ValueError(f"tile_v: expected 32, 64 or 128, got {tile_v}")
+        if tile_v not in ((64, 128) if mma else (32, 64, 128)):
+            raise ValueError(f"tile_v: expected {'64 or 128' if mma else '32, 64 or 128'}, got {tile_v}")
 
     @cute.jit
     def __call__(
@@ -170,8 +226,15 @@ class UcacheVerifyFlush:
         sKh = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # raw k, then k^
         sQh = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # raw q, then scale*q^
         sCum = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # g_log, then cum
-        sKx = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
-        sQx = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
+        XCOLS = 2 * T + 2  # [channel pair, column] with 2 words of padding: the B-fragment reads hit 32 banks
+        if const_expr(self.mma):
+            # decayed draft vectors [kx_0..kx_{T-1}, qx_0..qx_{T-1}] as packed bf16 (hi, lo) channel pairs
+            sXh = smem.allocate_tensor(Int32, row_major(K // 2, XCOLS), byte_alignment=16)
+            sXl = smem.allocate_tensor(Int32, row_major(K // 2, XCOLS), byte_alignment=16)
+            sXY = smem.allocate_tensor(Float32, row_major(TV, 2 * T + 1), byte_alignment=16)
+        else:
+            sKx = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
+            sQx = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
         sWK = smem.allocate_tensor(Float32, row_major(MAXR, K), byte_alignment=16)
         sU = smem.allocate_tensor(Float32, row_major(MAXR, TV), byte_alignment=16)
         sVin = smem.allocate_tensor(Float32, row_major(T, TV), byte_alignment=16)
@@ -198,7 +261,7 @@ class UcacheVerifyFlush:
             slot64 = Int64(slot)
 
             # ---- phase 1: raw draft inputs, gate, ring tail, u and v tiles --------------------------
-            rate = cute.math.exp(mALog[h].to(Float32), fastmath=False)
+            rate = cute.math.exp(mALog[h].to(Float32), fastmath=True)
             for i in cutlass.range(tidx, T * K, NT):
                 t = i // K
                 c = i % K
@@ -209,30 +272,28 @@ class UcacheVerifyFlush:
                 if const_expr(self.softplus_gate):
                     sp = x
                     if x <= Float32(20.0):
-                        sp = cute.math.log1p(cute.math.exp(x, fastmath=False), fastmath=False)
+                        sp = cute.math.log1p(cute.math.exp(x, fastmath=True), fastmath=True)
                     g_log = -rate * sp
                 else:
-                    g_log = lower_bound / (Float32(1.0) + cute.math.exp(-rate * x, fastmath=False))
+                    g_log = lower_bound / (Float32(1.0) + cute.math.exp(-rate * x, fastmath=True))
                 sCum[t, c] = g_log
             if tidx < K:
                 g_last = Float32(0.0)
                 if P > 0:
                     g_last = mGCache[slot64, h, (base + P - 1) & (RING_SLOTS - 1), tidx]
                 sGlast[tidx] = g_last
-            for i in cutlass.range(tidx, MAXR * TV, NT):
+            # Only the live rows j < P are loaded (and later read): stale rows never enter an arithmetic op.
+            for i in cutlass.range(tidx, P * TV, NT):
                 j = i // TV
                 r = i % TV
-                u_j = Float32(0.0)
-                if j < P:
-                    u_j = mUCache[slot64, h, (base + j) & (RING_SLOTS - 1), v0 + r].to(Float32)
-                sU[j, r] = u_j
+                sU[j, r] = mUCache[slot64, h, (base + j) & (RING_SLOTS - 1), v0 + r].to(Float32)
             for i in cutlass.range(tidx, T * TV, NT):
                 t = i // TV
                 r = i % TV
                 sVin[t, r] = mV[bi, t, h, v0 + r].to(Float32)
             if tidx < T:
                 sBeta[tidx] = Float32(1.0) / (
-                    Float32(1.0) + cute.math.exp(-mBeta[bi, tidx, h].to(Float32), fastmath=False)
+                    Float32(1.0) + cute.math.exp(-mBeta[bi, tidx, h].to(Float32), fastmath=True)
                 )
             cute.arch.sync_threads()
 
@@ -249,7 +310,7 @@ class UcacheVerifyFlush:
                 for sh in cutlass.range_constexpr(5):
                     acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1 << sh)
                 if lane == 0:
-                    sInv[n] = cute.math.rsqrt(acc + Float32(L2NORM_EPS), fastmath=False)
+                    sInv[n] = cute.math.rsqrt(acc + Float32(L2NORM_EPS), fastmath=True)
             if tidx < K:
                 run = Float32(0.0)
                 for t in cutlass.range_constexpr(T):
@@ -257,31 +318,48 @@ class UcacheVerifyFlush:
                     sCum[t, tidx] = run
                 bdec = Float32(1.0)
                 if P > 0:
-                    bdec = cute.math.exp(sGlast[tidx], fastmath=False)
+                    bdec = cute.math.exp(sGlast[tidx], fastmath=True)
                 sBdec[tidx] = bdec
-            for i in cutlass.range(tidx, MAXR * K, NT):
+            for i in cutlass.range(tidx, P * K, NT):
                 j = i // K
                 c = i % K
-                wk = Float32(0.0)
-                if j < P:  # select: a stale row never enters an arithmetic op
-                    phys = (base + j) & (RING_SLOTS - 1)
-                    wk = cute.math.exp(sGlast[c] - mGCache[slot64, h, phys, c], fastmath=False) * mKCache[
-                        slot64, h, phys, c
-                    ].to(Float32)
-                sWK[j, c] = wk
+                phys = (base + j) & (RING_SLOTS - 1)
+                decay = cute.math.exp(sGlast[c] - mGCache[slot64, h, phys, c], fastmath=True)
+                sWK[j, c] = decay * mKCache[slot64, h, phys, c].to(Float32)
             cute.arch.sync_threads()
 
             # ---- phase 3: normalised and decayed draft vectors --------------------------------------
-            for i in cutlass.range(tidx, T * K, NT):
-                t = i // K
-                c = i % K
-                kh = sKh[t, c] * sInv[t]
-                qh = sQh[t, c] * sInv[T + t] * scale
-                decay = cute.math.exp(sCum[t, c], fastmath=False)
-                sKh[t, c] = kh
-                sQh[t, c] = qh
-                sKx[t, c] = decay * kh
-                sQx[t, c] = decay * qh
+            if const_expr(self.mma):
+                for i in cutlass.range(tidx, T * (K // 2), NT):
+                    t = i // (K // 2)
+                    cp = i % (K // 2)
+                    kh0 = sKh[t, 2 * cp] * sInv[t]
+                    kh1 = sKh[t, 2 * cp + 1] * sInv[t]
+                    qh0 = sQh[t, 2 * cp] * sInv[T + t] * scale
+                    qh1 = sQh[t, 2 * cp + 1] * sInv[T + t] * scale
+                    d0 = cute.math.exp(sCum[t, 2 * cp], fastmath=True)
+                    d1 = cute.math.exp(sCum[t, 2 * cp + 1], fastmath=True)
+                    sKh[t, 2 * cp] = kh0
+                    sKh[t, 2 * cp + 1] = kh1
+                    sQh[t, 2 * cp] = qh0
+                    sQh[t, 2 * cp + 1] = qh1
+                    khi, klo = _split_bf16x2(d0 * kh0, d1 * kh1)
+                    qhi, qlo = _split_bf16x2(d0 * qh0, d1 * qh1)
+                    sXh[cp, t] = khi
+                    sXl[cp, t] = klo
+                    sXh[cp, T + t] = qhi
+                    sXl[cp, T + t] = qlo
+            else:
+                for i in cutlass.range(tidx, T * K, NT):
+                    t = i // K
+                    c = i % K
+                    kh = sKh[t, c] * sInv[t]
+                    qh = sQh[t, c] * sInv[T + t] * scale
+                    decay = cute.math.exp(sCum[t, c], fastmath=True)
+                    sKh[t, c] = kh
+                    sQh[t, c] = qh
+                    sKx[t, c] = decay * kh
+                    sQx[t, c] = decay * qh
             cute.arch.sync_threads()
 
             # ---- phase 4: the T x T triangles; k^ and G appends (V tile 0 only) ---------------------
@@ -293,7 +371,7 @@ class UcacheVerifyFlush:
                         a_qk = Float32(0.0)
                         for m in cutlass.range_constexpr(K // 32):
                             c = lane + 32 * m
-                            e = cute.math.exp(sCum[s, c] - sCum[r, c], fastmath=False) * sKh[r, c]
+                            e = cute.math.exp(sCum[s, c] - sCum[r, c], fastmath=True) * sKh[r, c]
                             a_kk = a_kk + e * sKh[s, c]
                             a_qk = a_qk + e * sQh[s, c]
                         for sh in cutlass.range_constexpr(5):
@@ -304,72 +382,149 @@ class UcacheVerifyFlush:
                             sAq[s, r] = a_qk
                     pair += 1
             if tile == 0:
-                g_off = Float32(0.0)
-                if P < flush_min:
-                    g_off = sGlast[tidx % K]
                 for i in cutlass.range(tidx, T * K, NT):
                     t = i // K
                     c = i % K
                     phys = (base + P + t) & (RING_SLOTS - 1)
+                    g_new = sCum[t, c]  # a flush row restarts the decay at the new checkpoint
+                    if P < flush_min:
+                        g_new = g_new + sGlast[c]
                     mKCache[slot64, h, phys, c] = sKh[t, c].to(mKCache.element_type)
-                    mGCache[slot64, h, phys, c] = sCum[t, c] + g_off
+                    mGCache[slot64, h, phys, c] = g_new
             cute.arch.sync_threads()
 
             # ---- phase 5: state rows ------------------------------------------------------------------
-            r_loc = tidx // ROW_THREADS
-            seg = tidx % ROW_THREADS
-            v = v0 + r_loc
-            state = cute.make_rmem_tensor((CHUNK * CHUNKS_PER_THREAD,), Float32)
-            row = mPool[slot64, h, v, None]
-            row_chunks = cute.zipped_divide(row, (CHUNK,))  # ((8), (16))
-            raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
-            for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                cute.autovec_copy(row_chunks[None, m * ROW_THREADS + seg], raw)
-                for e in cutlass.range_constexpr(CHUNK):
-                    c = (m * ROW_THREADS + seg) * CHUNK + e
-                    state[m * CHUNK + e] = raw[e].to(Float32) * sBdec[c]
-            for j in cutlass.range(P, unroll=1):
-                u_j = sU[j, r_loc]
+            if const_expr(self.mma):
+                # Warp w owns local rows 16w + g and 16w + g + 8 (g = lane // 4); thread quad position q = lane % 4
+                # owns channels 32m + 8q + e (m < 4, e < 8) of both rows: 16-byte pool accesses, and, read as
+                # the K dimension of the MMA in the order (m, e), exactly the A-fragment columns {2q, 2q + 1,
+                # 2q + 8, 2q + 9} of k-step 2m + e // 4 (any permutation of K is fine when B uses the same one).
+                g4 = lane // 4
+                q4 = lane % 4
+                rows = (warp * 16 + g4, warp * 16 + g4 + 8)
+                state = cute.make_rmem_tensor((2 * CHUNK * CHUNKS_PER_THREAD,), Float32)
+                raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
+                for rho in cutlass.range_constexpr(2):
+                    row_chunks = cute.zipped_divide(mPool[slot64, h, v0 + rows[rho], None], (CHUNK,))
+                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                        cute.autovec_copy(row_chunks[None, m * ROW_THREADS + q4], raw)
+                        for e in cutlass.range_constexpr(CHUNK):
+                            c = (m * ROW_THREADS + q4) * CHUNK + e
+                            state[rho * 32 + m * CHUNK + e] = raw[e].to(Float32) * sBdec[c]
+                for j in cutlass.range(P, unroll=1):
+                    u_lo = sU[j, rows[0]]
+                    u_hi = sU[j, rows[1]]
+                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                        for e in cutlass.range_constexpr(CHUNK):
+                            wk = sWK[j, (m * ROW_THREADS + q4) * CHUNK + e]
+                            state[m * CHUNK + e] = state[m * CHUNK + e] + u_lo * wk
+                            state[32 + m * CHUNK + e] = state[32 + m * CHUNK + e] + u_hi * wk
+                if is_flush:
+                    for rho in cutlass.range_constexpr(2):
+                        row_chunks = cute.zipped_divide(mPool[slot64, h, v0 + rows[rho], None], (CHUNK,))
+                        for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                            for e in cutlass.range_constexpr(CHUNK):
+                                raw[e] = state[rho * 32 + m * CHUNK + e].to(mPool.element_type)
+                            cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
+
+                n_tiles = 2 * T // 8
+                acc = cute.make_rmem_tensor((4 * n_tiles,), Float32)
+                for i in cutlass.range_constexpr(4 * n_tiles):
+                    acc[i] = Float32(0.0)
+                for ks in cutlass.range_constexpr(K // MMA_K):
+                    base_e = (ks // 2) * CHUNK + 4 * (ks % 2)
+                    a_hi = [None] * 4
+                    a_lo = [None] * 4
+                    # A registers: (row g, k 2q..2q+1), (row g+8, same), (row g, k 2q+8..), (row g+8, k 2q+8..)
+                    for reg in cutlass.range_constexpr(4):
+                        idx = (reg % 2) * 32 + base_e + 2 * (reg // 2)
+                        a_hi[reg], a_lo[reg] = _split_bf16x2(state[idx], state[idx + 1])
+                    pair = ((ks // 2) * ROW_THREADS + q4) * (CHUNK // 2) + 2 * (ks % 2)
+                    for nt in cutlass.range_constexpr(n_tiles):
+                        col = nt * 8 + g4
+                        b_hi = (sXh[pair, col], sXh[pair + 1, col])
+                        b_lo = (sXl[pair, col], sXl[pair + 1, col])
+                        c_in = [acc[4 * nt + i] for i in range(4)]
+                        d = _mma_bf16_m16n8k16(a_hi, b_hi, c_in)
+                        d = _mma_bf16_m16n8k16(a_lo, b_hi, d)
+                        d = _mma_bf16_m16n8k16(a_hi, b_lo, d)
+                        for i in cutlass.range_constexpr(4):
+                            acc[4 * nt + i] = d[i]
+                for nt in cutlass.range_constexpr(n_tiles):
+                    for i in cutlass.range_constexpr(4):
+                        sXY[rows[i // 2], nt * 8 + 2 * q4 + i % 2] = acc[4 * nt + i]
+                cute.arch.sync_warp()
+                if lane < 16:
+                    r_loc = warp * 16 + lane
+                    v = v0 + r_loc
+                    us = cute.make_rmem_tensor((T,), Float32)
+                    for s in cutlass.range_constexpr(T):
+                        p = sXY[r_loc, s]
+                        for r in cutlass.range_constexpr(s):
+                            p = p + sA[s, r] * us[r]
+                        us[s] = sBeta[s] * (sVin[s, r_loc] - p)
+                    for s in cutlass.range_constexpr(T):
+                        o = sXY[r_loc, T + s]
+                        for r in cutlass.range_constexpr(s + 1):
+                            o = o + sAq[s, r] * us[r]
+                        mOut[bi, s, h, v] = o.to(mOut.element_type)
+                        phys = (base + P + s) & (RING_SLOTS - 1)
+                        mUCache[slot64, h, phys, v] = us[s].to(mUCache.element_type)
+            else:
+                r_loc = tidx // ROW_THREADS
+                seg = tidx % ROW_THREADS
+                v = v0 + r_loc
+                state = cute.make_rmem_tensor((CHUNK * CHUNKS_PER_THREAD,), Float32)
+                row = mPool[slot64, h, v, None]
+                row_chunks = cute.zipped_divide(row, (CHUNK,))  # ((8), (16))
+                raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
                 for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                    cute.autovec_copy(row_chunks[None, m * ROW_THREADS + seg], raw)
                     for e in cutlass.range_constexpr(CHUNK):
                         c = (m * ROW_THREADS + seg) * CHUNK + e
-                        state[m * CHUNK + e] = state[m * CHUNK + e] + u_j * sWK[j, c]
-            if is_flush:
-                for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                    for e in cutlass.range_constexpr(CHUNK):
-                        raw[e] = state[m * CHUNK + e].to(mPool.element_type)
-                    cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + seg])
+                        state[m * CHUNK + e] = raw[e].to(Float32) * sBdec[c]
+                for j in cutlass.range(P, unroll=1):
+                    u_j = sU[j, r_loc]
+                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                        for e in cutlass.range_constexpr(CHUNK):
+                            c = (m * ROW_THREADS + seg) * CHUNK + e
+                            state[m * CHUNK + e] = state[m * CHUNK + e] + u_j * sWK[j, c]
+                if is_flush:
+                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                        for e in cutlass.range_constexpr(CHUNK):
+                            raw[e] = state[m * CHUNK + e].to(mPool.element_type)
+                        cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + seg])
 
-            xs = cute.make_rmem_tensor((T,), Float32)
-            ys = cute.make_rmem_tensor((T,), Float32)
-            for s in cutlass.range_constexpr(T):
-                x = Float32(0.0)
-                y = Float32(0.0)
-                for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                    for e in cutlass.range_constexpr(CHUNK):
-                        c = (m * ROW_THREADS + seg) * CHUNK + e
-                        x = x + state[m * CHUNK + e] * sKx[s, c]
-                        y = y + state[m * CHUNK + e] * sQx[s, c]
-                for sh in cutlass.range_constexpr(2):
-                    x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << sh)
-                    y = y + cute.arch.shuffle_sync_bfly(y, offset=1 << sh)
-                xs[s] = x
-                ys[s] = y
+                xs = cute.make_rmem_tensor((T,), Float32)
+                ys = cute.make_rmem_tensor((T,), Float32)
+                for s in cutlass.range_constexpr(T):
+                    x = Float32(0.0)
+                    y = Float32(0.0)
+                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                        for e in cutlass.range_constexpr(CHUNK):
+                            c = (m * ROW_THREADS + seg) * CHUNK + e
+                            x = x + state[m * CHUNK + e] * sKx[s, c]
+                            y = y + state[m * CHUNK + e] * sQx[s, c]
+                    for sh in cutlass.range_constexpr(2):
+                        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << sh)
+                        y = y + cute.arch.shuffle_sync_bfly(y, offset=1 << sh)
+                    xs[s] = x
+                    ys[s] = y
 
-            us = cute.make_rmem_tensor((T,), Float32)
-            for s in cutlass.range_constexpr(T):
-                p = xs[s]
-                for r in cutlass.range_constexpr(s):
-                    p = p + sA[s, r] * us[r]
-                us[s] = sBeta[s] * (sVin[s, r_loc] - p)
-            for s in cutlass.range_constexpr(T):
-                o = ys[s]
-                for r in cutlass.range_constexpr(s + 1):
-                    o = o + sAq[s, r] * us[r]
-                if seg == s % ROW_THREADS:
-                    mOut[bi, s, h, v] = o.to(mOut.element_type)
-                    phys = (base + P + s) & (RING_SLOTS - 1)
-                    mUCache[slot64, h, phys, v] = us[s].to(mUCache.element_type)
+                us = cute.make_rmem_tensor((T,), Float32)
+                for s in cutlass.range_constexpr(T):
+                    p = xs[s]
+                    for r in cutlass.range_constexpr(s):
+                        p = p + sA[s, r] * us[r]
+                    us[s] = sBeta[s] * (sVin[s, r_loc] - p)
+                for s in cutlass.range_constexpr(T):
+                    o = ys[s]
+                    for r in cutlass.range_constexpr(s + 1):
+                        o = o + sAq[s, r] * us[r]
+                    if seg == s % ROW_THREADS:
+                        mOut[bi, s, h, v] = o.to(mOut.element_type)
+                        phys = (base + P + s) & (RING_SLOTS - 1)
+                        mUCache[slot64, h, phys, v] = us[s].to(mUCache.element_type)
         else:
             for i in cutlass.range(tidx, T * TV, NT):
                 t = i // TV
@@ -415,11 +570,12 @@ def build_ucache_kernel(
     tile_v: int,
     softplus_gate: bool,
     aligned: bool,
+    mma: bool,
     arch: str,
     extra_options: str = "",
 ):
     """Compile one configuration against fake tensors (no GPU needed when CUTE_DSL_ARCH is set)."""
-    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned)
+    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, mma)
     return cute.compile(
         cfg,
         *_fakes(cfg),
@@ -521,6 +677,7 @@ def ucache_verify_flush(
     restart_hist_on_flush: bool = False,
     aligned: bool = True,
     tile_v: int | None = None,
+    mma: bool | None = None,
 ) -> torch.Tensor:
     """Launch the kernel on the current stream. Arguments are already validated (kda-recurrent does it).
 
@@ -532,11 +689,13 @@ def ucache_verify_flush(
     ``restart_hist_on_flush`` then applies the flush part of the commit with a second, one-thread-per-row kernel.
     """
     B, T, H, _ = q.shape
-    tile_v = tile_v or default_tile_v(B, H)
+    if mma is None:
+        mma = DEFAULT_MMA
+    tile_v = tile_v or default_tile_v(B, H, mma)
     softplus_gate = lower_bound is None
-    key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned))
+    key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned), bool(mma))
     fn = _launch.get_or_compile(
-        key, lambda arch: build_ucache_kernel(H, T, w_ring, tile_v, softplus_gate, bool(aligned), arch)
+        key, lambda arch: build_ucache_kernel(H, T, w_ring, tile_v, softplus_gate, bool(aligned), bool(mma), arch)
     )
     fn(
         q,
