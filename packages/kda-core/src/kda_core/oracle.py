@@ -93,6 +93,8 @@ def _prepare(q, k, v, g, beta, A_log, dt_bias, scale, use_gate_in_kernel, lower_
     group = HV // H
 
     def gather(x):
+        if x.shape[1] == 0:  # no token at all (every varlen sequence empty): the grid's index 0 does not exist
+            return x.new_zeros((*seq_t.shape, *x.shape[2:]))
         return x[seq_b, seq_t]
 
     qf = gather(q).to(dtype).repeat_interleave(group, dim=2)  # [N, Tmax, HV, K]
