@@ -1,8 +1,9 @@
 """ReplaySSM "ucache" verify+flush kernel for KDA speculative decode (DESIGN §5, issue 5).
 
-One CTA per (V tile, head, request). Four threads share one state row (each owns 32 of its 128 key
-channels, in four interleaved chunks of 8 so that shared-memory reads of the 4 owners hit distinct banks).
-Per (request, head) the CTA first builds, in shared memory:
+One CTA per (V tile, head, request). Four threads share one state row: each owns 32 of its 128 key channels, in
+four interleaved chunks of 8 (16-byte pool accesses; the 4 owners' shared-memory reads hit distinct banks). In the
+default MMA variant a thread holds two rows (a warp covers 16) and the chunks double as MMA fragments (see
+``docs/ucache.md``). Per (request, head) the CTA first builds, in shared memory:
 
 - the gate of the T draft tokens (g_log), its running sum ``cum`` (the decay restarts at 0 after the
   checkpoint), the L2-normalised k^ and scale * q^;
@@ -15,7 +16,8 @@ Per (request, head) the CTA first builds, in shared memory:
 
 Then every state row v is rebuilt in fp32 registers, ``S_commit[v] = S0[v] * bdec + sum_{j<P} u_j[v] wk_j``
 (R1), stored once (bf16, round to nearest even) on a flush row, and the T drafts follow from 2T dot products
-and the small triangular recurrence (the chunked WY form of DESIGN §3):
+(warp MMA on bf16 hi/lo splits, fp32 accumulate) and the small triangular recurrence (the chunked WY form of
+DESIGN §3):
 
     u_s = beta_s (v_s - S_commit kx_s - sum_{r<s} A[s, r] u_r),    o_s = S_commit qx_s + sum_{r<=s} Aq[s, r] u_r
 
