@@ -141,6 +141,9 @@ class UcacheVerifyFlush:
         self.softplus_gate = softplus_gate
         if tile_v not in ((64, 128) if mma else (32, 64, 128)):
             raise ValueError(f"tile_v: expected {'64 or 128' if mma else '32, 64 or 128'}, got {tile_v}")
+        # The preamble loops are unrolled at compile time (their global loads overlap); they need exact trip counts.
+        for extent in (t_draft * HEAD_DIM, t_draft * tile_v, self.max_rows * tile_v, self.max_rows * HEAD_DIM):
+            assert extent % self.threads == 0, (extent, self.threads)
 
     @cute.jit
     def __call__(
@@ -264,7 +267,8 @@ class UcacheVerifyFlush:
 
             # ---- phase 1: raw draft inputs, gate, ring tail, u and v tiles --------------------------
             rate = cute.math.exp(mALog[h].to(Float32), fastmath=True)
-            for i in cutlass.range(tidx, T * K, NT):
+            for it in cutlass.range_constexpr(T * K // NT):
+                i = tidx + it * NT
                 t = i // K
                 c = i % K
                 sKh[t, c] = mK[bi, t, h, c].to(Float32)
@@ -285,11 +289,14 @@ class UcacheVerifyFlush:
                     g_last = mGCache[slot64, h, (base + P - 1) & (RING_SLOTS - 1), tidx]
                 sGlast[tidx] = g_last
             # Only the live rows j < P are loaded (and later read): stale rows never enter an arithmetic op.
-            for i in cutlass.range(tidx, P * TV, NT):
+            for it in cutlass.range_constexpr(MAXR * TV // NT):
+                i = tidx + it * NT
                 j = i // TV
                 r = i % TV
-                sU[j, r] = mUCache[slot64, h, (base + j) & (RING_SLOTS - 1), v0 + r].to(Float32)
-            for i in cutlass.range(tidx, T * TV, NT):
+                if j < P:
+                    sU[j, r] = mUCache[slot64, h, (base + j) & (RING_SLOTS - 1), v0 + r].to(Float32)
+            for it in cutlass.range_constexpr(T * TV // NT):
+                i = tidx + it * NT
                 t = i // TV
                 r = i % TV
                 sVin[t, r] = mV[bi, t, h, v0 + r].to(Float32)
@@ -322,17 +329,20 @@ class UcacheVerifyFlush:
                 if P > 0:
                     bdec = cute.math.exp(sGlast[tidx], fastmath=True)
                 sBdec[tidx] = bdec
-            for i in cutlass.range(tidx, P * K, NT):
+            for it in cutlass.range_constexpr(MAXR * K // NT):
+                i = tidx + it * NT
                 j = i // K
                 c = i % K
-                phys = (base + j) & (RING_SLOTS - 1)
-                decay = cute.math.exp(sGlast[c] - mGCache[slot64, h, phys, c], fastmath=True)
-                sWK[j, c] = decay * mKCache[slot64, h, phys, c].to(Float32)
+                if j < P:
+                    phys = (base + j) & (RING_SLOTS - 1)
+                    decay = cute.math.exp(sGlast[c] - mGCache[slot64, h, phys, c], fastmath=True)
+                    sWK[j, c] = decay * mKCache[slot64, h, phys, c].to(Float32)
             cute.arch.sync_threads()
 
             # ---- phase 3: normalised and decayed draft vectors --------------------------------------
             if const_expr(self.mma):
-                for i in cutlass.range(tidx, T * (K // 2), NT):
+                for it in cutlass.range_constexpr(T * (K // 2) // NT):
+                    i = tidx + it * NT
                     t = i // (K // 2)
                     cp = i % (K // 2)
                     kh0 = sKh[t, 2 * cp] * sInv[t]
@@ -352,7 +362,8 @@ class UcacheVerifyFlush:
                     sXh[cp, T + t] = qhi
                     sXl[cp, T + t] = qlo
             else:
-                for i in cutlass.range(tidx, T * K, NT):
+                for it in cutlass.range_constexpr(T * K // NT):
+                    i = tidx + it * NT
                     t = i // K
                     c = i % K
                     kh = sKh[t, c] * sInv[t]
@@ -384,7 +395,8 @@ class UcacheVerifyFlush:
                             sAq[s, r] = a_qk
                     pair += 1
             if tile == 0:
-                for i in cutlass.range(tidx, T * K, NT):
+                for it in cutlass.range_constexpr(T * K // NT):
+                    i = tidx + it * NT
                     t = i // K
                     c = i % K
                     phys = (base + P + t) & (RING_SLOTS - 1)
