@@ -265,6 +265,20 @@ class UcacheVerifyFlush:
             is_flush = P >= flush_min
             slot64 = Int64(slot)
 
+            if const_expr(self.mma):
+                # Issue the checkpoint rows' loads first: their DRAM latency overlaps the whole preamble.
+                g4 = lane // 4
+                q4 = lane % 4
+                rows = (warp * 16 + g4, warp * 16 + g4 + 8)
+                s0_raw = cute.make_rmem_tensor((2 * CHUNKS_PER_THREAD * CHUNK,), mPool.element_type)
+                s0_chunks = cute.zipped_divide(s0_raw, (CHUNK,))
+                for rho in cutlass.range_constexpr(2):
+                    row_chunks = cute.zipped_divide(mPool[slot64, h, v0 + rows[rho], None], (CHUNK,))
+                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                        cute.autovec_copy(
+                            row_chunks[None, m * ROW_THREADS + q4], s0_chunks[None, rho * CHUNKS_PER_THREAD + m]
+                        )
+
             # ---- phase 1: raw draft inputs, gate, ring tail, u and v tiles --------------------------
             rate = cute.math.exp(mALog[h].to(Float32), fastmath=True)
             for it in cutlass.range_constexpr(T * K // NT):
@@ -413,18 +427,14 @@ class UcacheVerifyFlush:
                 # owns channels 32m + 8q + e (m < 4, e < 8) of both rows: 16-byte pool accesses, and, read as
                 # the K dimension of the MMA in the order (m, e), exactly the A-fragment columns {2q, 2q + 1,
                 # 2q + 8, 2q + 9} of k-step 2m + e // 4 (any permutation of K is fine when B uses the same one).
-                g4 = lane // 4
-                q4 = lane % 4
-                rows = (warp * 16 + g4, warp * 16 + g4 + 8)
                 state = cute.make_rmem_tensor((2 * CHUNK * CHUNKS_PER_THREAD,), Float32)
                 raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
                 for rho in cutlass.range_constexpr(2):
-                    row_chunks = cute.zipped_divide(mPool[slot64, h, v0 + rows[rho], None], (CHUNK,))
                     for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                        cute.autovec_copy(row_chunks[None, m * ROW_THREADS + q4], raw)
                         for e in cutlass.range_constexpr(CHUNK):
                             c = (m * ROW_THREADS + q4) * CHUNK + e
-                            state[rho * 32 + m * CHUNK + e] = raw[e].to(Float32) * sBdec[c]
+                            idx = rho * 32 + m * CHUNK + e
+                            state[idx] = s0_raw[idx].to(Float32) * sBdec[c]
                 for j in cutlass.range(P, unroll=1):
                     u_lo = sU[j, rows[0]]
                     u_hi = sU[j, rows[1]]
