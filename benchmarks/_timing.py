@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -59,27 +60,39 @@ def graph_of(fn: Callable[[], object]) -> Callable[[], None]:
 
 
 def copy_roofline(nbytes: int, device="cuda") -> Callable[[], None]:
-    """A D2D copy of nbytes/2 bytes (nbytes moved: read + write)."""
-    half = max(nbytes // 2 // 16, 1)
-    src = torch.empty(half, 4, dtype=torch.int32, device=device).random_()
+    """A device-to-device copy kernel moving ``nbytes`` (nbytes/2 read, nbytes/2 written).
+
+    An elementwise kernel rather than ``copy_``: a contiguous ``copy_`` becomes a memcpy node (copy engine) under
+    graph capture, which CUPTI reports as a memcpy, not a kernel, and which costs ~10 us to start at small sizes.
+    """
+    words = max(nbytes // 2 // 4, 1)
+    src = torch.empty(words, dtype=torch.int32, device=device).random_()
     dst = torch.empty_like(src)
-    return lambda: dst.copy_(src)
+    return lambda: torch.bitwise_or(src, 0, out=dst)
 
 
 class KernelTimer:
     """Kernel time per iteration, in microseconds: CUPTI when importable, else CUDA events."""
 
     def __init__(self, prefer_cupti: bool = True):
-        self.backend = "cuda_event"
         self._records: list[tuple[str, int, int]] = []
+        self.backend = "cuda_event"
         if prefer_cupti:
             try:
                 from cupti import cupti
 
                 self._cupti = cupti
                 cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
+                # Enabled once, before any graph is captured: CUPTI reports the kernels of a CUDA graph only
+                # when kernel activity was on when the graph was instantiated.
+                cupti.activity_enable(cupti.ActivityKind.CONCURRENT_KERNEL)
                 self.backend = "cupti"
+                probe = torch.zeros(1 << 16, device="cuda")
+                if not self._collect(lambda: probe.add_(1)):
+                    cupti.activity_disable(cupti.ActivityKind.CONCURRENT_KERNEL)
+                    raise RuntimeError("CUPTI recorded no kernel activity on this host")
             except Exception as err:  # cupti-python missing or CUPTI unusable: events are the fallback
+                self.backend = "cuda_event"
                 print(f"[timing] CUPTI unavailable ({type(err).__name__}: {err}); using CUDA events")
 
     # CUPTI buffer callbacks
@@ -93,16 +106,24 @@ class KernelTimer:
                 self._records.append((act.name, act.start, act.end))
 
     def _collect(self, fn: Callable[[], object]) -> list[tuple[str, int, int]]:
-        cupti = self._cupti
+        self._cupti.activity_flush_all(1)
         self._records = []
-        cupti.activity_enable(cupti.ActivityKind.CONCURRENT_KERNEL)
-        try:
-            fn()
-            torch.cuda.synchronize()
-            cupti.activity_flush_all(1)
-        finally:
-            cupti.activity_disable(cupti.ActivityKind.CONCURRENT_KERNEL)
+        fn()
+        torch.cuda.synchronize()
+        self._cupti.activity_flush_all(1)
         return sorted(self._records, key=lambda r: r[1])
+
+    @contextlib.contextmanager
+    def paused(self):
+        """CUPTI off (host-overhead measurements must not pay for its instrumentation)."""
+        if self.backend != "cupti":
+            yield
+            return
+        self._cupti.activity_disable(self._cupti.ActivityKind.CONCURRENT_KERNEL)
+        try:
+            yield
+        finally:
+            self._cupti.activity_enable(self._cupti.ActivityKind.CONCURRENT_KERNEL)
 
     def time(self, fn: Callable[[], object], *, iterations: int = 100, warmup: int = 10,
              flush: Callable[[], None] | None = None) -> list[float]:
@@ -112,7 +133,10 @@ class KernelTimer:
             fn()
         torch.cuda.synchronize()
         if self.backend == "cupti":
-            return self._time_cupti(fn, iterations, flush)
+            try:
+                return self._time_cupti(fn, iterations, flush)
+            except RuntimeError as err:
+                print(f"[timing] CUPTI measurement failed ({err}); CUDA events for this one")
         return self._time_events(fn, iterations, flush)
 
     def _time_events(self, fn, iterations, flush):

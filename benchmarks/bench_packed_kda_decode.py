@@ -12,6 +12,7 @@ ssm_state_indices) and a device-to-device copy of the same state bytes (read + w
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -35,6 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--state-dtype", choices=sorted(DTYPES), nargs="+", default=["bf16"])
     p.add_argument("--tile-v", type=int, nargs="+", default=[0],
                    help="KDA_DECODE_TILE_V values to run (0 = the schedule policy); several make a sweep")
+    p.add_argument("--stage", choices=["auto", "regs", "smem"], nargs="+", default=["auto"],
+                   help="state staging (auto = the schedule policy); several make a sweep")
     p.add_argument("--cold-l2", action="store_true", help="flush the L2 (256 MiB write) before every iteration")
     p.add_argument("--no-fla", action="store_true", help="skip FLA (e.g. fla-core missing)")
     p.add_argument("--eager-calls", type=int, default=200, help="calls for the eager wall-time figure (0 = skip)")
@@ -130,7 +133,8 @@ def main(argv=None):
     flush = _timing.L2Flusher() if args.cold_l2 else None
     records = []
     H = args.heads
-    total = len(args.batch_size) * len(args.state_dtype) * len(args.tile_v)
+    total = len(args.batch_size) * len(args.state_dtype) * len(args.tile_v) * len(args.stage)
+    from kda_cute import decode_t1
     done = 0
     for dtype_name in args.state_dtype:
         for B in args.batch_size:
@@ -141,24 +145,29 @@ def main(argv=None):
             if with_fla:
                 fla_pool = x["pool"].clone()
                 fla_call, _ = fla_fn(x, H, fla_pool)
-            for tile_v in args.tile_v:
+            baselines = {}
+            for tile_v, stage in itertools.product(args.tile_v, args.stage):
                 os.environ["KDA_DECODE_TILE_V"] = str(tile_v)
+                decode_t1._FORCE_SMEM_STAGE = {"auto": None, "regs": False, "smem": True}[stage]
                 s_err, o_err, fla_err = check_correctness(x, H, B, with_fla)
-                from kda_cute.decode_t1 import select_config
-
-                used_tile = select_config(B, H, DTYPES[dtype_name], True).tile_v
+                cfg = decode_t1.select_config(B, H, DTYPES[dtype_name], True)
                 out = torch.empty(B, 1, H, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
                 ours_call = ours_fn(x, H, out)
-                calls = {"ours": ours_call, "copy": copy_call}
-                if fla_call is not None:
-                    calls["fla"] = fla_call
+                calls = {"ours": ours_call}
+                if not baselines:  # FLA and the copy once per batch size, in the same process as ours
+                    calls["copy"] = copy_call
+                    if fla_call is not None:
+                        calls["fla"] = fla_call
                 if args.mode == "cuda_graph":
                     calls = {name: _timing.graph_of(fn) for name, fn in calls.items()}
                 times = {name: _timing.median(timer.time(fn, iterations=args.iterations, warmup=args.warmup,
                                                          flush=flush))
                          for name, fn in calls.items()}
-                rec = dict(B=B, heads=H, state_dtype=dtype_name, mode=args.mode, tile_v=used_tile,
-                           tile_v_forced=tile_v, cold_l2=args.cold_l2, timer=timer.backend,
+                baselines.update({name: t for name, t in times.items() if name != "ours"})
+                times.update(baselines)
+                rec = dict(B=B, heads=H, state_dtype=dtype_name, mode=args.mode, tile_v=cfg.tile_v,
+                           smem_stage=cfg.smem_stage, tile_v_forced=tile_v, stage_forced=stage,
+                           cold_l2=args.cold_l2, timer=timer.backend,
                            ours_us=times["ours"], fla_us=times.get("fla"), copy_us=times["copy"],
                            state_bytes=state_bytes,
                            ours_TBps=state_bytes / times["ours"] / 1e6, copy_TBps=state_bytes / times["copy"] / 1e6,
@@ -167,20 +176,24 @@ def main(argv=None):
                 if times.get("fla"):
                     rec["ours_over_fla"] = times["ours"] / times["fla"]
                     rec["fla_TBps"] = state_bytes / times["fla"] / 1e6
-                if args.eager_calls and tile_v == args.tile_v[0]:
-                    rec["ours_eager_call_us"] = _timing.eager_wall_us(ours_call, calls=args.eager_calls)
-                    if fla_call is not None:
-                        rec["fla_eager_call_us"] = _timing.eager_wall_us(fla_call, calls=max(args.eager_calls // 4, 10))
+                if args.eager_calls and tile_v == args.tile_v[0] and stage == args.stage[0]:
+                    with timer.paused():
+                        rec["ours_eager_call_us"] = _timing.eager_wall_us(ours_call, calls=args.eager_calls)
+                        if fla_call is not None:
+                            rec["fla_eager_call_us"] = _timing.eager_wall_us(fla_call,
+                                                                             calls=max(args.eager_calls // 4, 10))
                 records.append(rec)
                 done += 1
                 fla_txt = f"fla {rec['fla_us']:8.2f} us ({rec['ours_over_fla']:.2f}x)  " if rec["fla_us"] else ""
                 eager = f"  eager {rec['ours_eager_call_us']:.1f} us" if "ours_eager_call_us" in rec else ""
-                print(f"[{done}/{total}] {dtype_name} B={B:5d} tile={used_tile:3d}  ours {rec['ours_us']:8.2f} us "
+                tile_txt = f"{cfg.tile_v:3d}{'s' if cfg.smem_stage else 'r'}"
+                print(f"[{done}/{total}] {dtype_name} B={B:5d} tile={tile_txt}  ours {rec['ours_us']:8.2f} us "
                       f"({rec['ours_TBps']:.2f} TB/s, {100 * rec['frac_of_copy']:.0f}% of copy)  {fla_txt}"
                       f"copy {rec['copy_us']:8.2f} us{eager}", flush=True)
             del x
             torch.cuda.empty_cache()
     os.environ.pop("KDA_DECODE_TILE_V", None)
+    decode_t1._FORCE_SMEM_STAGE = None
     if args.json:
         _timing.write_json(args.json, records)
     if args.plot:

@@ -29,11 +29,16 @@ def _assert_matches_oracle(case, out, pool_after, ref_out, ref_pool):
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2 * scale, rtol=2e-2)
 
 
+@pytest.mark.parametrize("smem_stage", [False, True], ids=["regs", "smem"])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus", "precomputed"])
 @pytest.mark.parametrize("tile_v", TILES)
-def test_every_tile_gate_and_pool_dtype_matches_oracle(state_dtype, gate, tile_v, monkeypatch, make_case):
+def test_every_tile_gate_stage_and_pool_dtype_matches_oracle(state_dtype, gate, tile_v, smem_stage, monkeypatch,
+                                                              make_case):
+    from kda_cute import decode_t1
+
     monkeypatch.setenv("KDA_DECODE_TILE_V", str(tile_v))
+    monkeypatch.setattr(decode_t1, "_FORCE_SMEM_STAGE", smem_stage)
     case = make_case(5, 12, state_dtype=state_dtype, gate=gate, seed=tile_v)
     ref_out, ref_pool = case.oracle()
     out = _decode(case)

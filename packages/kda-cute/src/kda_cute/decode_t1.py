@@ -45,43 +45,51 @@ HALF_WARP = 16
 ROW_GROUPS = THREADS // HALF_WARP  # state rows a CTA touches per step
 CHANNELS_PER_LANE = HEAD_DIM // HALF_WARP  # 8 -> one 16-byte bf16 vector
 TILE_V_CHOICES = (8, 16, 32, 64, 128)
+SMEM_STAGE_MAX_BYTES = 48 * 1024  # the default dynamic shared-memory limit per CTA
 
 
 @dataclass(frozen=True)
 class DecodeT1Config:
-    """Schedule of one launch: state rows per CTA (the grid is (128 / tile_v, H, B))."""
+    """Schedule of one launch: state rows per CTA (the grid is (128 / tile_v, H, B)) and how rows are staged.
+
+    ``smem_stage``: the rows travel global -> shared memory by cp.async (16-byte, L1 bypass) and are read back by
+    the thread that copied them (no barrier), so every row of the tile is in flight without holding registers;
+    otherwise each thread keeps ``rows_in_flight`` rows in registers. cp.async needs the aligned variant.
+    """
 
     tile_v: int
-
-    @property
-    def rows_per_half_warp(self) -> int:
-        return self.tile_v // ROW_GROUPS
+    smem_stage: bool = False
 
 
-# Schedule table: CTAs should cover the H200's 132 SMs several times over at small B (few bytes
-# per CTA, latency-bound) while at large B a bigger tile amortises the per-CTA preamble (q/k/g
-# loads, gate, norms). Keyed on B*H = number of (sequence, head) states in the call.
-# TODO(measure): first guess; replaced by the H200 sweep (benchmarks/results/) when it lands.
-_SCHEDULE = (
-    # (max B*H, tile_v)
-    (96, 8),
-    (768, 16),
-    (1 << 62, 32),
-)
+# Schedule table, keyed on the number of (sequence, head) states in the call, B*H, and the pool dtype.
+# Small calls are latency-bound (one CTA's slot -> state -> store chain), so they want just enough CTAs to
+# cover the 132 SMs; large calls are bandwidth-bound and want fewer, larger CTAs (the per-CTA preamble
+# amortised) with many bytes in flight. Measured on the H200 (CUDA-graph replay, H=12, policy sweep in
+# benchmarks/results/t1_tile_sweep.json); see packages/kda-cute/README.md.
+_SCHEDULE = {
+    # pool dtype: ((max B*H, tile_v, smem_stage), ...) -- the last row is unbounded
+    torch.bfloat16: ((24, 16, False), (96, 32, False), (1536, 64, False), (1 << 62, 128, False)),
+    torch.float32: ((24, 16, False), (768, 16, False), (1 << 62, 64, False)),
+}
+
+# Benchmarks' sweep hook for the staging choice (None = the table's). Not a knob: serving never sets it.
+_FORCE_SMEM_STAGE: bool | None = None
 
 
 def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool) -> DecodeT1Config:
     """Pure schedule policy; ``KDA_DECODE_TILE_V`` (if non-zero) forces the tile."""
+    states = B * H
+    tile_v, smem_stage = next((t, sm) for limit, t, sm in _SCHEDULE[state_dtype] if states <= limit)
     forced = knobs.get("KDA_DECODE_TILE_V")
     if forced:
         if forced not in TILE_V_CHOICES:
             fail("KDA_DECODE_TILE_V", f"one of {TILE_V_CHOICES}", forced)
-        return DecodeT1Config(tile_v=forced)
-    states = B * H
-    for max_states, tile_v in _SCHEDULE:
-        if states <= max_states:
-            return DecodeT1Config(tile_v=tile_v)
-    raise AssertionError("unreachable: the schedule's last row is unbounded")
+        tile_v = forced
+    if _FORCE_SMEM_STAGE is not None:
+        smem_stage = _FORCE_SMEM_STAGE
+    # cp.async needs 16-byte alignment; tiles above 48 KB of shared memory would need an opt-in carveout.
+    smem_stage = smem_stage and aligned and tile_v * HEAD_DIM * state_dtype.itemsize <= SMEM_STAGE_MAX_BYTES
+    return DecodeT1Config(tile_v=tile_v, smem_stage=smem_stage)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -111,6 +119,7 @@ class KDADecodeT1:
         has_dt_bias: bool,
         tile_v: int,
         aligned: bool,
+        smem_stage: bool = False,
     ):
         self.state_dtype = state_dtype
         self.gate = gate
@@ -119,6 +128,7 @@ class KDADecodeT1:
         self.has_dt_bias = has_dt_bias
         self.tile_v = tile_v
         self.aligned = aligned
+        self.smem_stage = smem_stage and aligned
         self.rows = tile_v // ROW_GROUPS
         # 32 registers of raw state in flight per thread: 8 bf16 rows or 4 fp32 rows.
         row_regs = CHANNELS_PER_LANE * state_dtype.width // 32
@@ -152,13 +162,17 @@ class KDADecodeT1:
 
     @cute.jit
     def load_lane_vector(self, row: cute.Tensor, lane, dtype):
-        """The lane's 8 channels of a [K] row, converted to fp32."""
+        """Issue the load of the lane's 8 channels of a [K] row; the registers are read later."""
         frag = cute.make_rmem_tensor((CHANNELS_PER_LANE,), dtype)
         bits = self._copy_bits(dtype, CHANNELS_PER_LANE)
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
         vec = (bits // dtype.width,)
         src = cute.local_tile(row, (CHANNELS_PER_LANE,), (lane,))
         cute.copy(atom, cute.logical_divide(src, vec), cute.logical_divide(frag, vec))
+        return frag
+
+    @cute.jit
+    def to_f32(self, frag: cute.Tensor):
         out = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
         out.store(frag.load().to(Float32))
         return out
@@ -187,9 +201,28 @@ class KDADecodeT1:
         slot = mSlot[b]
         active = (slot >= 0) & (slot < n_slots)
         row0 = v_tile * self.tile_v
+        if const_expr(self.smem_stage):
+            smem = cutlass.memory.SmemAllocator()
+            sTile = smem.allocate_tensor(
+                self.state_dtype, cute.make_layout((self.tile_v, HEAD_DIM), stride=(HEAD_DIM, 1)), byte_alignment=16
+            )
+
+        # ---- issue every activation load before the slot is known: the slot -> state chain is the
+        # critical path, and these loads (and the gate math below) hide under it ------------------
+        k_raw = self.load_lane_vector(mK[b, 0, h, None], lane, mK.element_type)
+        q_raw = self.load_lane_vector(mQ[b, 0, h, None], lane, mQ.element_type)
+        g_raw = self.load_lane_vector(mG[b, 0, h, None], lane, mG.element_type)
+        v_raw = cute.make_rmem_tensor((self.rows,), mV.element_type)
+        for j in cutlass.range_constexpr(self.rows):
+            v_raw[j] = mV[b, 0, h, row0 + group + j * ROW_GROUPS]
+        beta_raw = mBeta[b, 0, h]
+        if const_expr(self.gate != GateMode.PRECOMPUTED):
+            a_log = mALog[h]
+            if const_expr(self.has_dt_bias):
+                bias_raw = self.load_lane_vector(cute.local_tile(mDtBias, (HEAD_DIM,), (h,)), lane, Float32)
 
         if active:
-            # ---- issue the state loads first: they are the whole cost of this kernel --------
+            # ---- then the state rows: they are the whole cost of this kernel -------------------------
             sdt = self.state_dtype
             s_bits = self._copy_bits(sdt, CHANNELS_PER_LANE)
             s_vec = s_bits // sdt.width
@@ -203,17 +236,28 @@ class KDADecodeT1:
                 gRow = gState[row0 + group + j * ROW_GROUPS, None]
                 row_views.append(cute.logical_divide(cute.local_tile(gRow, (CHANNELS_PER_LANE,), (lane,)), (s_vec,)))
                 row_regs.append(cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt))
-            for j in cutlass.range_constexpr(self.rows_in_flight):
-                cute.copy(load_atom, row_views[j], cute.logical_divide(row_regs[j], (s_vec,)))
+            if const_expr(self.smem_stage):
+                g2s_atom = cute.make_copy_atom(
+                    cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), sdt,
+                    num_bits_per_copy=s_bits,
+                )
+                s2r_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sdt, num_bits_per_copy=s_bits)
+                smem_views = []
+                for j in cutlass.range_constexpr(self.rows):
+                    sRow = sTile[group + j * ROW_GROUPS, None]
+                    smem_views.append(cute.logical_divide(cute.local_tile(sRow, (CHANNELS_PER_LANE,), (lane,)),
+                                                          (s_vec,)))
+                    cute.copy(g2s_atom, row_views[j], smem_views[j])
+                cute.arch.cp_async_commit_group()
+            else:
+                for j in cutlass.range_constexpr(self.rows_in_flight):
+                    cute.copy(load_atom, row_views[j], cute.logical_divide(row_regs[j], (s_vec,)))
 
-            # ---- per-lane preamble: decay a[c], k^, q^ for channels [8 lane, 8 lane + 8) --------
-            kf = self.load_lane_vector(mK[b, 0, h, None], lane, mK.element_type)
-            qf = self.load_lane_vector(mQ[b, 0, h, None], lane, mQ.element_type)
-            gf = self.load_lane_vector(mG[b, 0, h, None], lane, mG.element_type)
-            v_rows = cute.make_rmem_tensor((self.rows,), Float32)
-            for j in cutlass.range_constexpr(self.rows):
-                v_rows[j] = mV[b, 0, h, row0 + group + j * ROW_GROUPS].to(Float32)
-            beta = mBeta[b, 0, h].to(Float32)
+            # ---- per-lane preamble: decay a[c], k^, q^ for channels [8 lane, 8 lane + 8) --------------
+            kf = self.to_f32(k_raw)
+            qf = self.to_f32(q_raw)
+            gf = self.to_f32(g_raw)
+            beta = beta_raw.to(Float32)
             if const_expr(self.beta_is_logit):
                 beta = 1.0 / (1.0 + cute.math.exp(-beta))
 
@@ -222,11 +266,10 @@ class KDADecodeT1:
                 for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
                     decay[c] = cute.math.exp(gf[c])
             else:
-                rate = cute.math.exp(mALog[h])
+                rate = cute.math.exp(a_log)
                 if const_expr(self.has_dt_bias):
-                    bias = self.load_lane_vector(cute.local_tile(mDtBias, (HEAD_DIM,), (h,)), lane, Float32)
                     for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                        gf[c] = gf[c] + bias[c]
+                        gf[c] = gf[c] + bias_raw[c]
                 for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
                     x = gf[c]
                     if const_expr(self.gate == GateMode.LOWER_BOUND):
@@ -257,8 +300,13 @@ class KDADecodeT1:
 
             # ---- stream the rows: S' = a S; p, S'q^; u; S_new; o -------------------------------
             s_new = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
+            if const_expr(self.smem_stage):
+                # Each thread reads back only the bytes it copied: its own wait is the only sync needed.
+                cute.arch.cp_async_wait_group(0)
             for j in cutlass.range_constexpr(self.rows):
-                if const_expr(j + self.rows_in_flight < self.rows):
+                if const_expr(self.smem_stage):
+                    cute.copy(s2r_atom, smem_views[j], cute.logical_divide(row_regs[j], (s_vec,)))
+                elif const_expr(j + self.rows_in_flight < self.rows):
                     nxt = j + self.rows_in_flight
                     cute.copy(load_atom, row_views[nxt], cute.logical_divide(row_regs[nxt], (s_vec,)))
                 sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
@@ -271,7 +319,7 @@ class KDADecodeT1:
                     sq = sq + sf[c] * qf[c]
                 p = half_warp_sum(p)
                 sq = half_warp_sum(sq)
-                u = beta * (v_rows[j] - p)
+                u = beta * (v_raw[j].to(Float32) - p)
                 for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
                     sf[c] = sf[c] + u * kf[c]
                 s_new.store(sf.load().to(sdt))
@@ -368,7 +416,7 @@ except ImportError:  # an older kda-core: the private checker above stands in
 
 
 def _compile(key, arch):
-    (state_dt, g_dt, beta_dt, gate, beta_is_logit, l2norm, has_dt_bias, tile_v, aligned) = key
+    (state_dt, g_dt, beta_dt, gate, beta_is_logit, l2norm, has_dt_bias, tile_v, aligned, smem_stage) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     B, N, H = _launch.sym_size(), _launch.sym_size(), _launch.sym_size()
@@ -405,6 +453,7 @@ def _compile(key, arch):
         has_dt_bias=has_dt_bias,
         tile_v=tile_v,
         aligned=aligned,
+        smem_stage=smem_stage,
     )
     return cute.compile(kernel, *fake_args, options=_launch.compile_options(arch, _EXTRA_OPTIONS))
 
@@ -412,12 +461,15 @@ def _compile(key, arch):
 _EXTRA_OPTIONS = ""  # tests set "--keep-ptx --dump-dir D" through compile_variant()
 
 
-def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk_l2norm, has_dt_bias, tile_v, aligned):
+def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk_l2norm, has_dt_bias, tile_v, aligned,
+                smem_stage=False):
     """Every code-generation parameter of one variant, in the order ``_compile`` reads them."""
     if gate == GateMode.PRECOMPUTED:
         has_dt_bias = False
+    # cp.async needs 16-byte alignment; tiles above 48 KB of shared memory would need an opt-in carveout.
+    smem_stage = smem_stage and aligned and tile_v * HEAD_DIM * state_dtype.itemsize <= SMEM_STAGE_MAX_BYTES
     return (state_dtype, g_dtype, beta_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm), bool(has_dt_bias),
-            int(tile_v), bool(aligned))
+            int(tile_v), bool(aligned), bool(smem_stage))
 
 
 def compile_variant(key, arch: str, extra_options: str = ""):
@@ -430,22 +482,38 @@ def compile_variant(key, arch: str, extra_options: str = ""):
         _EXTRA_OPTIONS = saved
 
 
-_ARCH_BY_DEVICE: dict[int, str] = {}
+_ARCH_BY_DEVICE: dict[int | None, str] = {}
 
 
 def _arch_for(device: torch.device) -> str:
-    # CUTE_DSL_ARCH wins (read each call: cheap); else the device's capability, looked up once.
-    import os
-
-    env = os.environ.get("CUTE_DSL_ARCH", "").strip()
-    if env:
-        return env
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    """Target arch of ``device``, looked up once per device (CUTE_DSL_ARCH wins, as in _launch.target_arch)."""
+    index = device.index
     arch = _ARCH_BY_DEVICE.get(index)
     if arch is None:
-        with torch.cuda.device(index):
+        with torch.cuda.device(index if index is not None else torch.cuda.current_device()):
             arch = _ARCH_BY_DEVICE[index] = _launch.target_arch()
     return arch
+
+
+def _packed_views(mixed_qkv, raw_gate, raw_beta, H):
+    """q, k, v, g [B, 1, H, 128] and beta [B, 1, H]: zero-copy views of the packed rows.
+
+    Same views as ``kda_core.oracle.unpack_packed`` (which also checks shapes) at a fifth of its host cost; the
+    shapes were validated already.
+    """
+    B, row = mixed_qkv.shape[0], mixed_qkv.stride(0)
+    width = H * HEAD_DIM
+    size = (B, 1, H, HEAD_DIM)
+    stride = (row, row, HEAD_DIM, 1)
+    base = mixed_qkv.storage_offset()
+    gate_row = raw_gate.stride(0)
+    return (
+        mixed_qkv.as_strided(size, stride, base),
+        mixed_qkv.as_strided(size, stride, base + width),
+        mixed_qkv.as_strided(size, stride, base + 2 * width),
+        raw_gate.as_strided(size, (gate_row, gate_row, HEAD_DIM, 1)),
+        raw_beta.unsqueeze(1),
+    )
 
 
 def kda_decode_t1(
@@ -514,11 +582,11 @@ def _run(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound
     elif dt_bias is not None and dt_bias.dim() != 1:
         dt_bias = dt_bias.view(-1)
     cfg = select_config(B, H, state_pool.dtype, aligned)
-    key = variant_key(
-        state_dtype=state_pool.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, gate=gate, beta_is_logit=beta_is_logit,
-        use_qk_l2norm=l2norm, has_dt_bias=dt_bias is not None, tile_v=cfg.tile_v, aligned=aligned,
-    )
-    fn = _launch.get_or_compile(key, _compile, _arch_for(q.device))
+    # variant_key's tuple, built inline (this is the per-call host path); select_config already applied the
+    # smem-stage rules.
+    key = (state_pool.dtype, g.dtype, beta.dtype, gate, bool(beta_is_logit), bool(l2norm), dt_bias is not None,
+           cfg.tile_v, aligned, cfg.smem_stage)
+    fn = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _arch_for(q.device))
     fn(q, k, v, g, beta, A_log, dt_bias, state_pool, slot_indices, output, scale,
        -1.0 if lower_bound is None else float(lower_bound))
     return output
@@ -558,6 +626,6 @@ def kda_decode_t1_packed(
         lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit, scale=scale,
         output=output,
     )
-    q, k, v, g, beta = unpack_packed(mixed_qkv, raw_gate, raw_beta, num_heads, HEAD_DIM)
+    q, k, v, g, beta = _packed_views(mixed_qkv, raw_gate, raw_beta, num_heads)
     return _run(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound, call.gate_mode,
                 beta_is_logit, use_qk_l2norm_in_kernel, call.scale, output, call.aligned)
