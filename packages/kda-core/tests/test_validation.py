@@ -678,3 +678,30 @@ def test_cuda_calls_are_eligible_and_mixed_devices_are_named():
     assert call.on_cuda and call.t1_eligible and call.t1_reason.startswith("eligible")
     r["dt_bias"] = r["dt_bias"].cpu()
     _raises(lambda: rec(r), "dt_bias", "cuda:0")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Descriptions are remembered by the facts they are made of
+
+
+def test_a_repeated_call_returns_the_same_description_and_a_changed_fact_a_new_one():
+    a = t1_args()
+    first = t1(a)
+    assert t1(t1_args()) is first  # same shapes, dtypes, scalars and alignment class
+    shifted = _with(a, q=torch.zeros(3 * H * D + 1, dtype=BF16)[1:].view(3, 1, H, D))
+    assert not t1(shifted).aligned and t1(a).aligned
+    assert t1(_with(a, lower_bound=-2.0)).lower_bound == -2.0 and t1(a).lower_bound == -5.0
+    assert t1(_with(a, scale=0.25)).scale == 0.25
+    assert t1(_with(a, beta_is_logit=False)).beta_is_logit is False
+
+
+def test_precomputed_calls_with_any_ignored_lower_bound_share_a_description():
+    a = _with(t1_args(), use_gate_in_kernel=False)
+    assert t1(_with(a, lower_bound=[1, 2])) is t1(_with(a, lower_bound=None))  # unhashable and ignored
+
+
+def test_remembered_descriptions_are_bounded():
+    for B in range(1, V._MEMO_MAX + 50):
+        V.validate_recurrent(*(torch.empty(B, 1, 1, 64, device="meta") for _ in range(4)),
+                             torch.empty(B, 1, 1, device="meta"))
+    assert len(V._MEMO) <= V._MEMO_MAX

@@ -85,12 +85,18 @@ VECTOR_BYTES = 16
 # Call descriptions
 
 
-def _build(cls, **fields):
-    # A frozen dataclass's generated __init__ costs ~1 µs for a dozen fields (object.__setattr__ per field); filling
-    # the instance dict directly keeps the whole T=1 validation inside its few-microsecond budget.
-    obj = object.__new__(cls)
-    obj.__dict__.update(fields)
-    return obj
+# Building a frozen dataclass costs ~1 µs (object.__setattr__ per field), a fifth of the T=1 budget. Descriptions are
+# immutable and a serving loop validates the same few call shapes every step, so each distinct description is built
+# once and then found by a key of the facts it is made of (~0.25 µs).
+_MEMO: dict = {}
+_MEMO_MAX = 4096
+
+
+def _remember(key, call):
+    if len(_MEMO) >= _MEMO_MAX:  # many distinct batch sizes: start over rather than grow without bound
+        _MEMO.clear()
+    _MEMO[key] = call
+    return call
 
 
 @dataclass(frozen=True)
@@ -280,15 +286,14 @@ def _act(name: str, t, shape: tuple, shape_text: str, dtypes: tuple, dtype_text:
     st = t.stride()
     if st[3] != 1:
         fail(name, "a contiguous last dimension (stride 1; other strides are free)", f"strides {st}")
-    e = t.element_size()
-    acc = t.data_ptr()
+    # OR the element strides first: the lowest set bit of the OR, times the (power-of-two) element size, is the
+    # lowest set bit of every byte stride.
+    stepped = st[2] if shape[2] > 1 else 0
     if shape[0] > 1:
-        acc |= st[0] * e
+        stepped |= st[0]
     if shape[1] > 1:
-        acc |= st[1] * e
-    if shape[2] > 1:
-        acc |= st[2] * e
-    return acc
+        stepped |= st[1]
+    return t.data_ptr() | stepped * t.element_size()
 
 
 def _check_contiguous_1d(name: str, t: torch.Tensor) -> None:
@@ -317,13 +322,13 @@ def _rows(name: str, t, row_shape: tuple, dtypes: tuple, dtype_text: str, what: 
     if not isinstance(t, _Tensor):
         fail(name, "a torch.Tensor", type(t).__name__)
     shape = t.shape
-    if len(shape) != 4 or shape[1:] != row_shape:
+    a, b, c = row_shape
+    if len(shape) != 4 or shape[1] != a or shape[2] != b or shape[3] != c:
         fail(name, f"shape {what} = (N, {', '.join(map(str, row_shape))})", tuple(shape))
     if t.dtype not in dtypes:
         fail(name, f"dtype {dtype_text}", t.dtype)
     if t.get_device() != dev:
         _fail_device(name, t, dev)
-    a, b, c = row_shape
     st = t.stride()
     if st[1] != b * c or st[2] != c or st[3] != 1:
         fail(name, f"compact inner dims (strides ({b * c}, {c}, 1), K contiguous)", f"strides {st}")
@@ -394,8 +399,10 @@ def _check_t1_rest(
     """Checks shared by the unpacked and packed T=1 entries once the activations gave B and H.
 
     Returns (gate mode, scale, pool rows, pointer/stride bits of dt_bias and output)."""
-    _check_flag("use_gate_in_kernel", use_gate_in_kernel)
-    _check_flag("beta_is_logit", beta_is_logit)
+    if use_gate_in_kernel is not True and use_gate_in_kernel is not False:
+        _check_flag("use_gate_in_kernel", use_gate_in_kernel)
+    if beta_is_logit is not True and beta_is_logit is not False:
+        _check_flag("beta_is_logit", beta_is_logit)
     mode = gate_mode(use_gate_in_kernel, lower_bound)
     if mode is GateMode.PRECOMPUTED:
         types, text = _T1_PRECOMPUTED_TYPES, "bfloat16 or float32 (precomputed gate)"
@@ -463,12 +470,25 @@ def validate_decode_t1(
         beta_is_logit, scale, output, ("g", "beta"), dev,
     )
     alignment = _pow2_alignment(acc | more | state_pool.data_ptr())
-    return _build(
-        DecodeT1Call, B=B, H=H, head_dim=HEAD_DIM, N=N, state_dtype=state_pool.dtype, g_dtype=g_dtype,
-        beta_dtype=beta_dtype, gate_mode=mode, beta_is_logit=beta_is_logit,
-        lower_bound=float(lower_bound) if mode is GateMode.LOWER_BOUND else None, scale=scale,
-        aligned=alignment >= VECTOR_BYTES, alignment=alignment, packed=False, has_output=output is not None,
-    )
+    return _t1_description(B, H, N, state_pool.dtype, g_dtype, beta_dtype, mode, beta_is_logit, lower_bound, scale,
+                           alignment, False, output is not None)
+
+
+def _t1_description(B, H, N, state_dtype, g_dtype, beta_dtype, mode, beta_is_logit, lower_bound, scale, alignment,
+                    is_packed, has_output):
+    lower_bound = lower_bound if mode is GateMode.LOWER_BOUND else None  # ignored (and unchecked) otherwise
+    # (use_gate, lower_bound) determine the gate mode and hash faster than the enum (a Python-level __hash__)
+    key = ("t1", B, H, N, state_dtype, g_dtype, beta_dtype, mode is not GateMode.PRECOMPUTED, lower_bound,
+           beta_is_logit, scale, alignment, is_packed, has_output)
+    call = _MEMO.get(key)
+    if call is None:
+        call = _remember(key, DecodeT1Call(
+            B=B, H=H, head_dim=HEAD_DIM, N=N, state_dtype=state_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype,
+            gate_mode=mode, beta_is_logit=beta_is_logit,
+            lower_bound=None if lower_bound is None else float(lower_bound), scale=scale,
+            aligned=alignment >= VECTOR_BYTES, alignment=alignment, packed=is_packed, has_output=has_output,
+        ))
+    return call
 
 
 def validate_packed_decode_t1(
@@ -531,12 +551,8 @@ def validate_packed_decode_t1(
         use_gate_in_kernel, beta_is_logit, scale, output, ("raw_gate", "raw_beta"), dev,
     )
     alignment = _pow2_alignment(acc | more | state_pool.data_ptr())
-    return _build(
-        DecodeT1Call, B=B, H=H, head_dim=HEAD_DIM, N=N, state_dtype=state_pool.dtype, g_dtype=raw_gate.dtype,
-        beta_dtype=raw_beta.dtype, gate_mode=mode, beta_is_logit=beta_is_logit,
-        lower_bound=float(lower_bound) if mode is GateMode.LOWER_BOUND else None, scale=scale,
-        aligned=alignment >= VECTOR_BYTES, alignment=alignment, packed=True, has_output=output is not None,
-    )
+    return _t1_description(B, H, N, state_pool.dtype, raw_gate.dtype, raw_beta.dtype, mode, beta_is_logit,
+                           lower_bound, scale, alignment, True, output is not None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -672,17 +688,24 @@ def validate_recurrent(
         acc |= _act("output", output, vs, "[B, T, HV, V]", _BF16_ONLY, "bfloat16", dev)
     on_cuda = dev >= 0
     alignment = _pow2_alignment(acc)
-    aligned = alignment >= VECTOR_BYTES
-    reason = _t1_reason(
-        T, varlen, mode, H, HV, K, act, g.dtype, beta.dtype, gmode, use_qk_l2norm_in_kernel, on_cuda
-    )
-    return _build(
-        RecurrentCall, mode=mode, B=B, T=T, N_seq=N_seq, H=H, HV=HV, K=K, V=K, N=N, varlen=varlen, gate_mode=gmode,
-        beta_is_logit=beta_is_logit, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        output_final_state=output_final_state, state_dtype=state_dtype, act_dtype=act, scale=scale,
-        aligned=aligned, alignment=alignment, on_cuda=on_cuda, t1_eligible=reason is None,
-        t1_reason=reason or _T1_OK[aligned],
-    )
+    g_dtype, beta_dtype = g.dtype, beta.dtype
+    lb = lower_bound if gmode is GateMode.LOWER_BOUND else None
+    key = ("recurrent", mode, B, T, N_seq, H, HV, K, N, varlen, use_gate_in_kernel, lb, beta_is_logit,
+           use_qk_l2norm_in_kernel, output_final_state, state_dtype, act, g_dtype, beta_dtype, scale, alignment,
+           on_cuda)
+    call = _MEMO.get(key)
+    if call is None:
+        aligned = alignment >= VECTOR_BYTES
+        reason = _t1_reason(T, varlen, mode, H, HV, K, act, g_dtype, beta_dtype, gmode, use_qk_l2norm_in_kernel,
+                            on_cuda)
+        call = _remember(key, RecurrentCall(
+            mode=mode, B=B, T=T, N_seq=N_seq, H=H, HV=HV, K=K, V=K, N=N, varlen=varlen, gate_mode=gmode,
+            beta_is_logit=beta_is_logit, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            output_final_state=output_final_state, state_dtype=state_dtype, act_dtype=act, scale=scale,
+            aligned=aligned, alignment=alignment, on_cuda=on_cuda, t1_eligible=reason is None,
+            t1_reason=reason or _T1_OK[aligned],
+        ))
+    return call
 
 
 _T1_OK = {
@@ -808,13 +831,18 @@ def validate_ucache(
     if output is not None:
         acc |= _act("output", output, shape, text, _BF16_ONLY, "bfloat16", dev)
     alignment = _pow2_alignment(acc)
-    return _build(
-        UcacheCall, B=B, T=T, H=H, head_dim=HEAD_DIM, N=N, w_ring=w_ring, flush_min=flush_min,
-        max_hist_len=max_hist_len(T, w_ring), gate_mode=gate_mode(True, lower_bound),
-        lower_bound=None if lower_bound is None else float(lower_bound), scale=scale,
-        restart_hist_on_flush=restart_hist_on_flush, aligned=alignment >= VECTOR_BYTES, alignment=alignment,
-        has_output=output is not None,
-    )
+    key = ("ucache", B, T, H, N, w_ring, flush_min, lower_bound, scale, restart_hist_on_flush, alignment,
+           output is not None)
+    call = _MEMO.get(key)
+    if call is None:
+        call = _remember(key, UcacheCall(
+            B=B, T=T, H=H, head_dim=HEAD_DIM, N=N, w_ring=w_ring, flush_min=flush_min,
+            max_hist_len=max_hist_len(T, w_ring), gate_mode=gate_mode(True, lower_bound),
+            lower_bound=None if lower_bound is None else float(lower_bound), scale=scale,
+            restart_hist_on_flush=restart_hist_on_flush, aligned=alignment >= VECTOR_BYTES, alignment=alignment,
+            has_output=output is not None,
+        ))
+    return call
 
 
 # ----------------------------------------------------------------------------------------------------------------
