@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kda_core.contracts import L2NORM_EPS, RING_SLOTS
+from kda_core.contracts import L2NORM_EPS
 from kda_core.errors import fail
 
 __all__ = [
