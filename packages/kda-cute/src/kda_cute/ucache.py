@@ -89,6 +89,21 @@ def _split_bf16x2(lo: Float32, hi: Float32):
     )
 
 
+def _pack_bf16x2(lo: Float32, hi: Float32) -> Int32:
+    """Two fp32 values as one packed bf16 pair (lo in the low half: the lower MMA k / n index)."""
+    return Int32(
+        llvm.inline_asm(
+            ir_types.i32(),
+            [hi.ir_value(), lo.ir_value()],
+            "cvt.rn.bf16x2.f32 $0, $1, $2;",
+            "=r,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
 def _mma_bf16_m16n8k16(a, b, c):
     """D = A B + C, one warp-wide SM80-style MMA (bf16 in, fp32 accumulate; sm_80 and later, incl. sm_90a and
     sm_100a). a: 4 packed i32, b: 2 packed i32, c: 4 fp32 (row g: c0 c1, row g + 8: c2 c3)."""
@@ -240,8 +255,16 @@ class UcacheVerifyFlush:
         else:
             sKx = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
             sQx = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
-        sWK = smem.allocate_tensor(Float32, row_major(MAXR, K), byte_alignment=16)
-        sU = smem.allocate_tensor(Float32, row_major(MAXR, TV), byte_alignment=16)
+        KPAD = MMA_K * ((MAXR + MMA_K - 1) // MMA_K)  # ring rows as the K extent of the fold MMA
+        if const_expr(self.mma):
+            # Fold operands as packed bf16 pairs along the ring-row axis (the MMA k index); rows j >= P hold
+            # zeros written by a select. Row strides padded (+8, +2 words) so the fragment reads hit 32 banks.
+            sUp = smem.allocate_tensor(Int32, cute.make_layout((KPAD // 2, TV), stride=(TV + 8, 1)), byte_alignment=16)
+            sWKh = smem.allocate_tensor(Int32, cute.make_layout((KPAD // 2, K), stride=(K + 2, 1)), byte_alignment=16)
+            sWKl = smem.allocate_tensor(Int32, cute.make_layout((KPAD // 2, K), stride=(K + 2, 1)), byte_alignment=16)
+        else:
+            sWK = smem.allocate_tensor(Float32, row_major(MAXR, K), byte_alignment=16)
+            sU = smem.allocate_tensor(Float32, row_major(MAXR, TV), byte_alignment=16)
         sVin = smem.allocate_tensor(Float32, row_major(T, TV), byte_alignment=16)
         sGlast = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
         sBdec = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
@@ -302,13 +325,26 @@ class UcacheVerifyFlush:
                 if P > 0:
                     g_last = mGCache[slot64, h, (base + P - 1) & (RING_SLOTS - 1), tidx]
                 sGlast[tidx] = g_last
-            # Only the live rows j < P are loaded (and later read): stale rows never enter an arithmetic op.
-            for it in cutlass.range_constexpr(MAXR * TV // NT):
-                i = tidx + it * NT
-                j = i // TV
-                r = i % TV
-                if j < P:
-                    sU[j, r] = mUCache[slot64, h, (base + j) & (RING_SLOTS - 1), v0 + r].to(Float32)
+            # Only the live rows j < P are loaded: stale rows never enter an arithmetic op.
+            if const_expr(self.mma):
+                for it in cutlass.range_constexpr((KPAD // 2) * TV // NT):
+                    i = tidx + it * NT
+                    jp = i // TV
+                    r = i % TV
+                    u_even = Float32(0.0)
+                    u_odd = Float32(0.0)
+                    if 2 * jp < P:
+                        u_even = mUCache[slot64, h, (base + 2 * jp) & (RING_SLOTS - 1), v0 + r].to(Float32)
+                    if 2 * jp + 1 < P:
+                        u_odd = mUCache[slot64, h, (base + 2 * jp + 1) & (RING_SLOTS - 1), v0 + r].to(Float32)
+                    sUp[jp, r] = _pack_bf16x2(u_even, u_odd)  # exact: the ring holds bf16
+            else:
+                for it in cutlass.range_constexpr(MAXR * TV // NT):
+                    i = tidx + it * NT
+                    j = i // TV
+                    r = i % TV
+                    if j < P:
+                        sU[j, r] = mUCache[slot64, h, (base + j) & (RING_SLOTS - 1), v0 + r].to(Float32)
             for it in cutlass.range_constexpr(T * TV // NT):
                 i = tidx + it * NT
                 t = i // TV
@@ -343,14 +379,27 @@ class UcacheVerifyFlush:
                 if P > 0:
                     bdec = cute.math.exp(sGlast[tidx], fastmath=True)
                 sBdec[tidx] = bdec
-            for it in cutlass.range_constexpr(MAXR * K // NT):
-                i = tidx + it * NT
-                j = i // K
-                c = i % K
-                if j < P:
-                    phys = (base + j) & (RING_SLOTS - 1)
-                    decay = cute.math.exp(sGlast[c] - mGCache[slot64, h, phys, c], fastmath=True)
-                    sWK[j, c] = decay * mKCache[slot64, h, phys, c].to(Float32)
+            if const_expr(self.mma):
+                for it in cutlass.range_constexpr((KPAD // 2) * K // NT):
+                    i = tidx + it * NT
+                    jp = i // K
+                    c = i % K
+                    wk = [Float32(0.0), Float32(0.0)]
+                    for odd in cutlass.range_constexpr(2):
+                        if 2 * jp + odd < P:
+                            phys = (base + 2 * jp + odd) & (RING_SLOTS - 1)
+                            decay = cute.math.exp(sGlast[c] - mGCache[slot64, h, phys, c], fastmath=True)
+                            wk[odd] = decay * mKCache[slot64, h, phys, c].to(Float32)
+                    sWKh[jp, c], sWKl[jp, c] = _split_bf16x2(wk[0], wk[1])
+            else:
+                for it in cutlass.range_constexpr(MAXR * K // NT):
+                    i = tidx + it * NT
+                    j = i // K
+                    c = i % K
+                    if j < P:
+                        phys = (base + j) & (RING_SLOTS - 1)
+                        decay = cute.math.exp(sGlast[c] - mGCache[slot64, h, phys, c], fastmath=True)
+                        sWK[j, c] = decay * mKCache[slot64, h, phys, c].to(Float32)
             cute.arch.sync_threads()
 
             # ---- phase 3: normalised and decayed draft vectors --------------------------------------
@@ -435,14 +484,25 @@ class UcacheVerifyFlush:
                             c = (m * ROW_THREADS + q4) * CHUNK + e
                             idx = rho * 32 + m * CHUNK + e
                             state[idx] = s0_raw[idx].to(Float32) * sBdec[c]
-                for j in cutlass.range(P, unroll=1):
-                    u_lo = sU[j, rows[0]]
-                    u_hi = sU[j, rows[1]]
-                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                        for e in cutlass.range_constexpr(CHUNK):
-                            wk = sWK[j, (m * ROW_THREADS + q4) * CHUNK + e]
-                            state[m * CHUNK + e] = state[m * CHUNK + e] + u_lo * wk
-                            state[32 + m * CHUNK + e] = state[32 + m * CHUNK + e] + u_hi * wk
+                # Fold on MMA: S_commit[v, c] += sum_j u_j[v] wk_j[c]; M = the warp's 16 rows, K = ring rows,
+                # N = channels. n-tile nt, column n stands for channel (4 (nt // 4) + n // 2) * 8 + 2 (nt % 4)
+                # + n % 2, so the accumulator fragment is exactly this thread's state registers. u is bf16 in
+                # the ring (exact as an operand); wk is split hi + lo: two MMAs, fp32 accumulation.
+                for ks in cutlass.range_constexpr(KPAD // MMA_K):
+                    if P > ks * MMA_K:
+                        jp0 = ks * (MMA_K // 2) + q4
+                        a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]], sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
+                        for nt in cutlass.range_constexpr(K // 8):
+                            e0 = 2 * (nt % 4)
+                            col = ((nt // 4) * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
+                            b_hi = (sWKh[jp0, col], sWKh[jp0 + 4, col])
+                            b_lo = (sWKl[jp0, col], sWKl[jp0 + 4, col])
+                            at = (nt // 4) * CHUNK + e0
+                            ids = (at, at + 1, 32 + at, 32 + at + 1)
+                            d = _mma_bf16_m16n8k16(a_u, b_hi, [state[z] for z in ids])
+                            d = _mma_bf16_m16n8k16(a_u, b_lo, d)
+                            for z in cutlass.range_constexpr(4):
+                                state[ids[z]] = d[z]
                 if is_flush:
                     for rho in cutlass.range_constexpr(2):
                         row_chunks = cute.zipped_divide(mPool[slot64, h, v0 + rows[rho], None], (CHUNK,))
