@@ -246,6 +246,7 @@ class UcacheVerifyFlush:
         sKh = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # raw k, then k^
         sQh = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # raw q, then scale*q^
         sCum = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # g_log, then cum
+        sDec = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # per-token decay exp(g_log)
         XCOLS = 2 * T + 2  # [channel pair, column] with 2 words of padding: the B-fragment reads hit 32 banks
         if const_expr(self.mma):
             # decayed draft vectors [kx_0..kx_{T-1}, qx_0..qx_{T-1}] as packed bf16 (hi, lo) channel pairs
@@ -320,6 +321,7 @@ class UcacheVerifyFlush:
                 else:
                     g_log = lower_bound / (Float32(1.0) + cute.math.exp(-rate * x, fastmath=True))
                 sCum[t, c] = g_log
+                sDec[t, c] = cute.math.exp(g_log, fastmath=True)
             if tidx < K:
                 g_last = Float32(0.0)
                 if P > 0:
@@ -439,24 +441,27 @@ class UcacheVerifyFlush:
             cute.arch.sync_threads()
 
             # ---- phase 4: the T x T triangles; k^ and G appends (V tile 0 only) ---------------------
-            pair = 0
-            for s in cutlass.range_constexpr(T):
-                for r in cutlass.range_constexpr(s + 1):
-                    if warp == pair % NW:
+            # Column r of both triangles is one warp's job (columns r and T-1-r share a warp: equal work). Down
+            # the column, exp(cum_s - cum_r) is the running product of the per-token decays a_t (t = r+1..s): one
+            # multiply per entry instead of an exp, and no overflow whatever the gate (every factor is <= 1).
+            for r in cutlass.range_constexpr(T):
+                if warp == min(r, T - 1 - r) % NW:
+                    k_r = [sKh[r, lane + 32 * m] for m in range(K // 32)]
+                    for s in cutlass.range_constexpr(r, T):
+                        if const_expr(s > r):
+                            for m in cutlass.range_constexpr(K // 32):
+                                k_r[m] = k_r[m] * sDec[s, lane + 32 * m]
                         a_kk = Float32(0.0)
                         a_qk = Float32(0.0)
                         for m in cutlass.range_constexpr(K // 32):
-                            c = lane + 32 * m
-                            e = cute.math.exp(sCum[s, c] - sCum[r, c], fastmath=True) * sKh[r, c]
-                            a_kk = a_kk + e * sKh[s, c]
-                            a_qk = a_qk + e * sQh[s, c]
+                            a_kk = a_kk + k_r[m] * sKh[s, lane + 32 * m]
+                            a_qk = a_qk + k_r[m] * sQh[s, lane + 32 * m]
                         for sh in cutlass.range_constexpr(5):
                             a_kk = a_kk + cute.arch.shuffle_sync_bfly(a_kk, offset=1 << sh)
                             a_qk = a_qk + cute.arch.shuffle_sync_bfly(a_qk, offset=1 << sh)
                         if lane == 0:
                             sA[s, r] = a_kk
                             sAq[s, r] = a_qk
-                    pair += 1
             if tile == 0:
                 for it in cutlass.range_constexpr(T * K // NT):
                     i = tidx + it * NT
