@@ -11,8 +11,8 @@ default MMA variant a thread holds two rows (a warp covers 16) and the chunks do
   *selected* to zero, never multiplied: stale rows may hold inf) and ``bdec = exp(G_{P-1})``;
 - the decayed draft vectors ``kx_s = exp(cum_s) * k^_s`` and ``qx_s = exp(cum_s) * q^_s``;
 - the T x T triangles ``A[s, r] = sum_c exp(cum_s - cum_r) k^_r k^_s`` (r < s) and
-  ``Aq[s, r] = sum_c exp(cum_s - cum_r) k^_r q^_s`` (r <= s). Exponents of differences, never ratios of
-  exponentials, so strong decay (cum down to -40 and beyond) cannot overflow.
+  ``Aq[s, r] = sum_c exp(cum_s - cum_r) k^_r q^_s`` (r <= s), with exp(cum_s - cum_r) the running product of the
+  per-token decays: never a ratio of exponentials, so strong decay (cum down to -40 and beyond) cannot overflow.
 
 Then every state row v is rebuilt in fp32 registers, ``S_commit[v] = S0[v] * bdec + sum_{j<P} u_j[v] wk_j``
 (R1), stored once (bf16, round to nearest even) on a flush row, and the T drafts follow from 2T dot products
