@@ -619,10 +619,11 @@ def validate_recurrent(
     acc |= _act("v", v, vs, "[B, T, HV, V]", act_only, f"{act} (the dtype of q)", dev)
     acc |= _act("g", g, vs, "[B, T, HV, K]", _ACT_DTYPES, "bfloat16, float16 or float32", dev)
     _check("beta", beta, (B, T, HV), "[B, T, HV]", _ACT_DTYPES, "bfloat16, float16 or float32", dev)
-    _check_flag("output_final_state", output_final_state)
-    _check_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
-    _check_flag("use_gate_in_kernel", use_gate_in_kernel)
-    _check_flag("beta_is_logit", beta_is_logit)
+    for flag_name, flag in (("output_final_state", output_final_state),
+                            ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+                            ("use_gate_in_kernel", use_gate_in_kernel), ("beta_is_logit", beta_is_logit)):
+        if flag is not True and flag is not False:
+            _check_flag(flag_name, flag)
 
     varlen = cu_seqlens is not None
     if varlen:
