@@ -18,7 +18,10 @@ Policies written down here:
 - Alignment is a classification, never a rejection: a legal tensor whose pointer or strides are not 16-byte
   multiples sets ``aligned=False`` and takes the unaligned kernel variant.
 - ``device_kind="cuda"`` (the kernel launchers) requires every tensor on one CUDA device; ``device_kind="any"``
-  (the oracle path, tests on CPU or ``meta`` tensors) requires only that they share one device.
+  (the oracle path, tests on CPU or ``meta`` tensors) requires only that they share one device (cpu and meta are
+  not told apart: neither launches a kernel).
+- Descriptions are immutable and remembered by the facts they are made of, so a repeated call returns the same
+  object (see ``_MEMO``).
 - fp32 ``g`` / ``beta`` on the T=1 path belong to the precomputed convention (``use_gate_in_kernel=False``: g is a
   log-space decay, often produced in fp32 by a separate gate kernel); the raw-gate convention takes bf16.
 - With ``use_gate_in_kernel=False`` the gate parameters ``A_log``, ``dt_bias`` and ``lower_bound`` are ignored
@@ -232,11 +235,6 @@ def is_aligned(*tensors: torch.Tensor | None, bytes: int = VECTOR_BYTES) -> bool
 # tensor's metadata is read once, by one helper that checks it and returns the bits its alignment depends on.
 
 
-def _require_tensor(name: str, t) -> None:
-    if not isinstance(t, _Tensor):
-        fail(name, "a torch.Tensor", type(t).__name__)
-
-
 def _check(name: str, t, shape: tuple, shape_text: str, dtypes: tuple, dtype_text: str, dev: int) -> None:
     """Type, exact shape, dtype and device index of one tensor."""
     if not isinstance(t, _Tensor):
@@ -294,11 +292,6 @@ def _act(name: str, t, shape: tuple, shape_text: str, dtypes: tuple, dtype_text:
     if shape[1] > 1:
         stepped |= st[1]
     return t.data_ptr() | stepped * t.element_size()
-
-
-def _check_contiguous_1d(name: str, t: torch.Tensor) -> None:
-    if t.shape[0] > 1 and t.stride(0) != 1:
-        fail(name, "a contiguous 1-D tensor (stride 1)", f"stride {t.stride(0)}")
 
 
 def _index(name: str, t, n: int, text: str, dev: int) -> None:
