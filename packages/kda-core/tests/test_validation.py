@@ -708,3 +708,10 @@ def test_remembered_descriptions_are_bounded():
         V.validate_recurrent(*(torch.empty(B, 1, 1, 64, device="meta") for _ in range(4)),
                              torch.empty(B, 1, 1, device="meta"))
     assert len(V._MEMO) <= V._MEMO_MAX
+
+
+def test_precomputed_gate_does_not_check_ignored_gate_tensors():
+    a = _with(t1_args(), use_gate_in_kernel=False, A_log=torch.zeros(3, dtype=BF16), dt_bias=torch.zeros(5))
+    assert t1(a).gate_mode is GateMode.PRECOMPUTED
+    r = _with(rec_args(), use_gate_in_kernel=False, A_log="unused", dt_bias=torch.zeros(2, 2))
+    assert rec(r).gate_mode is GateMode.PRECOMPUTED

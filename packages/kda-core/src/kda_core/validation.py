@@ -351,17 +351,17 @@ def _check_scalar_args(lower_bound, scale, K: int, use_gate: bool) -> float:
     return float(scale)
 
 
-def _check_gate_params(A_log, dt_bias, H: int, K: int, required: bool, dev: int) -> int:
-    """A_log fp32 [H]; dt_bias fp32 [H*K] or [H, K] contiguous. Returns dt_bias's pointer (0 when absent)."""
-    if A_log is None:
-        if required:
-            fail("A_log", f"an fp32 tensor [H] = ({H},) when use_gate_in_kernel=True", None)
-    else:
-        _check("A_log", A_log, (H,), "[H]", _F32_ONLY, "float32", dev)
-    if dt_bias is None:
-        if required:
-            fail("dt_bias", f"an fp32 tensor [H*K] = ({H * K},) or [H, K] when use_gate_in_kernel=True", None)
+def _check_gate_params(A_log, dt_bias, H: int, K: int, use_gate: bool, dev: int) -> int:
+    """With the gate in the kernel: A_log fp32 [H] and dt_bias fp32 [H*K] or [H, K] contiguous, both required.
+    Without it they are ignored (not read, not checked). Returns dt_bias's pointer for the alignment class (0 when
+    unused)."""
+    if not use_gate:
         return 0
+    if A_log is None:
+        fail("A_log", f"an fp32 tensor [H] = ({H},) when use_gate_in_kernel=True", None)
+    _check("A_log", A_log, (H,), "[H]", _F32_ONLY, "float32", dev)
+    if dt_bias is None:
+        fail("dt_bias", f"an fp32 tensor [H*K] = ({H * K},) or [H, K] when use_gate_in_kernel=True", None)
     if not isinstance(dt_bias, _Tensor):
         fail("dt_bias", "a torch.Tensor", type(dt_bias).__name__)
     shape = dt_bias.shape
