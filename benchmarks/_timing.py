@@ -132,11 +132,13 @@ class KernelTimer:
                 flush()
             fn()
         torch.cuda.synchronize()
+        self.last_backend = self.backend
         if self.backend == "cupti":
             try:
                 return self._time_cupti(fn, iterations, flush)
             except RuntimeError as err:
                 print(f"[timing] CUPTI measurement failed ({err}); CUDA events for this one")
+        self.last_backend = "cuda_event"
         return self._time_events(fn, iterations, flush)
 
     def _time_events(self, fn, iterations, flush):

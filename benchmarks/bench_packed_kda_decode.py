@@ -160,14 +160,16 @@ def main(argv=None):
                         calls["fla"] = fla_call
                 if args.mode == "cuda_graph":
                     calls = {name: _timing.graph_of(fn) for name, fn in calls.items()}
-                times = {name: _timing.median(timer.time(fn, iterations=args.iterations, warmup=args.warmup,
-                                                         flush=flush))
-                         for name, fn in calls.items()}
+                times, timers = {}, {}
+                for name, fn in calls.items():
+                    times[name] = _timing.median(timer.time(fn, iterations=args.iterations, warmup=args.warmup,
+                                                            flush=flush))
+                    timers[name] = timer.last_backend
                 baselines.update({name: t for name, t in times.items() if name != "ours"})
                 times.update(baselines)
                 rec = dict(B=B, heads=H, state_dtype=dtype_name, mode=args.mode, tile_v=cfg.tile_v,
                            smem_stage=cfg.smem_stage, tile_v_forced=tile_v, stage_forced=stage,
-                           cold_l2=args.cold_l2, timer=timer.backend,
+                           cold_l2=args.cold_l2, timer=timers,
                            ours_us=times["ours"], fla_us=times.get("fla"), copy_us=times["copy"],
                            state_bytes=state_bytes,
                            ours_TBps=state_bytes / times["ours"] / 1e6, copy_TBps=state_bytes / times["copy"] / 1e6,

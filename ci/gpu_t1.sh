@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # T=1 decode on the GPU host: GPU tests, a compute-sanitizer memcheck of a small case, then the benchmark.
-# Run from the repository root after `source .gpu*/setup.sh` (wheels + PYTHONPATH). Logs, JSON and PNG go to
-# $OUT (default ./gpu_out). Stages: T1_STAGES="tests memcheck bench sweep" (default: all four).
+# Run from the repository root after `source .gpu*/setup.sh` (wheels + PYTHONPATH). One log ($OUT/t1_gpu.log),
+# JSON and PNG go to $OUT (default ./gpu_out). Stages: T1_STAGES="tests memcheck bench sweep" (default: all four).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -9,10 +9,11 @@ stages=${T1_STAGES:-"tests memcheck bench sweep"}
 status=0
 py=${PYTHON:-python3}
 
-run() {  # run NAME CMD...: tee the output to $OUT/NAME.log and remember a failure
+log="$OUT/t1_gpu.log"
+run() {  # run NAME CMD...: append the output to $OUT/t1_gpu.log and remember a failure
   local name=$1; shift
-  echo "=== $name: $*"
-  "$@" 2>&1 | tee "$OUT/$name.log"
+  echo "=== $name: $*" | tee -a "$log"
+  "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || { echo "=== $name FAILED (rc=$rc)"; status=1; }
 }
@@ -20,11 +21,13 @@ run() {  # run NAME CMD...: tee the output to $OUT/NAME.log and remember a failu
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
 case " $stages " in *" tests "*)
-  run t1_tests "$py" -m pytest -q -ra -m gpu -p no:cacheprovider packages/kda-cute/tests/test_decode_t1.py ;;
+  run t1_tests "$py" -m pytest -q -ra -m gpu -p no:cacheprovider packages/kda-cute/tests/test_decode_t1.py \
+      packages/kda-cute/tests/test_decode_t1_host.py ;;
 esac
 
 case " $stages " in *" memcheck "*)
-  cat > "$OUT/t1_memcheck_case.py" <<'PY'
+  case_py=$(mktemp --suffix=.py)
+  cat > "$case_py" <<'PY'
 import torch
 from kda_core.oracle import unpack_packed  # noqa: F401  (import check)
 from kda_cute import kda_decode_t1_packed
@@ -43,9 +46,9 @@ torch.cuda.synchronize()
 print("memcheck case done")
 PY
   if command -v compute-sanitizer >/dev/null; then
-    run t1_memcheck compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 "$py" "$OUT/t1_memcheck_case.py"
+    run t1_memcheck compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 "$py" "$case_py"
   else
-    echo "compute-sanitizer not on PATH: memcheck skipped" | tee "$OUT/t1_memcheck.log"
+    echo "compute-sanitizer not on PATH: memcheck skipped" | tee -a "$log"
   fi ;;
 esac
 
@@ -58,8 +61,11 @@ case " $stages " in *" bench "*)
 esac
 
 case " $stages " in *" sweep "*)
-  run t1_tile_sweep "$py" $bench --mode cuda_graph --state-dtype bf16 fp32 --tile-v 8 16 32 64 128 \
-      --batch-size 1 4 16 64 256 1024 --iterations 50 --eager-calls 0 --no-fla --json "$OUT/t1_tile_sweep.json" ;;
+  # Staging and tile at the bandwidth-bound sizes (the small sizes' sweep is in benchmarks/results/).
+  run t1_tile_sweep_bf16 "$py" $bench --mode cuda_graph --state-dtype bf16 --tile-v 64 128 --stage regs smem \
+      --batch-size 256 512 1024 --iterations 50 --eager-calls 0 --no-fla --json "$OUT/t1_tile_sweep_bf16.json"
+  run t1_tile_sweep_fp32 "$py" $bench --mode cuda_graph --state-dtype fp32 --tile-v 32 64 --stage regs smem \
+      --batch-size 512 --iterations 50 --eager-calls 0 --no-fla --json "$OUT/t1_tile_sweep_fp32.json" ;;
 esac
 
 exit $status

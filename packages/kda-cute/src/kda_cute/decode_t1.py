@@ -24,6 +24,7 @@ dtypes x tile_v x alignment. Batch, pool rows and the head count are runtime val
 only enters the grid and the index math), so one compiled function serves every B and every H.
 """
 
+import os
 from dataclasses import dataclass
 
 import cutlass
@@ -46,6 +47,7 @@ ROW_GROUPS = THREADS // HALF_WARP  # state rows a CTA touches per step
 CHANNELS_PER_LANE = HEAD_DIM // HALF_WARP  # 8 -> one 16-byte bf16 vector
 TILE_V_CHOICES = (8, 16, 32, 64, 128)
 SMEM_STAGE_MAX_BYTES = 48 * 1024  # the default dynamic shared-memory limit per CTA
+SMEM_PER_SM_BYTES = 227 * 1024  # usable shared memory per SM on sm_90 / sm_100 (less ~1 KB reserved per CTA)
 
 
 @dataclass(frozen=True)
@@ -62,14 +64,17 @@ class DecodeT1Config:
 
 
 # Schedule table, keyed on the number of (sequence, head) states in the call, B*H, and the pool dtype.
-# Small calls are latency-bound (one CTA's slot -> state -> store chain), so they want just enough CTAs to
-# cover the 132 SMs; large calls are bandwidth-bound and want fewer, larger CTAs (the per-CTA preamble
-# amortised) with many bytes in flight. Measured on the H200 (CUDA-graph replay, H=12, policy sweep in
-# benchmarks/results/t1_tile_sweep.json); see packages/kda-cute/README.md.
+# Small calls are latency-bound (one CTA's slot -> state -> store chain), so they want small tiles and just
+# enough CTAs to cover the 132 SMs; large calls are bandwidth-bound and want fewer, larger CTAs (the per-CTA
+# preamble amortised). Measured on the H200, CUDA-graph replay, H=12, CUPTI kernel time (2026-11-29 sweep,
+# benchmarks/results/t1_tile_sweep_*.json): bf16 B=1 tile 16 2.37 us (32: 2.53, 64: 3.20); B=4 16: 3.20
+# (32: 3.30); B=16 64: 5.18 (32: 5.39, 16: 6.62); B=64 128: 12.2 (64: 12.7, 32: 14.8); B=512 128: 110.9
+# (64: 111.9, 32: 114.5, 16: 158). fp32 B=1 16: 2.46; B=64 64: 26.7; B=512 16/32/64 all 216.9. The
+# shared-memory staging measured within 1% of the register path at every size, so the table does not use it.
 _SCHEDULE = {
     # pool dtype: ((max B*H, tile_v, smem_stage), ...) -- the last row is unbounded
-    torch.bfloat16: ((24, 16, False), (96, 32, False), (1536, 64, False), (1 << 62, 128, False)),
-    torch.float32: ((24, 16, False), (768, 16, False), (1 << 62, 64, False)),
+    torch.bfloat16: ((48, 16, False), (96, 32, False), (384, 64, False), (1 << 62, 128, False)),
+    torch.float32: ((48, 16, False), (96, 32, False), (1 << 62, 64, False)),
 }
 
 # Benchmarks' sweep hook for the staging choice (None = the table's). Not a knob: serving never sets it.
@@ -156,8 +161,17 @@ class KDADecodeT1:
     ):
         B = cute.size(mQ, mode=[0])
         H = cute.size(mQ, mode=[2])
+        occupancy = {}
+        if const_expr(self.smem_stage):
+            # Bytes in flight = resident CTAs x tile bytes: ask for the largest shared-memory carveout and as
+            # many resident CTAs as it holds, capped where ptxas still needs no spill (80 registers per thread
+            # for 6 CTAs; the 16-row tile needs 96, 5 CTAs).
+            tile_bytes = self.tile_v * HEAD_DIM * self.state_dtype.width // 8
+            max_ctas = 6 if self.rows <= 8 else 5
+            occupancy = dict(min_blocks_per_mp=min(SMEM_PER_SM_BYTES // tile_bytes, max_ctas),
+                             preferred_smem_carveout=100)
         self.kernel(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mSlot, mOut, scale, lower_bound).launch(
-            grid=[HEAD_DIM // self.tile_v, H, B], block=[THREADS, 1, 1], stream=stream
+            grid=[HEAD_DIM // self.tile_v, H, B], block=[THREADS, 1, 1], stream=stream, **occupancy
         )
 
     @cute.jit
@@ -490,8 +504,12 @@ def _arch_for(device: torch.device) -> str:
     index = device.index
     arch = _ARCH_BY_DEVICE.get(index)
     if arch is None:
-        with torch.cuda.device(index if index is not None else torch.cuda.current_device()):
-            arch = _ARCH_BY_DEVICE[index] = _launch.target_arch()
+        if os.environ.get("CUTE_DSL_ARCH", "").strip():
+            arch = _launch.target_arch()
+        else:
+            with torch.cuda.device(index if index is not None else torch.cuda.current_device()):
+                arch = _launch.target_arch()
+        _ARCH_BY_DEVICE[index] = arch
     return arch
 
 
@@ -569,6 +587,22 @@ def kda_decode_t1(
                 use_qk_l2norm_in_kernel, scale, output, aligned)
 
 
+_LAUNCH_MEMO: dict[tuple, object] = {}
+
+
+def _configure(B, H, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, l2norm, has_dt_bias, aligned, device):
+    """Schedule + compiled variant for one call shape: (function to call, the compiled object that owns it)."""
+    cfg = select_config(B, H, state_dtype, aligned)
+    key = variant_key(state_dtype=state_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=gate,
+                      beta_is_logit=beta_is_logit, use_qk_l2norm=l2norm, has_dt_bias=has_dt_bias, tile_v=cfg.tile_v,
+                      aligned=aligned, smem_stage=cfg.smem_stage)
+    compiled = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _arch_for(device))
+    # The positional tvm_ffi.Function under the DSL's kwargs wrapper (same 12 arguments, a few us less per call);
+    # the compiled object rides along so that the module outlives any cache clearing.
+    raw = getattr(compiled, "__tvm_ffi_object__", None)
+    return ((raw() if raw is not None else None) or compiled, compiled)
+
+
 def _run(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound, gate, beta_is_logit, l2norm,
          scale, output, aligned):
     """Launch on validated arguments (shared by both entry points)."""
@@ -581,14 +615,17 @@ def _run(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound
         A_log = dt_bias = None
     elif dt_bias is not None and dt_bias.dim() != 1:
         dt_bias = dt_bias.view(-1)
-    cfg = select_config(B, H, state_pool.dtype, aligned)
-    # variant_key's tuple, built inline (this is the per-call host path); select_config already applied the
-    # smem-stage rules.
-    key = (state_pool.dtype, g.dtype, beta.dtype, gate, bool(beta_is_logit), bool(l2norm), dt_bias is not None,
-           cfg.tile_v, aligned, cfg.smem_stage)
-    fn = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _arch_for(q.device))
-    fn(q, k, v, g, beta, A_log, dt_bias, state_pool, slot_indices, output, scale,
-       -1.0 if lower_bound is None else float(lower_bound))
+    # Per-call host path: one dict lookup. The memo key holds everything select_config and the variant depend
+    # on, including the raw KDA_DECODE_TILE_V text (a new or invalid value misses and is parsed, and raises, in
+    # select_config).
+    memo_key = (B, H, state_pool.dtype, g.dtype, beta.dtype, gate, beta_is_logit, l2norm, dt_bias is not None,
+                aligned, q.get_device(), os.environ.get("KDA_DECODE_TILE_V"), _FORCE_SMEM_STAGE)
+    entry = _LAUNCH_MEMO.get(memo_key)
+    if entry is None:
+        entry = _LAUNCH_MEMO[memo_key] = _configure(B, H, state_pool.dtype, g.dtype, beta.dtype, gate, beta_is_logit,
+                                                    l2norm, dt_bias is not None, aligned, q.device)
+    entry[0](q, k, v, g, beta, A_log, dt_bias, state_pool, slot_indices, output, scale,
+           -1.0 if lower_bound is None else float(lower_bound))
     return output
 
 
