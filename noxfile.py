@@ -155,7 +155,7 @@ def integration(session: nox.Session) -> None:
 
 @nox.session
 def compile(session: nox.Session) -> None:
-    """Compile every kda-cute kernel variant for sm_90a and sm_100a on the CPU (CUTE_DSL_ARCH, no GPU).
+    """kda-cute's kernel compile checks for sm_90a and sm_100a, on the CPU (CUTE_DSL_ARCH, no GPU).
 
     Runs kda-cute's tests/test*compile*.py once per target with CUTE_DSL_ARCH set and ``-k <arch>``: their test
     ids name the target, so each run compiles that target's variants only (and a file whose ids don't fails here,
@@ -203,7 +203,7 @@ def gpu(session: nox.Session) -> None:
 @nox.session(venv_params=["--system-site-packages"])
 def bench(session: nox.Session) -> None:
     """Benchmarks on a GPU host: `nox -s bench` runs every benchmarks/bench_*.py with its defaults;
-    `nox -s bench -- bench_packed_kda_decode.py --batch 64` runs one script with those arguments."""
+    `nox -s bench -- bench_packed_kda_decode.py --batch-size 64` runs one script with those arguments."""
     scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
     if not scripts:
         session.skip("benchmarks/bench_*.py do not exist yet")
