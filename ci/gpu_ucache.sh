@@ -2,11 +2,11 @@
 # ucache verify+flush on the GPU host: GPU tests against the oracle, then the benchmark (T=8 w16 full sweep, then
 # T=4 and w_ring 32 on fewer points). Run from the repository root after `source .gpu*/setup.sh` (wheels +
 # PYTHONPATH). Everything is tee'd to $OUT/log; JSON and PNG go to $OUT (default ./gpu_out).
-# Stages: UCACHE_STAGES="tests bench more" (default: all three).
+# Stages: UCACHE_STAGES="tests bench sweep more" (default: all four).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-stages=${UCACHE_STAGES:-"tests bench more"}
+stages=${UCACHE_STAGES:-"tests bench sweep more"}
 py=${PYTHON:-python3}
 status=0
 exec > >(tee -a "$OUT/log") 2>&1
@@ -29,6 +29,13 @@ bench=benchmarks/bench_kda_ucache_flush.py
 case " $stages " in *" bench "*)
   run ucache_bench_t8_w16 "$py" $bench --t 8 --w-ring 16 --json "$OUT/ucache_t8_w16.json" \
       --plot "$OUT/ucache_t8_w16.png" ;;
+esac
+
+case " $stages " in *" sweep "*)
+  run ucache_tile_sweep "$py" $bench --t 8 --w-ring 16 --batch-size 8 64 512 --fold-pct 0 100 --tile-v 64 128 \
+      --no-fla --check-max-batch 0 --iterations 50 --json "$OUT/ucache_tile_sweep.json"
+  run ucache_fma_variant "$py" $bench --t 8 --w-ring 16 --batch-size 8 64 512 --fold-pct 0 100 --variant fma \
+      --tile-v 32 --no-fla --check-max-batch 8 --iterations 50 --json "$OUT/ucache_fma_variant.json" ;;
 esac
 
 case " $stages " in *" more "*)

@@ -125,11 +125,16 @@ DEFAULT_MMA = True
 
 
 def default_tile_v(batch: int, heads: int, mma: bool = DEFAULT_MMA) -> int:
-    """State rows per CTA: 64 (128 threads). Two CTAs per (request, head) give B=1 24 CTAs at H=12, and the
-    per-CTA preamble (gate, norms, triangles, replay vectors) is repeated only twice per (request, head).
-    Not yet tuned on hardware.
+    """State rows per CTA.
+
+    Every CTA repeats the per-(request, head) preamble (gate, norms, replay vectors, triangles), which costs about
+    as many instructions as its share of the state rows: 128-row tiles (256 threads) run it once per (request,
+    head), 64-row tiles twice but give small batches twice the CTAs. Crossover guessed at ~4 CTAs of 128 rows per
+    SM of an H200 (132 SMs); to be replaced by the measured one (bench_kda_ucache_flush.py --tile-v).
     """
-    return 64
+    if not mma:
+        return 32
+    return 128 if batch * heads >= 4 * 132 else 64
 
 
 class UcacheVerifyFlush:
