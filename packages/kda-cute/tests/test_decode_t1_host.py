@@ -80,19 +80,6 @@ def test_cpu_tensors_are_rejected_before_any_launch(make_case):
         _call(make_case(2, 8, n_slots=3, device="cpu"))
 
 
-@pytest.mark.parametrize("argument", ["q", "state_pool", "slot_indices"])
-def test_private_checker_names_the_bad_argument(make_case, argument):
-    """The stand-in used where kda_core.validation is missing follows the same message shape."""
-    from kda_cute.decode_t1 import _check_args
-
-    c = make_case(2, 8, n_slots=3, device="cpu")
-    bad = {"q": c.q[..., :64], "state_pool": c.pool.transpose(2, 3), "slot_indices": c.slots.long()}
-    args = dict(q=c.q, k=c.k, v=c.v, g=c.g, beta=c.beta, state_pool=c.pool, slot_indices=c.slots)
-    args[argument] = bad[argument]
-    with pytest.raises(KDAError, match=rf"^{argument}: expected"):
-        _check_args(*args.values(), None, c.A_log, c.dt_bias, c.lower_bound, True)
-
-
 def test_alignment_classes_follow_pointer_and_strides():
     from kda_cute._launch import alignment_of
 

@@ -53,6 +53,8 @@ from typing import Any
 
 import torch
 
+from kda_core.validation import tensor_alignment
+
 VECTOR_BYTES = 16  # one 128-bit global load/store: the unit every fast path is built on
 
 _CACHE: dict[tuple, Any] = {}
@@ -154,15 +156,8 @@ def fake_stream():
 
 
 def alignment_of(*tensors: torch.Tensor | None) -> int:
-    """Largest power of two <= 16 dividing every pointer and every non-unit byte stride of a dim of size > 1."""
-    align = VECTOR_BYTES
-    for t in tensors:
-        if t is None:
-            continue
-        elem = t.element_size()
-        values = [t.data_ptr()]
-        values += [s * elem for s, n in zip(t.stride(), t.shape) if n > 1 and s != 1]
-        for value in values:
-            while align > 1 and value % align:
-                align //= 2
-    return align
+    """Largest power of two <= 16 dividing every pointer and every non-unit byte stride of a dim of size > 1.
+
+    kda-core's rule (``kda_core.validation.tensor_alignment``), taken over several tensors; ``None`` is skipped.
+    """
+    return min((tensor_alignment(t) for t in tensors if t is not None), default=VECTOR_BYTES)

@@ -33,9 +33,9 @@ import torch
 from cutlass import Float32, Int64, const_expr
 
 from kda_core import knobs
-from kda_core.contracts import HEAD_DIM, L2NORM_EPS, GateMode, gate_mode
+from kda_core.contracts import HEAD_DIM, L2NORM_EPS, GateMode
 from kda_core.errors import fail
-from kda_core.oracle import unpack_packed
+from kda_core.validation import validate_decode_t1, validate_packed_decode_t1
 
 from . import _launch
 
@@ -66,11 +66,13 @@ class DecodeT1Config:
 # Schedule table, keyed on the number of (sequence, head) states in the call, B*H, and the pool dtype.
 # Small calls are latency-bound (one CTA's slot -> state -> store chain), so they want small tiles and just
 # enough CTAs to cover the 132 SMs; large calls are bandwidth-bound and want fewer, larger CTAs (the per-CTA
-# preamble amortised). Measured on the H200, CUDA-graph replay, H=12, CUPTI kernel time (2026-11-29 sweep,
-# benchmarks/results/t1_tile_sweep_*.json): bf16 B=1 tile 16 2.37 us (32: 2.53, 64: 3.20); B=4 16: 3.20
-# (32: 3.30); B=16 64: 5.18 (32: 5.39, 16: 6.62); B=64 128: 12.2 (64: 12.7, 32: 14.8); B=512 128: 110.9
-# (64: 111.9, 32: 114.5, 16: 158). fp32 B=1 16: 2.46; B=64 64: 26.7; B=512 16/32/64 all 216.9. The
-# shared-memory staging measured within 1% of the register path at every size, so the table does not use it.
+# preamble amortised). Measured on the H200, CUDA-graph replay, H=12, CUPTI kernel time, 2026-11-29
+# (benchmarks/results/t1_tile_sweep_all_{bf16,fp32}.json, t1_tile_sweep_large_bf16.json):
+# bf16 B=1 tile 16 2.37 us (32: 2.53, 64: 3.20); B=4 16: 3.20 (32: 3.30); B=16 64: 5.18 (32: 5.39, 16: 6.62);
+# B=64 128: 12.2 (64: 12.7, 32: 14.8); B=512 128: 110.2-110.9 (64: 111.6-111.9, 32: 114.5, 16: 158).
+# fp32 B=1 16: 2.46; B=64 64: 26.7; B=512 16/32/64 all 216.9. The shared-memory staging measured within
+# 1-2% of the register path at every size (better only at B=1024, 217.2 vs 220.4), so the table does not
+# use it. Not measured: B=2 (tile 16 gave 2.82 us there against FLA's 2.75; tile 32 is the next candidate).
 _SCHEDULE = {
     # pool dtype: ((max B*H, tile_v, smem_stage), ...) -- the last row is unbounded
     torch.bfloat16: ((48, 16, False), (96, 32, False), (384, 64, False), (1 << 62, 128, False)),
@@ -346,87 +348,9 @@ class KDADecodeT1:
                     mOut[b, 0, h, row0 + group + j * ROW_GROUPS] = Float32(0.0).to(mOut.element_type)
 
 
-
-
-
 # --------------------------------------------------------------------------------------------------
 # Host side: validation (metadata only), compile cache, the two entry points
 # --------------------------------------------------------------------------------------------------
-
-_BF16_OR_FP32 = (torch.bfloat16, torch.float32)
-
-
-def _check_args(q, k, v, g, beta, state_pool, slot_indices, output, A_log, dt_bias, lower_bound, use_gate_in_kernel):
-    """Metadata checks of one T=1 call (no .item(), no sync). Raises KDAError naming the argument.
-
-    Stand-in for ``kda_core.validation.validate_decode_t1`` where that module is missing (older kda-core).
-    """
-    tensors = dict(q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool, slot_indices=slot_indices)
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            fail(name, "a torch.Tensor", type(t).__name__)
-    if q.dim() != 4 or q.shape[1] != 1 or q.shape[3] != HEAD_DIM:
-        fail("q", f"shape [B, 1, H, {HEAD_DIM}]", tuple(q.shape))
-    B, _, H, _ = q.shape
-    act_shape = (B, 1, H, HEAD_DIM)
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g)):
-        if tuple(t.shape) != act_shape:
-            fail(name, f"shape {list(act_shape)}", list(t.shape))
-        if t.stride(-1) != 1:
-            fail(name, "a contiguous last dim (stride 1)", f"stride {t.stride(-1)}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype != torch.bfloat16:
-            fail(name, "dtype torch.bfloat16", t.dtype)
-    if g.dtype not in _BF16_OR_FP32:
-        fail("g", "dtype torch.bfloat16 or torch.float32", g.dtype)
-    if tuple(beta.shape) != (B, 1, H):
-        fail("beta", f"shape {[B, 1, H]}", list(beta.shape))
-    if beta.dtype not in _BF16_OR_FP32:
-        fail("beta", "dtype torch.bfloat16 or torch.float32", beta.dtype)
-    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (H, HEAD_DIM, HEAD_DIM):
-        fail("state_pool", f"shape [N, {H}, {HEAD_DIM}, {HEAD_DIM}]", list(state_pool.shape))
-    if state_pool.dtype not in _BF16_OR_FP32:
-        fail("state_pool", "dtype torch.bfloat16 or torch.float32", state_pool.dtype)
-    head_elems = HEAD_DIM * HEAD_DIM
-    if tuple(state_pool.stride()[1:]) != (head_elems, HEAD_DIM, 1):
-        fail("state_pool", f"strides (*, {head_elems}, {HEAD_DIM}, 1) (only dim 0 may be padded)",
-             tuple(state_pool.stride()))
-    if state_pool.shape[0] > 1 and (state_pool.stride(0) < H * head_elems or state_pool.stride(0) % 8):
-        fail("state_pool", f"a dim-0 stride >= {H * head_elems} and a multiple of 8", state_pool.stride(0))
-    if slot_indices.dtype != torch.int32 or tuple(slot_indices.shape) != (B,):
-        fail("slot_indices", f"an int32 tensor of shape [{B}]", f"{slot_indices.dtype} {list(slot_indices.shape)}")
-    if output is not None:
-        if not isinstance(output, torch.Tensor) or tuple(output.shape) != act_shape or output.dtype != torch.bfloat16:
-            fail("output", f"a bf16 tensor of shape {list(act_shape)}",
-                 f"{getattr(output, 'dtype', type(output).__name__)} {list(getattr(output, 'shape', []))}")
-        if output.stride(-1) != 1:
-            fail("output", "a contiguous last dim (stride 1)", f"stride {output.stride(-1)}")
-    if use_gate_in_kernel:
-        if not isinstance(A_log, torch.Tensor) or A_log.dtype != torch.float32 or A_log.numel() != H:
-            fail("A_log", f"a float32 tensor of {H} elements (use_gate_in_kernel=True)",
-                 None if A_log is None else f"{getattr(A_log, 'dtype', '?')} {list(getattr(A_log, 'shape', []))}")
-        if dt_bias is not None:
-            if dt_bias.dtype != torch.float32 or dt_bias.numel() != H * HEAD_DIM or not dt_bias.is_contiguous():
-                fail("dt_bias", f"a contiguous float32 tensor of {H * HEAD_DIM} elements ([H*K] or [H, K])",
-                     f"{dt_bias.dtype} {list(dt_bias.shape)} contiguous={dt_bias.is_contiguous()}")
-        if lower_bound is not None and not lower_bound < 0:
-            fail("lower_bound", "a negative float or None", lower_bound)
-    device = q.device
-    if device.type != "cuda":
-        fail("q", "a CUDA tensor", device)
-    others = [k, v, g, beta, state_pool, slot_indices, output]
-    if use_gate_in_kernel:
-        others += [A_log, dt_bias]
-    for t in others:
-        if t is not None and t.device != device:
-            fail("tensors", f"every tensor on {device}", t.device)
-
-
-try:  # kda-core's shared validation (metadata only; it also classifies alignment)
-    from kda_core.validation import validate_decode_t1 as _shared_validate
-    from kda_core.validation import validate_packed_decode_t1 as _shared_validate_packed
-except ImportError:  # an older kda-core: the private checker above stands in
-    _shared_validate = _shared_validate_packed = None
 
 
 def _compile(key, arch):
@@ -572,17 +496,10 @@ def kda_decode_t1(
 
         out = kda_decode_t1(q, k, v, g, beta, pool, slots, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
     """
-    kwargs = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
-                  beta_is_logit=beta_is_logit, scale=scale, output=output)
-    if _shared_validate is not None:
-        call = _shared_validate(q, k, v, g, beta, state_pool, slot_indices, **kwargs)
-        aligned, gate, scale = call.aligned, call.gate_mode, call.scale
-    else:
-        _check_args(q, k, v, g, beta, state_pool, slot_indices, output, A_log, dt_bias, lower_bound,
-                    use_gate_in_kernel)
-        gate = gate_mode(use_gate_in_kernel, lower_bound)
-        aligned = _launch.alignment_of(q, k, v, g, state_pool, output, dt_bias) == _launch.VECTOR_BYTES
-        scale = HEAD_DIM**-0.5 if scale is None else float(scale)
+    call = validate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log=A_log, dt_bias=dt_bias,
+                              lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
+                              beta_is_logit=beta_is_logit, scale=scale, output=output)
+    aligned, gate, scale = call.aligned, call.gate_mode, call.scale
     return _run(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound, gate, beta_is_logit,
                 use_qk_l2norm_in_kernel, scale, output, aligned)
 
@@ -651,14 +568,7 @@ def kda_decode_t1_packed(
     mixed_qkv [B, 3*H*128] laid out [q heads | k heads | v heads]; raw_gate [B, H*128]; raw_beta [B, H]; row
     strides may exceed the row. Other arguments as :func:`kda_decode_t1`; returns output [B, 1, H, 128].
     """
-    if _shared_validate_packed is None:
-        q, k, v, g, beta = unpack_packed(mixed_qkv, raw_gate, raw_beta, num_heads, HEAD_DIM)
-        return kda_decode_t1(
-            q, k, v, g, beta, state_pool, slot_indices, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-            use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, scale=scale, output=output,
-        )
-    call = _shared_validate_packed(
+    call = validate_packed_decode_t1(
         mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, num_heads=num_heads, A_log=A_log, dt_bias=dt_bias,
         lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit, scale=scale,
         output=output,
