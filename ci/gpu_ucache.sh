@@ -2,7 +2,7 @@
 # ucache verify+flush on the GPU host: GPU tests against the oracle, then the benchmark (T=8 w16 full sweep, then
 # T=4 and w_ring 32 on fewer points). Run from the repository root after `source .gpu*/setup.sh` (wheels +
 # PYTHONPATH). Everything is tee'd to $OUT/log; JSON and PNG go to $OUT (default ./gpu_out).
-# Stages: UCACHE_STAGES="tests bench sweep more" (default: all four).
+# Stages: UCACHE_STAGES="tests bench sweep more" (default: all four); UCACHE_BENCH_ARGS adds flags to the main run.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -27,7 +27,7 @@ esac
 
 bench=benchmarks/bench_kda_ucache_flush.py
 case " $stages " in *" bench "*)
-  run ucache_bench_t8_w16 "$py" $bench --t 8 --w-ring 16 --json "$OUT/ucache_t8_w16.json" \
+  run ucache_bench_t8_w16 "$py" $bench --t 8 --w-ring 16 ${UCACHE_BENCH_ARGS:-} --json "$OUT/ucache_t8_w16.json" \
       --plot "$OUT/ucache_t8_w16.png" ;;
 esac
 
