@@ -14,13 +14,14 @@ owns one row at a time; lane l holds channels [8l, 8l+8): one 16-byte load per r
 two for fp32. The two row dots are 16-lane xor butterflies. Half-warp w takes rows w, w+8, w+16, ...
 of the tile, so at every step the CTA touches 8 consecutive rows (2 KB contiguous for bf16).
 
-Memory-level parallelism is what decides this kernel (it is a pure stream of the state). Each thread
-issues the loads of ``rows_in_flight`` of its rows before it uses any, and it issues the first ones
-before the gate/normalisation preamble, so that preamble runs under the state's load latency.
-Stores carry the streaming hint (the state is touched once per step).
+Latency decides small calls: the activation loads are issued before the slot index arrives, the state
+rows as soon as it does, and the gate/normalisation preamble runs under the rows' load latency.
+Memory-level parallelism decides large calls (a pure stream of the state): each thread issues the loads
+of ``rows_in_flight`` of its rows before it uses any (or, with ``smem_stage``, all of them by cp.async).
+Loads and stores carry the streaming hint (the state is touched once per step).
 
 Variants (compile-time): pool dtype x gate mode x beta logit x l2norm x dt_bias present x g/beta
-dtypes x tile_v x alignment. Batch, pool rows and the head count are runtime values (the head count
+dtypes x tile_v x alignment x staging. Batch, pool rows and the head count are runtime values (the head count
 only enters the grid and the index math), so one compiled function serves every B and every H.
 """
 
