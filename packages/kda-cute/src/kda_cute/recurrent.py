@@ -683,7 +683,7 @@ def kda_recurrent_fwd(
         cu_dtype=None if cu_seqlens is None else cu_seqlens.dtype, gate=gate, beta_is_logit=beta_is_logit,
         use_qk_l2norm=use_qk_l2norm_in_kernel, has_dt_bias=dt_bias is not None, tile_v=cfg.tile_v, aligned=aligned,
     )
-    fn = _launch.get_or_compile(key, _compile, _arch_for(q.device))
+    fn = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _arch_for(q.device))
     fn(
         q, k, v, g, beta, A_log, dt_bias, initial_state,
         final_state if state_mode == StateMode.DENSE else None,
