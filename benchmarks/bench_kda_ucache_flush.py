@@ -75,15 +75,19 @@ def make_step(B, T, H, w_ring, flush_min, fold_pct, verify_hist, seed=0):
     base = torch.randint(0, RING_SLOTS, (B,), generator=gen, device="cuda").to(torch.int32)
     slots = torch.randperm(B, generator=gen, device="cuda").to(torch.int32)
     kk = randn(B, H, RING_SLOTS, K)
+    # G must be a cumulative decay in LOGICAL order (row j at physical slot (base + j) & 31): a cumsum in physical
+    # order makes G_{P-1} - G_j positive on wrapped windows, replay weights up to e^8, and outputs no real step sees.
     g_steps = -0.5 * torch.rand(B, H, RING_SLOTS, K, generator=gen, device="cuda")
+    phys = ((base[:, None] + torch.arange(RING_SLOTS, device="cuda")[None, :]) % RING_SLOTS).long()
+    g_cache = torch.empty_like(g_steps).scatter_(2, phys[:, None, :, None].expand_as(g_steps), g_steps.cumsum(2))
     return dict(
         q=randn(B, T, H, K).bfloat16(), k=randn(B, T, H, K).bfloat16(), v=randn(B, T, H, K).bfloat16(),
         g=randn(B, T, H, K).bfloat16(), b=randn(B, T, H).bfloat16(),
         A_log=torch.log(torch.rand(H, generator=gen, device="cuda") * 15 + 1), dt_bias=randn(H * K, scale=0.5),
         pool=randn(B, H, K, K, scale=0.1).bfloat16(), slots=slots,
-        # The ring contents only need to be finite and plausible: logical order does not matter for timing.
+        # The ring contents only need to be finite and plausible (normalised k^, a decaying G in logical order).
         k_cache=(kk / kk.norm(dim=-1, keepdim=True)).bfloat16(), u_cache=randn(B, H, RING_SLOTS, K).bfloat16(),
-        g_cache=g_steps.cumsum(2), hist_len=hist, cache_base=base,
+        g_cache=g_cache, hist_len=hist, cache_base=base,
     )  # fmt: skip
 
 
