@@ -45,6 +45,32 @@ def test_every_tile_gate_stage_and_pool_dtype_matches_oracle(state_dtype, gate, 
     _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
 
 
+# The tuning variants (ci/gpu_t1_tune.sh runs these first): rows in flight per thread x cache operators, on a
+# batch with inactive rows (-1 and one past the pool) among the active ones.
+TUNING_VARIANTS = [(torch.bfloat16, 16, 0), (torch.bfloat16, 64, 16), (torch.bfloat16, 128, 16),
+                   (torch.bfloat16, 128, 4), (torch.float32, 64, 8), (torch.float32, 128, 16)]
+
+
+@pytest.mark.parametrize("cache_hint", ["stream", "global", "default"])
+@pytest.mark.parametrize("state_dtype, tile_v, rows_in_flight", TUNING_VARIANTS,
+                         ids=[f"{str(d)[6:]}-tv{t}-rif{r}" for d, t, r in TUNING_VARIANTS])
+def test_tuning_variant_matches_oracle_and_leaves_inactive_rows_untouched(state_dtype, tile_v, rows_in_flight,
+                                                                          cache_hint, monkeypatch, make_case):
+    from kda_cute import decode_t1
+
+    monkeypatch.setenv("KDA_DECODE_TILE_V", str(tile_v))
+    monkeypatch.setattr(decode_t1, "_FORCE_ROWS_IN_FLIGHT", rows_in_flight)
+    monkeypatch.setattr(decode_t1, "_FORCE_CACHE_HINT", cache_hint)
+    case = make_case(7, 12, state_dtype=state_dtype, n_slots=9, slots=[4, -1, 0, 9, 8, 2, 6], seed=tile_v)
+    before = case.pool.clone()
+    ref_out, ref_pool = case.oracle()
+    out = _decode(case, output=torch.full((7, 1, 12, 128), 3.0, dtype=torch.bfloat16, device="cuda"))
+    assert torch.count_nonzero(out[torch.tensor([1, 3], device="cuda")]) == 0
+    untouched = [s for s in range(9) if s not in (4, 0, 8, 2, 6)]
+    assert torch.equal(case.pool[untouched], before[untouched])
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
 @pytest.mark.parametrize("B", [1, 2, 3, 7, 16, 33, 64, 100, 255, 512, 1000, 1024])
 def test_batch_sizes_match_oracle_with_policy_tile(B, make_case):
     case = make_case(B, 12, seed=B)

@@ -40,6 +40,36 @@ def test_invalid_forced_tile_raises_naming_the_knob(bad, monkeypatch):
         select_config(4, 12, torch.bfloat16, True)
 
 
+def _key(**over):
+    from kda_core.contracts import GateMode
+    from kda_cute import decode_t1
+
+    base = dict(state_dtype=torch.bfloat16, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
+                gate=GateMode.LOWER_BOUND, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True, tile_v=128,
+                aligned=True)
+    return decode_t1.variant_key(**{**base, **over})
+
+
+def test_variant_key_separates_rows_in_flight_and_cache_hint_and_normalises_the_default():
+    assert _key(rows_in_flight=16) != _key()
+    assert _key(rows_in_flight=0) == _key(rows_in_flight=8)  # 0 = 32 registers = 8 bf16 rows
+    assert _key(tile_v=16, rows_in_flight=16) == _key(tile_v=16)  # capped at the thread's 2 rows
+    assert _key(tile_v=32, smem_stage=True, rows_in_flight=2) == _key(tile_v=32, smem_stage=True)
+    assert len({_key(cache_hint=h) for h in ("stream", "global", "default")}) == 3
+    with pytest.raises(KDAError, match="^cache_hint: expected"):
+        _key(cache_hint="evict_last")
+
+
+def test_sweep_hooks_override_the_schedule(monkeypatch):
+    from kda_cute import decode_t1
+
+    default = decode_t1.select_config(512, 12, torch.bfloat16, True)
+    monkeypatch.setattr(decode_t1, "_FORCE_ROWS_IN_FLIGHT", 16)
+    monkeypatch.setattr(decode_t1, "_FORCE_CACHE_HINT", "global")
+    forced = decode_t1.select_config(512, 12, torch.bfloat16, True)
+    assert (forced.tile_v, forced.rows_in_flight, forced.cache_hint) == (default.tile_v, 16, "global")
+
+
 def _call(case, **over):
     from kda_cute import kda_decode_t1
 

@@ -25,6 +25,7 @@ dtypes x tile_v x alignment x staging. Batch, pool rows and the head count are r
 only enters the grid and the index math), so one compiled function serves every B and every H.
 """
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -49,6 +50,10 @@ CHANNELS_PER_LANE = HEAD_DIM // HALF_WARP  # 8 -> one 16-byte bf16 vector
 TILE_V_CHOICES = (8, 16, 32, 64, 128)
 SMEM_STAGE_MAX_BYTES = 48 * 1024  # the default dynamic shared-memory limit per CTA
 SMEM_PER_SM_BYTES = 227 * 1024  # usable shared memory per SM on sm_90 / sm_100 (less ~1 KB reserved per CTA)
+ROW_REGS_IN_FLIGHT = 32  # default register budget for raw state rows in flight per thread (8 bf16 / 4 fp32 rows)
+# Cache operators of the state's loads / stores: "stream" = ld.cs / st.cs (evict-first), "global" = ld.cg (L2
+# only) / st.wb, "default" = ld.ca / st.wb (no hint).
+CACHE_HINTS = ("stream", "global", "default")
 
 
 @dataclass(frozen=True)
@@ -57,11 +62,14 @@ class DecodeT1Config:
 
     ``smem_stage``: the rows travel global -> shared memory by cp.async (16-byte, L1 bypass) and are read back by
     the thread that copied them (no barrier), so every row of the tile is in flight without holding registers;
-    otherwise each thread keeps ``rows_in_flight`` rows in registers. cp.async needs the aligned variant.
+    otherwise each thread keeps ``rows_in_flight`` rows in registers (0 = as many as ``ROW_REGS_IN_FLIGHT``
+    registers hold). cp.async needs the aligned variant. ``cache_hint``: one of ``CACHE_HINTS``.
     """
 
     tile_v: int
     smem_stage: bool = False
+    rows_in_flight: int = 0
+    cache_hint: str = "stream"
 
 
 # Schedule table, keyed on the number of (sequence, head) states in the call, B*H, and the pool dtype.
@@ -75,19 +83,23 @@ class DecodeT1Config:
 # 1-2% of the register path at every size (better only at B=1024, 217.2 vs 220.4), so the table does not
 # use it. Not measured: B=2 (tile 16 gave 2.82 us there against FLA's 2.75; tile 32 is the next candidate).
 _SCHEDULE = {
-    # pool dtype: ((max B*H, tile_v, smem_stage), ...) -- the last row is unbounded
-    torch.bfloat16: ((48, 16, False), (96, 32, False), (384, 64, False), (1 << 62, 128, False)),
-    torch.float32: ((48, 16, False), (96, 32, False), (1 << 62, 64, False)),
+    # pool dtype: ((max B*H, config), ...) -- the last row is unbounded
+    torch.bfloat16: ((48, DecodeT1Config(16)), (96, DecodeT1Config(32)), (384, DecodeT1Config(64)),
+                     (1 << 62, DecodeT1Config(128))),
+    torch.float32: ((48, DecodeT1Config(16)), (96, DecodeT1Config(32)), (1 << 62, DecodeT1Config(64))),
 }
 
-# Benchmarks' sweep hook for the staging choice (None = the table's). Not a knob: serving never sets it.
+# Benchmarks' sweep hooks (None = the table's choice). Not knobs: serving never sets them.
 _FORCE_SMEM_STAGE: bool | None = None
+_FORCE_ROWS_IN_FLIGHT: int | None = None
+_FORCE_CACHE_HINT: str | None = None
 
 
 def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool) -> DecodeT1Config:
     """Pure schedule policy; ``KDA_DECODE_TILE_V`` (if non-zero) forces the tile."""
     states = B * H
-    tile_v, smem_stage = next((t, sm) for limit, t, sm in _SCHEDULE[state_dtype] if states <= limit)
+    cfg = next(c for limit, c in _SCHEDULE[state_dtype] if states <= limit)
+    tile_v, smem_stage = cfg.tile_v, cfg.smem_stage
     forced = knobs.get("KDA_DECODE_TILE_V")
     if forced:
         if forced not in TILE_V_CHOICES:
@@ -97,7 +109,12 @@ def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool) -> De
         smem_stage = _FORCE_SMEM_STAGE
     # cp.async needs 16-byte alignment; tiles above 48 KB of shared memory would need an opt-in carveout.
     smem_stage = smem_stage and aligned and tile_v * HEAD_DIM * state_dtype.itemsize <= SMEM_STAGE_MAX_BYTES
-    return DecodeT1Config(tile_v=tile_v, smem_stage=smem_stage)
+    overrides = dict(tile_v=tile_v, smem_stage=smem_stage)
+    if _FORCE_ROWS_IN_FLIGHT is not None:
+        overrides["rows_in_flight"] = _FORCE_ROWS_IN_FLIGHT
+    if _FORCE_CACHE_HINT is not None:
+        overrides["cache_hint"] = _FORCE_CACHE_HINT
+    return dataclasses.replace(cfg, **overrides)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -105,8 +122,19 @@ def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool) -> De
 # --------------------------------------------------------------------------------------------------
 
 
-LOAD_HINTS = dict(load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
-STORE_HINTS = dict(store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING)
+_LOAD_MODES = {"stream": cute.nvgpu.LoadCacheMode.STREAMING, "global": cute.nvgpu.LoadCacheMode.GLOBAL,
+               "default": cute.nvgpu.LoadCacheMode.ALWAYS}
+_STORE_MODES = {"stream": cute.nvgpu.StoreCacheMode.STREAMING, "global": cute.nvgpu.StoreCacheMode.WRITE_BACK,
+                "default": cute.nvgpu.StoreCacheMode.WRITE_BACK}
+
+
+def rows_in_flight_for(tile_v: int, state_bytes: int, requested: int = 0) -> int:
+    """Rows each thread keeps in flight: ``requested`` (0 = ``ROW_REGS_IN_FLIGHT`` registers' worth), capped
+    at the thread's rows of the tile."""
+    rows = tile_v // ROW_GROUPS
+    row_regs = CHANNELS_PER_LANE * state_bytes // 4
+    return min(rows, requested or max(ROW_REGS_IN_FLIGHT // row_regs, 1))
+
 
 @cute.jit
 def half_warp_sum(x):
@@ -128,6 +156,8 @@ class KDADecodeT1:
         tile_v: int,
         aligned: bool,
         smem_stage: bool = False,
+        rows_in_flight: int = 0,
+        cache_hint: str = "stream",
     ):
         self.state_dtype = state_dtype
         self.gate = gate
@@ -138,9 +168,9 @@ class KDADecodeT1:
         self.aligned = aligned
         self.smem_stage = smem_stage and aligned
         self.rows = tile_v // ROW_GROUPS
-        # 32 registers of raw state in flight per thread: 8 bf16 rows or 4 fp32 rows.
-        row_regs = CHANNELS_PER_LANE * state_dtype.width // 32
-        self.rows_in_flight = min(self.rows, 32 // row_regs)
+        self.rows_in_flight = rows_in_flight_for(tile_v, state_dtype.width // 8, rows_in_flight)
+        self.load_hints = dict(load_cache_mode=_LOAD_MODES[cache_hint])
+        self.store_hints = dict(store_cache_mode=_STORE_MODES[cache_hint])
 
     def _copy_bits(self, dtype, n: int) -> int:
         return min(n * dtype.width, 128) if self.aligned else dtype.width
@@ -243,8 +273,9 @@ class KDADecodeT1:
             sdt = self.state_dtype
             s_bits = self._copy_bits(sdt, CHANNELS_PER_LANE)
             s_vec = s_bits // sdt.width
-            load_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), sdt, num_bits_per_copy=s_bits, **LOAD_HINTS)
-            store_atom = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), sdt, num_bits_per_copy=s_bits, **STORE_HINTS)
+            load_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), sdt, num_bits_per_copy=s_bits, **self.load_hints)
+            store_atom = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), sdt, num_bits_per_copy=s_bits,
+                                             **self.store_hints)
             # Int64 slot: slot * (H*V*K) overflows 32 bits past ~4.3 GB of pool.
             gState = mState[Int64(slot), h, None, None]  # [V, K]
             row_views = []
@@ -355,7 +386,8 @@ class KDADecodeT1:
 
 
 def _compile(key, arch):
-    (state_dt, g_dt, beta_dt, gate, beta_is_logit, l2norm, has_dt_bias, tile_v, aligned, smem_stage) = key
+    (state_dt, g_dt, beta_dt, gate, beta_is_logit, l2norm, has_dt_bias, tile_v, aligned, smem_stage, rows_in_flight,
+     cache_hint) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     B, N, H = _launch.sym_size(), _launch.sym_size(), _launch.sym_size()
@@ -393,6 +425,8 @@ def _compile(key, arch):
         tile_v=tile_v,
         aligned=aligned,
         smem_stage=smem_stage,
+        rows_in_flight=rows_in_flight,
+        cache_hint=cache_hint,
     )
     return cute.compile(kernel, *fake_args, options=_launch.compile_options(arch, _EXTRA_OPTIONS))
 
@@ -401,14 +435,18 @@ _EXTRA_OPTIONS = ""  # tests set "--keep-ptx --dump-dir D" through compile_varia
 
 
 def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk_l2norm, has_dt_bias, tile_v, aligned,
-                smem_stage=False):
+                smem_stage=False, rows_in_flight=0, cache_hint="stream"):
     """Every code-generation parameter of one variant, in the order ``_compile`` reads them."""
     if gate == GateMode.PRECOMPUTED:
         has_dt_bias = False
+    if cache_hint not in CACHE_HINTS:
+        fail("cache_hint", f"one of {CACHE_HINTS}", cache_hint)
     # cp.async needs 16-byte alignment; tiles above 48 KB of shared memory would need an opt-in carveout.
     smem_stage = smem_stage and aligned and tile_v * HEAD_DIM * state_dtype.itemsize <= SMEM_STAGE_MAX_BYTES
+    # Normalised to the effective count (the staged path keeps every row in flight in shared memory).
+    rows_in_flight = 0 if smem_stage else rows_in_flight_for(tile_v, state_dtype.itemsize, rows_in_flight)
     return (state_dtype, g_dtype, beta_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm), bool(has_dt_bias),
-            int(tile_v), bool(aligned), bool(smem_stage))
+            int(tile_v), bool(aligned), bool(smem_stage), int(rows_in_flight), str(cache_hint))
 
 
 def compile_variant(key, arch: str, extra_options: str = ""):
@@ -513,7 +551,8 @@ def _configure(B, H, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, l2no
     cfg = select_config(B, H, state_dtype, aligned)
     key = variant_key(state_dtype=state_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=gate,
                       beta_is_logit=beta_is_logit, use_qk_l2norm=l2norm, has_dt_bias=has_dt_bias, tile_v=cfg.tile_v,
-                      aligned=aligned, smem_stage=cfg.smem_stage)
+                      aligned=aligned, smem_stage=cfg.smem_stage, rows_in_flight=cfg.rows_in_flight,
+                      cache_hint=cfg.cache_hint)
     compiled = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _arch_for(device))
     # The positional tvm_ffi.Function under the DSL's kwargs wrapper (same 12 arguments, a few us less per call);
     # the compiled object rides along so that the module outlives any cache clearing.
@@ -537,7 +576,8 @@ def _run(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound
     # on, including the raw KDA_DECODE_TILE_V text (a new or invalid value misses and is parsed, and raises, in
     # select_config).
     memo_key = (B, H, state_pool.dtype, g.dtype, beta.dtype, gate, beta_is_logit, l2norm, dt_bias is not None,
-                aligned, q.get_device(), os.environ.get("KDA_DECODE_TILE_V"), _FORCE_SMEM_STAGE)
+                aligned, q.get_device(), os.environ.get("KDA_DECODE_TILE_V"), _FORCE_SMEM_STAGE, _FORCE_ROWS_IN_FLIGHT,
+                _FORCE_CACHE_HINT)
     entry = _LAUNCH_MEMO.get(memo_key)
     if entry is None:
         entry = _LAUNCH_MEMO[memo_key] = _configure(B, H, state_pool.dtype, g.dtype, beta.dtype, gate, beta_is_logit,
