@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 
@@ -38,6 +39,11 @@ def parse_args(argv=None):
                    help="KDA_DECODE_TILE_V values to run (0 = the schedule policy); several make a sweep")
     p.add_argument("--stage", choices=["auto", "regs", "smem"], nargs="+", default=["auto"],
                    help="state staging (auto = the schedule policy); several make a sweep")
+    p.add_argument("--rows-in-flight", type=int, nargs="+", default=[-1],
+                   help="state rows each thread keeps in flight (-1 = the schedule's, 0 = the 32-register default); "
+                        "several make a sweep")
+    p.add_argument("--cache-hint", choices=["auto", "stream", "global", "default"], nargs="+", default=["auto"],
+                   help="cache operators of the state's loads/stores (auto = the schedule's); several make a sweep")
     p.add_argument("--cold-l2", action="store_true", help="flush the L2 (256 MiB write) before every iteration")
     p.add_argument("--no-fla", action="store_true", help="skip FLA (e.g. fla-core missing)")
     p.add_argument("--eager-calls", type=int, default=200, help="calls for the eager wall-time figure (0 = skip)")
@@ -133,7 +139,8 @@ def main(argv=None):
     flush = _timing.L2Flusher() if args.cold_l2 else None
     records = []
     H = args.heads
-    total = len(args.batch_size) * len(args.state_dtype) * len(args.tile_v) * len(args.stage)
+    sweep = list(itertools.product(args.tile_v, args.stage, args.rows_in_flight, args.cache_hint))
+    total = len(args.batch_size) * len(args.state_dtype) * len(sweep)
     from kda_cute import decode_t1
     done = 0
     for dtype_name in args.state_dtype:
@@ -146,9 +153,11 @@ def main(argv=None):
                 fla_pool = x["pool"].clone()
                 fla_call, _ = fla_fn(x, H, fla_pool)
             baselines = {}
-            for tile_v, stage in itertools.product(args.tile_v, args.stage):
+            for tile_v, stage, rows_in_flight, cache_hint in sweep:
                 os.environ["KDA_DECODE_TILE_V"] = str(tile_v)
                 decode_t1._FORCE_SMEM_STAGE = {"auto": None, "regs": False, "smem": True}[stage]
+                decode_t1._FORCE_ROWS_IN_FLIGHT = None if rows_in_flight < 0 else rows_in_flight
+                decode_t1._FORCE_CACHE_HINT = None if cache_hint == "auto" else cache_hint
                 s_err, o_err, fla_err = check_correctness(x, H, B, with_fla)
                 cfg = decode_t1.select_config(B, H, DTYPES[dtype_name], True)
                 out = torch.empty(B, 1, H, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
@@ -169,6 +178,9 @@ def main(argv=None):
                 times.update(baselines)
                 rec = dict(B=B, heads=H, state_dtype=dtype_name, mode=args.mode, tile_v=cfg.tile_v,
                            smem_stage=cfg.smem_stage, tile_v_forced=tile_v, stage_forced=stage,
+                           rows_in_flight=decode_t1.rows_in_flight_for(cfg.tile_v, DTYPES[dtype_name].itemsize,
+                                                                       cfg.rows_in_flight),
+                           cache_hint=cfg.cache_hint,
                            cold_l2=args.cold_l2, timer=timers,
                            ours_us=times["ours"], fla_us=times.get("fla"), copy_us=times["copy"],
                            state_bytes=state_bytes,
@@ -178,24 +190,28 @@ def main(argv=None):
                 if times.get("fla"):
                     rec["ours_over_fla"] = times["ours"] / times["fla"]
                     rec["fla_TBps"] = state_bytes / times["fla"] / 1e6
-                if args.eager_calls and tile_v == args.tile_v[0] and stage == args.stage[0]:
+                if args.eager_calls and (tile_v, stage, rows_in_flight, cache_hint) == sweep[0]:
                     with timer.paused():
                         rec["ours_eager_call_us"] = _timing.eager_wall_us(ours_call, calls=args.eager_calls)
                         if fla_call is not None:
                             rec["fla_eager_call_us"] = _timing.eager_wall_us(fla_call,
                                                                              calls=max(args.eager_calls // 4, 10))
                 records.append(rec)
+                if args.json:  # after every record: a run stopped by a time limit keeps what it measured
+                    with open(args.json, "w") as fh:
+                        json.dump(records, fh, indent=1)
                 done += 1
                 fla_txt = f"fla {rec['fla_us']:8.2f} us ({rec['ours_over_fla']:.2f}x)  " if rec["fla_us"] else ""
                 eager = f"  eager {rec['ours_eager_call_us']:.1f} us" if "ours_eager_call_us" in rec else ""
-                tile_txt = f"{cfg.tile_v:3d}{'s' if cfg.smem_stage else 'r'}"
+                tile_txt = (f"{cfg.tile_v:3d}{'s' if cfg.smem_stage else 'r'}"
+                            f"{'' if cfg.smem_stage else rec['rows_in_flight']} {cfg.cache_hint:7s}")
                 print(f"[{done}/{total}] {dtype_name} B={B:5d} tile={tile_txt}  ours {rec['ours_us']:8.2f} us "
                       f"({rec['ours_TBps']:.2f} TB/s, {100 * rec['frac_of_copy']:.0f}% of copy)  {fla_txt}"
                       f"copy {rec['copy_us']:8.2f} us{eager}", flush=True)
             del x
             torch.cuda.empty_cache()
     os.environ.pop("KDA_DECODE_TILE_V", None)
-    decode_t1._FORCE_SMEM_STAGE = None
+    decode_t1._FORCE_SMEM_STAGE = decode_t1._FORCE_ROWS_IN_FLIGHT = decode_t1._FORCE_CACHE_HINT = None
     if args.json:
         _timing.write_json(args.json, records)
     if args.plot:
