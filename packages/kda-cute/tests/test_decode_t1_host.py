@@ -56,6 +56,8 @@ def test_variant_key_separates_rows_in_flight_and_cache_hint_and_normalises_the_
     assert _key(tile_v=16, rows_in_flight=16) == _key(tile_v=16)  # capped at the thread's 2 rows
     assert _key(tile_v=32, smem_stage=True, rows_in_flight=2) == _key(tile_v=32, smem_stage=True)
     assert len({_key(cache_hint=h) for h in ("stream", "global", "default")}) == 3
+    assert _key(heads_per_cta=2) != _key()
+    assert _key(tile_v=32, smem_stage=True, heads_per_cta=2) == _key(tile_v=32, smem_stage=True)
     with pytest.raises(KDAError, match="^cache_hint: expected"):
         _key(cache_hint="evict_last")
 
@@ -68,6 +70,12 @@ def test_sweep_hooks_override_the_schedule(monkeypatch):
     monkeypatch.setattr(decode_t1, "_FORCE_CACHE_HINT", "global")
     forced = decode_t1.select_config(512, 12, torch.bfloat16, True)
     assert (forced.tile_v, forced.rows_in_flight, forced.cache_hint) == (default.tile_v, 16, "global")
+    monkeypatch.setattr(decode_t1, "_FORCE_HEADS_PER_CTA", 2)
+    assert decode_t1.select_config(512, 12, torch.bfloat16, True).heads_per_cta == 2
+    assert decode_t1.select_config(512, 9, torch.bfloat16, True).heads_per_cta == 1  # 2 does not divide 9
+    monkeypatch.setattr(decode_t1, "_FORCE_SMEM_STAGE", True)
+    monkeypatch.setenv("KDA_DECODE_TILE_V", "32")
+    assert decode_t1.select_config(512, 12, torch.bfloat16, True).heads_per_cta == 1  # staged: one head
 
 
 def _call(case, **over):
