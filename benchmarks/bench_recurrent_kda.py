@@ -243,18 +243,20 @@ def main(argv=None):
     flusher = _timing.L2Flusher() if args.cold_l2 else None
     meta = dict(gpu=_timing.gpu_name(), timer=timer.backend, cold_l2=args.cold_l2, torch=torch.__version__)
     print(f"bench_recurrent_kda on {meta['gpu']} (timer: {meta['timer']}, L2 {'cold' if args.cold_l2 else 'warm'})")
-    records = []
+    json_path = os.path.join(args.out_dir, "bench_recurrent_kda.json")
+    records = [dict(meta=meta)]
     if "overhead" in args.parts:
         records += bench_overhead(args, timer, fla_fwd)
+        _timing.write_json(json_path, records)  # after every part: a run cut short keeps what it measured
     for part in ("spec", "prefill"):
         if part in args.parts:
             part_records = bench_kernels(part, args, timer, fla_fwd, flusher)
             records += part_records
+            _timing.write_json(json_path, records)
             series = {"ours (facade)": "ours_us", "FLA 0.6.0": "fla_us", "copy roofline": "copy_us"}
             _timing.write_plot(os.path.join(args.out_dir, f"bench_recurrent_kda_{part}.png"), part_records, x="B",
                                series=series, group="T", ylabel="kernel time per call (us)",
                                title=f"recurrent_kda {part}: H={args.heads}, K=V=128 on {meta['gpu']}")
-    _timing.write_json(os.path.join(args.out_dir, "bench_recurrent_kda.json"), [dict(meta=meta)] + records)
     return 0
 
 

@@ -3,7 +3,9 @@
 # benchmarks/bench_recurrent_kda.py (host overhead, spec decode T=4,8 and prefill T=16,64 vs FLA).
 # Run from the repository root after `source .gpu*/setup.sh` (wheels + PYTHONPATH). Everything is tee'd to
 # $OUT/log (default ./gpu_out); the benchmark's JSON and PNG go to $OUT too.
-# Stages: RECURRENT_STAGES="tests bench" (default both). Exit status: nonzero if any stage failed.
+# Stages: RECURRENT_STAGES="tests bench" (default both). RECURRENT_BENCH_ARGS: extra benchmark flags (e.g. a
+# shorter sweep); RECURRENT_TEST_TIMEOUT / RECURRENT_BENCH_TIMEOUT: seconds per stage (default: no limit).
+# Exit status: nonzero if any stage failed.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -16,14 +18,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 
 case " $stages " in *" tests "*)
   echo "=== kda-recurrent GPU tests"
-  (cd packages/kda-recurrent && "$py" -m pytest -q -ra -m gpu -p no:cacheprovider \
+  (cd packages/kda-recurrent && ${RECURRENT_TEST_TIMEOUT:+timeout $RECURRENT_TEST_TIMEOUT} "$py" -m pytest -q -ra -m gpu -p no:cacheprovider \
       tests/test_facade.py tests/test_routing.py tests/test_compat_fla.py tests/test_torch_compile.py)
   rc=$?; [ "$rc" -eq 0 ] || { echo "=== tests FAILED (rc=$rc)"; status=1; } ;;
 esac
 
 case " $stages " in *" bench "*)
   echo "=== bench_recurrent_kda"
-  "$py" benchmarks/bench_recurrent_kda.py --out-dir "$OUT"
+  # shellcheck disable=SC2086  (the extra flags are meant to split)
+  ${RECURRENT_BENCH_TIMEOUT:+timeout $RECURRENT_BENCH_TIMEOUT} "$py" benchmarks/bench_recurrent_kda.py \
+      --out-dir "$OUT" ${RECURRENT_BENCH_ARGS:-}
   rc=$?; [ "$rc" -eq 0 ] || { echo "=== bench FAILED (rc=$rc)"; status=1; } ;;
 esac
 
