@@ -176,3 +176,67 @@ def test_empty_calls_launch_nothing_and_return_zero_outputs():
                                    output=out, output_final_state=True)
     assert o is out and torch.count_nonzero(out) == 0 and final.shape == (0, 2, 64, 64)
     assert _launch.cache_size() == before
+
+
+def _spy_launches(monkeypatch):
+    """Route kda_recurrent_fwd's compile through the real cache, but record the launch instead of running it."""
+    import inspect
+
+    from kda_cute import _launch
+
+    calls = []
+    real = _launch.get_or_compile
+    n_params = len(inspect.signature(R.KDARecurrent.__call__).parameters) - 2  # minus self and the env stream
+
+    def spy(key, build, arch=None):
+        assert real(key, build, arch) is not None
+
+        def launch(*args):
+            assert len(args) == n_params, f"{len(args)} launch arguments, the kernel takes {n_params}"
+            calls.append((key, args))
+
+        return launch
+
+    monkeypatch.setattr(_launch, "get_or_compile", spy)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["pool", "spec", "dense", "varlen"])
+def test_host_path_compiles_its_variant_and_passes_every_kernel_argument(mode, monkeypatch):
+    """The entry point builds its variant through the compile cache and hands the kernel one argument per
+    parameter, in order (CPU tensors: the launch itself is recorded, not run)."""
+    calls = _spy_launches(monkeypatch)
+    B, T, H, HV, K = 2, 3, 2, 4, 64
+    q, k = torch.randn(B, T, H, K).bfloat16(), torch.randn(B, T, H, K).bfloat16()
+    v, g = torch.randn(B, T, HV, K).bfloat16(), torch.randn(B, T, HV, K).bfloat16()
+    beta = torch.randn(B, T, HV).bfloat16()
+    kw = dict(A_log=torch.zeros(H), dt_bias=torch.zeros(H, K), lower_bound=-5.0, use_gate_in_kernel=True)
+    pool = torch.randn(5, HV, K, K)
+    if mode == "pool":
+        kw.update(initial_state=pool, ssm_state_indices=torch.tensor([4, 0], dtype=torch.int32))
+    elif mode == "spec":
+        kw.update(initial_state=pool, ssm_state_indices=torch.arange(B * T, dtype=torch.int32).view(B, T) % 5,
+                  num_accepted_tokens=torch.tensor([1, 3], dtype=torch.int32))
+    elif mode == "dense":
+        kw.update(initial_state=torch.randn(B, HV, K, K).bfloat16(), output_final_state=True)
+    else:
+        q, k, v, g, beta = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
+        kw.update(cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int64), output_final_state=True)
+    o, final = R.kda_recurrent_fwd(q, k, v, g, beta, **kw)
+    ((key, args),) = calls
+    expected_mode = {"pool": R.StateMode.POOL, "spec": R.StateMode.SPEC}.get(mode, R.StateMode.DENSE)
+    assert key == R.variant_key(
+        head_dim=K, act_dtype=torch.bfloat16, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
+        state_mode=expected_mode, state_dtype=None if mode == "varlen" else kw["initial_state"].dtype,
+        store_final=mode in ("dense", "varlen"), has_num_accepted=mode == "spec", varlen=mode == "varlen",
+        cu_dtype=torch.int64, gate=GateMode.LOWER_BOUND, beta_is_logit=False, use_qk_l2norm=True, has_dt_bias=True,
+        tile_v=R.select_config(B * HV, K).tile_v, aligned=True,
+    )
+    assert args[0] is q and args[12] is o
+    assert args[5].shape == (H,) and args[6].shape == (H * K,)  # dt_bias [H, K] flattened
+    if mode in ("pool", "spec"):
+        assert final is pool and args[7] is pool and args[8] is None
+    else:
+        assert final.dtype == torch.float32 and args[8] is final
+    assert (args[10] is not None) == (mode == "spec")
+    assert (args[11] is not None) == (mode == "varlen")
