@@ -45,10 +45,12 @@ class Step:
 
     def clone(self) -> Step:
         def copy(t):
-            if t.dim() == 4 and t.shape[2:] == (K, K) and not t.is_contiguous():  # keep a padded pool padded
-                storage = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-                storage.copy_(t)
-                return storage
+            if t.dim() == 4 and t.shape[2:] == (K, K):  # keep a padded / offset pool padded and offset
+                storage = torch.empty(t.untyped_storage().nbytes() // t.element_size(), dtype=t.dtype,
+                                      device=t.device)
+                same = storage.as_strided(t.shape, t.stride(), t.storage_offset())
+                same.copy_(t)
+                return same
             return t.clone()
 
         fields = {f: copy(getattr(self, f)) for f in ("pool", "k_cache", "u_cache", "g_cache", "hist_len",
@@ -57,7 +59,7 @@ class Step:
 
 
 def make_step(B, T, H, *, hist=None, bases=None, n_slots=None, slots=None, w_ring=16, flush_min=None,
-              gate="lower_bound", decay_range=(-0.5, 0.0), pool_row_pad=0, seed=0, device="cuda"):
+              gate="lower_bound", decay_range=(-0.5, 0.0), pool_row_pad=0, pool_offset=0, seed=0, device="cuda"):
     """Random step. hist/bases: per-row P and cache_base (default: random legal values)."""
     gen = torch.Generator().manual_seed(seed)
     cap = max_hist_len(T, w_ring)
@@ -74,8 +76,8 @@ def make_step(B, T, H, *, hist=None, bases=None, n_slots=None, slots=None, w_rin
         slots = torch.randperm(n_slots, generator=gen)[:B]
     slots = torch.as_tensor(slots, dtype=torch.int32)
 
-    storage = randn(n_slots, H * K * K + pool_row_pad, scale=0.1).to(torch.bfloat16)
-    pool = storage.as_strided((n_slots, H, K, K), (H * K * K + pool_row_pad, K * K, K, 1))
+    storage = randn(n_slots * (H * K * K + pool_row_pad) + pool_offset, scale=0.1).to(torch.bfloat16)
+    pool = storage.as_strided((n_slots, H, K, K), (H * K * K + pool_row_pad, K * K, K, 1), pool_offset)
     # Rings: every slot stale (NaN / inf) except the live windows of the rows of this step.
     k_cache = torch.full((n_slots, H, RING_SLOTS, K), float("inf"), dtype=torch.bfloat16)
     u_cache = torch.full((n_slots, H, RING_SLOTS, K), float("nan"), dtype=torch.bfloat16)
@@ -108,8 +110,10 @@ def make_step(B, T, H, *, hist=None, bases=None, n_slots=None, slots=None, w_rin
     moved = {}
     for name, value in vars(step).items():
         if isinstance(value, torch.Tensor):
-            if name == "pool":
-                padded = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
+            if name == "pool":  # keep the padding and the storage offset
+                flat = value.untyped_storage().nbytes() // value.element_size()
+                storage = torch.empty(flat, dtype=value.dtype, device=device)
+                padded = storage.as_strided(value.shape, value.stride(), value.storage_offset())
                 padded.copy_(value)
                 moved[name] = padded
             else:
@@ -263,6 +267,15 @@ def test_padded_pool_and_permuted_slots_leave_other_rows_untouched():
     assert torch.equal(mine.pool[others], step.pool[others])
     for name in ("k_cache", "u_cache", "g_cache"):
         assert torch.equal(getattr(mine, name)[others].nan_to_num(), getattr(step, name)[others].nan_to_num())
+
+
+def test_misaligned_pool_takes_the_element_wide_variant():
+    # pointer 2 bytes past a 16-byte boundary and an odd row stride: legal, never rejected (DESIGN §4)
+    step = make_step(8, 8, 12, n_slots=20, pool_row_pad=1, pool_offset=1, hist=9, seed=19)
+    assert step.pool.data_ptr() % 16 != 0
+    mine, _, _, _ = check_against_oracle(step, aligned=False)
+    others = sorted(set(range(20)) - set(step.slots.tolist()))
+    assert torch.equal(mine.pool[others], step.pool[others])
 
 
 def test_out_of_range_slots_are_inactive():
