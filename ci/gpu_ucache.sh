@@ -22,7 +22,8 @@ run() {  # run NAME CMD...: remember a failure, keep going
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
 case " $stages " in *" tests "*)
-  run ucache_tests "$py" -m pytest -q -ra -x -m gpu -p no:cacheprovider packages/kda-cute/tests/test_ucache.py ;;
+  run ucache_tests "$py" -m pytest -q -ra -x -m gpu -p no:cacheprovider packages/kda-cute/tests/test_ucache.py
+  run ucache_api_tests "$py" -m pytest -q -ra -m gpu -p no:cacheprovider packages/kda-recurrent/tests/test_ucache_api.py ;;
 esac
 
 bench=benchmarks/bench_kda_ucache_flush.py

@@ -260,3 +260,61 @@ def test_serving_loop_matches_the_plain_recurrence_over_accepted_tokens(restart)
             dense[i] = state[0]
     assert flushes >= 2
     assert int(x["cache_base"].max()) > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# on the GPU: the kernel behind the same API, and CUDA-graph capture of a whole step
+
+
+def cuda_inputs(**kw):
+    return {n: t.cuda() for n, t in make_inputs(**kw).items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("restart", [True, False])
+def test_gpu_call_matches_the_oracle(restart):
+    x = cuda_inputs(B=4, T=8, H=12, N=9, hist=9, base=27, seed=3)
+    x["initial_state_indices"] = torch.tensor([5, -1, 0, 8], dtype=torch.int32, device="cuda")
+    mine, ref = clone(x), clone(x)
+    out = call(mine, restart_hist_on_flush=restart)
+    expected = ucache_verify_flush_ref(
+        ref["A_log"], ref["g"], ref["dt_bias"], -5.0, restart_hist_on_flush=restart, out_dtype=None,
+        **{n: t for n, t in ref.items() if n not in ("A_log", "g", "dt_bias")},
+    )  # fmt: skip
+    torch.testing.assert_close(out.float(), expected, atol=8e-3, rtol=8e-3)
+    torch.testing.assert_close(mine["initial_state_source"].float(), ref["initial_state_source"].float(),
+                               atol=2e-2, rtol=1e-2)  # fmt: skip
+    for name in ("k_cache", "u_cache"):
+        torch.testing.assert_close(mine[name].float(), ref[name].float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(mine["g_cache"], ref["g_cache"], atol=1e-4, rtol=1e-5)
+    assert torch.equal(mine["hist_len"], ref["hist_len"]) and torch.equal(mine["cache_base"], ref["cache_base"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_step_and_commit_replay_from_a_cuda_graph_like_eager():
+    fm = default_flush_min(8, 16)
+    x = cuda_inputs(B=4, T=8, H=12, N=6, hist=fm, base=30, seed=4)
+    accepted = torch.tensor([8, 1, 3, 5], dtype=torch.int32, device="cuda")
+    out = torch.empty(4, 8, 12, K, dtype=torch.bfloat16, device="cuda")
+
+    def step(state):
+        call(state, restart_hist_on_flush=False, output=out)
+        commit_ucache(state["hist_len"], state["cache_base"], accepted, flush_min=fm)
+
+    eager = clone(x)
+    step(eager)
+    out_eager = out.clone()
+    graphed = clone(x)
+    step(clone(x))  # load the kernels before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(graphed)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, out_eager)
+    for name, t in eager.items():
+        assert torch.equal(graphed[name], t), name
+    assert graphed["hist_len"].tolist() == accepted.tolist()  # every row flushed, then kept its accepted drafts
