@@ -182,6 +182,23 @@ def test_batch_sizes_across_the_schedule_table_match_oracle(B):
     assert_state_close(pool, ref_pool)
 
 
+@pytest.mark.parametrize("K, tile_v", [(128, t) for t in (8, 16, 32, 64)] + [(64, t) for t in (16, 32, 64)])
+def test_every_tile_matches_oracle_in_spec_decode(K, tile_v, monkeypatch):
+    from kda_cute import recurrent
+
+    assert tile_v in recurrent.tile_v_choices(K)
+    monkeypatch.setattr(recurrent, "select_config", lambda n_states, head_dim: recurrent.RecurrentConfig(tile_v))
+    B, T, H, N = 3, 4, 4, 16
+    inputs = make_inputs(B, T, H, K=K, seed=tile_v + K)
+    pool = make_pool(N, H, K=K)
+    slots = torch.randperm(N, generator=_gen(tile_v), device=DEV)[: B * T].view(B, T).to(torch.int32)
+    accepted = torch.tensor([2, 4, 1], dtype=torch.int32, device=DEV)
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=slots,
+                                         num_accepted_tokens=accepted)
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+
+
 # --------------------------------------------------------------------------------------------------
 # dense states (no pool)
 # --------------------------------------------------------------------------------------------------
