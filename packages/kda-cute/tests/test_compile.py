@@ -33,10 +33,8 @@ def _variants():
         out.append({**base, "state_dtype": sd, "tile_v": tile, "smem_stage": True})
     # Tuning variants: every row of the tile in flight, and the non-streaming cache operators.
     for sd, tile, rif, hint in itertools.product((torch.bfloat16, torch.float32), (64, 128), (16,),
-                                                 ("stream", "global", "default")):
+                                                 ("stream", "global")):
         out.append({**base, "state_dtype": sd, "tile_v": tile, "rows_in_flight": rif, "cache_hint": hint})
-    for sd, tile, hpc in itertools.product((torch.bfloat16, torch.float32), (16, 64, 128), (2, 3)):
-        out.append({**base, "state_dtype": sd, "tile_v": tile, "heads_per_cta": hpc})
     for flag in (dict(beta_is_logit=False), dict(use_qk_l2norm=False), dict(has_dt_bias=False),
                  dict(g_dtype=torch.float32, gate=GateMode.PRECOMPUTED), dict(beta_dtype=torch.float32)):
         out.append({**base, **flag})
@@ -48,7 +46,6 @@ def _ident(v):
             f"{'-smem' if v.get('smem_stage') else ''}"
             f"{'-rif%d' % v['rows_in_flight'] if v.get('rows_in_flight') else ''}"
             f"{'-' + v['cache_hint'] if v.get('cache_hint', 'stream') != 'stream' else ''}"
-            f"{'-hpc%d' % v['heads_per_cta'] if v.get('heads_per_cta', 1) > 1 else ''}"
             f"{'' if v['beta_is_logit'] else '-sigbeta'}{'' if v['use_qk_l2norm'] else '-nonorm'}"
             f"{'' if v['has_dt_bias'] else '-nobias'}-g{str(v['g_dtype'])[6:]}-b{str(v['beta_dtype'])[6:]}")
 
@@ -82,12 +79,10 @@ def _ptxas_report(ptx_path, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("tile_v", TILES)
-@pytest.mark.parametrize("aligned, smem_stage, rows_in_flight, heads_per_cta",
-                         [(True, False, 0, 1), (False, False, 0, 1), (True, True, 0, 1), (True, False, 16, 1),
-                          (True, False, 0, 2)],
-                         ids=["aligned", "unaligned", "smem", "allrows", "2heads"])
-def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, smem_stage, rows_in_flight, heads_per_cta,
-                                          arch, tmp_path):
+@pytest.mark.parametrize("aligned, smem_stage, rows_in_flight",
+                         [(True, False, 0), (False, False, 0), (True, True, 0), (True, False, 16)],
+                         ids=["aligned", "unaligned", "smem", "allrows"])
+def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, smem_stage, rows_in_flight, arch, tmp_path):
     from kda_core.contracts import GateMode
     from kda_cute import decode_t1
 
@@ -95,7 +90,7 @@ def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, smem_sta
     key = decode_t1.variant_key(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
                                 gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
                                 tile_v=tile_v, aligned=aligned, smem_stage=smem_stage,
-                                rows_in_flight=rows_in_flight, heads_per_cta=heads_per_cta)
+                                rows_in_flight=rows_in_flight)
     decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
     ptx = sorted(tmp_path.glob("*.ptx"))
     assert ptx, "no PTX kept"

@@ -45,29 +45,25 @@ def test_every_tile_gate_stage_and_pool_dtype_matches_oracle(state_dtype, gate, 
     _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
 
 
-# The tuning variants (ci/gpu_t1_tune.sh runs these first): rows in flight per thread, the state's cache operators
-# and heads per CTA, on a batch with inactive rows (-1 and one past the pool) among the active ones.
+# The tuning variants (ci/gpu_t1_tune.sh runs these first): rows in flight per thread and the state's cache
+# operators, on a batch with inactive rows (-1 and one past the pool) among the active ones.
 BF16, FP32 = torch.bfloat16, torch.float32
-TUNING_VARIANTS = [  # (pool dtype, tile_v, rows_in_flight, cache_hint, heads_per_cta)
-    (BF16, 16, 0, "default", 1), (BF16, 32, 0, "global", 1), (BF16, 64, 16, "stream", 1),
-    (BF16, 128, 16, "stream", 1), (BF16, 128, 4, "default", 1), (BF16, 128, 0, "global", 1),
-    (BF16, 64, 0, "stream", 2), (BF16, 128, 0, "stream", 2), (BF16, 16, 0, "default", 3),
-    (FP32, 64, 8, "global", 1), (FP32, 128, 16, "default", 1), (FP32, 64, 0, "stream", 2),
+TUNING_VARIANTS = [  # (pool dtype, tile_v, rows_in_flight, cache_hint)
+    (BF16, 16, 0, "global"), (BF16, 32, 0, "global"), (BF16, 64, 16, "stream"), (BF16, 128, 16, "stream"),
+    (BF16, 128, 4, "global"), (BF16, 128, 0, "global"), (FP32, 64, 8, "global"), (FP32, 128, 16, "global"),
+    (FP32, 128, 16, "stream"),
 ]
 
 
-@pytest.mark.parametrize("state_dtype, tile_v, rows_in_flight, cache_hint, heads_per_cta", TUNING_VARIANTS,
-                         ids=[f"{str(d)[6:]}-tv{t}-rif{r}-{c}-hpc{n}" for d, t, r, c, n in TUNING_VARIANTS])
+@pytest.mark.parametrize("state_dtype, tile_v, rows_in_flight, cache_hint", TUNING_VARIANTS,
+                         ids=[f"{str(d)[6:]}-tv{t}-rif{r}-{c}" for d, t, r, c in TUNING_VARIANTS])
 def test_tuning_variant_matches_oracle_and_leaves_inactive_rows_untouched(state_dtype, tile_v, rows_in_flight,
-                                                                          cache_hint, heads_per_cta, monkeypatch,
-                                                                          make_case):
+                                                                          cache_hint, monkeypatch, make_case):
     from kda_cute import decode_t1
 
     monkeypatch.setenv("KDA_DECODE_TILE_V", str(tile_v))
     monkeypatch.setattr(decode_t1, "_FORCE_ROWS_IN_FLIGHT", rows_in_flight)
     monkeypatch.setattr(decode_t1, "_FORCE_CACHE_HINT", cache_hint)
-    monkeypatch.setattr(decode_t1, "_FORCE_HEADS_PER_CTA", heads_per_cta)
-    assert decode_t1.select_config(7, 12, state_dtype, True).heads_per_cta == heads_per_cta
     case = make_case(7, 12, state_dtype=state_dtype, n_slots=9, slots=[4, -1, 0, 9, 8, 2, 6], seed=tile_v)
     before = case.pool.clone()
     ref_out, ref_pool = case.oracle()
@@ -75,6 +71,17 @@ def test_tuning_variant_matches_oracle_and_leaves_inactive_rows_untouched(state_
     assert torch.count_nonzero(out[torch.tensor([1, 3], device="cuda")]) == 0
     untouched = [s for s in range(9) if s not in (4, 0, 8, 2, 6)]
     assert torch.equal(case.pool[untouched], before[untouched])
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+@pytest.mark.parametrize("B", [256, 512])
+def test_fp32_large_batch_policy_variant_matches_oracle(B, make_case):
+    from kda_cute import decode_t1
+
+    assert decode_t1.select_config(B, 12, torch.float32, True).cache_hint == "global"  # the swept winner's row
+    case = make_case(B, 12, state_dtype=torch.float32, seed=B)
+    ref_out, ref_pool = case.oracle()
+    out = _decode(case)
     _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
 
 

@@ -55,11 +55,9 @@ def test_variant_key_separates_rows_in_flight_and_cache_hint_and_normalises_the_
     assert _key(rows_in_flight=0) == _key(rows_in_flight=8)  # 0 = 32 registers = 8 bf16 rows
     assert _key(tile_v=16, rows_in_flight=16) == _key(tile_v=16)  # capped at the thread's 2 rows
     assert _key(tile_v=32, smem_stage=True, rows_in_flight=2) == _key(tile_v=32, smem_stage=True)
-    assert len({_key(cache_hint=h) for h in ("stream", "global", "default")}) == 3
-    assert _key(heads_per_cta=2) != _key()
-    assert _key(tile_v=32, smem_stage=True, heads_per_cta=2) == _key(tile_v=32, smem_stage=True)
+    assert _key(cache_hint="global") != _key()
     with pytest.raises(KDAError, match="^cache_hint: expected"):
-        _key(cache_hint="evict_last")
+        _key(cache_hint="default")
 
 
 def test_sweep_hooks_override_the_schedule(monkeypatch):
@@ -70,12 +68,17 @@ def test_sweep_hooks_override_the_schedule(monkeypatch):
     monkeypatch.setattr(decode_t1, "_FORCE_CACHE_HINT", "global")
     forced = decode_t1.select_config(512, 12, torch.bfloat16, True)
     assert (forced.tile_v, forced.rows_in_flight, forced.cache_hint) == (default.tile_v, 16, "global")
-    monkeypatch.setattr(decode_t1, "_FORCE_HEADS_PER_CTA", 2)
-    assert decode_t1.select_config(512, 12, torch.bfloat16, True).heads_per_cta == 2
-    assert decode_t1.select_config(512, 9, torch.bfloat16, True).heads_per_cta == 1  # 2 does not divide 9
-    monkeypatch.setattr(decode_t1, "_FORCE_SMEM_STAGE", True)
-    monkeypatch.setenv("KDA_DECODE_TILE_V", "32")
-    assert decode_t1.select_config(512, 12, torch.bfloat16, True).heads_per_cta == 1  # staged: one head
+
+
+def test_schedule_rows_from_the_tuning_sweep():
+    from kda_cute.decode_t1 import DecodeT1Config, select_config
+
+    assert select_config(2, 12, torch.bfloat16, True) == DecodeT1Config(32)  # 24 states: B=2 at H=12
+    assert select_config(1, 12, torch.bfloat16, True) == DecodeT1Config(16)
+    assert select_config(4, 12, torch.bfloat16, True) == DecodeT1Config(16)
+    assert select_config(512, 12, torch.bfloat16, True) == DecodeT1Config(128)
+    assert select_config(128, 12, torch.float32, True) == DecodeT1Config(64)
+    assert select_config(256, 12, torch.float32, True) == DecodeT1Config(128, rows_in_flight=16, cache_hint="global")
 
 
 def _call(case, **over):
