@@ -18,11 +18,13 @@ Latency decides small calls: the activation loads are issued before the slot ind
 rows as soon as it does, and the gate/normalisation preamble runs under the rows' load latency.
 Memory-level parallelism decides large calls (a pure stream of the state): each thread issues the loads
 of ``rows_in_flight`` of its rows before it uses any (or, with ``smem_stage``, all of them by cp.async).
-Loads and stores carry the streaming hint (the state is touched once per step).
+The state's loads and stores carry a cache hint: streaming (.cs, the state is touched once per step) by
+default, ld.cg / st.wb where the schedule says so (the fp32 large-batch row, measured).
 
 Variants (compile-time): pool dtype x gate mode x beta logit x l2norm x dt_bias present x g/beta
-dtypes x tile_v x alignment x staging. Batch, pool rows and the head count are runtime values (the head count
-only enters the grid and the index math), so one compiled function serves every B and every H.
+dtypes x tile_v x alignment x staging x rows in flight x cache hint. Batch, pool rows and the head count are
+runtime values (the head count only enters the grid and the index math), so one compiled function serves every B
+and every H.
 """
 
 import dataclasses
