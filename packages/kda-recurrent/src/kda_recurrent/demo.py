@@ -1,14 +1,16 @@
-"""The README's main job: a Kimi K3-shaped KDA decode loop over a state pool with padding slots.
+"""The README's main job: a Kimi K3-shaped KDA decode loop through the ``recurrent_kda`` facade.
 
-Every step feeds one new token (T=1) per request through the kda-core PyTorch oracle ``recurrent_kda_ref``, the
-way a serving engine calls the facade once per layer per step: the states live in a pool [N, HV, V, K] larger
-than the batch, each request owns one slot, and padding rows carry slot -1 or N (past the end), which DESIGN §4
-makes inactive (zero output, pool untouched). It prints the time of each step and a checksum, then checks the
-bounds policy: padding rows gave zeros and pool rows no request owns are bitwise unchanged.
+A serving engine calls the facade once per layer per step; this loop does the same for one layer: the states live
+in a pool [N, HV, V, K] larger than the batch, each request owns a slot (``--spec-t T`` > 1: a row of T slots, one
+checkpoint per draft token, the first state read from the slot of the last accepted token), and padding rows carry
+slot -1 or N (past the end), which DESIGN §4 makes inactive (zero output, pool untouched).
 
-This runs the reference on the CPU (fp32 math); it measures nothing about the GPU kernels.
+Each step prints (or advances a progress bar with) its wall time in microseconds; at the end the demo reports the
+path the facade took (``kda_recurrent.explain``), the median step time, the largest difference from the kda-core
+oracle run on a mirror of the pool, and checks the bounds policy. On a GPU the facade runs the CuTe kernels; on a
+machine without one it runs the oracle (and says so), so the error is zero there by construction.
 
-    python -m kda_recurrent.demo --heads 12 --batch 8 --steps 8 --state-dtype bf16
+    python -m kda_recurrent.demo --heads 12 --batch 8 --steps 32 --state-dtype bf16 [--spec-t 4]
 """
 
 from __future__ import annotations
@@ -22,24 +24,35 @@ import torch
 
 from kda_core.contracts import HEAD_DIM
 from kda_core.oracle import recurrent_kda_ref
+from kda_recurrent.facade import explain, recurrent_kda
 
 K3_LOWER_BOUND = -5.0
 """Kimi K3's gate: g_log = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) (DESIGN §3, lower-bound form)."""
 STATE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+MAX_ERR = 5e-2
+"""Largest tolerated |facade - oracle| over outputs and pool: a few bf16 roundings of O(1) values."""
 
 
 @dataclass
 class DemoRun:
     """Everything one run produced, so that a test can check it against an independent computation."""
 
-    slots: torch.Tensor  # [batch] int32: a pool row for each request, -1 or pool_size for padding rows
+    slots: torch.Tensor  # [batch] int32 (T=1) or [batch, T] (spec decode); -1 or pool_size on padding rows
     initial_pool: torch.Tensor  # [N, HV, V, K] before the first step
-    pool: torch.Tensor  # [N, HV, V, K] after the last step (updated in place by the oracle)
+    pool: torch.Tensor  # [N, HV, V, K] after the last step (updated in place by the facade)
     A_log: torch.Tensor  # [H] fp32
     dt_bias: torch.Tensor  # [H * K] fp32
     inputs: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # per step: q, k, v, g, beta
-    outputs: list[torch.Tensor] = field(default_factory=list)  # per step: o [batch, 1, HV, V] bf16
-    step_ms: list[float] = field(default_factory=list)
+    accepted: list[torch.Tensor | None] = field(default_factory=list)  # per step: num_accepted_tokens (spec)
+    outputs: list[torch.Tensor] = field(default_factory=list)  # per step: o [batch, T, HV, V] bf16
+    step_us: list[float] = field(default_factory=list)
+    max_err: float = 0.0  # largest |facade - oracle| over every output and the final pool
+    path: str = ""
+    reason: str = ""
+
+    @property
+    def step_ms(self) -> list[float]:
+        return [us / 1e3 for us in self.step_us]
 
     @property
     def checksums(self) -> list[float]:
@@ -55,13 +68,46 @@ def pool_checksum(pool: torch.Tensor) -> float:
     return float(pool.double().sum())
 
 
-def padding_slots(batch: int, pool_size: int, padding: int, generator: torch.Generator) -> torch.Tensor:
-    """Slot of each request: distinct random pool rows for the real requests; padding rows alternate -1 and N."""
+def padding_slots(batch: int, pool_size: int, padding: int, generator: torch.Generator, spec_t: int = 1):
+    """Slots of each request: distinct random pool rows for the real requests ([batch] for T=1, [batch, T] rows of
+    T distinct slots for spec decode); padding rows alternate -1 and N (past the end)."""
     active = batch - padding
-    slots = torch.randperm(pool_size, generator=generator)[:active].to(torch.int32)
+    rows = torch.randperm(pool_size, generator=generator)[: active * spec_t].to(torch.int32).reshape(active, spec_t)
     pads = torch.tensor([-1 if i % 2 == 0 else pool_size for i in range(padding)], dtype=torch.int32)
     order = torch.randperm(batch, generator=generator)
-    return torch.cat([slots, pads])[order]
+    slots = torch.cat([rows, pads[:, None].expand(padding, spec_t)])[order]
+    return slots[:, 0].contiguous() if spec_t == 1 else slots.contiguous()
+
+
+class _Progress:
+    """A progress bar on stderr (tqdm when installed, else one line rewritten in place) and/or one stdout line per
+    step (``lines``): short runs print every step, long runs only advance the bar."""
+
+    def __init__(self, total: int, lines: bool, log):
+        self.total, self.lines, self.log, self.n, self.bar = total, lines, log, 0, None
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="step", leave=False, file=sys.stderr)
+        except ImportError:
+            pass
+
+    def update(self, text: str, us: float):
+        self.n += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{us:.1f} us")
+            self.bar.update()
+        elif not self.lines:
+            end = "\n" if self.n == self.total else ""
+            print(f"\r  step {self.n}/{self.total}  {us:10.1f} us", end=end, file=sys.stderr, flush=True)
+        if self.lines:
+            if self.bar is not None:
+                self.bar.clear()
+            self.log(text)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
 
 
 def run_demo(
@@ -73,50 +119,75 @@ def run_demo(
     padding: int | None = None,
     seed: int = 0,
     log=print,
+    spec_t: int = 1,
+    device: str | None = None,
+    per_step_lines: bool = True,
 ) -> DemoRun:
-    """Run the decode loop on the CPU oracle; ``log`` receives each printed line."""
+    """Run the decode loop through the facade (and the oracle on a mirror pool); ``log`` receives each line."""
     K = V = HEAD_DIM
     H = HV = heads
-    pool_size = 2 * batch if pool_size is None else pool_size
+    T = spec_t
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    pool_size = 2 * batch * T if pool_size is None else pool_size
     padding = max(1, batch // 4) if padding is None else padding
+    if T < 1:
+        raise ValueError(f"spec_t: expected a positive token count, got {T}")
     if not 0 <= padding < batch:
         raise ValueError(f"padding: expected 0 <= padding < batch ({batch}), got {padding}")
-    if pool_size < batch - padding:
-        raise ValueError(f"pool_size: expected at least the {batch - padding} active requests, got {pool_size}")
+    if pool_size < (batch - padding) * T:
+        raise ValueError(f"pool_size: expected at least {(batch - padding) * T} slots (active rows x T), "
+                         f"got {pool_size}")
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape, scale=1.0, dtype=torch.bfloat16):
-        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
 
-    slots = padding_slots(batch, pool_size, padding, gen)
+    slots = padding_slots(batch, pool_size, padding, gen, T).to(device)
     pool = randn(pool_size, HV, V, K, scale=0.05, dtype=STATE_DTYPES[state_dtype])
     run = DemoRun(
         slots=slots,
         initial_pool=pool.clone(),
         pool=pool,
-        A_log=torch.log(torch.linspace(1.0, 16.0, H)),
+        A_log=torch.log(torch.linspace(1.0, 16.0, H)).to(device),
         dt_bias=randn(H * K, scale=0.1, dtype=torch.float32),
     )
-    log(
-        f"kda demo: Kimi K3-shaped decode, H=HV={H}, K=V={K}, lower-bound gate {K3_LOWER_BOUND}, T=1 per step\n"
-        f"  runs the kda-core PyTorch oracle (recurrent_kda_ref) on the CPU in fp32; no GPU kernel is involved\n"
-        f"  pool: {pool_size} slots of [{HV}, {V}, {K}] {state_dtype}; batch {batch} with {padding} padding rows; "
-        f"slots {slots.tolist()}"
-    )
+    ref_pool = pool.clone()
+    gate = dict(A_log=run.A_log, dt_bias=run.dt_bias, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                lower_bound=K3_LOWER_BOUND, beta_is_logit=True)
+    output = torch.empty(batch, T, HV, V, dtype=torch.bfloat16, device=device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    bar = _Progress(steps, per_step_lines, log)
     for step in range(steps):
-        q, k = randn(batch, 1, H, K), randn(batch, 1, H, K)
-        v, g, beta = randn(batch, 1, HV, V), randn(batch, 1, HV, K), randn(batch, 1, HV)
+        q, k = randn(batch, T, H, K), randn(batch, T, H, K)
+        v, g, beta = randn(batch, T, HV, V), randn(batch, T, HV, K), randn(batch, T, HV)
+        accepted = None
+        if T > 1:
+            accepted = torch.randint(1, T + 1, (batch,), generator=gen, dtype=torch.int32).to(device)
+        call = dict(initial_state=pool, ssm_state_indices=slots, num_accepted_tokens=accepted, **gate)
+        if step == 0:
+            run.path, run.reason = explain(q, k, v, g, beta, output=output, **call)
+            log(f"kda demo: Kimi K3-shaped decode, H=HV={H}, K=V={K}, lower-bound gate {K3_LOWER_BOUND}, "
+                f"T={T} token(s) per request per step\n"
+                f"  device {device}; facade path: {run.path.value} ({run.reason})\n"
+                + ("  no GPU here: the facade runs the kda-core PyTorch oracle on the CPU (slow, exact)\n"
+                   if device == "cpu" else "")
+                + f"  pool: {pool_size} slots of [{HV}, {V}, {K}] {state_dtype}; batch {batch} with {padding} "
+                f"padding rows")
+        sync()
         start = time.perf_counter()
-        o, _ = recurrent_kda_ref(
-            q, k, v, g, beta,
-            A_log=run.A_log, dt_bias=run.dt_bias, initial_state=pool, ssm_state_indices=slots,
-            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=K3_LOWER_BOUND, beta_is_logit=True,
-        )  # fmt: skip
-        elapsed_ms = (time.perf_counter() - start) * 1e3
+        o, _ = recurrent_kda(q, k, v, g, beta, output=output, **call)
+        sync()
+        elapsed_us = (time.perf_counter() - start) * 1e6
+        o_ref, _ = recurrent_kda_ref(q, k, v, g, beta, **{**call, "initial_state": ref_pool})
+        run.max_err = max(run.max_err, float((o.float() - o_ref.float()).abs().max()))
         run.inputs.append((q, k, v, g, beta))
-        run.outputs.append(o)
-        run.step_ms.append(elapsed_ms)
-        log(f"  step {step + 1:3d}/{steps}  {elapsed_ms:8.2f} ms  checksum {output_checksum(o):+.6e}")
+        run.accepted.append(accepted)
+        run.outputs.append(o.clone())
+        run.step_us.append(elapsed_us)
+        bar.update(f"  step {step + 1:3d}/{steps}  {elapsed_us:10.1f} us = {elapsed_us / 1e3:9.3f} ms  checksum "
+                   f"{output_checksum(o):+.6e}", elapsed_us)
+    bar.close()
+    run.max_err = max(run.max_err, float((pool.float() - ref_pool.float()).abs().max()))
     return run
 
 
@@ -124,12 +195,14 @@ def check_bounds_policy(run: DemoRun) -> list[str]:
     """DESIGN §4 on this run: padding rows output zeros, pool rows no request owns are bitwise unchanged."""
     problems = []
     pool_size = run.pool.shape[0]
-    inactive = (run.slots < 0) | (run.slots >= pool_size)
+    slots = run.slots if run.slots.dim() == 2 else run.slots[:, None]
+    inactive_row = ((slots < 0) | (slots >= pool_size)).all(dim=1)
     for step, o in enumerate(run.outputs):
-        if bool(o[inactive].any()):
+        if bool(o[inactive_row].any()):
             problems.append(f"step {step + 1}: a padding row has a non-zero output")
-    owned = torch.zeros(pool_size, dtype=torch.bool)
-    owned[run.slots[~inactive].long()] = True
+    owned = torch.zeros(pool_size, dtype=torch.bool, device=run.pool.device)
+    valid = (slots >= 0) & (slots < pool_size)
+    owned[slots[valid].long()] = True
     if not torch.equal(run.pool[~owned], run.initial_pool[~owned]):
         problems.append("a pool row that no request owns changed")
     return problems
@@ -138,31 +211,39 @@ def check_bounds_policy(run: DemoRun) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m kda_recurrent.demo",
-        description="Kimi K3-shaped KDA decode loop (T=1) over a padded state pool, on the kda-core CPU oracle.",
+        description="Kimi K3-shaped KDA decode loop over a padded state pool through recurrent_kda "
+        "(GPU kernels on CUDA, the kda-core oracle on a CPU-only machine).",
     )
     parser.add_argument("--heads", type=int, default=12, help="H = HV heads (Kimi K3: 12 at TP=8); default 12")
     parser.add_argument("--batch", type=int, default=8, help="rows per step, padding rows included; default 8")
     parser.add_argument("--steps", type=int, default=8, help="decode steps; default 8")
     parser.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default="bf16", help="pool dtype")
-    parser.add_argument("--pool-size", type=int, default=None, help="slots in the pool; default 2 * batch")
+    parser.add_argument("--spec-t", type=int, default=1,
+                        help="tokens per request per step: 1 = plain decode; T > 1 = spec decode verification with "
+                        "one checkpoint slot per token (DESIGN §5); default 1")
+    parser.add_argument("--pool-size", type=int, default=None, help="slots in the pool; default 2 * batch * spec-t")
     parser.add_argument("--padding", type=int, default=None, help="padding rows (slot -1 or N); default batch // 4")
+    parser.add_argument("--device", default=None, help="cuda or cpu; default cuda when available")
+    parser.add_argument("--lines", choices=["auto", "all", "none"], default="auto",
+                        help="one stdout line per step: all, none (progress bar only), auto (all up to 16 steps)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for name in ("heads", "batch", "steps"):
+    for name in ("heads", "batch", "steps", "spec_t"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name}: expected a positive integer, got {getattr(args, name)}")
+            parser.error(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(args, name)}")
     try:
-        run = run_demo(
-            args.heads, args.batch, args.steps, args.state_dtype, args.pool_size, args.padding, args.seed
-        )
+        run = run_demo(args.heads, args.batch, args.steps, args.state_dtype, args.pool_size, args.padding,
+                       args.seed, spec_t=args.spec_t, device=args.device,
+                       per_step_lines=args.lines == "all" or (args.lines == "auto" and args.steps <= 16))
     except ValueError as err:
         parser.error(str(err))
-    times = sorted(run.step_ms)
-    print(
-        f"  median step {times[len(times) // 2]:.2f} ms over {len(times)} steps; "
-        f"final pool checksum {pool_checksum(run.pool):+.6e}"
-    )
+    times = sorted(run.step_us)
+    print(f"  path {run.path.value}; median step {times[len(times) // 2]:.1f} us over {len(times)} steps "
+          f"(first step {run.step_us[0]:.1f} us includes compilation); max |facade - oracle| {run.max_err:.3e}; "
+          f"final pool checksum {pool_checksum(run.pool):+.6e}")
     problems = check_bounds_policy(run)
+    if run.max_err > MAX_ERR:
+        problems.append(f"max |facade - oracle| {run.max_err:.3e} exceeds {MAX_ERR} (bf16 outputs and pool)")
     for problem in problems:
         print(f"  FAILED: {problem}")
     if problems:
