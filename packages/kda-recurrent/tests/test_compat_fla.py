@@ -202,7 +202,11 @@ def _both(call_kwargs_for, x):
 @pytest.mark.parametrize("B", [1, 8, 64])
 def test_gpu_decode_pool_call_matches_fla(B):
     x = make_inputs("cuda", B=B, N=2 * B + 5)
-    slots = i32([(7 * b + 3) % (2 * B + 5) for b in range(B)], "cuda")
+    # Distinct slots: duplicate active slots are a caller error (two CTAs race on one state). N = 2B + 5 is odd, so
+    # the stride 2 is coprime with it; the old stride 7 repeated slots at B=8 (N=21) and B=64 (N=133 = 7 * 19).
+    slot_list = [(2 * b + 3) % (2 * B + 5) for b in range(B)]
+    assert len(set(slot_list)) == B
+    slots = i32(slot_list, "cuda")
     o_fla, pool_fla, o_kda, pool_kda = _both(lambda pool: serving_kwargs({**x, "pool": pool}, slots), x)
     torch.testing.assert_close(o_kda, o_fla, **tol())
     torch.testing.assert_close(pool_kda.float(), pool_fla.float(), **tol())
