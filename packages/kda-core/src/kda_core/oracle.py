@@ -318,6 +318,14 @@ def unpack_packed(mixed_qkv, raw_gate, raw_beta, num_heads, head_dim=128):
     return part(0), part(1), part(2), g, beta
 
 
-from kda_core.oracle_ucache import commit_ucache_ref, ucache_verify_flush_ref  # noqa: E402
+__all__ += ["ucache_verify_flush_ref", "commit_ucache_ref"]  # noqa: F822 (resolved by __getattr__ below)
 
-__all__ += ["ucache_verify_flush_ref", "commit_ucache_ref"]
+
+def __getattr__(name):
+    # The ucache references live in oracle_ucache, which imports this module's step; resolving them lazily lets
+    # either module be imported first without a circular import.
+    if name in ("ucache_verify_flush_ref", "commit_ucache_ref"):
+        from kda_core import oracle_ucache
+
+        return getattr(oracle_ucache, name)
+    raise AttributeError(f"module 'kda_core.oracle' has no attribute {name!r}")
