@@ -5,12 +5,12 @@
 #   bash ci/gpu_all.sh TAG PART...     PART in: core t1 generic ucache recurrent
 # Stage choice per part (the tuning sweeps are left out; they have their own scripts):
 #   core: tests + validation bench; t1: tests, memcheck, bench; generic: tests, memcheck, quick bench;
-#   ucache: tests, main bench (T=8, w16), T=4 and w32 points; recurrent: tests, bench.
+#   ucache: tests, main bench (T=8, w16); recurrent: tests, bench.
 set -uo pipefail
 tag=$1; shift
 OUT=${OUT:-$PWD/gpu_out}
 res=$(mktemp -d)
-declare -A limit=([core]=90 [t1]=200 [generic]=200 [ucache]=240 [recurrent]=200)
+declare -A limit=([core]=60 [t1]=150 [generic]=120 [ucache]=180 [recurrent]=150)
 summary=()
 for part in "$@"; do
   dir="$res/$part"; mkdir -p "$dir"
@@ -19,7 +19,7 @@ for part in "$@"; do
     core) OUT=$dir timeout "${limit[core]}" bash ci/gpu_core.sh ;;
     t1) OUT=$dir T1_STAGES="tests memcheck bench" timeout "${limit[t1]}" bash ci/gpu_t1.sh ;;
     generic) OUT=$dir GENERIC_STAGES="tests memcheck bench" GENERIC_BENCH=quick timeout "${limit[generic]}" bash ci/gpu_generic.sh ;;
-    ucache) OUT=$dir UCACHE_STAGES="tests bench more" timeout "${limit[ucache]}" bash ci/gpu_ucache.sh ;;
+    ucache) OUT=$dir UCACHE_STAGES="tests bench" timeout "${limit[ucache]}" bash ci/gpu_ucache.sh ;;
     recurrent) OUT=$dir timeout "${limit[recurrent]}" bash ci/gpu_recurrent.sh ;;
     *) echo "unknown part $part"; false ;;
   esac > "$dir/stdout" 2>&1
