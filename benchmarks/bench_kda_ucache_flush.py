@@ -78,8 +78,12 @@ def make_step(B, T, H, w_ring, flush_min, fold_pct, verify_hist, seed=0):
     # G must be a cumulative decay in LOGICAL order (row j at physical slot (base + j) & 31): a cumsum in physical
     # order makes G_{P-1} - G_j positive on wrapped windows, replay weights up to e^8, and outputs no real step sees.
     g_steps = -0.5 * torch.rand(B, H, RING_SLOTS, K, generator=gen, device="cuda")
+    # The rings are indexed by POOL SLOT while the cursors are per request: request b's window lives in ring row
+    # slots[b] and starts at base[b], so lay each request's cumulative decay out there.
     phys = ((base[:, None] + torch.arange(RING_SLOTS, device="cuda")[None, :]) % RING_SLOTS).long()
-    g_cache = torch.empty_like(g_steps).scatter_(2, phys[:, None, :, None].expand_as(g_steps), g_steps.cumsum(2))
+    g_by_request = torch.empty_like(g_steps).scatter_(2, phys[:, None, :, None].expand_as(g_steps), g_steps.cumsum(2))
+    g_cache = torch.empty_like(g_by_request)
+    g_cache[slots.long()] = g_by_request
     return dict(
         q=randn(B, T, H, K).bfloat16(), k=randn(B, T, H, K).bfloat16(), v=randn(B, T, H, K).bfloat16(),
         g=randn(B, T, H, K).bfloat16(), b=randn(B, T, H).bfloat16(),
