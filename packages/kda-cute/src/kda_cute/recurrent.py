@@ -95,13 +95,16 @@ class RecurrentConfig:
 # Schedule table, keyed on the number of (sequence, value head) states of the call. Small calls want many CTAs
 # (each is latency-bound: one load round trip per token); large calls want more rows per thread, so that the
 # per-token preamble (q/k/g loads, 8 exps per lane, the norms) is shared by more rows and fewer CTAs compete for
-# the same per-token vectors. tile_v = 32 keeps 4 rows (32 fp32 registers) per thread at K=128.
-# TODO(measure): first guess from the T=1 kernel's table; replace by the H200 sweep of ci/gpu_generic.sh.
+# the same per-token vectors.
+# Measured on the H200, 2026-11-29 (ci/gpu_generic.sh quick sweep, spec decode T=8, H=HV=12, bf16 pool,
+# benchmarks/results/generic_bench_h200.json): at 768 states tile 8/16/32/64 took 259/162/116/95 us, at 6144
+# states 2029/1335/962/795 us: 64 rows (8 per thread) wins both. The rows below 768 states are not measured yet
+# (first guess carried over from the T=1 table), nor is K=64.
 _SCHEDULE = (
     # (max N*HV, tile_v for K=128, tile_v for K=64)
     (192, 8, 16),
-    (1536, 16, 32),
-    (1 << 62, 32, 64),
+    (512, 16, 32),
+    (1 << 62, 64, 64),
 )
 
 
