@@ -7,7 +7,7 @@ needs, so that the cache key, the fake-tensor conventions and the alignment rule
 
 API (small on purpose):
 
-``target_arch() -> str``
+``target_arch() -> str`` / ``arch_for(device) -> str``
     The arch to compile for: ``CUTE_DSL_ARCH`` when set (e.g. ``"sm_90a"``; this is how CI compiles
     without a GPU), else the current CUDA device's capability (``sm_90a`` on Hopper, ``sm_100a`` on
     B200). ``arch_number("sm_100a") -> 100`` for ``const_expr`` branches.
@@ -74,6 +74,25 @@ def target_arch() -> str:
     major, minor = torch.cuda.get_device_capability()
     # 'a' (arch-specific) features exist from sm_90 on; older parts compile for the plain target.
     return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+
+
+_ARCH_BY_DEVICE: dict[int, str] = {}
+
+
+def arch_for(device: torch.device) -> str:
+    """:func:`target_arch` for the device a call's tensors live on, queried once per device index.
+
+    ``CUTE_DSL_ARCH`` still wins (read on every call, so a test or a compile check can switch it).
+    """
+    env = os.environ.get("CUTE_DSL_ARCH", "").strip()
+    if env:
+        return env
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    arch = _ARCH_BY_DEVICE.get(index)
+    if arch is None:
+        with torch.cuda.device(index):
+            arch = _ARCH_BY_DEVICE[index] = target_arch()
+    return arch
 
 
 def arch_number(arch: str) -> int:

@@ -467,23 +467,6 @@ def compile_variant(key, arch: str, extra_options: str = ""):
         _EXTRA_OPTIONS = saved
 
 
-_ARCH_BY_DEVICE: dict[int | None, str] = {}
-
-
-def _arch_for(device: torch.device) -> str:
-    """Target arch of ``device``, looked up once per device (CUTE_DSL_ARCH wins, as in _launch.target_arch)."""
-    index = device.index
-    arch = _ARCH_BY_DEVICE.get(index)
-    if arch is None:
-        if os.environ.get("CUTE_DSL_ARCH", "").strip():
-            arch = _launch.target_arch()
-        else:
-            with torch.cuda.device(index if index is not None else torch.cuda.current_device()):
-                arch = _launch.target_arch()
-        _ARCH_BY_DEVICE[index] = arch
-    return arch
-
-
 def _packed_views(mixed_qkv, raw_gate, raw_beta, H):
     """q, k, v, g [B, 1, H, 128] and beta [B, 1, H]: zero-copy views of the packed rows.
 
@@ -561,7 +544,7 @@ def _configure(B, H, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, l2no
                       beta_is_logit=beta_is_logit, use_qk_l2norm=l2norm, has_dt_bias=has_dt_bias, tile_v=cfg.tile_v,
                       aligned=aligned, smem_stage=cfg.smem_stage, rows_in_flight=cfg.rows_in_flight,
                       cache_hint=cfg.cache_hint)
-    compiled = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _arch_for(device))
+    compiled = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(device))
     # The positional tvm_ffi.Function under the DSL's kwargs wrapper (same 12 arguments, a few us less per call);
     # the compiled object rides along so that the module outlives any cache clearing.
     raw = getattr(compiled, "__tvm_ffi_object__", None)

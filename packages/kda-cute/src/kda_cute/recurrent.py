@@ -561,23 +561,6 @@ def compile_variant(key: tuple, arch: str, extra_options: str = ""):
         _EXTRA_OPTIONS = saved
 
 
-_ARCH_BY_DEVICE: dict[int, str] = {}
-
-
-def _arch_for(device: torch.device) -> str:
-    import os
-
-    env = os.environ.get("CUTE_DSL_ARCH", "").strip()
-    if env:
-        return env
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    arch = _ARCH_BY_DEVICE.get(index)
-    if arch is None:
-        with torch.cuda.device(index):
-            arch = _ARCH_BY_DEVICE[index] = _launch.target_arch()
-    return arch
-
-
 def _compact_states(t: torch.Tensor) -> torch.Tensor:
     """Dense initial states need compact inner dims [HV, V, K]; copy the rare strided view (not a pool)."""
     _, V, K = t.shape[1:]
@@ -686,7 +669,7 @@ def kda_recurrent_fwd(
         cu_dtype=None if cu_seqlens is None else cu_seqlens.dtype, gate=gate, beta_is_logit=beta_is_logit,
         use_qk_l2norm=use_qk_l2norm_in_kernel, has_dt_bias=dt_bias is not None, tile_v=cfg.tile_v, aligned=aligned,
     )
-    fn = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _arch_for(q.device))
+    fn = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(q.device))
     fn(
         q, k, v, g, beta, A_log, dt_bias, initial_state,
         final_state if state_mode == StateMode.DENSE else None,
