@@ -103,6 +103,7 @@ _SCHEDULE = {
 _FORCE_SMEM_STAGE: bool | None = None
 _FORCE_ROWS_IN_FLIGHT: int | None = None
 _FORCE_CACHE_HINT: str | None = None
+_FORCE_MIN_BLOCKS: int = 0  # resident-CTA floor handed to ptxas (caps registers); the sweep clears the caches
 
 
 def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool) -> DecodeT1Config:
@@ -211,6 +212,8 @@ class KDADecodeT1:
             max_ctas = 6 if self.rows <= 8 else 5
             occupancy = dict(min_blocks_per_mp=min(SMEM_PER_SM_BYTES // tile_bytes, max_ctas),
                              preferred_smem_carveout=100)
+        elif const_expr(_FORCE_MIN_BLOCKS):
+            occupancy = dict(min_blocks_per_mp=_FORCE_MIN_BLOCKS, preferred_smem_carveout=-1)
         self.kernel(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mSlot, mOut, scale, lower_bound).launch(
             grid=[HEAD_DIM // self.tile_v, H, B], block=[THREADS, 1, 1], stream=stream, **occupancy
         )

@@ -120,6 +120,10 @@ def select_config(n_states: int, head_dim: int) -> RecurrentConfig:
 # Kernel
 # --------------------------------------------------------------------------------------------------
 
+# Benchmarks' sweep hook: resident-CTA floor handed to ptxas (caps registers). Not in the compile key: a sweep
+# clears the compile cache between values.
+_FORCE_MIN_BLOCKS = 0
+
 LOAD_STREAM = dict(load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
 STORE_STREAM = dict(store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING)
 
@@ -226,7 +230,8 @@ class KDARecurrent:
         self.kernel(
             mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mFinal, mSlots, mNumAccepted, mCuSeqlens, mOut, scale,
             lower_bound,
-        ).launch(grid=[self.head_dim // self.tile_v, HV, n_seq], block=[THREADS, 1, 1], stream=stream)
+        ).launch(grid=[self.head_dim // self.tile_v, HV, n_seq], block=[THREADS, 1, 1], stream=stream,
+                 min_blocks_per_mp=_FORCE_MIN_BLOCKS, preferred_smem_carveout=-1 if _FORCE_MIN_BLOCKS else None)
 
     # ---- kernel ---------------------------------------------------------------------------------
 

@@ -120,6 +120,10 @@ def _mma_bf16_m16n8k16(a, b, c):
     return [Float32(llvm.extractvalue(ir_types.f32(), res, [i])) for i in range(4)]
 
 
+# Benchmarks' sweep hook: resident-CTA floor handed to ptxas (caps registers). Not in the compile key: a sweep
+# clears the compile cache between values.
+_FORCE_MIN_BLOCKS = 0
+
 DEFAULT_MMA = True
 """Dot products on warp MMA by default; the CUDA-core variant is kept for comparison (``mma=False``)."""
 
@@ -207,7 +211,8 @@ class UcacheVerifyFlush:
             scale,
             lower_bound,
             flush_min,
-        ).launch(grid=[HEAD_DIM // self.tile_v, self.heads, mQ.shape[0]], block=[self.threads, 1, 1], stream=stream)
+        ).launch(grid=[HEAD_DIM // self.tile_v, self.heads, mQ.shape[0]], block=[self.threads, 1, 1], stream=stream,
+                 min_blocks_per_mp=_FORCE_MIN_BLOCKS, preferred_smem_carveout=100 if _FORCE_MIN_BLOCKS else None)
 
     # ------------------------------------------------------------------------------------------------
     @cute.kernel
