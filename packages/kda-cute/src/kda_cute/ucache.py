@@ -120,8 +120,15 @@ def _mma_bf16_m16n8k16(a, b, c):
     return [Float32(llvm.extractvalue(ir_types.f32(), res, [i])) for i in range(4)]
 
 
-# Benchmarks' sweep hook: resident-CTA floor handed to ptxas (caps registers). Not in the compile key: a sweep
-# clears the compile cache between values.
+# Resident CTAs per SM asked of ptxas (``min_blocks_per_mp``: it caps the registers to fit), per MMA tile. Without
+# it the 256-thread tile-128 CTA takes 102 registers and 52.6 KB of shared memory: 2 CTAs per SM, 25% occupancy,
+# and ncu shows the kernel issue-bound (IPC 1.6, most warps waiting). Measured on the H200, 2026-11-29, T=8 w16
+# H=12, CUDA-graph replay (benchmarks/results/min_blocks_sweep_h200.json): tile 128 at 3 CTAs (80 registers, an
+# 8-byte spill) B=512 278 -> 236 us (0% folds), 342 -> 290 (100%), B=64 36.4 -> 31.1; tile 64 at 5 CTAs B=512
+# 347 -> 314 (6 CTAs: 316).
+MIN_CTAS_PER_SM = {64: 5, 128: 3}
+# Benchmarks' sweep hook: overrides the table when non-zero. Not in the compile key: a sweep clears the compile
+# cache between values.
 _FORCE_MIN_BLOCKS = 0
 
 DEFAULT_MMA = True
@@ -212,7 +219,12 @@ class UcacheVerifyFlush:
             lower_bound,
             flush_min,
         ).launch(grid=[HEAD_DIM // self.tile_v, self.heads, mQ.shape[0]], block=[self.threads, 1, 1], stream=stream,
-                 min_blocks_per_mp=_FORCE_MIN_BLOCKS, preferred_smem_carveout=100 if _FORCE_MIN_BLOCKS else None)
+                 **self.occupancy())
+
+    def occupancy(self) -> dict:
+        """Launch attributes: the resident-CTA floor (MMA variant) and the largest shared-memory carveout."""
+        ctas = _FORCE_MIN_BLOCKS or (MIN_CTAS_PER_SM.get(self.tile_v, 0) if self.mma else 0)
+        return dict(min_blocks_per_mp=ctas, preferred_smem_carveout=100) if ctas else {}
 
     # ------------------------------------------------------------------------------------------------
     @cute.kernel
