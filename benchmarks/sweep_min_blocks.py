@@ -13,8 +13,6 @@ import argparse
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _timing  # noqa: E402
 import ncu_cases  # noqa: E402

@@ -39,6 +39,41 @@ def inputs(B, T, H, seed):
     )  # fmt: skip
 
 
+def time_point(R, fla, timer, T, B, H, tiles, iterations):
+    """One (T, B) point: every tile of ours, FLA and the copy of the state bytes, on the same inputs."""
+    x = inputs(B, T, H, seed=B * 100 + T)
+    out = torch.empty(B, T, H, K, dtype=torch.bfloat16, device="cuda")
+
+    def ours():
+        R.kda_recurrent_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                            lower_bound=-5.0, use_gate_in_kernel=True, beta_is_logit=True, initial_state=x["pool"],
+                            ssm_state_indices=x["slots"], num_accepted_tokens=x["nat"], output=out)  # fmt: skip
+
+    def time_us(fn):
+        return _timing.median(timer.time(_timing.graph_of(fn), iterations=iterations, warmup=5))
+
+    default_select = R.select_config
+    nbytes = B * H * K * K * 2 * (1 + T)
+    rec = dict(T=T, B=B, H=H, states=B * H, default_tile=default_select(B * H, K).tile_v,
+               copy_us=time_us(_timing.copy_roofline(nbytes)), gpu=_timing.gpu_name(), timer=timer.backend)
+    if fla is not None:
+        rec["fla_us"] = time_us(lambda: fla(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+            initial_state=x["pool"], inplace_final_state=True, state_v_first=True, ssm_state_indices=x["slots"],
+            num_accepted_tokens=x["nat"], use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, out=out))  # fmt: skip
+    rec["tiles"] = {}
+    try:
+        for tile in tiles:
+            R.select_config = lambda n, k, tile=tile: R.RecurrentConfig(tile)
+            rec["tiles"][tile] = time_us(ours)
+    finally:
+        R.select_config = default_select
+    rec["best_tile"] = min(rec["tiles"], key=rec["tiles"].get)
+    rec["best_us"] = rec["tiles"][rec["best_tile"]]
+    return rec
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--t", type=int, nargs="+", default=[4, 8])
@@ -59,48 +94,16 @@ def main(argv=None):
         except ImportError as err:
             print("FLA unavailable:", err)
     timer = _timing.KernelTimer()
-    H = args.heads
     tiles = args.tile_v or list(R.tile_v_choices(K))
     records = []
-    default_select = R.select_config
     for T in args.t:
         for B in args.batch_size:
-            x = inputs(B, T, H, seed=B * 100 + T)
-            out = torch.empty(B, T, H, K, dtype=torch.bfloat16, device="cuda")
-
-            def ours():
-                R.kda_recurrent_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
-                                    dt_bias=x["dt_bias"], lower_bound=-5.0, use_gate_in_kernel=True,
-                                    beta_is_logit=True, initial_state=x["pool"], ssm_state_indices=x["slots"],
-                                    num_accepted_tokens=x["nat"], output=out)  # fmt: skip
-
-            def time_us(fn):
-                return _timing.median(timer.time(_timing.graph_of(fn), iterations=args.iterations, warmup=5))
-
-            nbytes = B * H * K * K * 2 * (1 + T)
-            rec = dict(T=T, B=B, H=H, states=B * H, default_tile=default_select(B * H, K).tile_v,
-                       copy_us=time_us(_timing.copy_roofline(nbytes)), gpu=_timing.gpu_name(), timer=timer.backend)
-            if fla is not None:
-                rec["fla_us"] = time_us(lambda: fla(
-                    x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                    initial_state=x["pool"], inplace_final_state=True, state_v_first=True,
-                    ssm_state_indices=x["slots"], num_accepted_tokens=x["nat"], use_qk_l2norm_in_kernel=True,
-                    use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, out=out))
-            rec["tiles"] = {}
-            try:
-                for tile in tiles:
-                    R.select_config = lambda n, k, tile=tile: R.RecurrentConfig(tile)
-                    rec["tiles"][tile] = time_us(ours)
-            finally:
-                R.select_config = default_select
-            best = min(rec["tiles"], key=rec["tiles"].get)
-            rec["best_tile"], rec["best_us"] = best, rec["tiles"][best]
+            rec = time_point(R, fla, timer, T, B, args.heads, tiles, args.iterations)
             records.append(rec)
             ratio = f" best/FLA {rec['best_us'] / rec['fla_us']:.2f}" if "fla_us" in rec else ""
             print(f"T={T} B={B:4d} " + " ".join(f"t{t}={us:7.2f}" for t, us in rec["tiles"].items())
                   + f"  fla={rec.get('fla_us', float('nan')):7.2f} copy={rec['copy_us']:6.2f}  "
-                  f"best t{best}{ratio} (table t{rec['default_tile']})", flush=True)
-            del x
+                  f"best t{rec['best_tile']}{ratio} (table t{rec['default_tile']})", flush=True)
             torch.cuda.empty_cache()
     if args.json:
         _timing.write_json(args.json, records)

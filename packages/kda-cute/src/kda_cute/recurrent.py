@@ -17,12 +17,15 @@ every mode is :func:`kda_core.oracle.recurrent_kda_ref`; this kernel computes th
 
 Work split. A CTA owns (sequence n, value head hv, tile of ``tile_v`` state rows) and 128 threads. A state row
 (K channels, contiguous) belongs to ``K / 8`` lanes, 8 channels each (16 lanes for K=128, 8 for K=64), so the
-CTA covers ``128 / (K / 8)`` rows per step and each thread keeps ``tile_v / row_groups`` rows in fp32
+CTA covers ``groups = 128 / (K / 8)`` rows per step and each thread keeps ``tile_v / groups`` rows in fp32
 registers for the whole token loop: the state is read once and written once (or once per token in spec mode).
-Per token every thread loads its lanes' q, k, g channels and its rows' v values, computes the decay and the
-norms with sub-warp butterflies, then updates its rows and writes o. The per-token vectors are tiny and hit
-L2/L1 (every CTA of the head reads the same ones); their latency is hidden by loading token t+1's vectors
-before the rows of token t are updated (a one-stage register prefetch).
+Tokens run in chunks of ``groups``: row group g prepares token g of the chunk once for the whole CTA (loads its
+q, k, g, beta and the tile's v values, computes the decay, the L2 norms with sub-warp butterflies, k^.q^ and
+beta) into shared memory, then every thread runs the chunk's tokens on its rows from there. Preparing a token
+once per CTA instead of once per row group cut the instructions per token about in half (ncu: the per-group
+preamble, 8 exps and a division per channel, dominated the old loop). The next chunk's raw inputs are loaded
+into registers before the current chunk's rows are updated (latency hidden) and prepared after; two shared
+buffers, one barrier per chunk.
 
 Compile-time variants: head dim, activation / g / beta dtypes, state mode (pool / spec / dense with or without
 initial and final state), state dtype, num_accepted_tokens present, varlen, cu_seqlens dtype, gate form, beta
@@ -93,17 +96,17 @@ class RecurrentConfig:
 
 
 # Schedule table, keyed on the number of (sequence, value head) states of the call. Small calls want many CTAs
-# (each is latency-bound: one load round trip per token); large calls want more rows per thread, so that the
-# per-token preamble (q/k/g loads, 8 exps per lane, the norms) is shared by more rows and fewer CTAs compete for
-# the same per-token vectors.
-# Measured on the H200, 2026-11-29 (ci/gpu_generic.sh quick sweep, spec decode T=8, H=HV=12, bf16 pool,
-# benchmarks/results/generic_bench_h200.json): at 768 states tile 8/16/32/64 took 259/162/116/95 us, at 6144
-# states 2029/1335/962/795 us: 64 rows (8 per thread) wins both. The rows below 768 states are not measured yet
-# (first guess carried over from the T=1 table), nor is K=64.
+# (each is latency-bound: one load round trip per chunk of tokens); large calls want more rows per thread, so that
+# the shared-memory reads of each token's prepared vectors serve more rows.
+# Measured on the H200, 2026-11-29, with the chunked token loop (benchmarks/sweep_recurrent_tiles.py, spec decode
+# with per-token checkpoints, H=HV=12, bf16 pool, CUDA-graph replay, CUPTI; benchmarks/results/
+# generic_tile_sweep_h200.json), T=8 tile 8/16/32/64 in us: B=1 5.95/5.73/7.49/11.25, B=4 14.9/8.8/10.0/11.5,
+# B=8 22.7/18.3/11.7/15.2, B=16 41.7/28.2/24.0/17.5, B=64 149/108/79/71, B=512 1158/840/626/568; T=4 picks the
+# same tiles. K=64 is not measured (same thresholds, its smallest tile is 16).
 _SCHEDULE = (
     # (max N*HV, tile_v for K=128, tile_v for K=64)
-    (192, 8, 16),
-    (512, 16, 32),
+    (48, 16, 16),
+    (96, 32, 32),
     (1 << 62, 64, 64),
 )
 
@@ -166,6 +169,7 @@ class KDARecurrent:
         self.tile_v = tile_v
         self.aligned = aligned
         self.rows = tile_v // self.groups
+        self.v_per_lane = (tile_v + self.lanes - 1) // self.lanes  # v values of a token one lane prepares
 
     # ---- small helpers ------------------------------------------------------------------------
 
@@ -313,107 +317,98 @@ class KDARecurrent:
                     self.copy_lane(gRow, frag, self.state_dtype, "load")
                     state_rows[j].store(frag.load().to(Float32))
 
-        # ---- the token loop ------------------------------------------------------------------------
-        kf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
-        qf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
-        gf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
-        decay = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
-        v_rows = cute.make_rmem_tensor((self.rows,), Float32)
-        bias = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        # ---- the token loop, in chunks of ``groups`` tokens -------------------------------------------
+        # Per chunk, row group g prepares token g once for the whole CTA (decay, norms, k^.q^, beta and the
+        # tile's v values, all into shared memory); then every thread runs the chunk's tokens on its rows,
+        # reading those vectors back. Two buffers: the next chunk's raw inputs are loaded into registers before
+        # the current chunk's rows are updated and prepared after them, so one barrier per chunk suffices.
+        C = self.groups
+        smem = cutlass.memory.SmemAllocator()
+        sK = smem.allocate_tensor(Float32, cute.make_layout((2, C, self.head_dim), stride=(C * self.head_dim,
+                                  self.head_dim, 1)), byte_alignment=16)
+        sQ = smem.allocate_tensor(Float32, cute.make_layout((2, C, self.head_dim), stride=(C * self.head_dim,
+                                  self.head_dim, 1)), byte_alignment=16)
+        sD = smem.allocate_tensor(Float32, cute.make_layout((2, C, self.head_dim), stride=(C * self.head_dim,
+                                  self.head_dim, 1)), byte_alignment=16)
+        sV = smem.allocate_tensor(Float32, cute.make_layout((2, C, self.tile_v), stride=(C * self.tile_v,
+                                  self.tile_v, 1)), byte_alignment=16)
+        sKQ = smem.allocate_tensor(Float32, cute.make_layout((2, C), stride=(C, 1)), byte_alignment=16)
+        sBeta = smem.allocate_tensor(Float32, cute.make_layout((2, C), stride=(C, 1)), byte_alignment=16)
+
         rate = Float32(0.0)
         if const_expr(self.gate != GateMode.PRECOMPUTED):
             rate = cute.math.exp(Float32(mALog[h]))
-            if const_expr(self.has_dt_bias):
-                self.load_lane_f32(cute.local_tile(mDtBias, (self.head_dim,), (h,)), lane, bias)
 
-        # One-stage register prefetch: token t+1's vectors are loaded (raw dtype) while token t is computed.
-        next_k = cute.make_rmem_tensor((CHANNELS_PER_LANE,), mK.element_type)
-        next_q = cute.make_rmem_tensor((CHANNELS_PER_LANE,), mQ.element_type)
-        next_g = cute.make_rmem_tensor((CHANNELS_PER_LANE,), mG.element_type)
-        next_v = cute.make_rmem_tensor((self.rows,), mV.element_type)
-        next_beta = cute.make_rmem_tensor((1,), mBeta.element_type)
+        # Raw (input dtype) registers of the token this thread's row group prepares next.
+        raw_k = cute.make_rmem_tensor((CHANNELS_PER_LANE,), mK.element_type)
+        raw_q = cute.make_rmem_tensor((CHANNELS_PER_LANE,), mQ.element_type)
+        raw_g = cute.make_rmem_tensor((CHANNELS_PER_LANE,), mG.element_type)
+        raw_v = cute.make_rmem_tensor((self.v_per_lane,), mV.element_type)
+        raw_beta = cute.make_rmem_tensor((1,), mBeta.element_type)
+        v_tile0 = v_tile * self.tile_v
+
+        n_chunks = (seq_len + C - 1) // C
         if seq_len > 0:
-            self.load_token(mQ, mK, mV, mG, mBeta, b_in, bos, h, hv, row0, lane,
-                            next_q, next_k, next_v, next_g, next_beta)
+            self.load_chunk_token(mQ, mK, mV, mG, mBeta, b_in, bos, seq_len, h, hv, v_tile0, group, lane,
+                                  raw_q, raw_k, raw_v, raw_g, raw_beta)
+            self.prepare_chunk_token(0, seq_len, group, lane, raw_q, raw_k, raw_v, raw_g, raw_beta, mDtBias, h, rate,
+                                     scale, lower_bound, sK, sQ, sD, sV, sKQ, sBeta)
 
-        for t in cutlass.range(seq_len, unroll=1):
-            tok = bos + t
-            kf.store(next_k.load().to(Float32))
-            qf.store(next_q.load().to(Float32))
-            gf.store(next_g.load().to(Float32))
-            v_rows.store(next_v.load().to(Float32))
-            beta = Float32(next_beta[0])
-            if t + 1 < seq_len:
-                self.load_token(mQ, mK, mV, mG, mBeta, b_in, tok + 1, h, hv, row0, lane,
-                                next_q, next_k, next_v, next_g, next_beta)
-            step = active
-            write_slot = Int32(-1)
-            if const_expr(self.state_mode == StateMode.SPEC):
-                if t < cute.size(mSlots, mode=[1]):
-                    write_slot = mSlots[n, t]
-                step = active & (write_slot >= 0) & (write_slot < cute.size(mState, mode=[0]))
-            if step:
-                if const_expr(self.beta_is_logit):
-                    beta = 1.0 / (1.0 + cute.math.exp(-beta))
-
-                # decay a[c] = exp(g_log[c]) for the lane's channels (DESIGN §3 steps 1-3)
-                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                    x = gf[c]
-                    if const_expr(self.gate == GateMode.PRECOMPUTED):
-                        decay[c] = cute.math.exp(x)
-                    else:
-                        if const_expr(self.has_dt_bias):
-                            x = x + bias[c]
-                        if const_expr(self.gate == GateMode.LOWER_BOUND):
-                            decay[c] = cute.math.exp(lower_bound / (1.0 + cute.math.exp(-(rate * x))))
-                        else:
-                            # softplus(x) = max(x, 0) + log1p(exp(-|x|)): no overflow, and equal to x in fp32
-                            # beyond 20 (the reference's threshold).
-                            softplus = cute.math.max(x, Float32(0.0)) + cute.math.log1p(
-                                cute.math.exp(-cute.math.abs(x))
-                            )
-                            decay[c] = cute.math.exp(-rate * softplus)
-
-                # norms (DESIGN §3 step 5)
-                q_scale = scale
-                k_scale = Float32(1.0)
-                if const_expr(self.use_qk_l2norm):
-                    k_ss = Float32(0.0)
-                    q_ss = Float32(0.0)
-                    for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                        k_ss = k_ss + kf[c] * kf[c]
-                        q_ss = q_ss + qf[c] * qf[c]
-                    k_scale = cute.math.rsqrt(self.row_sum(k_ss) + L2NORM_EPS)
-                    q_scale = scale * cute.math.rsqrt(self.row_sum(q_ss) + L2NORM_EPS)
-                kq = Float32(0.0)
-                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                    kf[c] = kf[c] * k_scale
-                    qf[c] = qf[c] * q_scale
-                    kq = kq + kf[c] * qf[c]
-                kq = self.row_sum(kq)
-
-                # rows: S' = a S; p = S'k^; u = b (v - p); S_new = S' + u k^; o = S'q^ + u (k^.q^)
-                for j in cutlass.range_constexpr(self.rows):
-                    sf = state_rows[j]
-                    p = Float32(0.0)
-                    sq = Float32(0.0)
-                    for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                        sf[c] = sf[c] * decay[c]
-                        p = p + sf[c] * kf[c]
-                        sq = sq + sf[c] * qf[c]
-                    p = self.row_sum(p)
-                    sq = self.row_sum(sq)
-                    u = beta * (v_rows[j] - p)
-                    for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                        sf[c] = sf[c] + u * kf[c]
-                    if lane == 0:
-                        mOut[b_in, tok, hv, row0 + j * self.groups] = (sq + u * kq).to(mOut.element_type)
+        kf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        qf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        decay = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        v_rows = cute.make_rmem_tensor((self.rows,), Float32)
+        for ch in cutlass.range(n_chunks, unroll=1):
+            cute.arch.sync_threads()
+            buf = ch % 2
+            first = ch * C
+            left = seq_len - first  # tokens from this chunk on
+            n_here = left
+            if n_here > C:
+                n_here = Int32(C)
+            if left > C:  # load the next chunk's token while this one runs
+                self.load_chunk_token(mQ, mK, mV, mG, mBeta, b_in, bos + first + C, left - C, h, hv, v_tile0,
+                                      group, lane, raw_q, raw_k, raw_v, raw_g, raw_beta)
+            for t in cutlass.range(n_here, unroll=1):
+                tok = bos + first + t
+                step = active
+                write_slot = Int32(-1)
                 if const_expr(self.state_mode == StateMode.SPEC):
-                    self.store_rows(mState[Int64(write_slot), hv, None, None], state_rows, row0, lane)
-            else:
-                if lane == 0:
+                    if first + t < cute.size(mSlots, mode=[1]):
+                        write_slot = mSlots[n, first + t]
+                    step = active & (write_slot >= 0) & (write_slot < cute.size(mState, mode=[0]))
+                if step:
+                    cute.autovec_copy(cute.local_tile(sK[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), kf)
+                    cute.autovec_copy(cute.local_tile(sQ[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), qf)
+                    cute.autovec_copy(cute.local_tile(sD[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), decay)
+                    cute.autovec_copy(cute.local_tile(sV[buf, t, None], (self.rows,), (group,)), v_rows)
+                    beta = sBeta[buf, t]
+                    kq = sKQ[buf, t]
+                    # rows: S' = a S; p = S'k^; u = b (v - p); S_new = S' + u k^; o = S'q^ + u (k^.q^)
                     for j in cutlass.range_constexpr(self.rows):
-                        mOut[b_in, tok, hv, row0 + j * self.groups] = Float32(0.0).to(mOut.element_type)
+                        sf = state_rows[j]
+                        p = Float32(0.0)
+                        sq = Float32(0.0)
+                        for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                            sf[c] = sf[c] * decay[c]
+                            p = p + sf[c] * kf[c]
+                            sq = sq + sf[c] * qf[c]
+                        p = self.row_sum(p)
+                        sq = self.row_sum(sq)
+                        u = beta * (v_rows[j] - p)
+                        for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                            sf[c] = sf[c] + u * kf[c]
+                        if lane == 0:
+                            mOut[b_in, tok, hv, row0 + j * self.groups] = (sq + u * kq).to(mOut.element_type)
+                    if const_expr(self.state_mode == StateMode.SPEC):
+                        self.store_rows(mState[Int64(write_slot), hv, None, None], state_rows, row0, lane)
+                else:
+                    if lane == 0:
+                        for j in cutlass.range_constexpr(self.rows):
+                            mOut[b_in, tok, hv, row0 + j * self.groups] = Float32(0.0).to(mOut.element_type)
+            if left > C:
+                self.prepare_chunk_token(1 - buf, left - C, group, lane, raw_q, raw_k, raw_v, raw_g, raw_beta,
+                                         mDtBias, h, rate, scale, lower_bound, sK, sQ, sD, sV, sKQ, sBeta)
 
         # ---- final state ------------------------------------------------------------------------------
         if const_expr(self.state_mode == StateMode.POOL):
@@ -433,14 +428,101 @@ class KDARecurrent:
                     self.zero_out(mOut, t, hv, row0, lane)
 
     @cute.jit
-    def load_token(self, mQ, mK, mV, mG, mBeta, b_in, tok, h, hv, row0, lane, dq, dk, dv, dg, dbeta):
-        """Raw (input dtype) registers <- token ``tok``'s k, q, g lane channels, v of the thread's rows, beta."""
-        self.copy_lane(cute.local_tile(mK[b_in, tok, h, None], (CHANNELS_PER_LANE,), (lane,)), dk, mK.element_type)
-        self.copy_lane(cute.local_tile(mQ[b_in, tok, h, None], (CHANNELS_PER_LANE,), (lane,)), dq, mQ.element_type)
-        self.copy_lane(cute.local_tile(mG[b_in, tok, hv, None], (CHANNELS_PER_LANE,), (lane,)), dg, mG.element_type)
-        for j in cutlass.range_constexpr(self.rows):
-            dv[j] = mV[b_in, tok, hv, row0 + j * self.groups]
-        dbeta[0] = mBeta[b_in, tok, hv]
+    def load_chunk_token(self, mQ, mK, mV, mG, mBeta, b_in, tok0, n_left, h, hv, v_tile0, group, lane, dq, dk, dv,
+                         dg, dbeta):
+        """Raw registers <- token ``tok0 + group`` (this row group's token of the chunk): the lane's k, q, g
+        channels, v of the tile rows ``lane + e * lanes``, beta. Zeros past the sequence's end (the prepare step
+        still runs there, so that every lane of a warp reaches its shuffles)."""
+        if group < n_left:
+            tok = tok0 + group
+            self.copy_lane(cute.local_tile(mK[b_in, tok, h, None], (CHANNELS_PER_LANE,), (lane,)), dk,
+                           mK.element_type)
+            self.copy_lane(cute.local_tile(mQ[b_in, tok, h, None], (CHANNELS_PER_LANE,), (lane,)), dq,
+                           mQ.element_type)
+            self.copy_lane(cute.local_tile(mG[b_in, tok, hv, None], (CHANNELS_PER_LANE,), (lane,)), dg,
+                           mG.element_type)
+            for e in cutlass.range_constexpr(self.v_per_lane):
+                r = lane + e * self.lanes
+                if const_expr(self.tile_v % self.lanes == 0):
+                    dv[e] = mV[b_in, tok, hv, v_tile0 + r]
+                else:
+                    if r < self.tile_v:
+                        dv[e] = mV[b_in, tok, hv, v_tile0 + r]
+            dbeta[0] = mBeta[b_in, tok, hv]
+        else:
+            dk.fill(0.0)
+            dq.fill(0.0)
+            dg.fill(0.0)
+            dv.fill(0.0)
+            dbeta.fill(0.0)
+
+    @cute.jit
+    def prepare_chunk_token(self, buf, n_left, group, lane, rq, rk, rv, rg, rbeta, mDtBias, h, rate, scale,
+                            lower_bound, sK, sQ, sD, sV, sKQ, sBeta):
+        """Shared memory [buf, group] <- the prepared vectors of this row group's token: decay a = exp(g_log)
+        (DESIGN §3 steps 1-3), k^ and scale * q^ (step 5), k^.q^, beta, and the tile's v values, stored at
+        ``group' * rows + j`` for tile row ``group' + j * groups`` (each thread then reads its rows contiguously).
+        Runs in every row group, also past the sequence's end (warp-uniform shuffles); only real tokens store."""
+        kf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        qf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        decay = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        gf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        vf = cute.make_rmem_tensor((self.v_per_lane,), Float32)
+        kf.store(rk.load().to(Float32))
+        qf.store(rq.load().to(Float32))
+        gf.store(rg.load().to(Float32))
+        vf.store(rv.load().to(Float32))
+        bias = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        if const_expr(self.gate != GateMode.PRECOMPUTED and self.has_dt_bias):
+            # dt_bias is re-read per chunk (an L1/L2 hit) rather than held in 8 registers across the token loop
+            self.load_lane_f32(cute.local_tile(mDtBias, (self.head_dim,), (h,)), lane, bias)
+        for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+            x = gf[c]
+            if const_expr(self.gate == GateMode.PRECOMPUTED):
+                decay[c] = cute.math.exp(x)
+            else:
+                if const_expr(self.has_dt_bias):
+                    x = x + bias[c]
+                if const_expr(self.gate == GateMode.LOWER_BOUND):
+                    decay[c] = cute.math.exp(lower_bound / (1.0 + cute.math.exp(-(rate * x))))
+                else:
+                    # softplus(x) = max(x, 0) + log1p(exp(-|x|)): no overflow, and equal to x in fp32 beyond 20
+                    # (the reference's threshold).
+                    softplus = cute.math.max(x, Float32(0.0)) + cute.math.log1p(cute.math.exp(-cute.math.abs(x)))
+                    decay[c] = cute.math.exp(-rate * softplus)
+        beta = Float32(rbeta[0])
+        if const_expr(self.beta_is_logit):
+            beta = 1.0 / (1.0 + cute.math.exp(-beta))
+        q_scale = scale
+        k_scale = Float32(1.0)
+        if const_expr(self.use_qk_l2norm):
+            k_ss = Float32(0.0)
+            q_ss = Float32(0.0)
+            for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                k_ss = k_ss + kf[c] * kf[c]
+                q_ss = q_ss + qf[c] * qf[c]
+            k_scale = cute.math.rsqrt(self.row_sum(k_ss) + L2NORM_EPS)
+            q_scale = scale * cute.math.rsqrt(self.row_sum(q_ss) + L2NORM_EPS)
+        kq = Float32(0.0)
+        for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+            kf[c] = kf[c] * k_scale
+            qf[c] = qf[c] * q_scale
+            kq = kq + kf[c] * qf[c]
+        kq = self.row_sum(kq)
+        if group < n_left:
+            cute.autovec_copy(kf, cute.local_tile(sK[buf, group, None], (CHANNELS_PER_LANE,), (lane,)))
+            cute.autovec_copy(qf, cute.local_tile(sQ[buf, group, None], (CHANNELS_PER_LANE,), (lane,)))
+            cute.autovec_copy(decay, cute.local_tile(sD[buf, group, None], (CHANNELS_PER_LANE,), (lane,)))
+            for e in cutlass.range_constexpr(self.v_per_lane):
+                r = lane + e * self.lanes
+                if const_expr(self.tile_v % self.lanes == 0):
+                    sV[buf, group, (r % self.groups) * self.rows + r // self.groups] = vf[e]
+                else:
+                    if r < self.tile_v:
+                        sV[buf, group, (r % self.groups) * self.rows + r // self.groups] = vf[e]
+            if lane == 0:
+                sKQ[buf, group] = kq
+                sBeta[buf, group] = beta
 
     @cute.jit
     def zero_out(self, mOut: cute.Tensor, tok, hv, row0, lane):
