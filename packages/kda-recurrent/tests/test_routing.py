@@ -323,8 +323,9 @@ def test_t1_entry_launches_on_the_validated_call_without_validating_again(monkey
                            None, None)
     assert o == "o" and len(launches) == 1
     args = launches[0]
-    assert args[:7] == (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["initial_state"], kw["ssm_state_indices"])
-    assert args[10] is call.gate_mode and args[13] == call.scale == 128**-0.5 and args[15] is call.aligned
+    assert args[0] is call  # the validated description: gate mode, scale, lower bound, alignment class
+    assert args[1:8] == (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["initial_state"], kw["ssm_state_indices"])
+    assert args[8] is kw["A_log"] and args[9] is kw["dt_bias"] and args[10] is True and args[11] is None
 
 
 FACADE_ARGS = [

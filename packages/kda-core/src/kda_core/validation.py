@@ -143,6 +143,8 @@ class RecurrentCall:
     """Pool rows (pool and spec modes), else None."""
     varlen: bool
     gate_mode: GateMode
+    lower_bound: float | None
+    """The lower-bound gate's floor (None for the softplus and precomputed gates)."""
     beta_is_logit: bool
     use_qk_l2norm_in_kernel: bool
     output_final_state: bool
@@ -819,8 +821,9 @@ def validate_recurrent(
                             on_cuda)
         call = _remember(key, RecurrentCall(
             mode=mode, B=B, T=T, N_seq=N_seq, H=H, HV=HV, K=K, V=K, N=N, varlen=varlen, gate_mode=gmode,
-            beta_is_logit=beta_is_logit, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            output_final_state=output_final_state, state_dtype=state_dtype, act_dtype=act, scale=scale,
+            lower_bound=None if lb is None else float(lb), beta_is_logit=beta_is_logit,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, output_final_state=output_final_state,
+            state_dtype=state_dtype, act_dtype=act, scale=scale,
             aligned=aligned, alignment=alignment, on_cuda=on_cuda, t1_eligible=reason is None,
             t1_reason=reason or _T1_OK[aligned],
         ))

@@ -79,8 +79,7 @@ def _t1_entry():
 
         def t1(call, q, k, v, g, beta, pool, slots, A_log, dt_bias, lower_bound, use_gate_in_kernel, beta_is_logit,
                use_qk_l2norm_in_kernel, scale, output):
-            return launch(q, k, v, g, beta, pool, slots, A_log, dt_bias, lower_bound, call.gate_mode, beta_is_logit,
-                          use_qk_l2norm_in_kernel, call.scale, output, call.aligned)
+            return launch(call, q, k, v, g, beta, pool, slots, A_log, dt_bias, use_qk_l2norm_in_kernel, output)
 
     return t1
 
