@@ -90,8 +90,21 @@ def make_inputs(B, H, dev):
     from kda_core.oracle import unpack_packed
 
     q, k, v, g, bt = unpack_packed(mixed, gate, beta, H, K)  # zero-copy views of the same rows
-    return dict(mixed=mixed, gate=gate, beta=beta, pool=pool, slots=slots, A_log=A_log, dt_bias=dt_bias, out=out,
-                q=q, k=k, v=v, g=g, bt=bt)
+    return dict(
+        mixed=mixed,
+        gate=gate,
+        beta=beta,
+        pool=pool,
+        slots=slots,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        out=out,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        bt=bt,
+    )
 
 
 def main(argv=None):
@@ -111,32 +124,37 @@ def main(argv=None):
     if on_gpu:
         import tvm_ffi
 
-        env.update(tvm_ffi=getattr(tvm_ffi, "__version__", "?"),
-                   torch_c_dlpack_exchange_api=hasattr(torch.Tensor, "__dlpack_c_exchange_api__"),
-                   torch_c_dlpack_addon_loaded=_addon_loaded(),
-                   TVM_FFI_DISABLE_TORCH_C_DLPACK=os.environ.get("TVM_FFI_DISABLE_TORCH_C_DLPACK"),
-                   gpu=torch.cuda.get_device_name())
+        env.update(
+            tvm_ffi=getattr(tvm_ffi, "__version__", "?"),
+            torch_c_dlpack_exchange_api=hasattr(torch.Tensor, "__dlpack_c_exchange_api__"),
+            torch_c_dlpack_addon_loaded=_addon_loaded(),
+            TVM_FFI_DISABLE_TORCH_C_DLPACK=os.environ.get("TVM_FFI_DISABLE_TORCH_C_DLPACK"),
+            gpu=torch.cuda.get_device_name(),
+        )
     else:
-        env.update(processor=platform.processor() or platform.machine(),
-                   note="validators with device_kind='any'; the compiled function is a Python no-op")
+        env.update(
+            processor=platform.processor() or platform.machine(),
+            note="validators with device_kind='any'; the compiled function is a Python no-op",
+        )
     print("env:", env)
 
     B, H = args.batch_size, args.heads
     x = make_inputs(B, H, args.device)
-    mixed, gate, beta, pool, slots, A_log, dt_bias, out = (x[n] for n in ("mixed", "gate", "beta", "pool", "slots",
-                                                                          "A_log", "dt_bias", "out"))
+    mixed, gate, beta, pool, slots, A_log, dt_bias, out = (
+        x[n] for n in ("mixed", "gate", "beta", "pool", "slots", "A_log", "dt_bias", "out")
+    )
     q, k, v, g, bt = (x[n] for n in ("q", "k", "v", "g", "bt"))
     kind = "cuda" if on_gpu else "any"
     gate_kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND)
     rows, notes = {}, {}
 
     if not on_gpu:  # the CPU stand-ins: a no-op compiled function, validators that accept CPU tensors
+
         def no_op(*_args):
             return None
 
         _launch.get_or_compile = lambda key, build, arch=None: no_op
-        decode_t1.validate_packed_decode_t1 = functools.partial(validation.validate_packed_decode_t1,
-                                                                device_kind="any")
+        decode_t1.validate_packed_decode_t1 = functools.partial(validation.validate_packed_decode_t1, device_kind="any")
         decode_t1.validate_decode_t1 = functools.partial(validation.validate_decode_t1, device_kind="any")
         real_validate = validation.validate_recurrent
         as_cuda = {}
@@ -156,35 +174,64 @@ def main(argv=None):
     def unpacked_entry():
         decode_t1.kda_decode_t1(q, k, v, g, bt, pool, slots, output=out, **gate_kw)
 
-    facade_kw = dict(initial_state=pool, use_gate_in_kernel=True, beta_is_logit=True, ssm_state_indices=slots,
-                     output=out, **gate_kw)
+    facade_kw = dict(
+        initial_state=pool, use_gate_in_kernel=True, beta_is_logit=True, ssm_state_indices=slots, output=out, **gate_kw
+    )
 
     def facade_call():
         facade.recurrent_kda(q, k, v, g, bt, **facade_kw)
 
-    facade_args = (q, k, v, g, bt, A_log, dt_bias, None, pool, False, True, True, LOWER_BOUND, True, None, slots, None,
-                   out)
+    facade_args = (
+        q,
+        k,
+        v,
+        g,
+        bt,
+        A_log,
+        dt_bias,
+        None,
+        pool,
+        False,
+        True,
+        True,
+        LOWER_BOUND,
+        True,
+        None,
+        slots,
+        None,
+        out,
+    )
     packed_entry()  # compile (GPU) and fill the memos
     unpacked_entry()
     facade_call()
-    packed_call = validation.validate_packed_decode_t1(mixed, gate, beta, pool, slots, num_heads=H, output=out,
-                                                       device_kind=kind, **gate_kw)
-    unpacked_call = validation.validate_decode_t1(q, k, v, g, bt, pool, slots, output=out, device_kind=kind,
-                                                  **gate_kw)
+    packed_call = validation.validate_packed_decode_t1(
+        mixed, gate, beta, pool, slots, num_heads=H, output=out, device_kind=kind, **gate_kw
+    )
+    unpacked_call = validation.validate_decode_t1(q, k, v, g, bt, pool, slots, output=out, device_kind=kind, **gate_kw)
     facade_t1_call = facade._validate(*facade_args)
     assert facade._route(facade_t1_call) is facade.Path.T1, facade._route(facade_t1_call)
 
     cases = [
-        ("validate_packed_decode_t1", lambda: validation.validate_packed_decode_t1(
-            mixed, gate, beta, pool, slots, num_heads=H, output=out, device_kind=kind, **gate_kw)),
-        ("validate_decode_t1", lambda: validation.validate_decode_t1(
-            q, k, v, g, bt, pool, slots, output=out, device_kind=kind, **gate_kw)),
+        (
+            "validate_packed_decode_t1",
+            lambda: validation.validate_packed_decode_t1(
+                mixed, gate, beta, pool, slots, num_heads=H, output=out, device_kind=kind, **gate_kw
+            ),
+        ),
+        (
+            "validate_decode_t1",
+            lambda: validation.validate_decode_t1(q, k, v, g, bt, pool, slots, output=out, device_kind=kind, **gate_kw),
+        ),
         ("validate_recurrent", lambda: validation.validate_recurrent(*facade_args, device_kind=kind)),
         ("facade routing", lambda: facade._route(facade_t1_call)),
-        ("packed launch glue + compiled call", lambda: decode_t1._run_packed(
-            packed_call, mixed, gate, beta, pool, slots, A_log, dt_bias, True, out)),
-        ("unpacked launch glue + compiled call", lambda: decode_t1._run(
-            unpacked_call, q, k, v, g, bt, pool, slots, A_log, dt_bias, True, out)),
+        (
+            "packed launch glue + compiled call",
+            lambda: decode_t1._run_packed(packed_call, mixed, gate, beta, pool, slots, A_log, dt_bias, True, out),
+        ),
+        (
+            "unpacked launch glue + compiled call",
+            lambda: decode_t1._run(unpacked_call, q, k, v, g, bt, pool, slots, A_log, dt_bias, True, out),
+        ),
     ]
     if on_gpu:
         memo = decode_t1._LAUNCH_MEMO
@@ -192,10 +239,14 @@ def main(argv=None):
         fn_unpacked = next(e[1] for key, e in memo.items() if key[0] == id(unpacked_call) and not key[1])
         scale = K**-0.5
         cases += [
-            ("compiled call alone, packed (8 tensors)", lambda: fn_packed(
-                mixed, gate, beta, A_log, dt_bias, pool, slots, out, scale, LOWER_BOUND)),
-            ("compiled call alone, views (10 tensors)", lambda: fn_unpacked(
-                q, k, v, g, bt, A_log, dt_bias, pool, slots, out, scale, LOWER_BOUND)),
+            (
+                "compiled call alone, packed (8 tensors)",
+                lambda: fn_packed(mixed, gate, beta, A_log, dt_bias, pool, slots, out, scale, LOWER_BOUND),
+            ),
+            (
+                "compiled call alone, views (10 tensors)",
+                lambda: fn_unpacked(q, k, v, g, bt, A_log, dt_bias, pool, slots, out, scale, LOWER_BOUND),
+            ),
         ]
         import tvm_ffi
 
@@ -206,13 +257,22 @@ def main(argv=None):
             print(f"tvm_ffi.from_dlpack failed: {type(err).__name__}: {err}")
         cases.append(("one tvm_ffi.from_dlpack", lambda: tvm_ffi.from_dlpack(pool)))
     else:
-        cases.append(("(cpu) validator wrapper overhead, per entry", lambda: decode_t1.validate_packed_decode_t1(
-            mixed, gate, beta, pool, slots, num_heads=H, output=out, **gate_kw)))
+        cases.append(
+            (
+                "(cpu) validator wrapper overhead, per entry",
+                lambda: decode_t1.validate_packed_decode_t1(
+                    mixed, gate, beta, pool, slots, num_heads=H, output=out, **gate_kw
+                ),
+            )
+        )
         notes["(cpu) validator wrapper overhead, per entry"] = "minus validate_packed_decode_t1 = the wrapper"
         cases.append(("(cpu) facade's CUDA-marking wrapper", lambda: facade._validate(*facade_args)))
         notes["(cpu) facade's CUDA-marking wrapper"] = "minus validate_recurrent = the wrapper"
-    cases += [("kda_decode_t1_packed (whole)", packed_entry), ("kda_decode_t1 (whole, views)", unpacked_entry),
-              ("recurrent_kda facade (whole, T=1 path)", facade_call)]
+    cases += [
+        ("kda_decode_t1_packed (whole)", packed_entry),
+        ("kda_decode_t1 (whole, views)", unpacked_entry),
+        ("recurrent_kda facade (whole, T=1 path)", facade_call),
+    ]
     if on_gpu:
         a = torch.randn(1024, device="cuda")
         c = torch.empty_like(a)
@@ -233,20 +293,35 @@ def main(argv=None):
     wrap = 0.0 if on_gpu else part("(cpu) validator wrapper overhead, per entry") - part("validate_packed_decode_t1")
     fwrap = 0.0 if on_gpu else part("(cpu) facade's CUDA-marking wrapper") - part("validate_recurrent")
     split = {
-        "packed entry": (part("kda_decode_t1_packed (whole)") - wrap, [
-            ("validation", part("validate_packed_decode_t1")),
-            ("launch glue + compiled call", part("packed launch glue + compiled call"))]),
-        "unpacked entry": (part("kda_decode_t1 (whole, views)") - wrap, [
-            ("validation", part("validate_decode_t1")),
-            ("launch glue + compiled call", part("unpacked launch glue + compiled call"))]),
-        "facade": (part("recurrent_kda facade (whole, T=1 path)") - fwrap, [
-            ("validation", part("validate_recurrent")), ("routing", part("facade routing")),
-            ("launch glue + compiled call", part("unpacked launch glue + compiled call"))]),
+        "packed entry": (
+            part("kda_decode_t1_packed (whole)") - wrap,
+            [
+                ("validation", part("validate_packed_decode_t1")),
+                ("launch glue + compiled call", part("packed launch glue + compiled call")),
+            ],
+        ),
+        "unpacked entry": (
+            part("kda_decode_t1 (whole, views)") - wrap,
+            [
+                ("validation", part("validate_decode_t1")),
+                ("launch glue + compiled call", part("unpacked launch glue + compiled call")),
+            ],
+        ),
+        "facade": (
+            part("recurrent_kda facade (whole, T=1 path)") - fwrap,
+            [
+                ("validation", part("validate_recurrent")),
+                ("routing", part("facade routing")),
+                ("launch glue + compiled call", part("unpacked launch glue + compiled call")),
+            ],
+        ),
     }
     if on_gpu:
-        for entry, compiled in (("packed entry", "compiled call alone, packed (8 tensors)"),
-                                ("unpacked entry", "compiled call alone, views (10 tensors)"),
-                                ("facade", "compiled call alone, views (10 tensors)")):
+        for entry, compiled in (
+            ("packed entry", "compiled call alone, packed (8 tensors)"),
+            ("unpacked entry", "compiled call alone, views (10 tensors)"),
+            ("facade", "compiled call alone, views (10 tensors)"),
+        ):
             parts = split[entry][1]
             glue = parts[-1][1] - part(compiled)
             parts[-1:] = [("launch glue", glue), ("compiled call", part(compiled))]
@@ -268,8 +343,18 @@ def main(argv=None):
         print(s.getvalue())
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(rows_us=rows, notes=notes, env=env, B=B, heads=H,
-                           split_us={e: dict(whole=w, **dict(p)) for e, (w, p) in split.items()}), fh, indent=1)
+            json.dump(
+                dict(
+                    rows_us=rows,
+                    notes=notes,
+                    env=env,
+                    B=B,
+                    heads=H,
+                    split_us={e: dict(whole=w, **dict(p)) for e, (w, p) in split.items()},
+                ),
+                fh,
+                indent=1,
+            )
         print(f"wrote {args.json}")
     return 0
 
