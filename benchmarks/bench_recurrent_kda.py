@@ -110,8 +110,8 @@ def bench_overhead(args, timer, fla_fwd):
         rec["route_us"] = per_call_us(lambda: facade._route(call), args.eager_calls * 10)
         if callable(t1):
             rec["t1_launch_us"] = _timing.eager_wall_us(
-                lambda: t1(call, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots, A_log, dt_bias, LOWER_BOUND,
-                           True, True, True, None, out), calls=args.eager_calls)
+                lambda: t1(call, x["q"], x["k"], x["v"], x["g"], x["beta"], pool, slots, A_log, dt_bias, True, out),
+                calls=args.eager_calls)
         if fla_fwd is not None:
             fla_kw = dict(A_log=A_log, dt_bias=dt_bias, initial_state=pool, inplace_final_state=True,
                           state_v_first=True, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True,

@@ -1,27 +1,46 @@
-"""Where the host time of one eager T=1 call goes (B=1, H=12, bf16 pool, packed inputs), on a GPU host.
+"""Where the host time of one eager T=1 call goes (B=1, H=12 by default, bf16 pool), packed entry first.
 
-Each line is the wall time per call of many back-to-back calls with one sync at the end, so it is the host cost
-whenever it exceeds the ~2.4 us kernel. Pieces: kda-core validation, the packed views, the cached compiled call
-alone (TVM-FFI + launch), the same call on tensors converted to tvm_ffi.Tensor beforehand (what the per-call
-torch -> DLPack conversion costs: with torch's C exchange API, ``__dlpack_c_exchange_api__``, it is a C call;
-without it, a Python ``__dlpack__`` per tensor), one ``tvm_ffi.from_dlpack``, the whole packed and unpacked entry
-points, and torch.mul(out=) as a yardstick. The first lines name the torch / tvm_ffi builds and that API.
+Each row is the wall time per call of many back-to-back calls with one sync at the end, so on a GPU it is the host
+cost whenever it exceeds the ~2.4 us kernel. Rows, then a split of each entry point into its parts:
 
-    python benchmarks/profile_t1_host.py [--calls 2000] [--json PATH]
+- validation: kda-core's ``validate_packed_decode_t1`` / ``validate_decode_t1`` / ``validate_recurrent``;
+- facade routing: ``facade._route`` on the validated call (the knob read included);
+- launch glue + compiled call: decode_t1's ``_run_packed`` / ``_run`` on a validated call (launch memo lookup, then
+  the compiled function);
+- compiled call alone: the cached TVM-FFI function with the packed rows (8 tensors) and with five views (10
+  tensors), and on tensors converted to ``tvm_ffi.Tensor`` beforehand (what the per-call torch -> DLPack conversion
+  costs); one ``tvm_ffi.from_dlpack``;
+- whole entries: ``kda_decode_t1_packed``, ``kda_decode_t1`` (on views of the same rows), ``recurrent_kda`` (the
+  facade, T=1 fast path); ``torch.mul(out=)`` as a yardstick of torch's own per-op cost.
+
+``--device cpu`` runs without a GPU: the validators take ``device_kind="any"``, the compile step is replaced by a
+Python no-op (so "launch glue" is the memo lookup and argument handling plus one Python call), the public entries'
+validators are wrapped to accept CPU tensors, and the facade sees its validated call marked as a CUDA call. The
+wrappers' own cost is printed as a row; the CPU figures are for comparing host-path changes on one machine, the
+GPU figures are the ones the targets (issue 3: 12 us packed; issue 4: 15 us facade) are about.
+
+    python benchmarks/profile_t1_host.py [--calls 2000] [--heads 12] [--json PATH]   # on the GPU host
+    python benchmarks/profile_t1_host.py --device cpu                                # validation + glue only
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
+import functools
 import io
 import json
 import os
+import platform
 import pstats
 import sys
 import time
 
 import torch
+
+K = 128
+LOWER_BOUND = -5.0
 
 
 def _addon_loaded():
@@ -34,117 +53,309 @@ def _addon_loaded():
     return getattr(addon, "_LIB", None) is not None
 
 
-def per_call_us(fn, calls):
+def per_call_us(fn, calls, sync):
     for _ in range(50):
         fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+    sync()
+    best = float("inf")
+    for _ in range(3):  # the best of three rounds: host timings only ever get slower from noise
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--calls", type=int, default=2000, help="calls per timing round (3 rounds, best kept)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--profile", action="store_true", help="also print a cProfile of the packed entry")
     p.add_argument("--json", type=str, default=None)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    import tvm_ffi
 
-    from kda_core.validation import validate_packed_decode_t1
-    from kda_cute import decode_t1
-
-    env = dict(torch=torch.__version__, tvm_ffi=getattr(tvm_ffi, "__version__", "?"),
-               torch_c_dlpack_exchange_api=hasattr(torch.Tensor, "__dlpack_c_exchange_api__"),
-               cuda_stream_protocol=hasattr(torch.cuda.Stream, "__cuda_stream__"),
-               torch_c_dlpack_addon_loaded=_addon_loaded(),
-               TVM_FFI_DISABLE_TORCH_C_DLPACK=os.environ.get("TVM_FFI_DISABLE_TORCH_C_DLPACK"))
-    print("env:", env)
-
-    B, H, K = 1, 12, 128
-    dev = "cuda"
+def make_inputs(B, H, dev):
     mixed = torch.randn(B, 3 * H * K, device=dev).bfloat16()
     gate = torch.randn(B, H * K, device=dev).bfloat16()
     beta = torch.randn(B, H, device=dev).bfloat16()
-    pool = (torch.randn(8, H, K, K, device=dev) * 0.1).bfloat16()
-    slots = torch.tensor([3], dtype=torch.int32, device=dev)
+    pool = (torch.randn(B + 7, H, K, K, device=dev) * 0.1).bfloat16()
+    slots = torch.arange(B, dtype=torch.int32, device=dev)
     A_log = torch.zeros(H, device=dev)
     dt_bias = torch.zeros(H * K, device=dev)
     out = torch.empty(B, 1, H, K, dtype=torch.bfloat16, device=dev)
-    kw = dict(num_heads=H, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, output=out)
+    from kda_core.oracle import unpack_packed
 
-    def full_packed():
-        decode_t1.kda_decode_t1_packed(mixed, gate, beta, pool, slots, **kw)
+    q, k, v, g, bt = unpack_packed(mixed, gate, beta, H, K)  # zero-copy views of the same rows
+    return dict(
+        mixed=mixed,
+        gate=gate,
+        beta=beta,
+        pool=pool,
+        slots=slots,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        out=out,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        bt=bt,
+    )
 
-    full_packed()
-    q, k, v, g, bt = decode_t1._packed_views(mixed, gate, beta, H)
 
-    def full_unpacked():
-        decode_t1.kda_decode_t1(q, k, v, g, bt, pool, slots, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
-                                output=out)
+def main(argv=None):
+    args = parse_args(argv)
+    on_gpu = args.device == "cuda"
+    if on_gpu and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (use --device cpu for validation + glue only)")
+    if not on_gpu:
+        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # the DSL reads it at import; nothing is compiled here
 
-    def validation():
-        validate_packed_decode_t1(mixed, gate, beta, pool, slots, **kw)
+    from kda_core import validation
+    from kda_cute import _launch, decode_t1
+    from kda_recurrent import facade
 
-    def views():
-        decode_t1._packed_views(mixed, gate, beta, H)
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    env = dict(torch=torch.__version__, python=platform.python_version(), device=args.device)
+    if on_gpu:
+        import tvm_ffi
 
-    (fn, _owner), = list(decode_t1._LAUNCH_MEMO.values())[:1]
-    scale = K**-0.5
+        env.update(
+            tvm_ffi=getattr(tvm_ffi, "__version__", "?"),
+            torch_c_dlpack_exchange_api=hasattr(torch.Tensor, "__dlpack_c_exchange_api__"),
+            torch_c_dlpack_addon_loaded=_addon_loaded(),
+            TVM_FFI_DISABLE_TORCH_C_DLPACK=os.environ.get("TVM_FFI_DISABLE_TORCH_C_DLPACK"),
+            gpu=torch.cuda.get_device_name(),
+        )
+    else:
+        env.update(
+            processor=platform.processor() or platform.machine(),
+            note="validators with device_kind='any'; the compiled function is a Python no-op",
+        )
+    print("env:", env)
 
-    def compiled_call():
-        fn(q, k, v, g, bt, A_log, dt_bias, pool, slots, out, scale, -5.0)
+    B, H = args.batch_size, args.heads
+    x = make_inputs(B, H, args.device)
+    mixed, gate, beta, pool, slots, A_log, dt_bias, out = (
+        x[n] for n in ("mixed", "gate", "beta", "pool", "slots", "A_log", "dt_bias", "out")
+    )
+    q, k, v, g, bt = (x[n] for n in ("q", "k", "v", "g", "bt"))
+    kind = "cuda" if on_gpu else "any"
+    gate_kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=LOWER_BOUND)
+    rows, notes = {}, {}
 
-    try:
-        ffi_args = [tvm_ffi.from_dlpack(t) for t in (q, k, v, g, bt, A_log, dt_bias, pool, slots, out)]
-    except Exception as err:  # a view tvm_ffi refuses: that row is skipped, the others still run
-        print(f"tvm_ffi.from_dlpack failed: {type(err).__name__}: {err}")
-        ffi_args = None
+    if not on_gpu:  # the CPU stand-ins: a no-op compiled function, validators that accept CPU tensors
 
-    def compiled_call_ffi_tensors():
-        fn(*ffi_args, scale, -5.0)
+        def no_op(*_args):
+            return None
 
-    def one_from_dlpack():
-        tvm_ffi.from_dlpack(pool)
+        _launch.get_or_compile = lambda key, build, arch=None: no_op
+        decode_t1.validate_packed_decode_t1 = functools.partial(validation.validate_packed_decode_t1, device_kind="any")
+        decode_t1.validate_decode_t1 = functools.partial(validation.validate_decode_t1, device_kind="any")
+        real_validate = validation.validate_recurrent
+        as_cuda = {}
 
-    def one_python_dlpack_fallback():  # what tvm_ffi does per torch tensor without the C exchange API
-        tvm_ffi.from_dlpack(torch.utils.dlpack.to_dlpack(pool))
+        def validate_as_cuda(*a):
+            call = real_validate(*a)
+            marked = as_cuda.get(id(call))
+            if marked is None:  # the remembered description, as a CUDA call would have it (T=1 eligible)
+                marked = as_cuda[id(call)] = (call, dataclasses.replace(call, on_cuda=True, t1_eligible=True))
+            return marked[1]
 
-    a = torch.randn(1024, device=dev)
-    c = torch.empty_like(a)
+        facade._validate = validate_as_cuda
 
-    def torch_mul():
-        torch.mul(a, 2.0, out=c)
+    def packed_entry():
+        decode_t1.kda_decode_t1_packed(mixed, gate, beta, pool, slots, num_heads=H, output=out, **gate_kw)
 
-    rows = {}
-    for name, f in [
-        ("validate_packed_decode_t1", validation), ("packed views", views), ("compiled call alone", compiled_call),
-        ("compiled call, ffi tensors", compiled_call_ffi_tensors if ffi_args else None),
-        ("one tvm_ffi.from_dlpack", one_from_dlpack), ("one to_dlpack+from_dlpack", one_python_dlpack_fallback),
-        ("kda_decode_t1_packed (whole)", full_packed),
-        ("kda_decode_t1 (whole)", full_unpacked), ("torch.mul(out=) yardstick", torch_mul)]:
-        if f is None:
-            continue
+    def unpacked_entry():
+        decode_t1.kda_decode_t1(q, k, v, g, bt, pool, slots, output=out, **gate_kw)
+
+    facade_kw = dict(
+        initial_state=pool, use_gate_in_kernel=True, beta_is_logit=True, ssm_state_indices=slots, output=out, **gate_kw
+    )
+
+    def facade_call():
+        facade.recurrent_kda(q, k, v, g, bt, **facade_kw)
+
+    facade_args = (
+        q,
+        k,
+        v,
+        g,
+        bt,
+        A_log,
+        dt_bias,
+        None,
+        pool,
+        False,
+        True,
+        True,
+        LOWER_BOUND,
+        True,
+        None,
+        slots,
+        None,
+        out,
+    )
+    packed_entry()  # compile (GPU) and fill the memos
+    unpacked_entry()
+    facade_call()
+    packed_call = validation.validate_packed_decode_t1(
+        mixed, gate, beta, pool, slots, num_heads=H, output=out, device_kind=kind, **gate_kw
+    )
+    unpacked_call = validation.validate_decode_t1(q, k, v, g, bt, pool, slots, output=out, device_kind=kind, **gate_kw)
+    facade_t1_call = facade._validate(*facade_args)
+    assert facade._route(facade_t1_call) is facade.Path.T1, facade._route(facade_t1_call)
+
+    cases = [
+        (
+            "validate_packed_decode_t1",
+            lambda: validation.validate_packed_decode_t1(
+                mixed, gate, beta, pool, slots, num_heads=H, output=out, device_kind=kind, **gate_kw
+            ),
+        ),
+        (
+            "validate_decode_t1",
+            lambda: validation.validate_decode_t1(q, k, v, g, bt, pool, slots, output=out, device_kind=kind, **gate_kw),
+        ),
+        ("validate_recurrent", lambda: validation.validate_recurrent(*facade_args, device_kind=kind)),
+        ("facade routing", lambda: facade._route(facade_t1_call)),
+        (
+            "packed launch glue + compiled call",
+            lambda: decode_t1._run_packed(packed_call, mixed, gate, beta, pool, slots, A_log, dt_bias, True, out),
+        ),
+        (
+            "unpacked launch glue + compiled call",
+            lambda: decode_t1._run(unpacked_call, q, k, v, g, bt, pool, slots, A_log, dt_bias, True, out),
+        ),
+    ]
+    if on_gpu:
+        memo = decode_t1._LAUNCH_MEMO
+        fn_packed = next(e[1] for key, e in memo.items() if key[0] == id(packed_call) and key[1])
+        fn_unpacked = next(e[1] for key, e in memo.items() if key[0] == id(unpacked_call) and not key[1])
+        scale = K**-0.5
+        cases += [
+            (
+                "compiled call alone, packed (8 tensors)",
+                lambda: fn_packed(mixed, gate, beta, A_log, dt_bias, pool, slots, out, scale, LOWER_BOUND),
+            ),
+            (
+                "compiled call alone, views (10 tensors)",
+                lambda: fn_unpacked(q, k, v, g, bt, A_log, dt_bias, pool, slots, out, scale, LOWER_BOUND),
+            ),
+        ]
+        import tvm_ffi
+
         try:
-            rows[name] = per_call_us(f, args.calls)
+            ffi = [tvm_ffi.from_dlpack(t) for t in (mixed, gate, beta, A_log, dt_bias, pool, slots, out)]
+            cases.append(("compiled call, packed, ffi tensors", lambda: fn_packed(*ffi, scale, LOWER_BOUND)))
+        except Exception as err:  # a tensor tvm_ffi refuses: that row is skipped, the others still run
+            print(f"tvm_ffi.from_dlpack failed: {type(err).__name__}: {err}")
+        cases.append(("one tvm_ffi.from_dlpack", lambda: tvm_ffi.from_dlpack(pool)))
+    else:
+        cases.append(
+            (
+                "(cpu) validator wrapper overhead, per entry",
+                lambda: decode_t1.validate_packed_decode_t1(
+                    mixed, gate, beta, pool, slots, num_heads=H, output=out, **gate_kw
+                ),
+            )
+        )
+        notes["(cpu) validator wrapper overhead, per entry"] = "minus validate_packed_decode_t1 = the wrapper"
+        cases.append(("(cpu) facade's CUDA-marking wrapper", lambda: facade._validate(*facade_args)))
+        notes["(cpu) facade's CUDA-marking wrapper"] = "minus validate_recurrent = the wrapper"
+    cases += [
+        ("kda_decode_t1_packed (whole)", packed_entry),
+        ("kda_decode_t1 (whole, views)", unpacked_entry),
+        ("recurrent_kda facade (whole, T=1 path)", facade_call),
+    ]
+    if on_gpu:
+        a = torch.randn(1024, device="cuda")
+        c = torch.empty_like(a)
+        cases.append(("torch.mul(out=) yardstick", lambda: torch.mul(a, 2.0, out=c)))
+
+    for name, fn in cases:
+        try:
+            rows[name] = per_call_us(fn, args.calls, sync)
         except Exception as err:  # one failing row must not hide the others
             print(f"{name}: {type(err).__name__}: {err}")
             continue
-        print(f"{name:32s} {rows[name]:8.2f} us/call", flush=True)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(500):
-        full_packed()
-    prof.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
-    print(s.getvalue())
+        print(f"{name:44s} {rows[name]:8.2f} us/call", flush=True)
+
+    # The split of each whole entry into its measured parts (whatever is left is Python glue in the entry itself).
+    def part(name):
+        return rows.get(name, float("nan"))
+
+    wrap = 0.0 if on_gpu else part("(cpu) validator wrapper overhead, per entry") - part("validate_packed_decode_t1")
+    fwrap = 0.0 if on_gpu else part("(cpu) facade's CUDA-marking wrapper") - part("validate_recurrent")
+    split = {
+        "packed entry": (
+            part("kda_decode_t1_packed (whole)") - wrap,
+            [
+                ("validation", part("validate_packed_decode_t1")),
+                ("launch glue + compiled call", part("packed launch glue + compiled call")),
+            ],
+        ),
+        "unpacked entry": (
+            part("kda_decode_t1 (whole, views)") - wrap,
+            [
+                ("validation", part("validate_decode_t1")),
+                ("launch glue + compiled call", part("unpacked launch glue + compiled call")),
+            ],
+        ),
+        "facade": (
+            part("recurrent_kda facade (whole, T=1 path)") - fwrap,
+            [
+                ("validation", part("validate_recurrent")),
+                ("routing", part("facade routing")),
+                ("launch glue + compiled call", part("unpacked launch glue + compiled call")),
+            ],
+        ),
+    }
+    if on_gpu:
+        for entry, compiled in (
+            ("packed entry", "compiled call alone, packed (8 tensors)"),
+            ("unpacked entry", "compiled call alone, views (10 tensors)"),
+            ("facade", "compiled call alone, views (10 tensors)"),
+        ):
+            parts = split[entry][1]
+            glue = parts[-1][1] - part(compiled)
+            parts[-1:] = [("launch glue", glue), ("compiled call", part(compiled))]
+    print("\nsplit (us per call" + ("" if on_gpu else ", CPU stand-ins' wrapper cost removed") + "):")
+    for entry, (whole, parts) in split.items():
+        rest = whole - sum(v for _, v in parts)
+        text = ", ".join(f"{n} {v:.2f}" for n, v in parts)
+        print(f"  {entry:15s} {whole:6.2f} = {text}, rest {rest:.2f}")
+
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(500):
+            packed_entry()
+        prof.disable()
+        sync()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
+        print(s.getvalue())
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(rows_us=rows, env=env, gpu=torch.cuda.get_device_name()), fh, indent=1)
+            json.dump(
+                dict(
+                    rows_us=rows,
+                    notes=notes,
+                    env=env,
+                    B=B,
+                    heads=H,
+                    split_us={e: dict(whole=w, **dict(p)) for e, (w, p) in split.items()},
+                ),
+                fh,
+                indent=1,
+            )
+        print(f"wrote {args.json}")
     return 0
 
 

@@ -75,6 +75,28 @@ def test_values_are_read_at_call_time(monkeypatch):
     assert knobs.get("KDA_UCACHE_WRING") == 16
 
 
+def test_every_change_is_seen_by_the_next_read_and_an_invalid_value_raises_every_time(monkeypatch):
+    # get() re-parses only when the raw environment value changed: set, change, break, fix, unset, set again.
+    assert knobs.get("KDA_DECODE_TILE_V") == 0
+    for text, value in (("16", 16), ("16", 16), ("64", 64), (" 64", 64), ("", 0), ("8", 8)):
+        monkeypatch.setenv("KDA_DECODE_TILE_V", text)
+        assert knobs.get("KDA_DECODE_TILE_V") == value
+    monkeypatch.setenv("KDA_DECODE_TILE_V", "24")
+    for _ in range(2):
+        with pytest.raises(KDAError, match="^KDA_DECODE_TILE_V: expected"):
+            knobs.get("KDA_DECODE_TILE_V")
+    monkeypatch.setenv("KDA_DECODE_TILE_V", "32")
+    assert knobs.get("KDA_DECODE_TILE_V") == 32
+    monkeypatch.delenv("KDA_DECODE_TILE_V")
+    assert knobs.get("KDA_DECODE_TILE_V") == 0
+    os.environ["KDA_DECODE_TILE_V"] = "128"  # a plain os.environ write, not only monkeypatch
+    try:
+        assert knobs.get("KDA_DECODE_TILE_V") == 128
+    finally:
+        del os.environ["KDA_DECODE_TILE_V"]
+    assert knobs.get("KDA_DECODE_TILE_V") == 0
+
+
 def _run_table(env_extra):
     env = {k: v for k, v in os.environ.items() if k not in NAMES}
     env.update(env_extra)

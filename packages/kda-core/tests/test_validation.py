@@ -169,6 +169,13 @@ def test_recurrent_modes(mode):
     assert not call.t1_eligible
 
 
+def test_recurrent_call_carries_the_lower_bound_of_its_gate():
+    assert rec(rec_args()).lower_bound == -5.0
+    assert rec(_with(rec_args(), lower_bound=-2)).lower_bound == -2.0
+    assert rec(_with(rec_args(), lower_bound=None)).lower_bound is None  # softplus gate
+    assert rec(_with(rec_args(), use_gate_in_kernel=False)).lower_bound is None  # precomputed: ignored
+
+
 def test_recurrent_varlen_counts_sequences_from_cu_seqlens_shape():
     a = _with(rec_args(B=1, T=7, mode="dense"), cu_seqlens=torch.tensor([0, 3, 3, 7], dtype=torch.int64))
     call = rec(a)

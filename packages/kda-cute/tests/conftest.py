@@ -67,10 +67,11 @@ class DecodeCase:
 
 
 def make_case(B, H, *, state_dtype=torch.bfloat16, gate="lower_bound", n_slots=None, slots=None, seed=0,
-              row_pad=0, pool_row_pad=0, g_dtype=torch.bfloat16, device="cuda"):
+              row_pad=0, row_shift=0, pool_row_pad=0, g_dtype=torch.bfloat16, device="cuda"):
     """Random decode inputs. ``gate``: "lower_bound" | "softplus" | "precomputed".
 
-    ``row_pad`` pads the packed GEMM rows (elements), ``pool_row_pad`` pads the pool's dim-0 stride.
+    ``row_pad`` pads the packed GEMM rows (elements), ``row_shift`` starts mixed_qkv and raw_gate that many elements
+    into their rows (a shifted data pointer), ``pool_row_pad`` pads the pool's dim-0 stride.
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     K = HEAD_DIM
@@ -81,13 +82,14 @@ def make_case(B, H, *, state_dtype=torch.bfloat16, gate="lower_bound", n_slots=N
     def rand(*shape):
         return torch.rand(*shape, generator=gen, device=device)
 
-    mixed = randn(B, 3 * H * K + row_pad).to(torch.bfloat16)[:, : 3 * H * K]
+    pad, at = row_pad + row_shift, row_shift
+    mixed = randn(B, 3 * H * K + pad).to(torch.bfloat16)[:, at : at + 3 * H * K]
     precomputed = gate == "precomputed"
     if precomputed:
-        raw_gate = (-rand(B, H * K + row_pad) * 0.5).to(g_dtype)[:, : H * K]
+        raw_gate = (-rand(B, H * K + pad) * 0.5).to(g_dtype)[:, at : at + H * K]
         raw_beta = rand(B, H).to(torch.bfloat16)
     else:
-        raw_gate = randn(B, H * K + row_pad).to(g_dtype)[:, : H * K]
+        raw_gate = randn(B, H * K + pad).to(g_dtype)[:, at : at + H * K]
         raw_beta = randn(B, H).to(torch.bfloat16)
     from kda_core.oracle import unpack_packed
 

@@ -1,5 +1,8 @@
 """CPU compile checks: every T=1 decode variant builds for sm_90a and sm_100a, and none spills registers.
 
+Packed variants (``packed=True``: the host wrapper that builds the q/k/v/g/beta views from the GEMM rows) launch the
+same kernel; they are compiled and spill-checked like the unpacked ones.
+
 No GPU needed (``CUTE_DSL_ARCH`` is set by conftest; ``--gpu-arch`` picks the target per compile).
 The structural axes (pool dtype x gate x tile x alignment) are crossed in full; the small const_expr
 flags (beta logit, in-kernel L2 norm, dt_bias, fp32 g / beta) are each flipped on a fixed base.
@@ -38,6 +41,14 @@ def _variants():
     for flag in (dict(beta_is_logit=False), dict(use_qk_l2norm=False), dict(has_dt_bias=False),
                  dict(g_dtype=torch.float32, gate=GateMode.PRECOMPUTED), dict(beta_dtype=torch.float32)):
         out.append({**base, **flag})
+    # The packed entry's host wrapper (views built in the traced host code) around the same kernel: every gate and
+    # pool dtype in both alignment classes, the fp32 precomputed gate and beta, the staged and all-rows tiles.
+    for sd, gate, aligned in itertools.product((torch.bfloat16, torch.float32), tuple(GateMode), (True, False)):
+        out.append({**base, "state_dtype": sd, "gate": gate, "aligned": aligned, "packed": True})
+    for flag in (dict(g_dtype=torch.float32, beta_dtype=torch.float32, gate=GateMode.PRECOMPUTED, beta_is_logit=False),
+                 dict(tile_v=32, smem_stage=True), dict(tile_v=128, rows_in_flight=16, cache_hint="global"),
+                 dict(tile_v=8, aligned=False)):
+        out.append({**base, **flag, "packed": True})
     return out
 
 
@@ -47,7 +58,8 @@ def _ident(v):
             f"{'-rif%d' % v['rows_in_flight'] if v.get('rows_in_flight') else ''}"
             f"{'-' + v['cache_hint'] if v.get('cache_hint', 'stream') != 'stream' else ''}"
             f"{'' if v['beta_is_logit'] else '-sigbeta'}{'' if v['use_qk_l2norm'] else '-nonorm'}"
-            f"{'' if v['has_dt_bias'] else '-nobias'}-g{str(v['g_dtype'])[6:]}-b{str(v['beta_dtype'])[6:]}")
+            f"{'' if v['has_dt_bias'] else '-nobias'}-g{str(v['g_dtype'])[6:]}-b{str(v['beta_dtype'])[6:]}"
+            f"{'-packed' if v.get('packed') else ''}")
 
 
 VARIANTS = _variants()
@@ -79,10 +91,12 @@ def _ptxas_report(ptx_path, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("tile_v", TILES)
-@pytest.mark.parametrize("aligned, smem_stage, rows_in_flight",
-                         [(True, False, 0), (False, False, 0), (True, True, 0), (True, False, 16)],
-                         ids=["aligned", "unaligned", "smem", "allrows"])
-def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, smem_stage, rows_in_flight, arch, tmp_path):
+@pytest.mark.parametrize("aligned, smem_stage, rows_in_flight, packed",
+                         [(True, False, 0, False), (False, False, 0, False), (True, True, 0, False),
+                          (True, False, 16, False), (True, False, 0, True), (False, False, 0, True)],
+                         ids=["aligned", "unaligned", "smem", "allrows", "packed", "packed-unaligned"])
+def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, smem_stage, rows_in_flight, packed, arch,
+                                          tmp_path):
     from kda_core.contracts import GateMode
     from kda_cute import decode_t1
 
@@ -90,7 +104,7 @@ def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, smem_sta
     key = decode_t1.variant_key(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
                                 gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
                                 tile_v=tile_v, aligned=aligned, smem_stage=smem_stage,
-                                rows_in_flight=rows_in_flight)
+                                rows_in_flight=rows_in_flight, packed=packed)
     decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
     ptx = sorted(tmp_path.glob("*.ptx"))
     assert ptx, "no PTX kept"

@@ -131,18 +131,75 @@ def test_all_inactive_batch_is_a_bitwise_noop_on_the_pool(state_dtype, make_case
     assert torch.count_nonzero(out) == 0
 
 
-def test_packed_and_unpacked_entries_are_bitwise_identical(make_case):
+def _decode_packed(case, *, output=None):
     from kda_cute import kda_decode_t1_packed
 
-    case = make_case(37, 12, row_pad=24, seed=5)
+    return kda_decode_t1_packed(case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, case.slots,
+                                num_heads=case.raw_beta.shape[1], output=output, **case.kwargs())
+
+
+# (B, row_pad, row_shift, aligned): GEMM rows padded to a 16-byte multiple, padded by an odd count (every row after
+# the first misaligned), shifted by one element (every pointer misaligned); B=1 ignores the row stride.
+PACKED_LAYOUTS = [(37, 24, 0, True), (64, 0, 0, True), (37, 3, 0, False), (5, 0, 1, False), (1, 3, 0, True),
+                  (1, 5, 1, False)]
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus", "precomputed"])
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("B, row_pad, row_shift, aligned", PACKED_LAYOUTS,
+                         ids=[f"B{b}-pad{p}-shift{s}" for b, p, s, _ in PACKED_LAYOUTS])
+def test_packed_and_unpacked_entries_are_bitwise_identical(B, row_pad, row_shift, aligned, state_dtype, gate,
+                                                           make_case):
+    """The packed entry's host wrapper (views built in the compiled host code) against the unpacked entry on torch
+    views of the same rows: same bits out, same bits in the pool, in both alignment classes."""
+    from kda_core.validation import validate_packed_decode_t1
+
+    g_dtype = torch.float32 if gate == "precomputed" else torch.bfloat16  # the fp32 precomputed gate rows too
+    case = make_case(B, 12, state_dtype=state_dtype, gate=gate, g_dtype=g_dtype, row_pad=row_pad,
+                     row_shift=row_shift, seed=5 + B)
+    call = validate_packed_decode_t1(case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, case.slots,
+                                     num_heads=12, **case.kwargs())
+    assert call.aligned is aligned  # both variants are exercised
+    ref_out, ref_pool = case.oracle()
     pool_a = case.pool.clone()
     out_unpacked = _decode(case)
     pool_unpacked = case.pool.clone()
     case.pool.copy_(pool_a)
-    out_packed = kda_decode_t1_packed(case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, case.slots,
-                                      num_heads=12, **case.kwargs())
+    out_packed = _decode_packed(case)
     assert torch.equal(out_packed, out_unpacked)
     assert torch.equal(case.pool, pool_unpacked)
+    _assert_matches_oracle(case, out_packed, case.pool, ref_out, ref_pool)
+
+
+def test_packed_entry_with_inactive_slots_and_a_given_output(make_case):
+    case = make_case(6, 12, n_slots=10, slots=[3, -1, 10, 7, -2147483648, 2147483647], row_pad=8, seed=2)
+    before = case.pool.clone()
+    ref_out, ref_pool = case.oracle()
+    out = torch.full((6, 1, 12, 128), 7.0, dtype=torch.bfloat16, device="cuda")
+    assert _decode_packed(case, output=out) is out
+    assert torch.count_nonzero(out[torch.tensor([1, 2, 4, 5], device="cuda")]) == 0
+    untouched = [s for s in range(10) if s not in (3, 7)]
+    assert torch.equal(case.pool[untouched], before[untouched])
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+def test_packed_cuda_graph_replay_follows_changed_rows_and_indices(make_case):
+    case = make_case(16, 12, n_slots=40, row_pad=8, seed=37)
+    out = torch.empty(16, 1, 12, 128, dtype=torch.bfloat16, device="cuda")
+    _decode_packed(case, output=out)  # load the module before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _decode_packed(case, output=out)
+    for step in range(3):
+        fresh = make_case(16, 12, n_slots=40, row_pad=8, seed=200 + step)
+        case.mixed_qkv.copy_(fresh.mixed_qkv)
+        case.raw_gate.copy_(fresh.raw_gate)
+        case.raw_beta.copy_(fresh.raw_beta)
+        case.slots.copy_(fresh.slots)
+        ref_out, ref_pool = case.oracle()
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
 
 
 def _shifted(t, shift=1):

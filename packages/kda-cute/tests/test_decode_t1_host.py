@@ -130,3 +130,139 @@ def test_alignment_classes_follow_pointer_and_strides():
     odd_rows = torch.zeros(4, 3 * 128 + 3, dtype=torch.bfloat16)[:, :128]
     assert alignment_of(odd_rows) == 2  # 774-byte row stride
     assert alignment_of(torch.zeros(1, 1, 2, 128, dtype=torch.bfloat16)[:, :, :1]) == 16  # size-1 dims ignored
+
+
+def test_variant_key_separates_the_packed_wrapper():
+    assert _key(packed=True) != _key()
+    assert _key(packed=True)[-1] is True and _key()[-1] is False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The per-call host path (validated call -> launch memo -> compiled function), with the compile step replaced by a
+# recorder so that it runs on CPU tensors: what reaches the compiled function, and when a new variant is chosen.
+
+
+class _Compiled:
+    """Stands in for a compiled variant: remembers its variant key and every call's arguments."""
+
+    def __init__(self, key):
+        self.key = key
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+@pytest.fixture
+def host_path(monkeypatch):
+    from kda_cute import decode_t1
+
+    compiled = []
+
+    def get_or_compile(key, build, arch):
+        compiled.append(_Compiled(key))
+        return compiled[-1]
+
+    monkeypatch.setattr(decode_t1._launch, "get_or_compile", get_or_compile)
+    monkeypatch.setattr(decode_t1, "_LAUNCH_MEMO", {})
+    monkeypatch.delenv("KDA_DECODE_TILE_V", raising=False)
+    return compiled
+
+
+def _packed_call(case, **over):
+    """Validate the packed form of ``case`` on the CPU (the entry points insist on CUDA) and launch it."""
+    from kda_core.validation import validate_packed_decode_t1
+    from kda_cute import decode_t1
+
+    kw = {**case.kwargs(), "output": None, "use_qk_l2norm_in_kernel": True, **over}
+    l2norm, output = kw.pop("use_qk_l2norm_in_kernel"), kw.pop("output")
+    H = case.raw_beta.shape[1]
+    call = validate_packed_decode_t1(case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, case.slots, num_heads=H,
+                                     output=output, device_kind="any", **kw)
+    return decode_t1._run_packed(call, case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, case.slots,
+                                 kw["A_log"], kw["dt_bias"], l2norm, output)
+
+
+def _unpacked_call(case, **over):
+    from kda_core.validation import validate_decode_t1
+    from kda_cute import decode_t1
+
+    kw = {**case.kwargs(), **over}
+    call = validate_decode_t1(case.q, case.k, case.v, case.g, case.beta, case.pool, case.slots, device_kind="any",
+                              **kw)
+    return decode_t1._run(call, case.q, case.k, case.v, case.g, case.beta, case.pool, case.slots, kw["A_log"],
+                          kw["dt_bias"], True, None)
+
+
+def test_packed_path_hands_the_gemm_rows_to_the_packed_variant(host_path, make_case):
+    case = make_case(3, 12, row_pad=24, device="cpu")
+    out = _packed_call(case)
+    (fn,) = host_path
+    assert fn.key[-1] is True  # the packed wrapper
+    (args,) = fn.calls
+    assert args[:3] == (case.mixed_qkv, case.raw_gate, case.raw_beta)  # no views: the tensors themselves
+    assert args[3] is case.A_log and args[4] is case.dt_bias and args[5] is case.pool and args[6] is case.slots
+    assert args[7] is out and out.shape == (3, 1, 12, 128) and out.dtype == torch.bfloat16
+    assert args[8:] == (128**-0.5, -5.0)
+
+
+def test_unpacked_path_hands_the_five_views_to_the_unpacked_variant(host_path, make_case):
+    case = make_case(3, 12, gate="softplus", device="cpu")
+    _unpacked_call(case, scale=0.25)
+    (fn,) = host_path
+    assert fn.key[-1] is False
+    (args,) = fn.calls
+    assert args[:5] == (case.q, case.k, case.v, case.g, case.beta)
+    assert args[10:] == (0.25, -1.0)  # the softplus gate's unused floor
+
+
+def test_precomputed_gate_passes_no_gate_tensors_and_a_2d_dt_bias_is_flattened(host_path, make_case):
+    case = make_case(2, 8, gate="precomputed", device="cpu")
+    _packed_call(case, A_log=torch.zeros(8), dt_bias=torch.zeros(8 * 128))
+    assert host_path[0].calls[0][3:5] == (None, None)
+    case = make_case(2, 8, device="cpu")
+    _packed_call(case, dt_bias=case.dt_bias.view(8, 128))
+    dt = host_path[1].calls[0][4]
+    assert dt.shape == (8 * 128,) and dt.data_ptr() == case.dt_bias.data_ptr()
+
+
+def test_repeated_calls_reuse_the_launch_and_a_new_shape_configures_again(host_path, make_case):
+    case = make_case(3, 12, device="cpu")
+    for _ in range(3):
+        _packed_call(case)
+    assert len(host_path) == 1 and len(host_path[0].calls) == 3
+    _unpacked_call(case)  # the same call through the unpacked entry: another variant
+    _packed_call(make_case(5, 12, device="cpu"))
+    assert [fn.key[-1] for fn in host_path] == [True, False, True]
+
+
+def test_a_changed_forced_tile_is_honoured_on_the_next_call(host_path, make_case, monkeypatch):
+    from kda_cute import decode_t1
+
+    tile_of = decode_t1.variant_key.__code__.co_varnames.index("tile_v")  # the key's order is the signature's
+    launched = []
+    case = make_case(3, 12, device="cpu")
+    for tile in (None, 64, 8, 64, None):
+        if tile is None:
+            monkeypatch.delenv("KDA_DECODE_TILE_V", raising=False)
+        else:
+            monkeypatch.setenv("KDA_DECODE_TILE_V", str(tile))
+        _packed_call(case)
+        (fn,) = [fn for fn in host_path if fn.calls]  # the variant this call launched
+        launched.append(fn.key[tile_of])
+        fn.calls.clear()
+    assert launched == [16, 64, 8, 64, 16]  # the schedule's tile at B=3, H=12, then each forced one
+    assert len(host_path) == 3  # a value seen before reuses its launch
+    monkeypatch.setenv("KDA_DECODE_TILE_V", "24")
+    with pytest.raises(KDAError, match="^KDA_DECODE_TILE_V: expected"):
+        _packed_call(case)
+
+
+def test_an_empty_batch_launches_nothing_and_returns_an_empty_output(host_path, make_case):
+    case = make_case(1, 12, device="cpu")
+    empty = {name: getattr(case, name)[:0] for name in ("mixed_qkv", "raw_gate", "raw_beta", "slots")}
+    for name, t in empty.items():
+        setattr(case, name, t)
+    out = _packed_call(case)
+    assert out.shape == (0, 1, 12, 128)
+    assert host_path == []

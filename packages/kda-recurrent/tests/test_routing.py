@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 
+from kda_core.contracts import GateMode
 from kda_core.errors import KDAError
 from kda_core.oracle import recurrent_kda_ref
 from kda_recurrent import facade
@@ -27,13 +28,15 @@ class Recorder:
     def __init__(self):
         self.paths: list[Path] = []
 
-    def t1(self, call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound, use_gate_in_kernel,
-           beta_is_logit, use_qk_l2norm_in_kernel, scale, output):
+    def t1(self, call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, use_qk_l2norm_in_kernel, output):
+        """The T=1 kernel's contract: gate mode, lower bound, beta convention and scale come from the validated
+        call (a wrong description shows as a mismatch with the oracle run on the facade's own arguments)."""
         self.paths.append(Path.T1)
         o, _ = recurrent_kda_ref(
-            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=state_pool,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-            lower_bound=lower_bound, beta_is_logit=beta_is_logit, ssm_state_indices=slot_indices,
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=call.scale, initial_state=state_pool,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=call.gate_mode is not GateMode.PRECOMPUTED, lower_bound=call.lower_bound,
+            beta_is_logit=call.beta_is_logit, ssm_state_indices=slot_indices,
         )
         if output is None:
             return o
@@ -311,20 +314,34 @@ def test_kda_error_is_a_value_error():
     assert issubclass(KDAError, ValueError)
 
 
-def test_t1_entry_launches_on_the_validated_call_without_validating_again(monkeypatch):
+def test_t1_entry_is_the_launch_on_the_validated_call_without_validating_again(monkeypatch):
     decode_t1 = pytest.importorskip("kda_cute.decode_t1")
     launches = []
     monkeypatch.setattr(decode_t1, "_run", lambda *args: launches.append(args) or "o")
     monkeypatch.setattr(decode_t1, "kda_decode_t1", lambda *a, **k: pytest.fail("validated twice"))
+    assert facade._t1_entry() is decode_t1._run  # no adapter frame between the facade and the launch
     kw = make_call()
     call = facade._validate(*(kw.get(n, d) for n, d in FACADE_ARGS))
     o = facade._t1_entry()(call, kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["initial_state"],
-                           kw["ssm_state_indices"], kw["A_log"], kw["dt_bias"], kw["lower_bound"], True, True, True,
-                           None, None)
+                           kw["ssm_state_indices"], kw["A_log"], kw["dt_bias"], True, None)
     assert o == "o" and len(launches) == 1
     args = launches[0]
-    assert args[:7] == (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["initial_state"], kw["ssm_state_indices"])
-    assert args[10] is call.gate_mode and args[13] == call.scale == 128**-0.5 and args[15] is call.aligned
+    assert args[0] is call  # the validated description: gate mode, scale, lower bound, alignment class
+    assert args[1:8] == (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["initial_state"], kw["ssm_state_indices"])
+    assert args[8] is kw["A_log"] and args[9] is kw["dt_bias"] and args[10] is True and args[11] is None
+    assert call.scale == 128**-0.5 and call.lower_bound == -5.0
+
+
+def test_the_facade_validates_once_per_call(kernels, as_if_cuda, monkeypatch):
+    from kda_core import validation
+
+    seen = []
+    real = facade._validate
+    monkeypatch.setattr(facade, "_validate", lambda *args: seen.append(1) or real(*args))
+    for name in ("validate_decode_t1", "validate_packed_decode_t1"):
+        monkeypatch.setattr(validation, name, lambda *a, **k: pytest.fail("validated twice"))
+    recurrent_kda(**make_call())
+    assert seen == [1] and kernels.paths == [Path.T1]
 
 
 FACADE_ARGS = [

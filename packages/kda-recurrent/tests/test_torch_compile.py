@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+from kda_core.contracts import GateMode
 from kda_core.oracle import recurrent_kda_ref
 from kda_recurrent import facade
 from kda_recurrent.facade import Path, recurrent_kda
@@ -100,11 +101,12 @@ def test_routing_runs_when_the_compiled_graph_runs_not_when_it_is_traced(monkeyp
         eligible = call.t1_eligible or "tensors not on a CUDA device" in call.t1_reason
         return dataclasses.replace(call, on_cuda=True, t1_eligible=eligible)
 
-    def t1(call, q, k, v, g, beta, pool, slots, A_log, dt_bias, lower_bound, gate, beta_is_logit, l2norm, scale, out):
+    def t1(call, q, k, v, g, beta, pool, slots, A_log, dt_bias, l2norm, out):
         paths.append(Path.T1)
         out.copy_(recurrent_kda_ref(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=pool,
-                                    use_gate_in_kernel=gate, lower_bound=lower_bound, beta_is_logit=beta_is_logit,
-                                    ssm_state_indices=slots)[0])
+                                    use_gate_in_kernel=call.gate_mode is not GateMode.PRECOMPUTED,
+                                    lower_bound=call.lower_bound,
+                                    beta_is_logit=call.beta_is_logit, ssm_state_indices=slots)[0])
         return out
 
     def generic(q, k, v, g, beta, *, output, **kwargs):

@@ -3,6 +3,13 @@
 Code reads a knob only through :func:`get`, which parses and validates the environment value at call time, so a
 bad value fails with a message naming the knob and its allowed values. ``python -m kda_core.knobs`` prints the
 table.
+
+:func:`get` sits on the eager T=1 hot path (the facade reads ``KDA_T1_FAST_PATH``, the launcher
+``KDA_DECODE_TILE_V``, on every call), where ``os.environ.get`` costs 0.2-0.5 us: it encodes the key, and raises and
+catches a KeyError inside when the variable is unset. On POSIX ``os.environ`` keeps the raw bytes in a plain dict
+(``os.environ._data``) that every write through ``os.environ`` (and pytest's ``monkeypatch.setenv``) updates, so
+:func:`get` reads the raw value there with one lookup and parses it again only when it changed. A change is seen by
+the next call, exactly as before; an invalid value raises on every call. Elsewhere it reads ``os.environ``.
 """
 
 from __future__ import annotations
@@ -90,16 +97,36 @@ KNOBS: dict[str, Knob] = {
 }
 
 
+_env = getattr(os.environ, "_data", None)
+_ENV_BYTES: dict | None = _env if os.name == "posix" and type(_env) is dict else None
+del _env
+_PARSED: dict[str, tuple] = {}  # name -> (key bytes, raw value bytes or None, typed value); valid values only
+
+
 def get(name: str):
     """The typed value of knob ``name`` from the environment, or its default when unset or empty."""
+    hit = _PARSED.get(name)
+    if hit is not None and _ENV_BYTES.get(hit[0]) == hit[1]:
+        return hit[2]
+    return _parse_env(name)
+
+
+def _parse_env(name: str):
     try:
         knob = KNOBS[name]
     except KeyError:
         raise KDAError(f"knob name: expected one of {', '.join(KNOBS)}, got {name!r}") from None
-    text = os.environ.get(name, "")
-    if text.strip() == "":
-        return knob.default
-    return knob.parse(text)
+    if _ENV_BYTES is None:
+        raw = None
+        text = os.environ.get(name, "")
+    else:
+        key = os.fsencode(name)
+        raw = _ENV_BYTES.get(key)
+        text = "" if raw is None else os.fsdecode(raw)
+    value = knob.default if text.strip() == "" else knob.parse(text)  # raises for an invalid value: not remembered
+    if _ENV_BYTES is not None:
+        _PARSED[name] = (key, raw, value)
+    return value
 
 
 def table() -> str:

@@ -143,6 +143,8 @@ class RecurrentCall:
     """Pool rows (pool and spec modes), else None."""
     varlen: bool
     gate_mode: GateMode
+    lower_bound: float | None
+    """The lower-bound gate's floor (None for the softplus and precomputed gates)."""
     beta_is_logit: bool
     use_qk_l2norm_in_kernel: bool
     output_final_state: bool
@@ -383,36 +385,94 @@ def _check_flag(name: str, value) -> None:
 
 # ----------------------------------------------------------------------------------------------------------------
 # T=1 decode
+#
+# The hot path of the three validators below reads each tensor's metadata once and tests every rule of that tensor
+# in one condition; only when the condition fails does it call the tensor's checker above, which re-tests the rules
+# in their documented order and raises the first broken one (so the messages come from one place). A legal call
+# costs one Python -> C call per fact read (shape, stride, dtype, device, data pointer), a handful of comparisons and
+# one dictionary lookup of a flat key; the facts of the description are derived only when the key is new.
+
+_T1_HEADS = frozenset(T1_HEAD_COUNTS)
+_ELEM_BYTES = {_BF16: 2, _F16: 2, _F32: 4}
+_DEFAULT_SCALE = {K: K**-0.5 for K in GENERIC_HEAD_DIMS}
+_INF = math.inf
+_HEAD_ELEMS = HEAD_DIM * HEAD_DIM
+_T1_TEXT = "[B, 1, H, K] (H == HV on the T=1 path)"
 
 
-def _check_t1_rest(
-    B, H, g_dtype, beta_dtype, state_pool, slot_indices, A_log, dt_bias, lower_bound, use_gate_in_kernel,
-    beta_is_logit, scale, output, names, dev,
-):
-    """Checks shared by the unpacked and packed T=1 entries once the activations gave B and H.
-
-    Returns (gate mode, scale, pool rows, pointer/stride bits of dt_bias and output)."""
+def _t1_tail(B, H, g_dtype, beta_dtype, state_pool, slot_indices, A_log, dt_bias, lower_bound, use_gate_in_kernel,
+             beta_is_logit, scale, output, names, dev, acc, is_packed) -> DecodeT1Call:
+    """Checks shared by the unpacked and packed T=1 entries once the activations gave B, H and their alignment bits
+    ``acc``; then the description, found by its facts."""
     if use_gate_in_kernel is not True and use_gate_in_kernel is not False:
         _check_flag("use_gate_in_kernel", use_gate_in_kernel)
     if beta_is_logit is not True and beta_is_logit is not False:
         _check_flag("beta_is_logit", beta_is_logit)
-    mode = gate_mode(use_gate_in_kernel, lower_bound)
-    if mode is GateMode.PRECOMPUTED:
-        types, text = _T1_PRECOMPUTED_TYPES, "bfloat16 or float32 (precomputed gate)"
-    else:
-        types, text = _BF16_ONLY, "bfloat16 (raw gate; float32 only with use_gate_in_kernel=False)"
-    if g_dtype not in types:
-        fail(names[0], f"dtype {text}", g_dtype)
-    if beta_dtype not in types:
+    types = _BF16_ONLY if use_gate_in_kernel else _T1_PRECOMPUTED_TYPES
+    if g_dtype not in types or beta_dtype not in types:
+        text = ("bfloat16 (raw gate; float32 only with use_gate_in_kernel=False)" if use_gate_in_kernel else
+                "bfloat16 or float32 (precomputed gate)")
+        if g_dtype not in types:
+            fail(names[0], f"dtype {text}", g_dtype)
         fail(names[1], f"dtype {text}", beta_dtype)
-    N = _rows("state_pool", state_pool, (H, HEAD_DIM, HEAD_DIM), _POOL_DTYPES, "bfloat16 or float32",
-              "[N, H, V, K]", dev)
-    _index("slot_indices", slot_indices, B, "[B]", dev)
-    acc = _check_gate_params(A_log, dt_bias, H, HEAD_DIM, use_gate_in_kernel, dev)
-    scale = _check_scalar_args(lower_bound, scale, HEAD_DIM, use_gate_in_kernel)
+
+    # state_pool [N, H, V, K]: inner dims compact, row stride padded to a multiple of 8 at most.
+    if not isinstance(state_pool, _Tensor):
+        _rows("state_pool", state_pool, (H, HEAD_DIM, HEAD_DIM), _POOL_DTYPES, "bfloat16 or float32", "[N, H, V, K]",
+              dev)
+    ps = state_pool.shape
+    pst = state_pool.stride()
+    state_dtype = state_pool.dtype
+    if (len(ps) != 4 or ps[1] != H or ps[2] != HEAD_DIM or ps[3] != HEAD_DIM
+            or (state_dtype is not _BF16 and state_dtype is not _F32) or state_pool.get_device() != dev
+            or pst[1] != _HEAD_ELEMS or pst[2] != HEAD_DIM or pst[3] != 1
+            or (ps[0] > 1 and (pst[0] < H * _HEAD_ELEMS or pst[0] % POOL_ROW_STRIDE_MULTIPLE))):
+        _rows("state_pool", state_pool, (H, HEAD_DIM, HEAD_DIM), _POOL_DTYPES, "bfloat16 or float32", "[N, H, V, K]",
+              dev)
+    N = ps[0]
+    acc |= state_pool.data_ptr()
+
+    if (not isinstance(slot_indices, _Tensor) or slot_indices.shape != (B,) or slot_indices.dtype is not _I32
+            or slot_indices.get_device() != dev or (B > 1 and slot_indices.stride()[0] != 1)):
+        _index("slot_indices", slot_indices, B, "[B]", dev)
+
+    if use_gate_in_kernel:
+        if (not isinstance(A_log, _Tensor) or A_log.shape != (H,) or A_log.dtype is not _F32
+                or A_log.get_device() != dev or not isinstance(dt_bias, _Tensor)
+                or ((ds := dt_bias.shape) != (H * HEAD_DIM,) and ds != (H, HEAD_DIM)) or dt_bias.dtype is not _F32
+                or dt_bias.get_device() != dev or not dt_bias.is_contiguous()):
+            _check_gate_params(A_log, dt_bias, H, HEAD_DIM, True, dev)
+        acc |= dt_bias.data_ptr()
+        if lower_bound is not None and (type(lower_bound) is not float or not -_INF < lower_bound < 0.0):
+            _check_scalar_args(lower_bound, None, HEAD_DIM, True)  # raises unless another legal number type
+        lb = lower_bound
+    else:
+        lb = None  # ignored (and unchecked) with a precomputed gate
+    if scale is None:
+        scale = _DEFAULT_SCALE[HEAD_DIM]
+    elif type(scale) is not float or not 0.0 < scale < _INF:
+        scale = _check_scalar_args(None, scale, HEAD_DIM, False)
+
     if output is not None:
-        acc |= _act("output", output, (B, 1, H, HEAD_DIM), "[B, 1, H, V]", _BF16_ONLY, "bfloat16", dev)
-    return mode, scale, N, acc
+        so = output.stride() if isinstance(output, _Tensor) else None
+        if (so is None or output.shape != (B, 1, H, HEAD_DIM) or output.dtype is not _BF16
+                or output.get_device() != dev or so[3] != 1):
+            _act("output", output, (B, 1, H, HEAD_DIM), "[B, 1, H, V]", _BF16_ONLY, "bfloat16", dev)
+        acc |= output.data_ptr() | ((so[0] if B > 1 else 0) | (so[2] if H > 1 else 0)) * 2
+
+    # (use_gate, lower_bound) determine the gate mode and hash faster than the enum (a Python-level __hash__).
+    key = ("t1", B, H, N, state_dtype, g_dtype, beta_dtype, use_gate_in_kernel, lb, beta_is_logit, scale, acc & 15,
+           is_packed, output is not None)
+    call = _MEMO.get(key)
+    if call is None:
+        alignment = _pow2_alignment(acc)
+        call = _remember(key, DecodeT1Call(
+            B=B, H=H, head_dim=HEAD_DIM, N=N, state_dtype=state_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype,
+            gate_mode=gate_mode(use_gate_in_kernel, lower_bound), beta_is_logit=beta_is_logit,
+            lower_bound=None if lb is None else float(lb), scale=scale, aligned=alignment >= VECTOR_BYTES,
+            alignment=alignment, packed=is_packed, has_output=output is not None,
+        ))
+    return call
 
 
 def validate_decode_t1(
@@ -447,41 +507,57 @@ def validate_decode_t1(
     shape = q.shape
     if len(shape) != 4 or shape[1] != 1 or shape[3] != HEAD_DIM:
         fail("q", f"shape [B, 1, H, {HEAD_DIM}] (T=1 decode)", tuple(shape))
-    B, H = shape[0], shape[2]
-    if H not in T1_HEAD_COUNTS:
+    B, _, H, _ = shape
+    if H not in _T1_HEADS:
         fail("q", f"a head count H (dim 2) in {T1_HEAD_COUNTS}", H)
-    dev = _device_index("q", q, device_kind)
-    text = "[B, 1, H, K] (H == HV on the T=1 path)"
-    acc = _act("q", q, shape, text, _BF16_ONLY, "bfloat16", dev)
-    acc |= _act("k", k, shape, text, _BF16_ONLY, "bfloat16", dev)
-    acc |= _act("v", v, shape, text, _BF16_ONLY, "bfloat16", dev)
-    acc |= _act("g", g, shape, text, _T1_PRECOMPUTED_TYPES, "bfloat16 or float32", dev)
-    _check("beta", beta, (B, 1, H), "[B, 1, H]", _T1_PRECOMPUTED_TYPES, "bfloat16 or float32", dev)
-    g_dtype, beta_dtype = g.dtype, beta.dtype
-    mode, scale, N, more = _check_t1_rest(
-        B, H, g_dtype, beta_dtype, state_pool, slot_indices, A_log, dt_bias, lower_bound, use_gate_in_kernel,
-        beta_is_logit, scale, output, ("g", "beta"), dev,
-    )
-    alignment = _pow2_alignment(acc | more | state_pool.data_ptr())
-    return _t1_description(B, H, N, state_pool.dtype, g_dtype, beta_dtype, mode, beta_is_logit, lower_bound, scale,
-                           alignment, False, output is not None)
+    dev = q.get_device()
+    if device_kind != "any":
+        _device_index("q", q, device_kind)  # "cuda" needs dev >= 0; anything else is not a device kind
+    sq = q.stride()
+    if q.dtype is not _BF16 or sq[3] != 1:
+        _act("q", q, shape, _T1_TEXT, _BF16_ONLY, "bfloat16", dev)
+    if not isinstance(k, _Tensor) or k.shape != shape or k.dtype is not _BF16 or k.get_device() != dev:
+        _act("k", k, shape, _T1_TEXT, _BF16_ONLY, "bfloat16", dev)
+    sk = k.stride()
+    if sk[3] != 1:
+        _act("k", k, shape, _T1_TEXT, _BF16_ONLY, "bfloat16", dev)
+    if not isinstance(v, _Tensor) or v.shape != shape or v.dtype is not _BF16 or v.get_device() != dev:
+        _act("v", v, shape, _T1_TEXT, _BF16_ONLY, "bfloat16", dev)
+    sv = v.stride()
+    if sv[3] != 1:
+        _act("v", v, shape, _T1_TEXT, _BF16_ONLY, "bfloat16", dev)
+    if (not isinstance(g, _Tensor) or g.shape != shape or ((g_dtype := g.dtype) is not _BF16 and g_dtype is not _F32)
+            or g.get_device() != dev):
+        _act("g", g, shape, _T1_TEXT, _T1_PRECOMPUTED_TYPES, "bfloat16 or float32", dev)
+    sg = g.stride()
+    if sg[3] != 1:
+        _act("g", g, shape, _T1_TEXT, _T1_PRECOMPUTED_TYPES, "bfloat16 or float32", dev)
+    if (not isinstance(beta, _Tensor) or beta.shape != (B, 1, H)
+            or ((beta_dtype := beta.dtype) is not _BF16 and beta_dtype is not _F32) or beta.get_device() != dev):
+        _check("beta", beta, (B, 1, H), "[B, 1, H]", _T1_PRECOMPUTED_TYPES, "bfloat16 or float32", dev)
+    # Alignment bits: the pointers, and the byte strides of the dims a row steps over (dim 1 has one token). The
+    # lowest set bit of an OR of element strides, times the power-of-two element size, is that of the byte strides.
+    bf16_steps = ((sq[0] | sk[0] | sv[0]) if B > 1 else 0) | ((sq[2] | sk[2] | sv[2]) if H > 1 else 0)
+    g_steps = (sg[0] if B > 1 else 0) | (sg[2] if H > 1 else 0)
+    acc = (q.data_ptr() | k.data_ptr() | v.data_ptr() | g.data_ptr() | bf16_steps * 2
+           | g_steps * (4 if g_dtype is _F32 else 2))
+    return _t1_tail(B, H, g_dtype, beta_dtype, state_pool, slot_indices, A_log, dt_bias, lower_bound,
+                    use_gate_in_kernel, beta_is_logit, scale, output, ("g", "beta"), dev, acc, False)
 
 
-def _t1_description(B, H, N, state_dtype, g_dtype, beta_dtype, mode, beta_is_logit, lower_bound, scale, alignment,
-                    is_packed, has_output):
-    lower_bound = lower_bound if mode is GateMode.LOWER_BOUND else None  # ignored (and unchecked) otherwise
-    # (use_gate, lower_bound) determine the gate mode and hash faster than the enum (a Python-level __hash__)
-    key = ("t1", B, H, N, state_dtype, g_dtype, beta_dtype, mode is not GateMode.PRECOMPUTED, lower_bound,
-           beta_is_logit, scale, alignment, is_packed, has_output)
-    call = _MEMO.get(key)
-    if call is None:
-        call = _remember(key, DecodeT1Call(
-            B=B, H=H, head_dim=HEAD_DIM, N=N, state_dtype=state_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype,
-            gate_mode=mode, beta_is_logit=beta_is_logit,
-            lower_bound=None if lower_bound is None else float(lower_bound), scale=scale,
-            aligned=alignment >= VECTOR_BYTES, alignment=alignment, packed=is_packed, has_output=has_output,
-        ))
-    return call
+def _packed_rows(name, t, B, row, dev):
+    """Checker of one packed GEMM-output operand [B, row] (raises the first broken rule)."""
+    if not isinstance(t, _Tensor):
+        fail(name, "a torch.Tensor", type(t).__name__)
+    if t.shape != (B, row):
+        fail(name, f"shape [B, {row // HEAD_DIM}*{HEAD_DIM}] = {(B, row)}", tuple(t.shape))
+    if t.get_device() != dev:
+        _fail_device(name, t, dev)
+    st = t.stride()
+    if st[1] != 1:
+        fail(name, "a contiguous last dimension (stride 1; the row stride is free)", f"strides {st}")
+    if B > 1 and st[0] < row:
+        fail(name, f"a row stride >= the row ({row} elements; rows must not overlap)", f"stride {st[0]}")
 
 
 def validate_packed_decode_t1(
@@ -507,10 +583,10 @@ def validate_packed_decode_t1(
     with a contiguous last dim (raw_beta: any strides) and a row stride of at least its row (padding allowed,
     overlap not). The rest as :func:`validate_decode_t1`.
     """
-    if type(num_heads) is not int:
-        fail("num_heads", f"an int in {T1_HEAD_COUNTS}", type(num_heads).__name__)
     H = num_heads
-    if H not in T1_HEAD_COUNTS:
+    if type(H) is not int:
+        fail("num_heads", f"an int in {T1_HEAD_COUNTS}", type(num_heads).__name__)
+    if H not in _T1_HEADS:
         fail("num_heads", f"a head count in {T1_HEAD_COUNTS}", H)
     width = 3 * H * HEAD_DIM
     if not isinstance(mixed_qkv, _Tensor):
@@ -521,31 +597,28 @@ def validate_packed_decode_t1(
     if mixed_qkv.dtype is not _BF16:
         fail("mixed_qkv", "dtype bfloat16", mixed_qkv.dtype)
     B = shape[0]
-    dev = _device_index("mixed_qkv", mixed_qkv, device_kind)
-    acc = 0
-    for name, t, row in (("mixed_qkv", mixed_qkv, width), ("raw_gate", raw_gate, H * HEAD_DIM)):
-        if not isinstance(t, _Tensor):
-            fail(name, "a torch.Tensor", type(t).__name__)
-        if t.shape != (B, row):
-            fail(name, f"shape [B, {row // HEAD_DIM}*{HEAD_DIM}] = {(B, row)}", tuple(t.shape))
-        if t.get_device() != dev:
-            _fail_device(name, t, dev)
-        st = t.stride()
-        if st[1] != 1:
-            fail(name, "a contiguous last dimension (stride 1; the row stride is free)", f"strides {st}")
-        if B > 1:
-            if st[0] < row:
-                fail(name, f"a row stride >= the row ({row} elements; rows must not overlap)", f"stride {st[0]}")
-            acc |= st[0] * t.element_size()
-        acc |= t.data_ptr()
-    _check("raw_beta", raw_beta, (B, H), "[B, num_heads]", _T1_PRECOMPUTED_TYPES, "bfloat16 or float32", dev)
-    mode, scale, N, more = _check_t1_rest(
-        B, H, raw_gate.dtype, raw_beta.dtype, state_pool, slot_indices, A_log, dt_bias, lower_bound,
-        use_gate_in_kernel, beta_is_logit, scale, output, ("raw_gate", "raw_beta"), dev,
-    )
-    alignment = _pow2_alignment(acc | more | state_pool.data_ptr())
-    return _t1_description(B, H, N, state_pool.dtype, raw_gate.dtype, raw_beta.dtype, mode, beta_is_logit,
-                           lower_bound, scale, alignment, True, output is not None)
+    dev = mixed_qkv.get_device()
+    if device_kind != "any":
+        _device_index("mixed_qkv", mixed_qkv, device_kind)
+    sm = mixed_qkv.stride()
+    if sm[1] != 1 or (B > 1 and sm[0] < width):
+        _packed_rows("mixed_qkv", mixed_qkv, B, width, dev)
+    gate_row = H * HEAD_DIM
+    if not isinstance(raw_gate, _Tensor) or raw_gate.shape != (B, gate_row) or raw_gate.get_device() != dev:
+        _packed_rows("raw_gate", raw_gate, B, gate_row, dev)
+    sr = raw_gate.stride()
+    if sr[1] != 1 or (B > 1 and sr[0] < gate_row):
+        _packed_rows("raw_gate", raw_gate, B, gate_row, dev)
+    g_dtype = raw_gate.dtype
+    if (not isinstance(raw_beta, _Tensor) or raw_beta.shape != (B, H)
+            or ((beta_dtype := raw_beta.dtype) is not _BF16 and beta_dtype is not _F32)
+            or raw_beta.get_device() != dev):
+        _check("raw_beta", raw_beta, (B, H), "[B, num_heads]", _T1_PRECOMPUTED_TYPES, "bfloat16 or float32", dev)
+    acc = mixed_qkv.data_ptr() | raw_gate.data_ptr()
+    if B > 1:
+        acc |= sm[0] * 2 | sr[0] * (4 if g_dtype is _F32 else 2)
+    return _t1_tail(B, H, g_dtype, beta_dtype, state_pool, slot_indices, A_log, dt_bias, lower_bound,
+                    use_gate_in_kernel, beta_is_logit, scale, output, ("raw_gate", "raw_beta"), dev, acc, True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -597,10 +670,17 @@ def validate_recurrent(
     act = q.dtype
     if act not in _ACT_DTYPES:
         fail("q", "dtype bfloat16, float16 or float32", act)
-    dev = _device_index("q", q, device_kind)
-    acc = _act("q", q, shape, "[B, T, H, K]", _ACT_DTYPES, "bfloat16, float16 or float32", dev)
-    act_only = (act,)
-    acc |= _act("k", k, shape, "[B, T, H, K] (the shape of q)", act_only, f"{act} (the dtype of q)", dev)
+    dev = q.get_device()
+    if device_kind != "any":
+        _device_index("q", q, device_kind)
+    sq = q.stride()
+    if sq[3] != 1:
+        _act("q", q, shape, "[B, T, H, K]", _ACT_DTYPES, "bfloat16, float16 or float32", dev)
+    if not isinstance(k, _Tensor) or k.shape != shape or k.dtype is not act or k.get_device() != dev:
+        _act("k", k, shape, "[B, T, H, K] (the shape of q)", (act,), f"{act} (the dtype of q)", dev)
+    sk = k.stride()
+    if sk[3] != 1:
+        _act("k", k, shape, "[B, T, H, K] (the shape of q)", (act,), f"{act} (the dtype of q)", dev)
     if not isinstance(v, _Tensor):
         fail("v", "a torch.Tensor", type(v).__name__)
     vs = v.shape
@@ -609,14 +689,32 @@ def validate_recurrent(
     HV = vs[2]
     if H < 1 or HV % H:
         fail("v", f"a value-head count HV (dim 2) divisible by the query-head count H = {H}", HV)
-    acc |= _act("v", v, vs, "[B, T, HV, V]", act_only, f"{act} (the dtype of q)", dev)
-    acc |= _act("g", g, vs, "[B, T, HV, K]", _ACT_DTYPES, "bfloat16, float16 or float32", dev)
-    _check("beta", beta, (B, T, HV), "[B, T, HV]", _ACT_DTYPES, "bfloat16, float16 or float32", dev)
-    for flag_name, flag in (("output_final_state", output_final_state),
-                            ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
-                            ("use_gate_in_kernel", use_gate_in_kernel), ("beta_is_logit", beta_is_logit)):
-        if flag is not True and flag is not False:
-            _check_flag(flag_name, flag)
+    sv = v.stride()
+    if v.dtype is not act or v.get_device() != dev or sv[3] != 1:
+        _act("v", v, vs, "[B, T, HV, V]", (act,), f"{act} (the dtype of q)", dev)
+    if (not isinstance(g, _Tensor) or g.shape != vs or (g_dtype := g.dtype) not in _ACT_DTYPES
+            or g.get_device() != dev):
+        _act("g", g, vs, "[B, T, HV, K]", _ACT_DTYPES, "bfloat16, float16 or float32", dev)
+    sg = g.stride()
+    if sg[3] != 1:
+        _act("g", g, vs, "[B, T, HV, K]", _ACT_DTYPES, "bfloat16, float16 or float32", dev)
+    if (not isinstance(beta, _Tensor) or beta.shape != (B, T, HV) or (beta_dtype := beta.dtype) not in _ACT_DTYPES
+            or beta.get_device() != dev):
+        _check("beta", beta, (B, T, HV), "[B, T, HV]", _ACT_DTYPES, "bfloat16, float16 or float32", dev)
+    if output_final_state is not True and output_final_state is not False:
+        _check_flag("output_final_state", output_final_state)
+    if use_qk_l2norm_in_kernel is not True and use_qk_l2norm_in_kernel is not False:
+        _check_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
+    if use_gate_in_kernel is not True and use_gate_in_kernel is not False:
+        _check_flag("use_gate_in_kernel", use_gate_in_kernel)
+    if beta_is_logit is not True and beta_is_logit is not False:
+        _check_flag("beta_is_logit", beta_is_logit)
+    # Alignment bits (see validate_decode_t1): pointers and the byte strides of every stepped dim.
+    qkv_steps = (((sq[0] | sk[0] | sv[0]) if B > 1 else 0) | ((sq[1] | sk[1] | sv[1]) if T > 1 else 0)
+                 | ((sq[2] | sk[2]) if H > 1 else 0) | (sv[2] if HV > 1 else 0))
+    g_steps = (sg[0] if B > 1 else 0) | (sg[1] if T > 1 else 0) | (sg[2] if HV > 1 else 0)
+    acc = (q.data_ptr() | k.data_ptr() | v.data_ptr() | g.data_ptr() | qkv_steps * _ELEM_BYTES[act]
+           | g_steps * _ELEM_BYTES[g_dtype])
 
     varlen = cu_seqlens is not None
     if varlen:
@@ -648,7 +746,8 @@ def validate_recurrent(
         ishape = idx.shape
         if len(ishape) == 1:
             mode = "pool"
-            _index("ssm_state_indices", idx, N_seq, "[N_seq] (one slot per sequence)", dev)
+            if ishape[0] != N_seq or (N_seq > 1 and idx.stride()[0] != 1):
+                _index("ssm_state_indices", idx, N_seq, "[N_seq] (one slot per sequence)", dev)
         elif len(ishape) == 2:
             mode = "spec"
             cols_ok = ishape[1] >= 1 if varlen else ishape[1] == T
@@ -659,12 +758,23 @@ def validate_recurrent(
                 fail("ssm_state_indices", "a contiguous last dimension", f"strides {idx.stride()}")
         else:
             fail("ssm_state_indices", "a 1-D [N_seq] or 2-D [N_seq, T] tensor", tuple(ishape))
-        if initial_state is None:
+        pool = initial_state
+        if pool is None:
             fail("initial_state", "the state pool [N, HV, V, K] when ssm_state_indices is given", None)
-        N = _rows("initial_state", initial_state, (HV, K, K), _POOL_DTYPES, "bfloat16 or float32 (a pool)",
-                  "[N, HV, V, K]", dev)
-        acc |= initial_state.data_ptr()
-        state_dtype = initial_state.dtype
+        if not isinstance(pool, _Tensor):
+            _rows("initial_state", pool, (HV, K, K), _POOL_DTYPES, "bfloat16 or float32 (a pool)", "[N, HV, V, K]",
+                  dev)
+        ps = pool.shape
+        pst = pool.stride()
+        state_dtype = pool.dtype
+        if (len(ps) != 4 or ps[1] != HV or ps[2] != K or ps[3] != K
+                or (state_dtype is not _BF16 and state_dtype is not _F32) or pool.get_device() != dev
+                or pst[1] != K * K or pst[2] != K or pst[3] != 1
+                or (ps[0] > 1 and (pst[0] < HV * K * K or pst[0] % POOL_ROW_STRIDE_MULTIPLE))):
+            _rows("initial_state", pool, (HV, K, K), _POOL_DTYPES, "bfloat16 or float32 (a pool)", "[N, HV, V, K]",
+                  dev)
+        N = ps[0]
+        acc |= pool.data_ptr()
     elif initial_state is not None:
         _check("initial_state", initial_state, (N_seq, HV, K, K), "[N_seq, HV, V, K]", _ACT_DTYPES,
                "bfloat16, float16 or float32", dev)
@@ -675,27 +785,45 @@ def validate_recurrent(
                  "a tensor")
         _index("num_accepted_tokens", num_accepted_tokens, N_seq, "[N_seq]", dev)
 
-    gmode = gate_mode(use_gate_in_kernel, lower_bound)
-    acc |= _check_gate_params(A_log, dt_bias, H, K, use_gate_in_kernel, dev)
-    scale = _check_scalar_args(lower_bound, scale, K, use_gate_in_kernel)
+    if use_gate_in_kernel:
+        if (not isinstance(A_log, _Tensor) or A_log.shape != (H,) or A_log.dtype is not _F32
+                or A_log.get_device() != dev or not isinstance(dt_bias, _Tensor)
+                or ((ds := dt_bias.shape) != (H * K,) and ds != (H, K)) or dt_bias.dtype is not _F32
+                or dt_bias.get_device() != dev or not dt_bias.is_contiguous()):
+            _check_gate_params(A_log, dt_bias, H, K, True, dev)
+        acc |= dt_bias.data_ptr()
+        if lower_bound is not None and (type(lower_bound) is not float or not -_INF < lower_bound < 0.0):
+            _check_scalar_args(lower_bound, None, K, True)  # raises unless another legal number type
+        lb = lower_bound
+    else:
+        lb = None  # ignored (and unchecked) with a precomputed gate
+    if scale is None:
+        scale = _DEFAULT_SCALE[K]
+    elif type(scale) is not float or not 0.0 < scale < _INF:
+        scale = _check_scalar_args(None, scale, K, False)
     if output is not None:
-        acc |= _act("output", output, vs, "[B, T, HV, V]", _BF16_ONLY, "bfloat16", dev)
+        so = output.stride() if isinstance(output, _Tensor) else None
+        if (so is None or output.shape != vs or output.dtype is not _BF16 or output.get_device() != dev
+                or so[3] != 1):
+            _act("output", output, vs, "[B, T, HV, V]", _BF16_ONLY, "bfloat16", dev)
+        acc |= output.data_ptr() | (((so[0] if B > 1 else 0) | (so[1] if T > 1 else 0)
+                                     | (so[2] if HV > 1 else 0)) * 2)
     on_cuda = dev >= 0
-    alignment = _pow2_alignment(acc)
-    g_dtype, beta_dtype = g.dtype, beta.dtype
-    lb = lower_bound if gmode is GateMode.LOWER_BOUND else None
     key = ("recurrent", mode, B, T, N_seq, H, HV, K, N, varlen, use_gate_in_kernel, lb, beta_is_logit,
-           use_qk_l2norm_in_kernel, output_final_state, state_dtype, act, g_dtype, beta_dtype, scale, alignment,
+           use_qk_l2norm_in_kernel, output_final_state, state_dtype, act, g_dtype, beta_dtype, scale, acc & 15,
            on_cuda)
     call = _MEMO.get(key)
     if call is None:
+        alignment = _pow2_alignment(acc)
         aligned = alignment >= VECTOR_BYTES
+        gmode = gate_mode(use_gate_in_kernel, lower_bound)
         reason = _t1_reason(T, varlen, mode, H, HV, K, act, g_dtype, beta_dtype, gmode, use_qk_l2norm_in_kernel,
                             on_cuda)
         call = _remember(key, RecurrentCall(
             mode=mode, B=B, T=T, N_seq=N_seq, H=H, HV=HV, K=K, V=K, N=N, varlen=varlen, gate_mode=gmode,
-            beta_is_logit=beta_is_logit, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            output_final_state=output_final_state, state_dtype=state_dtype, act_dtype=act, scale=scale,
+            lower_bound=None if lb is None else float(lb), beta_is_logit=beta_is_logit,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, output_final_state=output_final_state,
+            state_dtype=state_dtype, act_dtype=act, scale=scale,
             aligned=aligned, alignment=alignment, on_cuda=on_cuda, t1_eligible=reason is None,
             t1_reason=reason or _T1_OK[aligned],
         ))

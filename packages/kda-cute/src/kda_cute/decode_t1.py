@@ -28,7 +28,6 @@ and every H.
 """
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import cutlass
@@ -43,7 +42,8 @@ from kda_core.validation import validate_decode_t1, validate_packed_decode_t1
 
 from . import _launch
 
-__all__ = ["DecodeT1Config", "select_config", "kda_decode_t1", "kda_decode_t1_packed", "KDADecodeT1"]
+__all__ = ["DecodeT1Config", "select_config", "kda_decode_t1", "kda_decode_t1_packed", "KDADecodeT1",
+           "KDADecodeT1Packed"]
 
 THREADS = 128  # 8 half-warps of 16 lanes
 HALF_WARP = 16
@@ -391,6 +391,49 @@ class KDADecodeT1:
                     mOut[b, 0, h, row0 + group + j * ROW_GROUPS] = Float32(0.0).to(mOut.element_type)
 
 
+class KDADecodeT1Packed(KDADecodeT1):
+    """The packed entry's host wrapper: the same kernel, launched on the rows of one GEMM output.
+
+    The compiled function takes ``mixed_qkv`` [B, 3*H*128], ``raw_gate`` [B, H*128] and ``raw_beta`` [B, H] as they
+    are and builds the kernel's q, k, v, g [B, 1, H, 128] and beta [B, 1, H] views in the traced host code: q, k and
+    v start H*128 elements apart in a mixed row, the row stride (a runtime value) is their batch stride. This keeps
+    five torch views (~1 us each on the host) and two tensor conversions per call off the host path. Alignment: H*128
+    elements is a multiple of 128, so k and v are as aligned as mixed_qkv's pointer (the DSL carries the offset's
+    divisibility into the pointer type); the aligned variant is only chosen after kda-core classified the pointers
+    and row strides.
+    """
+
+    @cute.jit
+    def __call__(
+        self,
+        mMixed: cute.Tensor,  # [B, 3*H*K]: [q heads | k heads | v heads]
+        mGate: cute.Tensor,  # [B, H*K]
+        mRawBeta: cute.Tensor,  # [B, H]
+        mALog,  # [H] fp32, or None (precomputed gate)
+        mDtBias,  # [H*K] fp32, or None
+        mState: cute.Tensor,  # [N, H, V, K]
+        mSlot: cute.Tensor,  # [B] int32
+        mOut: cute.Tensor,  # [B, 1, H, V]
+        scale: Float32,
+        lower_bound: Float32,
+        stream,
+    ):
+        B = cute.size(mMixed, mode=[0])
+        H = cute.size(mRawBeta, mode=[1])
+        heads = H * HEAD_DIM  # elements of one operand's heads in a mixed row
+        # (B, T=1, H, K): the batch stride is the row stride; the single token's stride is never stepped over.
+        qkv = cute.make_layout((B, 1, H, HEAD_DIM), stride=(mMixed.stride[0], 0, HEAD_DIM, 1))
+        mQ = cute.make_tensor(mMixed.iterator, qkv)
+        mK = cute.make_tensor(mMixed.iterator + heads, qkv)
+        mV = cute.make_tensor(mMixed.iterator + 2 * heads, qkv)
+        mG = cute.make_tensor(mGate.iterator, cute.make_layout((B, 1, H, HEAD_DIM), stride=(mGate.stride[0], 0,
+                                                                                            HEAD_DIM, 1)))
+        mBeta = cute.make_tensor(mRawBeta.iterator, cute.make_layout((B, 1, H), stride=(mRawBeta.stride[0], 0,
+                                                                                        mRawBeta.stride[1])))
+        KDADecodeT1.__call__(self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mSlot, mOut, scale, lower_bound,
+                             stream)
+
+
 # --------------------------------------------------------------------------------------------------
 # Host side: validation (metadata only), compile cache, the two entry points
 # --------------------------------------------------------------------------------------------------
@@ -398,7 +441,7 @@ class KDADecodeT1:
 
 def _compile(key, arch):
     (state_dt, g_dt, beta_dt, gate, beta_is_logit, l2norm, has_dt_bias, tile_v, aligned, smem_stage, rows_in_flight,
-     cache_hint) = key
+     cache_hint, packed) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     B, N, H = _launch.sym_size(), _launch.sym_size(), _launch.sym_size()
@@ -407,14 +450,28 @@ def _compile(key, arch):
     def activation(dtype):
         return _launch.fake_tensor(cdt(dtype), (B, 1, H, HEAD_DIM), (None, None, None, 1), align_bytes=align)
 
+    if packed:  # GEMM rows [B, width] with a padded row stride; the widths are checked by kda-core
+        inputs = [
+            _launch.fake_tensor(cutlass.BFloat16, (B, _launch.sym_size()), (None, 1), align_bytes=align),  # mixed_qkv
+            _launch.fake_tensor(cdt(g_dt), (B, _launch.sym_size()), (None, 1), align_bytes=align),  # raw_gate
+            _launch.fake_tensor(cdt(beta_dt), (B, H), (None, None), align_bytes=1),  # raw_beta
+        ]
+    else:
+        inputs = [
+            activation(torch.bfloat16),  # q
+            activation(torch.bfloat16),  # k
+            activation(torch.bfloat16),  # v
+            activation(g_dt),  # g
+            _launch.fake_tensor(cdt(beta_dt), (B, 1, H), (None, None, None), align_bytes=1),
+        ]
+    gate_params = [None, None]
+    if gate != GateMode.PRECOMPUTED:
+        gate_params[0] = _launch.fake_tensor(cutlass.Float32, (H,), (None,), align_bytes=1)
+        if has_dt_bias:
+            gate_params[1] = _launch.fake_tensor(cutlass.Float32, (cute.sym_int(),), (1,), align_bytes=align)
     fake_args = [
-        activation(torch.bfloat16),  # q
-        activation(torch.bfloat16),  # k
-        activation(torch.bfloat16),  # v
-        activation(g_dt),  # g
-        _launch.fake_tensor(cdt(beta_dt), (B, 1, H), (None, None, None), align_bytes=1),
-        None,
-        None,
+        *inputs,
+        *gate_params,
         _launch.fake_tensor(cdt(state_dt), (N, H, HEAD_DIM, HEAD_DIM), (None, head_elems, HEAD_DIM, 1),
                             align_bytes=align),
         _launch.fake_tensor(cutlass.Int32, (B,), (None,), align_bytes=1),
@@ -423,11 +480,7 @@ def _compile(key, arch):
         cutlass.Float32(-1.0),
         _launch.fake_stream(),
     ]
-    if gate != GateMode.PRECOMPUTED:
-        fake_args[5] = _launch.fake_tensor(cutlass.Float32, (H,), (None,), align_bytes=1)
-        if has_dt_bias:
-            fake_args[6] = _launch.fake_tensor(cutlass.Float32, (cute.sym_int(),), (1,), align_bytes=align)
-    kernel = KDADecodeT1(
+    kernel = (KDADecodeT1Packed if packed else KDADecodeT1)(
         state_dtype=cdt(state_dt),
         gate=gate,
         beta_is_logit=beta_is_logit,
@@ -446,8 +499,11 @@ _EXTRA_OPTIONS = ""  # tests set "--keep-ptx --dump-dir D" through compile_varia
 
 
 def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk_l2norm, has_dt_bias, tile_v, aligned,
-                smem_stage=False, rows_in_flight=0, cache_hint="stream"):
-    """Every code-generation parameter of one variant, in the order ``_compile`` reads them."""
+                smem_stage=False, rows_in_flight=0, cache_hint="stream", packed=False):
+    """Every code-generation parameter of one variant, in the order ``_compile`` reads them.
+
+    ``packed``: the compiled function takes the packed GEMM rows (:class:`KDADecodeT1Packed`) instead of five views.
+    """
     if gate == GateMode.PRECOMPUTED:
         has_dt_bias = False
     if cache_hint not in CACHE_HINTS:
@@ -457,7 +513,7 @@ def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk
     # Normalised to the effective count (the staged path keeps every row in flight in shared memory).
     rows_in_flight = 0 if smem_stage else rows_in_flight_for(tile_v, state_dtype.itemsize, rows_in_flight)
     return (state_dtype, g_dtype, beta_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm), bool(has_dt_bias),
-            int(tile_v), bool(aligned), bool(smem_stage), int(rows_in_flight), str(cache_hint))
+            int(tile_v), bool(aligned), bool(smem_stage), int(rows_in_flight), str(cache_hint), bool(packed))
 
 
 def compile_variant(key, arch: str, extra_options: str = ""):
@@ -468,27 +524,6 @@ def compile_variant(key, arch: str, extra_options: str = ""):
         return _compile(key, arch)
     finally:
         _EXTRA_OPTIONS = saved
-
-
-def _packed_views(mixed_qkv, raw_gate, raw_beta, H):
-    """q, k, v, g [B, 1, H, 128] and beta [B, 1, H]: zero-copy views of the packed rows.
-
-    Same views as ``kda_core.oracle.unpack_packed`` (which also checks shapes) at a fifth of its host cost; the
-    shapes were validated already.
-    """
-    B, row = mixed_qkv.shape[0], mixed_qkv.stride(0)
-    width = H * HEAD_DIM
-    size = (B, 1, H, HEAD_DIM)
-    stride = (row, row, HEAD_DIM, 1)
-    base = mixed_qkv.storage_offset()
-    gate_row = raw_gate.stride(0)
-    return (
-        mixed_qkv.as_strided(size, stride, base),
-        mixed_qkv.as_strided(size, stride, base + width),
-        mixed_qkv.as_strided(size, stride, base + 2 * width),
-        raw_gate.as_strided(size, (gate_row, gate_row, HEAD_DIM, 1)),
-        raw_beta.unsqueeze(1),
-    )
 
 
 def kda_decode_t1(
@@ -532,53 +567,7 @@ def kda_decode_t1(
     call = validate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log=A_log, dt_bias=dt_bias,
                               lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
                               beta_is_logit=beta_is_logit, scale=scale, output=output)
-    aligned, gate, scale = call.aligned, call.gate_mode, call.scale
-    return _run(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound, gate, beta_is_logit,
-                use_qk_l2norm_in_kernel, scale, output, aligned)
-
-
-_LAUNCH_MEMO: dict[tuple, object] = {}
-
-
-def _configure(B, H, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, l2norm, has_dt_bias, aligned, device):
-    """Schedule + compiled variant for one call shape: (function to call, the compiled object that owns it)."""
-    cfg = select_config(B, H, state_dtype, aligned)
-    key = variant_key(state_dtype=state_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=gate,
-                      beta_is_logit=beta_is_logit, use_qk_l2norm=l2norm, has_dt_bias=has_dt_bias, tile_v=cfg.tile_v,
-                      aligned=aligned, smem_stage=cfg.smem_stage, rows_in_flight=cfg.rows_in_flight,
-                      cache_hint=cfg.cache_hint)
-    compiled = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(device))
-    # The positional tvm_ffi.Function under the DSL's kwargs wrapper (same 12 arguments, a few us less per call);
-    # the compiled object rides along so that the module outlives any cache clearing.
-    raw = getattr(compiled, "__tvm_ffi_object__", None)
-    return ((raw() if raw is not None else None) or compiled, compiled)
-
-
-def _run(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound, gate, beta_is_logit, l2norm,
-         scale, output, aligned):
-    """Launch on validated arguments (shared by both entry points)."""
-    B, _, H, _ = q.shape
-    if output is None:
-        output = torch.empty((B, 1, H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
-    if B == 0:
-        return output
-    if gate == GateMode.PRECOMPUTED:
-        A_log = dt_bias = None
-    elif dt_bias is not None and dt_bias.dim() != 1:
-        dt_bias = dt_bias.view(-1)
-    # Per-call host path: one dict lookup. The memo key holds everything select_config and the variant depend
-    # on, including the raw KDA_DECODE_TILE_V text (a new or invalid value misses and is parsed, and raises, in
-    # select_config).
-    memo_key = (B, H, state_pool.dtype, g.dtype, beta.dtype, gate, beta_is_logit, l2norm, dt_bias is not None,
-                aligned, q.get_device(), os.environ.get("KDA_DECODE_TILE_V"), _FORCE_SMEM_STAGE, _FORCE_ROWS_IN_FLIGHT,
-                _FORCE_CACHE_HINT)
-    entry = _LAUNCH_MEMO.get(memo_key)
-    if entry is None:
-        entry = _LAUNCH_MEMO[memo_key] = _configure(B, H, state_pool.dtype, g.dtype, beta.dtype, gate, beta_is_logit,
-                                                    l2norm, dt_bias is not None, aligned, q.device)
-    entry[0](q, k, v, g, beta, A_log, dt_bias, state_pool, slot_indices, output, scale,
-           -1.0 if lower_bound is None else float(lower_bound))
-    return output
+    return _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, use_qk_l2norm_in_kernel, output)
 
 
 def kda_decode_t1_packed(
@@ -598,7 +587,7 @@ def kda_decode_t1_packed(
     scale=None,
     output=None,
 ):
-    """:func:`kda_decode_t1` on the packed rows of one GEMM output (zero-copy views, same compiled kernel).
+    """:func:`kda_decode_t1` on the packed rows of one GEMM output (the same kernel; no torch views are made).
 
     mixed_qkv [B, 3*H*128] laid out [q heads | k heads | v heads]; raw_gate [B, H*128]; raw_beta [B, H]; row
     strides may exceed the row. Other arguments as :func:`kda_decode_t1`; returns output [B, 1, H, 128].
@@ -608,6 +597,84 @@ def kda_decode_t1_packed(
         lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit, scale=scale,
         output=output,
     )
-    q, k, v, g, beta = _packed_views(mixed_qkv, raw_gate, raw_beta, num_heads)
-    return _run(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound, call.gate_mode,
-                beta_is_logit, use_qk_l2norm_in_kernel, call.scale, output, call.aligned)
+    return _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias,
+                       use_qk_l2norm_in_kernel, output)
+
+
+# Per-call launch memo. Key: (id of the validated call description, packed, l2norm, device index, the parsed
+# KDA_DECODE_TILE_V, the three sweep hooks). A description (kda-core's DecodeT1Call or RecurrentCall) is immutable and
+# remembered by every fact a variant and the schedule depend on (B, H, pool dtype, g / beta dtypes, gate mode,
+# lower bound, beta logit, scale, alignment class), so its identity stands for all of them; the entry holds the
+# description itself, so its id cannot be reused by another object while the entry lives. Value: (description,
+# compiled function or None when B == 0, scale, lower bound as the kernel's float, gate in kernel, B, H, owner of the
+# compiled module).
+_LAUNCH_MEMO: dict[tuple, tuple] = {}
+_LAUNCH_MEMO_MAX = 1024
+
+
+def _configure(call, packed, l2norm, x, g_dtype, beta_dtype):
+    """Schedule + compiled variant of one validated call; stores and returns its launch memo entry."""
+    gated = call.gate_mode is not GateMode.PRECOMPUTED
+    fn = compiled = None
+    if call.B > 0:
+        cfg = select_config(call.B, call.H, call.state_dtype, call.aligned)
+        # dt_bias is required with the gate in the kernel (kda-core), ignored without it.
+        key = variant_key(state_dtype=call.state_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=call.gate_mode,
+                          beta_is_logit=call.beta_is_logit, use_qk_l2norm=l2norm, has_dt_bias=gated,
+                          tile_v=cfg.tile_v, aligned=call.aligned, smem_stage=cfg.smem_stage,
+                          rows_in_flight=cfg.rows_in_flight, cache_hint=cfg.cache_hint, packed=packed)
+        compiled = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(x.device))
+        # The positional tvm_ffi.Function under the DSL's kwargs wrapper (same arguments, a few us less per call);
+        # the compiled object rides along so that the module outlives any cache clearing.
+        raw = getattr(compiled, "__tvm_ffi_object__", None)
+        fn = (raw() if raw is not None else None) or compiled
+    lower_bound = call.lower_bound
+    entry = (call, fn, call.scale, -1.0 if lower_bound is None else float(lower_bound), gated, call.B, call.H,
+             compiled)
+    if len(_LAUNCH_MEMO) >= _LAUNCH_MEMO_MAX:  # many distinct call shapes: start over rather than grow
+        _LAUNCH_MEMO.clear()
+    _LAUNCH_MEMO[(id(call), packed, l2norm, x.get_device(), knobs.get("KDA_DECODE_TILE_V"), _FORCE_SMEM_STAGE,
+                  _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT)] = entry
+    return entry
+
+
+def _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, l2norm, output):
+    """Launch a validated unpacked call: ``call`` is kda-core's description of exactly these arguments
+    (``validate_decode_t1``, or ``validate_recurrent`` for the facade, which calls this directly).
+
+    Per call: one memo lookup (the knob read is a dict lookup, see ``kda_core.knobs``) and the FFI call.
+    """
+    entry = _LAUNCH_MEMO.get((id(call), False, l2norm, q.get_device(), knobs.get("KDA_DECODE_TILE_V"),
+                              _FORCE_SMEM_STAGE, _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT))
+    if entry is None:
+        entry = _configure(call, False, l2norm, q, g.dtype, beta.dtype)
+    _, fn, scale, lower_bound, gated, B, H, _ = entry
+    if output is None:
+        output = torch.empty((B, 1, H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
+    if fn is None:  # B == 0
+        return output
+    if not gated:
+        A_log = dt_bias = None
+    elif dt_bias.dim() != 1:
+        dt_bias = dt_bias.view(-1)
+    fn(q, k, v, g, beta, A_log, dt_bias, state_pool, slot_indices, output, scale, lower_bound)
+    return output
+
+
+def _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias, l2norm, output):
+    """:func:`_run` for a validated packed call: the GEMM rows go to the compiled function as they are."""
+    entry = _LAUNCH_MEMO.get((id(call), True, l2norm, mixed_qkv.get_device(), knobs.get("KDA_DECODE_TILE_V"),
+                              _FORCE_SMEM_STAGE, _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT))
+    if entry is None:
+        entry = _configure(call, True, l2norm, mixed_qkv, raw_gate.dtype, raw_beta.dtype)
+    _, fn, scale, lower_bound, gated, B, H, _ = entry
+    if output is None:
+        output = torch.empty((B, 1, H, HEAD_DIM), dtype=torch.bfloat16, device=mixed_qkv.device)
+    if fn is None:  # B == 0
+        return output
+    if not gated:
+        A_log = dt_bias = None
+    elif dt_bias.dim() != 1:
+        dt_bias = dt_bias.view(-1)
+    fn(mixed_qkv, raw_gate, raw_beta, A_log, dt_bias, state_pool, slot_indices, output, scale, lower_bound)
+    return output
