@@ -172,16 +172,20 @@ class KernelTimer:
         return [sum(end - start for _, start, end in chunk) / 1e3 for chunk in chunks]
 
 
-def eager_wall_us(fn: Callable[[], object], calls: int = 200, warmup: int = 20) -> float:
-    """Host wall time per call of ``calls`` back-to-back eager calls (one sync at the end)."""
+def eager_wall_us(fn: Callable[[], object], calls: int = 200, warmup: int = 20, rounds: int = 5) -> float:
+    """Host wall time per call of back-to-back eager calls (one sync per round): the median over ``rounds``
+    rounds of ``calls`` calls each. A GPU host's CPU clock and neighbours make single rounds vary by 1.5x."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+    per_round = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        per_round.append((time.perf_counter() - t0) / calls * 1e6)
+    return median(per_round)
 
 
 def write_json(path, records) -> None:
