@@ -104,6 +104,46 @@ def _pack_bf16x2(lo: Float32, hi: Float32) -> Int32:
     )
 
 
+def _prmt(a: Int32, b: Int32, selector: int) -> Int32:
+    """Bytes of (a, b) picked by ``selector`` (PTX prmt: bytes 0-3 from a, 4-7 from b, one nibble per result byte)."""
+    return Int32(
+        llvm.inline_asm(
+            ir_types.i32(),
+            [a.ir_value(), b.ir_value()],
+            f"prmt.b32 $0, $1, $2, {selector:#x};",
+            "=r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def _row_chunks(tensor: cute.Tensor, row, width: int) -> cute.Tensor:
+    """Row ``row`` of a 2-D tensor as (width, n) chunks: ``[None, i]`` is the i-th run of ``width`` elements, whose
+    alignment the copy can see (16-byte accesses when the tensor allows them)."""
+    return cute.zipped_divide(tensor[row, None], (width,))
+
+
+X_STRIDE = HEAD_DIM + 4
+"""Words per decayed draft vector in shared memory (64 channel pairs x (hi, lo), + 4: the 16-byte B-fragment reads
+of a quarter warp then hit 32 banks)."""
+
+
+def _wk_slot(channel, pair, kpad: int):
+    """Where ring-row pair ``pair`` sits in ``channel``'s column of the fold's wk operand.
+
+    The m16n8k16 B fragment of k-step ks for quad position q is the pairs ks*8 + q and ks*8 + q + 4 (ring rows
+    2q, 2q+1 and 2q+8, 2q+9 of the step): they get slots 2i and 2i + 1 of one 16-byte group (hi, hi, lo, lo: each
+    MMA operand is a register pair), so one read gives both. With two k-steps (32 ring rows) odd channels swap
+    the steps' halves, so that the reads of channels c and c + 1 by one quarter warp hit different banks.
+    """
+    step = pair // 8
+    if kpad == 2 * MMA_K:
+        step = step ^ (channel % 2)
+    return step * 8 + 2 * (pair % 4) + (pair // 4) % 2
+
+
 def _mma_bf16_m16n8k16(a, b, c):
     """D = A B + C, one warp-wide SM80-style MMA (bf16 in, fp32 accumulate; sm_80 and later, incl. sm_90a and
     sm_100a). a: 4 packed i32, b: 2 packed i32, c: 4 fp32 (row g: c0 c1, row g + 8: c2 c3)."""
@@ -166,15 +206,16 @@ class UcacheVerifyFlush:
         self.w_ring = w_ring
         self.max_rows = max_hist_len(t_draft, w_ring)
         self.tile_v = tile_v
+        self.kpad = MMA_K * ((self.max_rows + MMA_K - 1) // MMA_K)  # ring rows as the K extent of the fold MMA
         self.mma = mma
         # MMA: one warp per 16 rows (2 rows x 32 channels per thread); CUDA cores: 4 threads per row.
         self.threads = (2 if mma else ROW_THREADS) * tile_v
         self.softplus_gate = softplus_gate
         if tile_v not in ((64, 128) if mma else (32, 64, 128)):
             raise ValueError(f"tile_v: expected {'64 or 128' if mma else '32, 64 or 128'}, got {tile_v}")
-        # The preamble loops are unrolled at compile time (their global loads overlap); they need exact trip counts.
-        for extent in (t_draft * HEAD_DIM, t_draft * tile_v, self.max_rows * tile_v, self.max_rows * HEAD_DIM):
-            assert extent % self.threads == 0, (extent, self.threads)
+        # The gate phase gives each key channel NT / 128 threads, each a run of T / (NT / 128) draft tokens.
+        assert self.threads % HEAD_DIM == 0 and t_draft % (self.threads // HEAD_DIM) == 0, (self.threads, t_draft)
+        assert self.kpad in (MMA_K, 2 * MMA_K), self.kpad
 
     @cute.jit
     def __call__(
@@ -218,8 +259,12 @@ class UcacheVerifyFlush:
             scale,
             lower_bound,
             flush_min,
-        ).launch(grid=[HEAD_DIM // self.tile_v, self.heads, mQ.shape[0]], block=[self.threads, 1, 1], stream=stream,
-                 **self.occupancy())
+        ).launch(
+            grid=[HEAD_DIM // self.tile_v, self.heads, mQ.shape[0]],
+            block=[self.threads, 1, 1],
+            stream=stream,
+            **self.occupancy(),
+        )
 
     def occupancy(self) -> dict:
         """Launch attributes: the resident-CTA floor (MMA variant) and the largest shared-memory carveout."""
@@ -254,8 +299,12 @@ class UcacheVerifyFlush:
         K = HEAD_DIM
         TV = self.tile_v
         NT = self.threads
-        NW = NT // 32
         MAXR = self.max_rows
+        KPAD = self.kpad
+        NG = NT // K  # token groups of the gate phase (threads per key channel)
+        TPT = T // NG  # draft tokens per gate thread
+        LG = 32 // NG  # lanes of one token group within a warp
+        RING = RING_SLOTS - 1
 
         tidx, _, _ = cute.arch.thread_idx()
         tile, h, bi = cute.arch.block_idx()
@@ -265,33 +314,35 @@ class UcacheVerifyFlush:
 
         smem = cutlass.memory.SmemAllocator()
         row_major = lambda rows, cols: cute.make_layout((rows, cols), stride=(cols, 1))  # noqa: E731
-        sKh = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # raw k, then k^
-        sQh = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # raw q, then scale*q^
-        sCum = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # g_log, then cum
+        quads = lambda rows: cute.make_layout((rows, K // 4, 4), stride=(K, 4, 1))  # noqa: E731
+        sK = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # raw k (normalised in the solve)
+        sQ = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # raw q
         sDec = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # per-token decay exp(g_log)
-        XCOLS = 2 * T + 2  # [channel pair, column] with 2 words of padding: the B-fragment reads hit 32 banks
+        sK4 = cute.make_tensor(sK.iterator, quads(T))
+        sQ4 = cute.make_tensor(sQ.iterator, quads(T))
+        sDec4 = cute.make_tensor(sDec.iterator, quads(T))
         if const_expr(self.mma):
-            # decayed draft vectors [kx_0..kx_{T-1}, qx_0..qx_{T-1}] as packed bf16 (hi, lo) channel pairs
-            sXh = smem.allocate_tensor(Int32, row_major(K // 2, XCOLS), byte_alignment=16)
-            sXl = smem.allocate_tensor(Int32, row_major(K // 2, XCOLS), byte_alignment=16)
-            sXY = smem.allocate_tensor(Float32, row_major(TV, 2 * T + 1), byte_alignment=16)
+            # Decayed raw draft vectors [kx_0..kx_{T-1}, qx_0..qx_{T-1}] as packed bf16 channel pairs, one column
+            # of X_STRIDE words per vector: pairs 2i and 2i + 1 share a 16-byte group (hi, hi, lo, lo), so one read
+            # gives both B fragments (hi and lo) of a k-step.
+            sX = smem.allocate_tensor(Int32, cute.make_layout(2 * T * X_STRIDE), byte_alignment=16)
+            sX4 = cute.make_tensor(sX.iterator, cute.make_layout((2 * T, X_STRIDE // 4, 4), stride=(X_STRIDE, 4, 1)))
+            # Fold operands as packed bf16 pairs along the ring-row axis (the MMA k index); rows j >= P hold
+            # zeros written by a select. u: row stride padded (+8 words) so the A-fragment reads hit 32 banks;
+            # wk: one column of KPAD words per channel, pairs in fragment order (see _wk_slot).
+            sUp = smem.allocate_tensor(Int32, cute.make_layout((KPAD // 2, TV), stride=(TV + 8, 1)), byte_alignment=16)
+            sWK = smem.allocate_tensor(Int32, cute.make_layout(K * KPAD), byte_alignment=16)
+            sWK4 = cute.make_tensor(sWK.iterator, cute.make_layout((K, KPAD // 4, 4), stride=(KPAD, 4, 1)))
         else:
             sKx = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
             sQx = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
-        KPAD = MMA_K * ((MAXR + MMA_K - 1) // MMA_K)  # ring rows as the K extent of the fold MMA
-        if const_expr(self.mma):
-            # Fold operands as packed bf16 pairs along the ring-row axis (the MMA k index); rows j >= P hold
-            # zeros written by a select. Row strides padded (+8, +2 words) so the fragment reads hit 32 banks.
-            sUp = smem.allocate_tensor(Int32, cute.make_layout((KPAD // 2, TV), stride=(TV + 8, 1)), byte_alignment=16)
-            sWKh = smem.allocate_tensor(Int32, cute.make_layout((KPAD // 2, K), stride=(K + 2, 1)), byte_alignment=16)
-            sWKl = smem.allocate_tensor(Int32, cute.make_layout((KPAD // 2, K), stride=(K + 2, 1)), byte_alignment=16)
-        else:
-            sWK = smem.allocate_tensor(Float32, row_major(MAXR, K), byte_alignment=16)
+            sWK = smem.allocate_tensor(Float32, quads(MAXR), byte_alignment=16)
             sU = smem.allocate_tensor(Float32, row_major(MAXR, TV), byte_alignment=16)
+        XYS = 2 * T + 4  # sXY row stride: 16-byte rows, and the 16-byte row reads of the solve hit 32 banks
+        sXY = smem.allocate_tensor(Float32, cute.make_layout((TV, 2 * T), stride=(XYS, 1)), byte_alignment=16)
         sVin = smem.allocate_tensor(Float32, row_major(T, TV), byte_alignment=16)
-        sGlast = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
         sBdec = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
-        sInv = smem.allocate_tensor(Float32, cute.make_layout(2 * T), byte_alignment=16)
+        sInv = smem.allocate_tensor(Float32, cute.make_layout(2 * T), byte_alignment=16)  # 1/|k_s|, scale/|q_s|
         sBeta = smem.allocate_tensor(Float32, cute.make_layout(T), byte_alignment=16)
         sA = smem.allocate_tensor(Float32, row_major(T, T), byte_alignment=16)
         sAq = smem.allocate_tensor(Float32, row_major(T, T), byte_alignment=16)
@@ -307,9 +358,15 @@ class UcacheVerifyFlush:
                 P = cutlass.Int32(0)
             if P > MAXR:
                 P = cutlass.Int32(MAXR)
-            base = mBase[bi] & (RING_SLOTS - 1)
+            base = mBase[bi] & RING
             is_flush = P >= flush_min
             slot64 = Int64(slot)
+            # This (request, head)'s pool slot and rings, offset once in 64 bits; every index below is 32-bit.
+            gPool = mPool[slot64, h, None, None]
+            gKR = mKCache[slot64, h, None, None]
+            gUR = mUCache[slot64, h, None, None]
+            gGR = mGCache[slot64, h, None, None]
+            last_row = (base + P - 1) & RING
 
             if const_expr(self.mma):
                 # Issue the checkpoint rows' loads first: their DRAM latency overlaps the whole preamble.
@@ -319,21 +376,38 @@ class UcacheVerifyFlush:
                 s0_raw = cute.make_rmem_tensor((2 * CHUNKS_PER_THREAD * CHUNK,), mPool.element_type)
                 s0_chunks = cute.zipped_divide(s0_raw, (CHUNK,))
                 for rho in cutlass.range_constexpr(2):
-                    row_chunks = cute.zipped_divide(mPool[slot64, h, v0 + rows[rho], None], (CHUNK,))
+                    row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
                     for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
                         cute.autovec_copy(
                             row_chunks[None, m * ROW_THREADS + q4], s0_chunks[None, rho * CHUNKS_PER_THREAD + m]
                         )
 
-            # ---- phase 1: raw draft inputs, gate, ring tail, u and v tiles --------------------------
+            # ---- phase 1a: gate, raw k/q, decays and decayed draft vectors --------------------------
+            # Thread (token group grp, channel c) owns TPT consecutive draft tokens of one key channel, so the
+            # running sum cum_t of the gate stays in registers (one shuffle passes it between token groups).
+            # k and q stay raw: their norms come out of the triangle phase and are applied in the solve.
+            gQ = mQ[bi, None, h, None]
+            gK = mK[bi, None, h, None]
+            gGate = mG[bi, None, h, None]
+            grp = 0
+            c = tidx
+            if const_expr(NG > 1):
+                grp = lane // LG
+                c = warp * LG + lane % LG
             rate = cute.math.exp(mALog[h].to(Float32), fastmath=True)
-            for it in cutlass.range_constexpr(T * K // NT):
-                i = tidx + it * NT
-                t = i // K
-                c = i % K
-                sKh[t, c] = mK[bi, t, h, c].to(Float32)
-                sQh[t, c] = mQ[bi, t, h, c].to(Float32)
-                x = mG[bi, t, h, c].to(Float32) + mDtBias[h * K + c].to(Float32)
+            dt_c = mDtBias[h * K + c].to(Float32)
+            g_last = Float32(0.0)
+            if P > 0:
+                g_last = gGR[last_row, c]
+            k_raw = cute.make_rmem_tensor((TPT,), Float32)
+            q_raw = cute.make_rmem_tensor((TPT,), Float32)
+            g_logs = cute.make_rmem_tensor((TPT,), Float32)
+            part = Float32(0.0)
+            for i in cutlass.range_constexpr(TPT):
+                t = grp * TPT + i
+                k_raw[i] = gK[t, c].to(Float32)
+                q_raw[i] = gQ[t, c].to(Float32)
+                x = gGate[t, c].to(Float32) + dt_c
                 g_log = Float32(0.0)
                 if const_expr(self.softplus_gate):
                     sp = x
@@ -341,163 +415,188 @@ class UcacheVerifyFlush:
                         sp = cute.math.log1p(cute.math.exp(x, fastmath=True), fastmath=True)
                     g_log = -rate * sp
                 else:
-                    g_log = lower_bound / (Float32(1.0) + cute.math.exp(-rate * x, fastmath=True))
-                sCum[t, c] = g_log
+                    # lower_bound * sigmoid(rate * x); 1 + exp(..) >= 1, so the approximate reciprocal is exact
+                    # to an ulp and an overflowed exp gives 0, as a division would.
+                    g_log = lower_bound * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-rate * x, fastmath=True))
+                sK[t, c] = k_raw[i]
+                sQ[t, c] = q_raw[i]
                 sDec[t, c] = cute.math.exp(g_log, fastmath=True)
-            if tidx < K:
-                g_last = Float32(0.0)
+                g_logs[i] = g_log
+                part = part + g_log
+            cum = Float32(0.0)  # the decay restarts at the checkpoint: cum before this thread's first token
+            if const_expr(NG == 2):
+                cum = Float32(cutlass.select_(grp == 1, cute.arch.shuffle_sync_bfly(part, offset=16), Float32(0.0)))
+            if const_expr(NG == 4):
+                prev = Float32(cutlass.select_(grp >= 1, cute.arch.shuffle_sync_up(part, offset=8), Float32(0.0)))
+                prev2 = cute.arch.shuffle_sync_up(prev + part, offset=16)
+                cum = prev + Float32(cutlass.select_(grp >= 2, prev2, Float32(0.0)))
+            even = (lane % 2) == 0  # c and c ^ 1 are lanes lane and lane ^ 1
+            for i in cutlass.range_constexpr(TPT):
+                t = grp * TPT + i
+                cum = cum + g_logs[i]
+                if tile == 0:
+                    g_new = cum  # a flush row restarts the decay at the new checkpoint
+                    if P < flush_min:
+                        g_new = g_new + g_last
+                    gGR[(base + P + t) & RING, c] = g_new
+                decay = cute.math.exp(cum, fastmath=True)
+                kx = decay * k_raw[i]
+                qx = decay * q_raw[i]
+                if const_expr(self.mma):
+                    # Even lanes pack (kx_c, kx_c+1) into column t, odd lanes (qx_c-1, qx_c) into column T + t:
+                    # one shuffle gives each lane its partner's half.
+                    recv = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(even, qx, kx)), offset=1)
+                    hi, lo = _split_bf16x2(
+                        Float32(cutlass.select_(even, kx, recv)), Float32(cutlass.select_(even, recv, qx))
+                    )
+                    col = t + Int32(cutlass.select_(even, Int32(0), Int32(T)))
+                    sX4[col, c // 4, c // 2 % 2] = hi
+                    sX4[col, c // 4, 2 + c // 2 % 2] = lo
+                else:
+                    sKx[t, c] = kx
+                    sQx[t, c] = qx
+            if grp == 0:
+                bdec = Float32(1.0)
                 if P > 0:
-                    g_last = mGCache[slot64, h, (base + P - 1) & (RING_SLOTS - 1), tidx]
-                sGlast[tidx] = g_last
+                    bdec = cute.math.exp(g_last, fastmath=True)
+                sBdec[c] = bdec
+
+            # ---- phase 1b: ring rows (u, replay vectors wk), v tile, beta ------------------------------
             # Only the live rows j < P are loaded: stale rows never enter an arithmetic op.
+            u_chunk0 = tile * (TV // CHUNK)  # this tile's first 8-row chunk of a ring row
             if const_expr(self.mma):
-                for it in cutlass.range_constexpr((KPAD // 2) * TV // NT):
-                    i = tidx + it * NT
-                    jp = i // TV
-                    r = i % TV
-                    u_even = Float32(0.0)
-                    u_odd = Float32(0.0)
-                    if 2 * jp < P:
-                        u_even = mUCache[slot64, h, (base + 2 * jp) & (RING_SLOTS - 1), v0 + r].to(Float32)
-                    if 2 * jp + 1 < P:
-                        u_odd = mUCache[slot64, h, (base + 2 * jp + 1) & (RING_SLOTS - 1), v0 + r].to(Float32)
-                    sUp[jp, r] = _pack_bf16x2(u_even, u_odd)  # exact: the ring holds bf16
+                u_tasks = (KPAD // 2) * (TV // CHUNK)  # (row pair, 8 consecutive state rows)
+                for it in cutlass.range_constexpr((u_tasks + NT - 1) // NT):
+                    task = tidx + it * NT
+                    if task < u_tasks:
+                        jp = task // (TV // CHUNK)
+                        r8 = task % (TV // CHUNK)
+                        halves = [cute.make_rmem_tensor((CHUNK // 2,), Int32) for _ in range(2)]
+                        for odd in cutlass.range_constexpr(2):
+                            for e in cutlass.range_constexpr(CHUNK // 2):
+                                halves[odd][e] = Int32(0)
+                            if 2 * jp + odd < P:
+                                cute.autovec_copy(
+                                    _row_chunks(gUR, (base + 2 * jp + odd) & RING, CHUNK)[None, u_chunk0 + r8],
+                                    cute.recast_tensor(halves[odd], mUCache.element_type),
+                                )
+                        packed = cute.make_rmem_tensor((CHUNK,), Int32)
+                        for e in cutlass.range_constexpr(CHUNK // 2):
+                            # (u_2jp[v], u_2jp+1[v]) bf16 pairs: bit moves only, the ring holds bf16
+                            packed[2 * e] = _prmt(halves[0][e], halves[1][e], 0x5410)
+                            packed[2 * e + 1] = _prmt(halves[0][e], halves[1][e], 0x7632)
+                        cute.autovec_copy(packed, cute.zipped_divide(sUp[jp, None], (CHUNK,))[None, r8])
             else:
-                for it in cutlass.range_constexpr(MAXR * TV // NT):
-                    i = tidx + it * NT
-                    j = i // TV
-                    r = i % TV
-                    if j < P:
-                        sU[j, r] = mUCache[slot64, h, (base + j) & (RING_SLOTS - 1), v0 + r].to(Float32)
+                u_tasks = MAXR * (TV // CHUNK)
+                for it in cutlass.range_constexpr((u_tasks + NT - 1) // NT):
+                    task = tidx + it * NT
+                    if task < u_tasks:
+                        j = task // (TV // CHUNK)
+                        r8 = task % (TV // CHUNK)
+                        if j < P:
+                            raw_u = cute.make_rmem_tensor((CHUNK,), mUCache.element_type)
+                            cute.autovec_copy(_row_chunks(gUR, (base + j) & RING, CHUNK)[None, u_chunk0 + r8], raw_u)
+                            u32 = cute.make_rmem_tensor((CHUNK,), Float32)
+                            for e in cutlass.range_constexpr(CHUNK):
+                                u32[e] = raw_u[e].to(Float32)
+                            cute.autovec_copy(u32, cute.zipped_divide(sU[j, None], (CHUNK,))[None, r8])
+            gV = mV[bi, None, h, None]
             for it in cutlass.range_constexpr(T * TV // NT):
-                i = tidx + it * NT
-                t = i // TV
-                r = i % TV
-                sVin[t, r] = mV[bi, t, h, v0 + r].to(Float32)
+                task = tidx + it * NT
+                t = task // TV
+                r = task % TV
+                sVin[t, r] = gV[t, v0 + r].to(Float32)
             if tidx < T:
                 sBeta[tidx] = Float32(1.0) / (
                     Float32(1.0) + cute.math.exp(-mBeta[bi, tidx, h].to(Float32), fastmath=True)
                 )
-            cute.arch.sync_threads()
-
-            # ---- phase 2: norms, cumulative decay, replay vectors -----------------------------------
-            for n in cutlass.range(warp, 2 * T, NW):
-                acc = Float32(0.0)
-                for m in cutlass.range_constexpr(K // 32):
-                    val = Float32(0.0)
-                    if n < T:
-                        val = sKh[n, lane + 32 * m]
-                    else:
-                        val = sQh[n - T, lane + 32 * m]
-                    acc = acc + val * val
-                for sh in cutlass.range_constexpr(5):
-                    acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1 << sh)
-                if lane == 0:
-                    sInv[n] = cute.math.rsqrt(acc + Float32(L2NORM_EPS), fastmath=True)
-            if tidx < K:
-                run = Float32(0.0)
-                for t in cutlass.range_constexpr(T):
-                    run = run + sCum[t, tidx]
-                    sCum[t, tidx] = run
-                bdec = Float32(1.0)
-                if P > 0:
-                    bdec = cute.math.exp(sGlast[tidx], fastmath=True)
-                sBdec[tidx] = bdec
-            if const_expr(self.mma):
-                for it in cutlass.range_constexpr((KPAD // 2) * K // NT):
-                    i = tidx + it * NT
-                    jp = i // K
-                    c = i % K
-                    wk = [Float32(0.0), Float32(0.0)]
+            # wk_j = exp(G_{P-1} - G_j) * k^_j: task (row pair jp, 4 channels); lanes run over jp first so the
+            # (hi, lo) stores of one channel spread over the banks.
+            wk_pairs = KPAD // 2 if self.mma else MAXR // 2
+            wk_tasks = wk_pairs * (K // 4)
+            for it in cutlass.range_constexpr((wk_tasks + NT - 1) // NT):
+                task = tidx + it * NT
+                if task < wk_tasks:
+                    jp = task % wk_pairs
+                    c4 = task // wk_pairs
+                    last4 = cute.make_rmem_tensor((4,), Float32)
+                    for e in cutlass.range_constexpr(4):
+                        last4[e] = Float32(0.0)
+                    if P > 0:
+                        cute.autovec_copy(_row_chunks(gGR, last_row, 4)[None, c4], last4)
+                    wk = [cute.make_rmem_tensor((4,), Float32) for _ in range(2)]
                     for odd in cutlass.range_constexpr(2):
+                        for e in cutlass.range_constexpr(4):
+                            wk[odd][e] = Float32(0.0)
                         if 2 * jp + odd < P:
-                            phys = (base + 2 * jp + odd) & (RING_SLOTS - 1)
-                            decay = cute.math.exp(sGlast[c] - mGCache[slot64, h, phys, c], fastmath=True)
-                            wk[odd] = decay * mKCache[slot64, h, phys, c].to(Float32)
-                    sWKh[jp, c], sWKl[jp, c] = _split_bf16x2(wk[0], wk[1])
-            else:
-                for it in cutlass.range_constexpr(MAXR * K // NT):
-                    i = tidx + it * NT
-                    j = i // K
-                    c = i % K
-                    if j < P:
-                        phys = (base + j) & (RING_SLOTS - 1)
-                        decay = cute.math.exp(sGlast[c] - mGCache[slot64, h, phys, c], fastmath=True)
-                        sWK[j, c] = decay * mKCache[slot64, h, phys, c].to(Float32)
+                            phys = (base + 2 * jp + odd) & RING
+                            gj = cute.make_rmem_tensor((4,), Float32)
+                            kj = cute.make_rmem_tensor((4,), mKCache.element_type)
+                            cute.autovec_copy(_row_chunks(gGR, phys, 4)[None, c4], gj)
+                            cute.autovec_copy(_row_chunks(gKR, phys, 4)[None, c4], kj)
+                            for e in cutlass.range_constexpr(4):
+                                wk[odd][e] = cute.math.exp(last4[e] - gj[e], fastmath=True) * kj[e].to(Float32)
+                    if const_expr(self.mma):
+                        for e in cutlass.range_constexpr(4):
+                            ch = 4 * c4 + e
+                            slot = _wk_slot(ch, jp, KPAD)
+                            sWK4[ch, slot // 2, slot % 2], sWK4[ch, slot // 2, 2 + slot % 2] = _split_bf16x2(
+                                wk[0][e], wk[1][e]
+                            )
+                    else:
+                        for odd in cutlass.range_constexpr(2):
+                            cute.autovec_copy(wk[odd], sWK[2 * jp + odd, c4, None])
             cute.arch.sync_threads()
 
-            # ---- phase 3: normalised and decayed draft vectors --------------------------------------
-            if const_expr(self.mma):
-                for it in cutlass.range_constexpr(T * (K // 2) // NT):
-                    i = tidx + it * NT
-                    t = i // (K // 2)
-                    cp = i % (K // 2)
-                    kh0 = sKh[t, 2 * cp] * sInv[t]
-                    kh1 = sKh[t, 2 * cp + 1] * sInv[t]
-                    qh0 = sQh[t, 2 * cp] * sInv[T + t] * scale
-                    qh1 = sQh[t, 2 * cp + 1] * sInv[T + t] * scale
-                    d0 = cute.math.exp(sCum[t, 2 * cp], fastmath=True)
-                    d1 = cute.math.exp(sCum[t, 2 * cp + 1], fastmath=True)
-                    sKh[t, 2 * cp] = kh0
-                    sKh[t, 2 * cp + 1] = kh1
-                    sQh[t, 2 * cp] = qh0
-                    sQh[t, 2 * cp + 1] = qh1
-                    khi, klo = _split_bf16x2(d0 * kh0, d1 * kh1)
-                    qhi, qlo = _split_bf16x2(d0 * qh0, d1 * qh1)
-                    sXh[cp, t] = khi
-                    sXl[cp, t] = klo
-                    sXh[cp, T + t] = qhi
-                    sXl[cp, T + t] = qlo
-            else:
-                for it in cutlass.range_constexpr(T * K // NT):
-                    i = tidx + it * NT
-                    t = i // K
-                    c = i % K
-                    kh = sKh[t, c] * sInv[t]
-                    qh = sQh[t, c] * sInv[T + t] * scale
-                    decay = cute.math.exp(sCum[t, c], fastmath=True)
-                    sKh[t, c] = kh
-                    sQh[t, c] = qh
-                    sKx[t, c] = decay * kh
-                    sQx[t, c] = decay * qh
-            cute.arch.sync_threads()
-
-            # ---- phase 4: the T x T triangles; k^ and G appends (V tile 0 only) ---------------------
-            # Column r of both triangles is one warp's job (columns r and T-1-r share a warp: equal work). Down
-            # the column, exp(cum_s - cum_r) is the running product of the per-token decays a_t (t = r+1..s): one
-            # multiply per entry instead of an exp, and no overflow whatever the gate (every factor is <= 1).
+            # ---- phase 2a: the T x T triangles and the norms (warps 0 .. T/2 - 1) -------------------------
+            # Column r of both triangles is one warp's job (columns r and T-1-r share a warp: equal work); a lane
+            # owns 4 consecutive channels (16-byte reads). Down the column, exp(cum_s - cum_r) is the running
+            # product of the per-token decays a_t (t = r+1..s): one multiply per entry instead of an exp, and no
+            # overflow whatever the gate (every factor is <= 1). The diagonal entry also gives the norms of k_r
+            # and q_r. Entries stay raw (un-normalised k, q): the solve applies 1/|k| and scale/|q|.
             for r in cutlass.range_constexpr(T):
-                if warp == min(r, T - 1 - r) % NW:
-                    k_r = [sKh[r, lane + 32 * m] for m in range(K // 32)]
-                    for s in cutlass.range_constexpr(r, T):
-                        if const_expr(s > r):
-                            for m in cutlass.range_constexpr(K // 32):
-                                k_r[m] = k_r[m] * sDec[s, lane + 32 * m]
-                        a_kk = Float32(0.0)
-                        a_qk = Float32(0.0)
-                        for m in cutlass.range_constexpr(K // 32):
-                            a_kk = a_kk + k_r[m] * sKh[s, lane + 32 * m]
-                            a_qk = a_qk + k_r[m] * sQh[s, lane + 32 * m]
+                if warp == min(r, T - 1 - r):
+                    w = cute.make_rmem_tensor((4,), Float32)
+                    q_r = cute.make_rmem_tensor((4,), Float32)
+                    cute.autovec_copy(sK4[r, lane, None], w)
+                    cute.autovec_copy(sQ4[r, lane, None], q_r)
+                    kk = w[0] * w[0]
+                    kq = w[0] * q_r[0]
+                    qq = q_r[0] * q_r[0]
+                    for e in cutlass.range_constexpr(1, 4):
+                        kk = kk + w[e] * w[e]
+                        kq = kq + w[e] * q_r[e]
+                        qq = qq + q_r[e] * q_r[e]
+                    for sh in cutlass.range_constexpr(5):
+                        kk = kk + cute.arch.shuffle_sync_bfly(kk, offset=1 << sh)
+                        kq = kq + cute.arch.shuffle_sync_bfly(kq, offset=1 << sh)
+                        qq = qq + cute.arch.shuffle_sync_bfly(qq, offset=1 << sh)
+                    if lane == 0:
+                        sInv[r] = cute.math.rsqrt(kk + Float32(L2NORM_EPS), fastmath=True)
+                        sInv[T + r] = cute.math.rsqrt(qq + Float32(L2NORM_EPS), fastmath=True) * scale
+                        sAq[r, r] = kq
+                    for s in cutlass.range_constexpr(r + 1, T):
+                        dec = cute.make_rmem_tensor((4,), Float32)
+                        k_s = cute.make_rmem_tensor((4,), Float32)
+                        q_s = cute.make_rmem_tensor((4,), Float32)
+                        cute.autovec_copy(sDec4[s, lane, None], dec)
+                        cute.autovec_copy(sK4[s, lane, None], k_s)
+                        cute.autovec_copy(sQ4[s, lane, None], q_s)
+                        for e in cutlass.range_constexpr(4):
+                            w[e] = w[e] * dec[e]
+                        a_kk = w[0] * k_s[0]
+                        a_qk = w[0] * q_s[0]
+                        for e in cutlass.range_constexpr(1, 4):
+                            a_kk = a_kk + w[e] * k_s[e]
+                            a_qk = a_qk + w[e] * q_s[e]
                         for sh in cutlass.range_constexpr(5):
                             a_kk = a_kk + cute.arch.shuffle_sync_bfly(a_kk, offset=1 << sh)
                             a_qk = a_qk + cute.arch.shuffle_sync_bfly(a_qk, offset=1 << sh)
                         if lane == 0:
                             sA[s, r] = a_kk
                             sAq[s, r] = a_qk
-            if tile == 0:
-                for it in cutlass.range_constexpr(T * K // NT):
-                    i = tidx + it * NT
-                    t = i // K
-                    c = i % K
-                    phys = (base + P + t) & (RING_SLOTS - 1)
-                    g_new = sCum[t, c]  # a flush row restarts the decay at the new checkpoint
-                    if P < flush_min:
-                        g_new = g_new + sGlast[c]
-                    mKCache[slot64, h, phys, c] = sKh[t, c].to(mKCache.element_type)
-                    mGCache[slot64, h, phys, c] = g_new
-            cute.arch.sync_threads()
 
-            # ---- phase 5: state rows ------------------------------------------------------------------
+            # ---- phase 2b: state rows: fold, flush, dot products (every warp) -----------------------------
             if const_expr(self.mma):
                 # Warp w owns local rows 16w + g and 16w + g + 8 (g = lane // 4); thread quad position q = lane % 4
                 # owns channels 32m + 8q + e (m < 4, e < 8) of both rows: 16-byte pool accesses, and, read as
@@ -508,9 +607,9 @@ class UcacheVerifyFlush:
                 for rho in cutlass.range_constexpr(2):
                     for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
                         for e in cutlass.range_constexpr(CHUNK):
-                            c = (m * ROW_THREADS + q4) * CHUNK + e
+                            ch = (m * ROW_THREADS + q4) * CHUNK + e
                             idx = rho * 32 + m * CHUNK + e
-                            state[idx] = s0_raw[idx].to(Float32) * sBdec[c]
+                            state[idx] = s0_raw[idx].to(Float32) * sBdec[ch]
                 # Fold on MMA: S_commit[v, c] += sum_j u_j[v] wk_j[c]; M = the warp's 16 rows, K = ring rows,
                 # N = channels. n-tile nt, column n stands for channel (4 (nt // 4) + n // 2) * 8 + 2 (nt % 4)
                 # + n % 2, so the accumulator fragment is exactly this thread's state registers. u is bf16 in
@@ -522,17 +621,18 @@ class UcacheVerifyFlush:
                         for nt in cutlass.range_constexpr(K // 8):
                             e0 = 2 * (nt % 4)
                             col = ((nt // 4) * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
-                            b_hi = (sWKh[jp0, col], sWKh[jp0 + 4, col])
-                            b_lo = (sWKl[jp0, col], sWKl[jp0 + 4, col])
+                            # hi and lo of ring-row pairs jp0 and jp0 + 4: one 16-byte read
+                            b = cute.make_rmem_tensor((4,), Int32)
+                            cute.autovec_copy(sWK4[col, _wk_slot(col, jp0, KPAD) // 2, None], b)
                             at = (nt // 4) * CHUNK + e0
                             ids = (at, at + 1, 32 + at, 32 + at + 1)
-                            d = _mma_bf16_m16n8k16(a_u, b_hi, [state[z] for z in ids])
-                            d = _mma_bf16_m16n8k16(a_u, b_lo, d)
+                            d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [state[z] for z in ids])
+                            d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
                             for z in cutlass.range_constexpr(4):
                                 state[ids[z]] = d[z]
                 if is_flush:
                     for rho in cutlass.range_constexpr(2):
-                        row_chunks = cute.zipped_divide(mPool[slot64, h, v0 + rows[rho], None], (CHUNK,))
+                        row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
                         for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
                             for e in cutlass.range_constexpr(CHUNK):
                                 raw[e] = state[rho * 32 + m * CHUNK + e].to(mPool.element_type)
@@ -550,92 +650,97 @@ class UcacheVerifyFlush:
                     for reg in cutlass.range_constexpr(4):
                         idx = (reg % 2) * 32 + base_e + 2 * (reg // 2)
                         a_hi[reg], a_lo[reg] = _split_bf16x2(state[idx], state[idx + 1])
-                    pair = ((ks // 2) * ROW_THREADS + q4) * (CHUNK // 2) + 2 * (ks % 2)
+                    # channel pairs (pair, pair + 1) of k-step ks, hi and lo: one 16-byte read per n-tile
+                    quad = ((ks // 2) * ROW_THREADS + q4) * 2 + ks % 2
                     for nt in cutlass.range_constexpr(n_tiles):
-                        col = nt * 8 + g4
-                        b_hi = (sXh[pair, col], sXh[pair + 1, col])
-                        b_lo = (sXl[pair, col], sXl[pair + 1, col])
+                        b = cute.make_rmem_tensor((4,), Int32)
+                        cute.autovec_copy(sX4[nt * 8 + g4, quad, None], b)
                         c_in = [acc[4 * nt + i] for i in range(4)]
-                        d = _mma_bf16_m16n8k16(a_hi, b_hi, c_in)
-                        d = _mma_bf16_m16n8k16(a_lo, b_hi, d)
-                        d = _mma_bf16_m16n8k16(a_hi, b_lo, d)
+                        d = _mma_bf16_m16n8k16(a_hi, (b[0], b[1]), c_in)
+                        d = _mma_bf16_m16n8k16(a_lo, (b[0], b[1]), d)
+                        d = _mma_bf16_m16n8k16(a_hi, (b[2], b[3]), d)
                         for i in cutlass.range_constexpr(4):
                             acc[4 * nt + i] = d[i]
                 for nt in cutlass.range_constexpr(n_tiles):
                     for i in cutlass.range_constexpr(4):
                         sXY[rows[i // 2], nt * 8 + 2 * q4 + i % 2] = acc[4 * nt + i]
-                cute.arch.sync_warp()
-                if lane < 16:
-                    r_loc = warp * 16 + lane
-                    v = v0 + r_loc
-                    us = cute.make_rmem_tensor((T,), Float32)
-                    for s in cutlass.range_constexpr(T):
-                        p = sXY[r_loc, s]
-                        for r in cutlass.range_constexpr(s):
-                            p = p + sA[s, r] * us[r]
-                        us[s] = sBeta[s] * (sVin[s, r_loc] - p)
-                    for s in cutlass.range_constexpr(T):
-                        o = sXY[r_loc, T + s]
-                        for r in cutlass.range_constexpr(s + 1):
-                            o = o + sAq[s, r] * us[r]
-                        mOut[bi, s, h, v] = o.to(mOut.element_type)
-                        phys = (base + P + s) & (RING_SLOTS - 1)
-                        mUCache[slot64, h, phys, v] = us[s].to(mUCache.element_type)
             else:
                 r_loc = tidx // ROW_THREADS
                 seg = tidx % ROW_THREADS
-                v = v0 + r_loc
                 state = cute.make_rmem_tensor((CHUNK * CHUNKS_PER_THREAD,), Float32)
-                row = mPool[slot64, h, v, None]
-                row_chunks = cute.zipped_divide(row, (CHUNK,))  # ((8), (16))
+                row_chunks = cute.zipped_divide(gPool[v0 + r_loc, None], (CHUNK,))  # ((8), (16))
                 raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
                 for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
                     cute.autovec_copy(row_chunks[None, m * ROW_THREADS + seg], raw)
                     for e in cutlass.range_constexpr(CHUNK):
-                        c = (m * ROW_THREADS + seg) * CHUNK + e
-                        state[m * CHUNK + e] = raw[e].to(Float32) * sBdec[c]
+                        ch = (m * ROW_THREADS + seg) * CHUNK + e
+                        state[m * CHUNK + e] = raw[e].to(Float32) * sBdec[ch]
                 for j in cutlass.range(P, unroll=1):
                     u_j = sU[j, r_loc]
                     for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
                         for e in cutlass.range_constexpr(CHUNK):
-                            c = (m * ROW_THREADS + seg) * CHUNK + e
-                            state[m * CHUNK + e] = state[m * CHUNK + e] + u_j * sWK[j, c]
+                            ch = (m * ROW_THREADS + seg) * CHUNK + e
+                            state[m * CHUNK + e] = state[m * CHUNK + e] + u_j * sWK[j, ch // 4, ch % 4]
                 if is_flush:
                     for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
                         for e in cutlass.range_constexpr(CHUNK):
                             raw[e] = state[m * CHUNK + e].to(mPool.element_type)
                         cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + seg])
-
-                xs = cute.make_rmem_tensor((T,), Float32)
-                ys = cute.make_rmem_tensor((T,), Float32)
                 for s in cutlass.range_constexpr(T):
                     x = Float32(0.0)
                     y = Float32(0.0)
                     for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
                         for e in cutlass.range_constexpr(CHUNK):
-                            c = (m * ROW_THREADS + seg) * CHUNK + e
-                            x = x + state[m * CHUNK + e] * sKx[s, c]
-                            y = y + state[m * CHUNK + e] * sQx[s, c]
+                            ch = (m * ROW_THREADS + seg) * CHUNK + e
+                            x = x + state[m * CHUNK + e] * sKx[s, ch]
+                            y = y + state[m * CHUNK + e] * sQx[s, ch]
                     for sh in cutlass.range_constexpr(2):
                         x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << sh)
                         y = y + cute.arch.shuffle_sync_bfly(y, offset=1 << sh)
-                    xs[s] = x
-                    ys[s] = y
+                    if seg == 0:
+                        sXY[r_loc, s] = x
+                        sXY[r_loc, T + s] = y
+            cute.arch.sync_threads()
 
-                us = cute.make_rmem_tensor((T,), Float32)
+            # ---- phase 3: k^ appends (V tile 0, threads past the tile), the triangular solve (one row each) -
+            if tile == 0:
+                if tidx >= TV:
+                    helpers = NT - TV
+                    ka_tasks = T * (K // CHUNK)
+                    for it in cutlass.range_constexpr((ka_tasks + helpers - 1) // helpers):
+                        task = (tidx - TV) + it * helpers
+                        if task < ka_tasks:
+                            t = task // (K // CHUNK)
+                            c8 = task % (K // CHUNK)
+                            k8 = cute.make_rmem_tensor((CHUNK,), Float32)
+                            cute.autovec_copy(cute.zipped_divide(sK[t, None], (CHUNK,))[None, c8], k8)
+                            inv_k = sInv[t]
+                            k_hat = cute.make_rmem_tensor((CHUNK,), mKCache.element_type)
+                            for e in cutlass.range_constexpr(CHUNK):
+                                k_hat[e] = (k8[e] * inv_k).to(mKCache.element_type)
+                            cute.autovec_copy(k_hat, _row_chunks(gKR, (base + P + t) & RING, CHUNK)[None, c8])
+            if tidx < TV:
+                # u_s = beta_s (v_s - S_commit kx_s - sum_{r<s} A[s, r] u_r), o_s = S_commit qx_s + sum_{r<=s}
+                # Aq[s, r] u_r, on raw k / q: with n_s = 1/|k_s|, x~ = S_commit (exp(cum) k_raw) and
+                # w_r = n_r u_r, u_s = beta_s (v_s - n_s (x~_s + sum A~[s, r] w_r)), o_s = (scale/|q_s|)(y~_s +
+                # sum Aq~[s, r] w_r).
+                v = v0 + tidx
+                xy = cute.make_rmem_tensor((2 * T,), Float32)
+                cute.autovec_copy(sXY[tidx, None], xy)
+                w_u = cute.make_rmem_tensor((T,), Float32)
+                gO = mOut[bi, None, h, None]
                 for s in cutlass.range_constexpr(T):
-                    p = xs[s]
+                    p = xy[s]
                     for r in cutlass.range_constexpr(s):
-                        p = p + sA[s, r] * us[r]
-                    us[s] = sBeta[s] * (sVin[s, r_loc] - p)
+                        p = p + sA[s, r] * w_u[r]
+                    u_s = sBeta[s] * (sVin[s, tidx] - sInv[s] * p)
+                    w_u[s] = sInv[s] * u_s
+                    gUR[(base + P + s) & RING, v] = u_s.to(mUCache.element_type)
                 for s in cutlass.range_constexpr(T):
-                    o = ys[s]
+                    o = xy[T + s]
                     for r in cutlass.range_constexpr(s + 1):
-                        o = o + sAq[s, r] * us[r]
-                    if seg == s % ROW_THREADS:
-                        mOut[bi, s, h, v] = o.to(mOut.element_type)
-                        phys = (base + P + s) & (RING_SLOTS - 1)
-                        mUCache[slot64, h, phys, v] = us[s].to(mUCache.element_type)
+                        o = o + sAq[s, r] * w_u[r]
+                    gO[s, v] = (sInv[T + s] * o).to(mOut.element_type)
         else:
             for i in cutlass.range(tidx, T * TV, NT):
                 t = i // TV
