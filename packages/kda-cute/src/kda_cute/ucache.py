@@ -125,9 +125,16 @@ def _row_chunks(tensor: cute.Tensor, row, width: int) -> cute.Tensor:
     return cute.zipped_divide(tensor[row, None], (width,))
 
 
-X_STRIDE = HEAD_DIM + 4
-"""Words per decayed draft vector in shared memory (64 channel pairs x (hi, lo), + 4: the 16-byte B-fragment reads
-of a quarter warp then hit 32 banks)."""
+PAIR_ROW = HEAD_DIM + 4
+"""Words per row of a bf16-pair operand packed along channels (64 pairs x (hi, lo), + 4): the 16-byte fragment
+reads of a quarter warp (rows r, r + 1 at 4 quad positions 8 words apart) then hit 32 banks."""
+
+
+def _pair_group(step, quad_pos):
+    """16-byte group of channel pairs (2i, 2i + 1) standing for k-pairs (q, q + 4) of k-step ``step`` in the
+    channel-packed MMA operands: the channels 32 (step // 2) + 8q + 4 (step % 2) + 0..3 of the checkpoint chunk
+    that quad position q holds (see the state-row phase), so the checkpoint's bf16 words are B operands as is."""
+    return ((step // 2) * ROW_THREADS + quad_pos) * 2 + step % 2
 
 
 def _wk_slot(channel, pair, kpad: int):
@@ -142,6 +149,22 @@ def _wk_slot(channel, pair, kpad: int):
     if kpad == 2 * MMA_K:
         step = step ^ (channel % 2)
     return step * 8 + 2 * (pair % 4) + (pair // 4) % 2
+
+
+def _fold_group(channel, step, quad_pos, kpad: int):
+    """16-byte group of ``channel``'s column of the fold's wk operand holding k-step ``step``'s B fragment for quad
+    position ``quad_pos``: (hi, hi, lo, lo) of ring-row pairs step*8 + q and step*8 + q + 4, each MMA operand a
+    register pair.
+
+    Swizzled so that both access patterns spread over the banks: a quarter warp reads channels c, c + 1 (c even) at
+    4 quad positions (the column stride, 16 words, or the flipped step bit with 32 ring rows, puts c and c + 1 in
+    different bank halves), and the producer writes 8 consecutive channel quads at one (step, q) (the XOR with
+    (c // 4) % 4 spreads them over 4 groups: 2-way at most).
+    """
+    group = (4 * step + quad_pos) ^ ((channel // 4) % 4)
+    if kpad == 2 * MMA_K:
+        group = group ^ (4 * (channel % 2))
+    return group
 
 
 def _mma_bf16_m16n8k16(a, b, c):
@@ -299,6 +322,7 @@ class UcacheVerifyFlush:
         K = HEAD_DIM
         TV = self.tile_v
         NT = self.threads
+        NW = NT // 32
         MAXR = self.max_rows
         KPAD = self.kpad
         NG = NT // K  # token groups of the gate phase (threads per key channel)
@@ -322,17 +346,28 @@ class UcacheVerifyFlush:
         sQ4 = cute.make_tensor(sQ.iterator, quads(T))
         sDec4 = cute.make_tensor(sDec.iterator, quads(T))
         if const_expr(self.mma):
-            # Decayed raw draft vectors [kx_0..kx_{T-1}, qx_0..qx_{T-1}] as packed bf16 channel pairs, one column
-            # of X_STRIDE words per vector: pairs 2i and 2i + 1 share a 16-byte group (hi, hi, lo, lo), so one read
-            # gives both B fragments (hi and lo) of a k-step.
-            sX = smem.allocate_tensor(Int32, cute.make_layout(2 * T * X_STRIDE), byte_alignment=16)
-            sX4 = cute.make_tensor(sX.iterator, cute.make_layout((2 * T, X_STRIDE // 4, 4), stride=(X_STRIDE, 4, 1)))
-            # Fold operands as packed bf16 pairs along the ring-row axis (the MMA k index); rows j >= P hold
-            # zeros written by a select. u: row stride padded (+8 words) so the A-fragment reads hit 32 banks;
-            # wk: one column of KPAD words per channel, pairs in fragment order (see _wk_slot).
+            # Decayed raw draft vectors x_s = [kx_0..kx_{T-1}, qx_0..qx_{T-1}, zeros up to 16] as the m16 A operand
+            # of the products with the checkpoint and with wk: [hi / lo][s % 8][channel-pair group] 4 words
+            # (x_s pair 2i, x_s+8 pair 2i, x_s pair 2i+1, x_s+8 pair 2i+1), one 16-byte read per fragment.
+            # sXb: times bdec (S0 (bdec x)), sXu: as is (M = wk x).
+            x_layout = cute.make_layout((2, 8, PAIR_ROW // 4, 4), stride=(8 * PAIR_ROW, PAIR_ROW, 4, 1))
+            sXb = smem.allocate_tensor(Int32, x_layout, byte_alignment=16)
+            sXu = smem.allocate_tensor(Int32, x_layout, byte_alignment=16)
+            # Ring operands as packed bf16 pairs along the ring-row axis (the MMA k index); rows j >= P hold zeros
+            # written by a select. u: row stride padded (+8 words) so the fragment reads hit 32 banks. wk: once
+            # packed along ring rows (the fold's B operand, flush rows only; one column of KPAD words per channel,
+            # see _fold_group) and once along channels (M's B operand: rows of PAIR_ROW words, (hi, hi, lo, lo)).
             sUp = smem.allocate_tensor(Int32, cute.make_layout((KPAD // 2, TV), stride=(TV + 8, 1)), byte_alignment=16)
-            sWK = smem.allocate_tensor(Int32, cute.make_layout(K * KPAD), byte_alignment=16)
-            sWK4 = cute.make_tensor(sWK.iterator, cute.make_layout((K, KPAD // 4, 4), stride=(KPAD, 4, 1)))
+            quads_of = lambda rows, words: cute.make_layout((rows, words // 4, 4), stride=(words, 4, 1))  # noqa: E731
+            sWK = smem.allocate_tensor(Int32, quads_of(K, KPAD), byte_alignment=16)
+            sWKc = smem.allocate_tensor(Int32, quads_of(KPAD, PAIR_ROW), byte_alignment=16)
+            # M[j, s] = wk_j . x_s as the A operand of the ring correction: [hi / lo][s % 8][k-step, q] 4 words
+            # (s pair jp, s + 8 pair jp, s pair jp + 4, s + 8 pair jp + 4), jp = 8 step + q; rows padded to 16
+            # words mod 32 so the quarter-warp reads hit 32 banks.
+            m_row = KPAD if KPAD == 16 else KPAD + 16
+            sM = smem.allocate_tensor(
+                Int32, cute.make_layout((2, 8, KPAD // 4, 4), stride=(8 * m_row, m_row, 4, 1)), byte_alignment=16
+            )
         else:
             sKx = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
             sQx = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
@@ -431,6 +466,14 @@ class UcacheVerifyFlush:
                 prev2 = cute.arch.shuffle_sync_up(prev + part, offset=16)
                 cum = prev + Float32(cutlass.select_(grp >= 2, prev2, Float32(0.0)))
             even = (lane % 2) == 0  # c and c ^ 1 are lanes lane and lane ^ 1
+            bdec = Float32(1.0)
+            if P > 0:
+                bdec = cute.math.exp(g_last, fastmath=True)
+            if const_expr(self.mma):
+                # bdec of the two channels of this lane's packed pair (low half, high half)
+                bdec_partner = cute.arch.shuffle_sync_bfly(bdec, offset=1)
+                bdec_lo = Float32(cutlass.select_(even, bdec, bdec_partner))
+                bdec_hi = Float32(cutlass.select_(even, bdec_partner, bdec))
             for i in cutlass.range_constexpr(TPT):
                 t = grp * TPT + i
                 cum = cum + g_logs[i]
@@ -446,20 +489,26 @@ class UcacheVerifyFlush:
                     # Even lanes pack (kx_c, kx_c+1) into column t, odd lanes (qx_c-1, qx_c) into column T + t:
                     # one shuffle gives each lane its partner's half.
                     recv = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(even, qx, kx)), offset=1)
-                    hi, lo = _split_bf16x2(
-                        Float32(cutlass.select_(even, kx, recv)), Float32(cutlass.select_(even, recv, qx))
+                    x_lo = Float32(cutlass.select_(even, kx, recv))
+                    x_hi = Float32(cutlass.select_(even, recv, qx))
+                    s_x = t + Int32(cutlass.select_(even, Int32(0), Int32(T)))  # row of x: kx_t or qx_t
+                    pos = s_x // 8 + 2 * (c // 2 % 2)
+                    sXu[0, s_x % 8, c // 4, pos], sXu[1, s_x % 8, c // 4, pos] = _split_bf16x2(x_lo, x_hi)
+                    sXb[0, s_x % 8, c // 4, pos], sXb[1, s_x % 8, c // 4, pos] = _split_bf16x2(
+                        bdec_lo * x_lo, bdec_hi * x_hi
                     )
-                    col = t + Int32(cutlass.select_(even, Int32(0), Int32(T)))
-                    sX4[col, c // 4, c // 2 % 2] = hi
-                    sX4[col, c // 4, 2 + c // 2 % 2] = lo
                 else:
                     sKx[t, c] = kx
                     sQx[t, c] = qx
             if grp == 0:
-                bdec = Float32(1.0)
-                if P > 0:
-                    bdec = cute.math.exp(g_last, fastmath=True)
                 sBdec[c] = bdec
+            if const_expr(self.mma and 2 * T < 16):
+                # rows 2T..15 of the m16 operand x are zeros (a 16-byte read of rows s and s + 8 takes them along)
+                for it in cutlass.range_constexpr(2 * 8 * (K // 4) // NT):
+                    task = tidx + it * NT  # (hi / lo, s % 8, channel-pair group)
+                    for odd in cutlass.range_constexpr(2):
+                        sXu[task // (8 * (K // 4)), task // (K // 4) % 8, task % (K // 4), 2 * odd + 1] = Int32(0)
+                        sXb[task // (8 * (K // 4)), task // (K // 4) % 8, task % (K // 4), 2 * odd + 1] = Int32(0)
 
             # ---- phase 1b: ring rows (u, replay vectors wk), v tile, beta ------------------------------
             # Only the live rows j < P are loaded: stale rows never enter an arithmetic op.
@@ -510,42 +559,53 @@ class UcacheVerifyFlush:
                 sBeta[tidx] = Float32(1.0) / (
                     Float32(1.0) + cute.math.exp(-mBeta[bi, tidx, h].to(Float32), fastmath=True)
                 )
-            # wk_j = exp(G_{P-1} - G_j) * k^_j: task (row pair jp, 4 channels); lanes run over jp first so the
-            # (hi, lo) stores of one channel spread over the banks.
-            wk_pairs = KPAD // 2 if self.mma else MAXR // 2
-            wk_tasks = wk_pairs * (K // 4)
+            # wk_j = exp(G_{P-1} - G_j) * k^_j. A task is 4 channels (lanes run over them: whole ring rows per warp)
+            # of a set of ring rows: MMA, rows 16 ks + 2q + {0, 1, 8, 9} (the pairs ks*8 + q and ks*8 + q + 4 of one
+            # fold B fragment); CUDA cores, rows 2i + {0, 1}.
+            n_rows = 4 if self.mma else 2
+            wk_tasks = (KPAD if self.mma else MAXR) // n_rows * (K // 4)
             for it in cutlass.range_constexpr((wk_tasks + NT - 1) // NT):
                 task = tidx + it * NT
                 if task < wk_tasks:
-                    jp = task % wk_pairs
-                    c4 = task // wk_pairs
+                    c4 = task % (K // 4)
+                    row_set = task // (K // 4)
                     last4 = cute.make_rmem_tensor((4,), Float32)
                     for e in cutlass.range_constexpr(4):
                         last4[e] = Float32(0.0)
                     if P > 0:
                         cute.autovec_copy(_row_chunks(gGR, last_row, 4)[None, c4], last4)
-                    wk = [cute.make_rmem_tensor((4,), Float32) for _ in range(2)]
-                    for odd in cutlass.range_constexpr(2):
+                    wk = [cute.make_rmem_tensor((4,), Float32) for _ in range(n_rows)]
+                    js = [2 * row_set + odd for odd in range(2)]
+                    if const_expr(self.mma):
+                        js = [16 * (row_set // 4) + 2 * (row_set % 4) + d for d in (0, 1, 8, 9)]
+                    for rr in cutlass.range_constexpr(n_rows):
                         for e in cutlass.range_constexpr(4):
-                            wk[odd][e] = Float32(0.0)
-                        if 2 * jp + odd < P:
-                            phys = (base + 2 * jp + odd) & RING
+                            wk[rr][e] = Float32(0.0)
+                        if js[rr] < P:
+                            phys = (base + js[rr]) & RING
                             gj = cute.make_rmem_tensor((4,), Float32)
                             kj = cute.make_rmem_tensor((4,), mKCache.element_type)
                             cute.autovec_copy(_row_chunks(gGR, phys, 4)[None, c4], gj)
                             cute.autovec_copy(_row_chunks(gKR, phys, 4)[None, c4], kj)
                             for e in cutlass.range_constexpr(4):
-                                wk[odd][e] = cute.math.exp(last4[e] - gj[e], fastmath=True) * kj[e].to(Float32)
+                                wk[rr][e] = cute.math.exp(last4[e] - gj[e], fastmath=True) * kj[e].to(Float32)
                     if const_expr(self.mma):
-                        for e in cutlass.range_constexpr(4):
-                            ch = 4 * c4 + e
-                            slot = _wk_slot(ch, jp, KPAD)
-                            sWK4[ch, slot // 2, slot % 2], sWK4[ch, slot // 2, 2 + slot % 2] = _split_bf16x2(
-                                wk[0][e], wk[1][e]
-                            )
+                        quad = cute.make_rmem_tensor((4,), Int32)
+                        for rr in cutlass.range_constexpr(n_rows):
+                            # along channels: (hi, hi, lo, lo) of channel pairs 2 c4, 2 c4 + 1 of ring row j
+                            quad[0], quad[2] = _split_bf16x2(wk[rr][0], wk[rr][1])
+                            quad[1], quad[3] = _split_bf16x2(wk[rr][2], wk[rr][3])
+                            cute.autovec_copy(quad, sWKc[js[rr], c4, None])
+                        if is_flush:
+                            for e in cutlass.range_constexpr(4):
+                                # along ring rows: (hi, hi, lo, lo) of pairs (rows 0, 1) and (rows 8, 9) of the set
+                                quad[0], quad[2] = _split_bf16x2(wk[0][e], wk[1][e])
+                                quad[1], quad[3] = _split_bf16x2(wk[2][e], wk[3][e])
+                                ch = 4 * c4 + e
+                                cute.autovec_copy(quad, sWK[ch, _fold_group(ch, row_set // 4, row_set % 4, KPAD), None])
                     else:
-                        for odd in cutlass.range_constexpr(2):
-                            cute.autovec_copy(wk[odd], sWK[2 * jp + odd, c4, None])
+                        for rr in cutlass.range_constexpr(n_rows):
+                            cute.autovec_copy(wk[rr], sWK[js[rr], c4, None])
             cute.arch.sync_threads()
 
             # ---- phase 2a: the T x T triangles and the norms (warps 0 .. T/2 - 1) -------------------------
@@ -596,74 +656,104 @@ class UcacheVerifyFlush:
                             sA[s, r] = a_kk
                             sAq[s, r] = a_qk
 
-            # ---- phase 2b: state rows: fold, flush, dot products (every warp) -----------------------------
+            # ---- phase 2b: M = wk x (MMA; one 8-ring-row tile per warp, on warps past the triangles' ones) -------
+            # A verify row never needs S_commit: S_commit x_s = S0 (bdec * x_s) + sum_j u_j (wk_j . x_s) (DESIGN
+            # section 5, R2). M[j, s] = wk_j . x_s is per (request, head), so it is computed once here (m16 = the 2T
+            # draft vectors, n8 = 8 ring rows, k = channels, hi/lo splits: 3 MMAs per k-step); every state row then
+            # adds U M (one MMA per 16 ring rows) to S0 (bdec x), whose A operand is the bf16 checkpoint itself.
+            if const_expr(self.mma):
+                for jt in cutlass.range_constexpr(KPAD // 8):
+                    if warp == (T // 2 + jt) % NW:
+                        # one n8 tile of ring rows: A = x (m16), B = wk packed along channels, hi/lo of both
+                        m_acc = [Float32(0.0)] * 4
+                        for ks in cutlass.range_constexpr(K // MMA_K):
+                            grp_k = _pair_group(ks, q4)
+                            xop_hi = cute.make_rmem_tensor((4,), Int32)
+                            xop_lo = cute.make_rmem_tensor((4,), Int32)
+                            wb = cute.make_rmem_tensor((4,), Int32)
+                            cute.autovec_copy(sXu[0, g4, grp_k, None], xop_hi)
+                            cute.autovec_copy(sXu[1, g4, grp_k, None], xop_lo)
+                            cute.autovec_copy(sWKc[8 * jt + g4, grp_k, None], wb)
+                            a_hi = [xop_hi[i] for i in range(4)]
+                            a_lo = [xop_lo[i] for i in range(4)]
+                            m_acc = _mma_bf16_m16n8k16(a_hi, (wb[0], wb[1]), m_acc)
+                            m_acc = _mma_bf16_m16n8k16(a_lo, (wb[0], wb[1]), m_acc)
+                            m_acc = _mma_bf16_m16n8k16(a_hi, (wb[2], wb[3]), m_acc)
+                        # (c0, c1) = M[ring rows 8 jt + 2q, +1][s = g], (c2, c3) the same for s = g + 8: ring-row
+                        # pair jp = 4 jt + q, which is k-pair jp % 4 (+ 4 if (jp // 4) odd) of k-step jp // 8
+                        jp = 4 * jt + q4
+                        pos_k = 2 * ((jp // 4) % 2)
+                        grp_m = jp // 8 * 4 + jp % 4
+                        for half in cutlass.range_constexpr(2):
+                            m_hi, m_lo = _split_bf16x2(m_acc[2 * half], m_acc[2 * half + 1])
+                            sM[0, g4, grp_m, half + pos_k] = m_hi
+                            sM[1, g4, grp_m, half + pos_k] = m_lo
+
+            # ---- phase 2c: state rows: S0 (bdec x) dot products, the flush (every warp) ------------------------
             if const_expr(self.mma):
                 # Warp w owns local rows 16w + g and 16w + g + 8 (g = lane // 4); thread quad position q = lane % 4
                 # owns channels 32m + 8q + e (m < 4, e < 8) of both rows: 16-byte pool accesses, and, read as
                 # the K dimension of the MMA in the order (m, e), exactly the A-fragment columns {2q, 2q + 1,
                 # 2q + 8, 2q + 9} of k-step 2m + e // 4 (any permutation of K is fine when B uses the same one).
-                state = cute.make_rmem_tensor((2 * CHUNK * CHUNKS_PER_THREAD,), Float32)
-                raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
-                for rho in cutlass.range_constexpr(2):
-                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                        for e in cutlass.range_constexpr(CHUNK):
-                            ch = (m * ROW_THREADS + q4) * CHUNK + e
-                            idx = rho * 32 + m * CHUNK + e
-                            state[idx] = s0_raw[idx].to(Float32) * sBdec[ch]
-                # Fold on MMA: S_commit[v, c] += sum_j u_j[v] wk_j[c]; M = the warp's 16 rows, K = ring rows,
-                # N = channels. n-tile nt, column n stands for channel (4 (nt // 4) + n // 2) * 8 + 2 (nt % 4)
-                # + n % 2, so the accumulator fragment is exactly this thread's state registers. u is bf16 in
-                # the ring (exact as an operand); wk is split hi + lo: two MMAs, fp32 accumulation.
-                for ks in cutlass.range_constexpr(KPAD // MMA_K):
-                    if P > ks * MMA_K:
-                        jp0 = ks * (MMA_K // 2) + q4
-                        a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]], sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
-                        for nt in cutlass.range_constexpr(K // 8):
-                            e0 = 2 * (nt % 4)
-                            col = ((nt // 4) * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
-                            # hi and lo of ring-row pairs jp0 and jp0 + 4: one 16-byte read
-                            b = cute.make_rmem_tensor((4,), Int32)
-                            cute.autovec_copy(sWK4[col, _wk_slot(col, jp0, KPAD) // 2, None], b)
-                            at = (nt // 4) * CHUNK + e0
-                            ids = (at, at + 1, 32 + at, 32 + at + 1)
-                            d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [state[z] for z in ids])
-                            d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
-                            for z in cutlass.range_constexpr(4):
-                                state[ids[z]] = d[z]
+                # x^T[s, v] = sum_c x_s[c] S0[v, c] bdec[c]: m16 = the 2T draft vectors (A, from shared memory), n8 =
+                # 8 of the warp's rows (B: rows 16w + 8 nt + g), k = channels. k-pairs (q, q + 4) of step ks are the
+                # channel pairs of _pair_group(ks, q): two consecutive bf16 words of the thread's checkpoint chunk,
+                # an exact B operand as loaded (no conversion, no split; bdec rides on x).
+                s0_words = cute.recast_tensor(s0_raw, Int32)  # [row nt][chunk m][4 channel pairs]
+                acc = cute.make_rmem_tensor((8,), Float32)  # n-tile nt: (s = g, v = 2q, 2q + 1), (s = g + 8, same)
+                for i in cutlass.range_constexpr(8):
+                    acc[i] = Float32(0.0)
+                for ks in cutlass.range_constexpr(K // MMA_K):
+                    grp_k = _pair_group(ks, q4)
+                    xop_hi = cute.make_rmem_tensor((4,), Int32)
+                    xop_lo = cute.make_rmem_tensor((4,), Int32)
+                    cute.autovec_copy(sXb[0, g4, grp_k, None], xop_hi)
+                    cute.autovec_copy(sXb[1, g4, grp_k, None], xop_lo)
+                    for nt in cutlass.range_constexpr(2):
+                        w0 = nt * 16 + (ks // 2) * 4 + 2 * (ks % 2)
+                        b_s0 = (s0_words[w0], s0_words[w0 + 1])
+                        d = _mma_bf16_m16n8k16([xop_hi[i] for i in range(4)], b_s0, [acc[4 * nt + i] for i in range(4)])
+                        d = _mma_bf16_m16n8k16([xop_lo[i] for i in range(4)], b_s0, d)
+                        for i in cutlass.range_constexpr(4):
+                            acc[4 * nt + i] = d[i]
+                for nt in cutlass.range_constexpr(2):
+                    for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
+                        sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
                 if is_flush:
+                    # S_commit = S0 * bdec + U^T WK in fp32 registers, one rounding to bf16. Fold on MMA: M = the
+                    # warp's 16 rows, K = ring rows, N = channels. n-tile nt, column n stands for channel
+                    # (4 (nt // 4) + n // 2) * 8 + 2 (nt % 4) + n % 2, so the accumulator fragment is exactly this
+                    # thread's state registers. u is bf16 in the ring (exact as an operand); wk is split hi + lo.
+                    state = cute.make_rmem_tensor((2 * CHUNK * CHUNKS_PER_THREAD,), Float32)
+                    for rho in cutlass.range_constexpr(2):
+                        for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                            for e in cutlass.range_constexpr(CHUNK):
+                                ch = (m * ROW_THREADS + q4) * CHUNK + e
+                                idx = rho * 32 + m * CHUNK + e
+                                state[idx] = s0_raw[idx].to(Float32) * sBdec[ch]
+                    for ks in cutlass.range_constexpr(KPAD // MMA_K):
+                        if P > ks * MMA_K:
+                            jp0 = ks * (MMA_K // 2) + q4
+                            a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]], sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
+                            for nt in cutlass.range_constexpr(K // 8):
+                                e0 = 2 * (nt % 4)
+                                col = ((nt // 4) * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
+                                # hi and lo of ring-row pairs jp0 and jp0 + 4: one 16-byte read
+                                b = cute.make_rmem_tensor((4,), Int32)
+                                cute.autovec_copy(sWK[col, _fold_group(col, ks, q4, KPAD), None], b)
+                                at = (nt // 4) * CHUNK + e0
+                                ids = (at, at + 1, 32 + at, 32 + at + 1)
+                                d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [state[z] for z in ids])
+                                d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
+                                for z in cutlass.range_constexpr(4):
+                                    state[ids[z]] = d[z]
+                    raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
                     for rho in cutlass.range_constexpr(2):
                         row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
                         for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
                             for e in cutlass.range_constexpr(CHUNK):
                                 raw[e] = state[rho * 32 + m * CHUNK + e].to(mPool.element_type)
                             cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
-
-                n_tiles = 2 * T // 8
-                acc = cute.make_rmem_tensor((4 * n_tiles,), Float32)
-                for i in cutlass.range_constexpr(4 * n_tiles):
-                    acc[i] = Float32(0.0)
-                for ks in cutlass.range_constexpr(K // MMA_K):
-                    base_e = (ks // 2) * CHUNK + 4 * (ks % 2)
-                    a_hi = [None] * 4
-                    a_lo = [None] * 4
-                    # A registers: (row g, k 2q..2q+1), (row g+8, same), (row g, k 2q+8..), (row g+8, k 2q+8..)
-                    for reg in cutlass.range_constexpr(4):
-                        idx = (reg % 2) * 32 + base_e + 2 * (reg // 2)
-                        a_hi[reg], a_lo[reg] = _split_bf16x2(state[idx], state[idx + 1])
-                    # channel pairs (pair, pair + 1) of k-step ks, hi and lo: one 16-byte read per n-tile
-                    quad = ((ks // 2) * ROW_THREADS + q4) * 2 + ks % 2
-                    for nt in cutlass.range_constexpr(n_tiles):
-                        b = cute.make_rmem_tensor((4,), Int32)
-                        cute.autovec_copy(sX4[nt * 8 + g4, quad, None], b)
-                        c_in = [acc[4 * nt + i] for i in range(4)]
-                        d = _mma_bf16_m16n8k16(a_hi, (b[0], b[1]), c_in)
-                        d = _mma_bf16_m16n8k16(a_lo, (b[0], b[1]), d)
-                        d = _mma_bf16_m16n8k16(a_hi, (b[2], b[3]), d)
-                        for i in cutlass.range_constexpr(4):
-                            acc[4 * nt + i] = d[i]
-                for nt in cutlass.range_constexpr(n_tiles):
-                    for i in cutlass.range_constexpr(4):
-                        sXY[rows[i // 2], nt * 8 + 2 * q4 + i % 2] = acc[4 * nt + i]
             else:
                 r_loc = tidx // ROW_THREADS
                 seg = tidx % ROW_THREADS
@@ -701,6 +791,36 @@ class UcacheVerifyFlush:
                         sXY[r_loc, s] = x
                         sXY[r_loc, T + s] = y
             cute.arch.sync_threads()
+
+            # ---- phase 2d: ring correction x_s += sum_j u_j M[j, s] (MMA: M = 16 rows, K = ring rows) -----------
+            if const_expr(self.mma):
+                if P > 0:
+                    # x^T += M^T U: m16 = draft vectors (A: sM), n8 = 8 state rows (B: u pairs), k = ring rows
+                    acc = cute.make_rmem_tensor((8,), Float32)
+                    for nt in cutlass.range_constexpr(2):
+                        for i in cutlass.range_constexpr(4):
+                            acc[4 * nt + i] = Float32(0.0)
+                            if const_expr(i < 2 or 2 * T > 8):
+                                acc[4 * nt + i] = sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)]
+                    for ks in cutlass.range_constexpr(KPAD // MMA_K):
+                        if P > ks * MMA_K:
+                            m_hi = cute.make_rmem_tensor((4,), Int32)
+                            m_lo = cute.make_rmem_tensor((4,), Int32)
+                            cute.autovec_copy(sM[0, g4, ks * 4 + q4, None], m_hi)
+                            cute.autovec_copy(sM[1, g4, ks * 4 + q4, None], m_lo)
+                            jp0 = ks * (MMA_K // 2) + q4
+                            for nt in cutlass.range_constexpr(2):
+                                v_loc = warp * 16 + nt * 8 + g4
+                                b_u = (sUp[jp0, v_loc], sUp[jp0 + 4, v_loc])
+                                c_in = [acc[4 * nt + i] for i in range(4)]
+                                d = _mma_bf16_m16n8k16([m_hi[i] for i in range(4)], b_u, c_in)
+                                d = _mma_bf16_m16n8k16([m_lo[i] for i in range(4)], b_u, d)
+                                for i in cutlass.range_constexpr(4):
+                                    acc[4 * nt + i] = d[i]
+                    for nt in cutlass.range_constexpr(2):
+                        for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
+                            sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
+                cute.arch.sync_threads()
 
             # ---- phase 3: k^ appends (V tile 0, threads past the tile), the triangular solve (one row each) -
             if tile == 0:
