@@ -1,29 +1,29 @@
 """ReplaySSM "ucache" verify+flush kernel for KDA speculative decode (DESIGN §5, issue 5).
 
-One CTA per (V tile, head, request). Four threads share one state row: each owns 32 of its 128 key channels, in
-four interleaved chunks of 8 (16-byte pool accesses; the 4 owners' shared-memory reads hit distinct banks). In the
-default MMA variant a thread holds two rows (a warp covers 16) and the chunks double as MMA fragments (see
-``docs/ucache.md``). Per (request, head) the CTA first builds, in shared memory:
+One CTA per (V tile, head, request). In the default MMA variant two threads share a state row pair (a warp covers
+16 rows; a thread holds 32 of the 128 key channels of two rows, in four interleaved 16-byte chunks). Per (request,
+head) the CTA first builds, in shared memory:
 
-- the gate of the T draft tokens (g_log), its running sum ``cum`` (the decay restarts at 0 after the
-  checkpoint), the L2-normalised k^ and scale * q^;
-- the replay vectors ``wk_j = exp(G_{P-1} - G_j) * k^_j`` of the live ring rows j < P (rows j >= P are
-  *selected* to zero, never multiplied: stale rows may hold inf) and ``bdec = exp(G_{P-1})``;
-- the decayed draft vectors ``kx_s = exp(cum_s) * k^_s`` and ``qx_s = exp(cum_s) * q^_s``;
-- the T x T triangles ``A[s, r] = sum_c exp(cum_s - cum_r) k^_r k^_s`` (r < s) and
-  ``Aq[s, r] = sum_c exp(cum_s - cum_r) k^_r q^_s`` (r <= s), with exp(cum_s - cum_r) the running product of the
-  per-token decays: never a ratio of exponentials, so strong decay (cum down to -40 and beyond) cannot overflow.
+- the gate of the T draft tokens, the per-token decays a_t and, in registers, their running sum ``cum`` (the decay
+  restarts at 0 after the checkpoint); raw k and q (normalised only in the solve);
+- the decayed draft vectors ``x_s = [exp(cum_s) k_s; exp(cum_s) q_s]`` as bf16 hi/lo MMA operands, once as is and
+  once times ``bdec = exp(G_{P-1})``;
+- the replay vectors ``wk_j = exp(G_{P-1} - G_j) * k^_j`` of the live ring rows j < P (rows j >= P are *selected*
+  to zero, never multiplied: stale rows may hold inf) and ``M[j, s] = wk_j . x_s`` (warp MMA);
+- the T x T triangles ``A[s, r] = sum_c exp(cum_s - cum_r) k_r k_s`` (r < s) and ``Aq[s, r]`` (k_r q_s, r <= s) on
+  raw k, q, with exp(cum_s - cum_r) the running product of the per-token decays: never a ratio of exponentials,
+  so strong decay (cum down to -40 and beyond) cannot overflow; the diagonal gives the norms of k_s and q_s.
 
-Then every state row v is rebuilt in fp32 registers, ``S_commit[v] = S0[v] * bdec + sum_{j<P} u_j[v] wk_j``
-(R1), stored once (bf16, round to nearest even) on a flush row, and the T drafts follow from 2T dot products
-(warp MMA on bf16 hi/lo splits, fp32 accumulate) and the small triangular recurrence (the chunked WY form of
-DESIGN §3):
+Then every state row v gets its 2T dot products without building the committed state (DESIGN §5, R2):
+``S_commit[v] x_s = S0[v] (bdec x_s) + sum_{j<P} u_j[v] M[j, s]`` (the bf16 checkpoint is an exact MMA operand),
+and the T drafts follow from the small triangular recurrence (the chunked WY form of DESIGN §3), one row per thread:
 
-    u_s = beta_s (v_s - S_commit kx_s - sum_{r<s} A[s, r] u_r),    o_s = S_commit qx_s + sum_{r<=s} Aq[s, r] u_r
+    u_s = beta_s (v_s - S_commit kx^_s - sum_{r<s} A^[s, r] u_r),    o_s = S_commit qx^_s + sum_{r<=s} Aq^[s, r] u_r
 
-The post-draft state is never needed (the ring keeps its ingredients), so no rank-1 updates run.
-Appends: u_s rows of this CTA's V tile; k^_s and G (cum_s, plus G_{P-1} on a verify row) once per
-(request, head) by the CTA of V tile 0. All appends land at (base + P + s) & 31, past the live window every
+A flush row also builds ``S_commit[v] = S0[v] * bdec + sum_{j<P} u_j[v] wk_j`` (R1, fp32, warp MMA) and stores it
+once (bf16, round to nearest even). The post-draft state is never needed (the ring keeps its ingredients), so no
+rank-1 updates run. Appends: u_s rows of this CTA's V tile; k^_s and G (cum_s, plus G_{P-1} on a verify row) once
+per (request, head) by the CTA of V tile 0. All appends land at (base + P + s) & 31, past the live window every
 CTA of the same (request, head) reads, so no CTA overwrites a row another still needs.
 
 Rows whose slot is outside [0, pool) are inactive: their output is zero and nothing else is read or written.
