@@ -1,29 +1,29 @@
 """ReplaySSM "ucache" verify+flush kernel for KDA speculative decode (DESIGN §5, issue 5).
 
-One CTA per (V tile, head, request). Four threads share one state row: each owns 32 of its 128 key channels, in
-four interleaved chunks of 8 (16-byte pool accesses; the 4 owners' shared-memory reads hit distinct banks). In the
-default MMA variant a thread holds two rows (a warp covers 16) and the chunks double as MMA fragments (see
-``docs/ucache.md``). Per (request, head) the CTA first builds, in shared memory:
+One CTA per (V tile, head, request). In the default MMA variant two threads share a state row pair (a warp covers
+16 rows; a thread holds 32 of the 128 key channels of two rows, in four interleaved 16-byte chunks). Per (request,
+head) the CTA first builds, in shared memory:
 
-- the gate of the T draft tokens (g_log), its running sum ``cum`` (the decay restarts at 0 after the
-  checkpoint), the L2-normalised k^ and scale * q^;
-- the replay vectors ``wk_j = exp(G_{P-1} - G_j) * k^_j`` of the live ring rows j < P (rows j >= P are
-  *selected* to zero, never multiplied: stale rows may hold inf) and ``bdec = exp(G_{P-1})``;
-- the decayed draft vectors ``kx_s = exp(cum_s) * k^_s`` and ``qx_s = exp(cum_s) * q^_s``;
-- the T x T triangles ``A[s, r] = sum_c exp(cum_s - cum_r) k^_r k^_s`` (r < s) and
-  ``Aq[s, r] = sum_c exp(cum_s - cum_r) k^_r q^_s`` (r <= s), with exp(cum_s - cum_r) the running product of the
-  per-token decays: never a ratio of exponentials, so strong decay (cum down to -40 and beyond) cannot overflow.
+- the gate of the T draft tokens, the per-token decays a_t and, in registers, their running sum ``cum`` (the decay
+  restarts at 0 after the checkpoint); raw k and q (normalised only in the solve);
+- the decayed draft vectors ``x_s = [exp(cum_s) k_s; exp(cum_s) q_s]`` as bf16 hi/lo MMA operands, once as is and
+  once times ``bdec = exp(G_{P-1})``;
+- the replay vectors ``wk_j = exp(G_{P-1} - G_j) * k^_j`` of the live ring rows j < P (rows j >= P are *selected*
+  to zero, never multiplied: stale rows may hold inf) and ``M[j, s] = wk_j . x_s`` (warp MMA);
+- the T x T triangles ``A[s, r] = sum_c exp(cum_s - cum_r) k_r k_s`` (r < s) and ``Aq[s, r]`` (k_r q_s, r <= s) on
+  raw k, q, with exp(cum_s - cum_r) the running product of the per-token decays: never a ratio of exponentials,
+  so strong decay (cum down to -40 and beyond) cannot overflow; the diagonal gives the norms of k_s and q_s.
 
-Then every state row v is rebuilt in fp32 registers, ``S_commit[v] = S0[v] * bdec + sum_{j<P} u_j[v] wk_j``
-(R1), stored once (bf16, round to nearest even) on a flush row, and the T drafts follow from 2T dot products
-(warp MMA on bf16 hi/lo splits, fp32 accumulate) and the small triangular recurrence (the chunked WY form of
-DESIGN §3):
+Then every state row v gets its 2T dot products without building the committed state (DESIGN §5, R2):
+``S_commit[v] x_s = S0[v] (bdec x_s) + sum_{j<P} u_j[v] M[j, s]`` (the bf16 checkpoint is an exact MMA operand),
+and the T drafts follow from the small triangular recurrence (the chunked WY form of DESIGN §3), one row per thread:
 
-    u_s = beta_s (v_s - S_commit kx_s - sum_{r<s} A[s, r] u_r),    o_s = S_commit qx_s + sum_{r<=s} Aq[s, r] u_r
+    u_s = beta_s (v_s - S_commit kx^_s - sum_{r<s} A^[s, r] u_r),    o_s = S_commit qx^_s + sum_{r<=s} Aq^[s, r] u_r
 
-The post-draft state is never needed (the ring keeps its ingredients), so no rank-1 updates run.
-Appends: u_s rows of this CTA's V tile; k^_s and G (cum_s, plus G_{P-1} on a verify row) once per
-(request, head) by the CTA of V tile 0. All appends land at (base + P + s) & 31, past the live window every
+A flush row also builds ``S_commit[v] = S0[v] * bdec + sum_{j<P} u_j[v] wk_j`` (R1, fp32, warp MMA) and stores it
+once (bf16, round to nearest even). The post-draft state is never needed (the ring keeps its ingredients), so no
+rank-1 updates run. Appends: u_s rows of this CTA's V tile; k^_s and G (cum_s, plus G_{P-1} on a verify row) once
+per (request, head) by the CTA of V tile 0. All appends land at (base + P + s) & 31, past the live window every
 CTA of the same (request, head) reads, so no CTA overwrites a row another still needs.
 
 Rows whose slot is outside [0, pool) are inactive: their output is zero and nothing else is read or written.
@@ -104,6 +104,69 @@ def _pack_bf16x2(lo: Float32, hi: Float32) -> Int32:
     )
 
 
+def _prmt(a: Int32, b: Int32, selector: int) -> Int32:
+    """Bytes of (a, b) picked by ``selector`` (PTX prmt: bytes 0-3 from a, 4-7 from b, one nibble per result byte)."""
+    return Int32(
+        llvm.inline_asm(
+            ir_types.i32(),
+            [a.ir_value(), b.ir_value()],
+            f"prmt.b32 $0, $1, $2, {selector:#x};",
+            "=r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def _row_chunks(tensor: cute.Tensor, row, width: int) -> cute.Tensor:
+    """Row ``row`` of a 2-D tensor as (width, n) chunks: ``[None, i]`` is the i-th run of ``width`` elements, whose
+    alignment the copy can see (16-byte accesses when the tensor allows them)."""
+    return cute.zipped_divide(tensor[row, None], (width,))
+
+
+PAIR_ROW = HEAD_DIM + 4
+"""Words per row of a bf16-pair operand packed along channels (64 pairs x (hi, lo), + 4): the 16-byte fragment
+reads of a quarter warp (rows r, r + 1 at 4 quad positions 8 words apart) then hit 32 banks."""
+
+
+def _pair_group(step, quad_pos):
+    """16-byte group of channel pairs (2i, 2i + 1) standing for k-pairs (q, q + 4) of k-step ``step`` in the
+    channel-packed MMA operands: the channels 32 (step // 2) + 8q + 4 (step % 2) + 0..3 of the checkpoint chunk
+    that quad position q holds (see the state-row phase), so the checkpoint's bf16 words are B operands as is."""
+    return ((step // 2) * ROW_THREADS + quad_pos) * 2 + step % 2
+
+
+def _wk_slot(channel, pair, kpad: int):
+    """Where ring-row pair ``pair`` sits in ``channel``'s column of the fold's wk operand.
+
+    The m16n8k16 B fragment of k-step ks for quad position q is the pairs ks*8 + q and ks*8 + q + 4 (ring rows
+    2q, 2q+1 and 2q+8, 2q+9 of the step): they get slots 2i and 2i + 1 of one 16-byte group (hi, hi, lo, lo: each
+    MMA operand is a register pair), so one read gives both. With two k-steps (32 ring rows) odd channels swap
+    the steps' halves, so that the reads of channels c and c + 1 by one quarter warp hit different banks.
+    """
+    step = pair // 8
+    if kpad == 2 * MMA_K:
+        step = step ^ (channel % 2)
+    return step * 8 + 2 * (pair % 4) + (pair // 4) % 2
+
+
+def _fold_group(channel, step, quad_pos, kpad: int):
+    """16-byte group of ``channel``'s column of the fold's wk operand holding k-step ``step``'s B fragment for quad
+    position ``quad_pos``: (hi, hi, lo, lo) of ring-row pairs step*8 + q and step*8 + q + 4, each MMA operand a
+    register pair.
+
+    Swizzled so that both access patterns spread over the banks: a quarter warp reads channels c, c + 1 (c even) at
+    4 quad positions (the column stride, 16 words, or the flipped step bit with 32 ring rows, puts c and c + 1 in
+    different bank halves), and the producer writes 8 consecutive channel quads at one (step, q) (the XOR with
+    (c // 4) % 4 spreads them over 4 groups: 2-way at most).
+    """
+    group = (4 * step + quad_pos) ^ ((channel // 4) % 4)
+    if kpad == 2 * MMA_K:
+        group = group ^ (4 * (channel % 2))
+    return group
+
+
 def _mma_bf16_m16n8k16(a, b, c):
     """D = A B + C, one warp-wide SM80-style MMA (bf16 in, fp32 accumulate; sm_80 and later, incl. sm_90a and
     sm_100a). a: 4 packed i32, b: 2 packed i32, c: 4 fp32 (row g: c0 c1, row g + 8: c2 c3)."""
@@ -166,15 +229,16 @@ class UcacheVerifyFlush:
         self.w_ring = w_ring
         self.max_rows = max_hist_len(t_draft, w_ring)
         self.tile_v = tile_v
+        self.kpad = MMA_K * ((self.max_rows + MMA_K - 1) // MMA_K)  # ring rows as the K extent of the fold MMA
         self.mma = mma
         # MMA: one warp per 16 rows (2 rows x 32 channels per thread); CUDA cores: 4 threads per row.
         self.threads = (2 if mma else ROW_THREADS) * tile_v
         self.softplus_gate = softplus_gate
         if tile_v not in ((64, 128) if mma else (32, 64, 128)):
             raise ValueError(f"tile_v: expected {'64 or 128' if mma else '32, 64 or 128'}, got {tile_v}")
-        # The preamble loops are unrolled at compile time (their global loads overlap); they need exact trip counts.
-        for extent in (t_draft * HEAD_DIM, t_draft * tile_v, self.max_rows * tile_v, self.max_rows * HEAD_DIM):
-            assert extent % self.threads == 0, (extent, self.threads)
+        # The gate phase gives each key channel NT / 128 threads, each a run of T / (NT / 128) draft tokens.
+        assert self.threads % HEAD_DIM == 0 and t_draft % (self.threads // HEAD_DIM) == 0, (self.threads, t_draft)
+        assert self.kpad in (MMA_K, 2 * MMA_K), self.kpad
 
     @cute.jit
     def __call__(
@@ -218,8 +282,12 @@ class UcacheVerifyFlush:
             scale,
             lower_bound,
             flush_min,
-        ).launch(grid=[HEAD_DIM // self.tile_v, self.heads, mQ.shape[0]], block=[self.threads, 1, 1], stream=stream,
-                 **self.occupancy())
+        ).launch(
+            grid=[HEAD_DIM // self.tile_v, self.heads, mQ.shape[0]],
+            block=[self.threads, 1, 1],
+            stream=stream,
+            **self.occupancy(),
+        )
 
     def occupancy(self) -> dict:
         """Launch attributes: the resident-CTA floor (MMA variant) and the largest shared-memory carveout."""
@@ -256,6 +324,11 @@ class UcacheVerifyFlush:
         NT = self.threads
         NW = NT // 32
         MAXR = self.max_rows
+        KPAD = self.kpad
+        NG = NT // K  # token groups of the gate phase (threads per key channel)
+        TPT = T // NG  # draft tokens per gate thread
+        LG = 32 // NG  # lanes of one token group within a warp
+        RING = RING_SLOTS - 1
 
         tidx, _, _ = cute.arch.thread_idx()
         tile, h, bi = cute.arch.block_idx()
@@ -265,33 +338,46 @@ class UcacheVerifyFlush:
 
         smem = cutlass.memory.SmemAllocator()
         row_major = lambda rows, cols: cute.make_layout((rows, cols), stride=(cols, 1))  # noqa: E731
-        sKh = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # raw k, then k^
-        sQh = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # raw q, then scale*q^
-        sCum = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # g_log, then cum
+        quads = lambda rows: cute.make_layout((rows, K // 4, 4), stride=(K, 4, 1))  # noqa: E731
+        sK = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # raw k (normalised in the solve)
+        sQ = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # raw q
         sDec = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # per-token decay exp(g_log)
-        XCOLS = 2 * T + 2  # [channel pair, column] with 2 words of padding: the B-fragment reads hit 32 banks
+        sK4 = cute.make_tensor(sK.iterator, quads(T))
+        sQ4 = cute.make_tensor(sQ.iterator, quads(T))
+        sDec4 = cute.make_tensor(sDec.iterator, quads(T))
         if const_expr(self.mma):
-            # decayed draft vectors [kx_0..kx_{T-1}, qx_0..qx_{T-1}] as packed bf16 (hi, lo) channel pairs
-            sXh = smem.allocate_tensor(Int32, row_major(K // 2, XCOLS), byte_alignment=16)
-            sXl = smem.allocate_tensor(Int32, row_major(K // 2, XCOLS), byte_alignment=16)
-            sXY = smem.allocate_tensor(Float32, row_major(TV, 2 * T + 1), byte_alignment=16)
+            # Decayed raw draft vectors x_s = [kx_0..kx_{T-1}, qx_0..qx_{T-1}, zeros up to 16] as the m16 A operand
+            # of the products with the checkpoint and with wk: [hi / lo][s % 8][channel-pair group] 4 words
+            # (x_s pair 2i, x_s+8 pair 2i, x_s pair 2i+1, x_s+8 pair 2i+1), one 16-byte read per fragment.
+            # sXb: times bdec (S0 (bdec x)), sXu: as is (M = wk x).
+            x_layout = cute.make_layout((2, 8, PAIR_ROW // 4, 4), stride=(8 * PAIR_ROW, PAIR_ROW, 4, 1))
+            sXb = smem.allocate_tensor(Int32, x_layout, byte_alignment=16)
+            sXu = smem.allocate_tensor(Int32, x_layout, byte_alignment=16)
+            # Ring operands as packed bf16 pairs along the ring-row axis (the MMA k index); rows j >= P hold zeros
+            # written by a select. u: row stride padded (+8 words) so the fragment reads hit 32 banks. wk: once
+            # packed along ring rows (the fold's B operand, flush rows only; one column of KPAD words per channel,
+            # see _fold_group) and once along channels (M's B operand: rows of PAIR_ROW words, (hi, hi, lo, lo)).
+            sUp = smem.allocate_tensor(Int32, cute.make_layout((KPAD // 2, TV), stride=(TV + 8, 1)), byte_alignment=16)
+            quads_of = lambda rows, words: cute.make_layout((rows, words // 4, 4), stride=(words, 4, 1))  # noqa: E731
+            sWK = smem.allocate_tensor(Int32, quads_of(K, KPAD), byte_alignment=16)
+            sWKc = smem.allocate_tensor(Int32, quads_of(KPAD, PAIR_ROW), byte_alignment=16)
+            # M[j, s] = wk_j . x_s as the A operand of the ring correction: [hi / lo][s % 8][k-step, q] 4 words
+            # (s pair jp, s + 8 pair jp, s pair jp + 4, s + 8 pair jp + 4), jp = 8 step + q; rows padded to 16
+            # words mod 32 so the quarter-warp reads hit 32 banks.
+            m_row = KPAD if KPAD == 16 else KPAD + 16
+            sM = smem.allocate_tensor(
+                Int32, cute.make_layout((2, 8, KPAD // 4, 4), stride=(8 * m_row, m_row, 4, 1)), byte_alignment=16
+            )
         else:
             sKx = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
             sQx = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
-        KPAD = MMA_K * ((MAXR + MMA_K - 1) // MMA_K)  # ring rows as the K extent of the fold MMA
-        if const_expr(self.mma):
-            # Fold operands as packed bf16 pairs along the ring-row axis (the MMA k index); rows j >= P hold
-            # zeros written by a select. Row strides padded (+8, +2 words) so the fragment reads hit 32 banks.
-            sUp = smem.allocate_tensor(Int32, cute.make_layout((KPAD // 2, TV), stride=(TV + 8, 1)), byte_alignment=16)
-            sWKh = smem.allocate_tensor(Int32, cute.make_layout((KPAD // 2, K), stride=(K + 2, 1)), byte_alignment=16)
-            sWKl = smem.allocate_tensor(Int32, cute.make_layout((KPAD // 2, K), stride=(K + 2, 1)), byte_alignment=16)
-        else:
-            sWK = smem.allocate_tensor(Float32, row_major(MAXR, K), byte_alignment=16)
+            sWK = smem.allocate_tensor(Float32, quads(MAXR), byte_alignment=16)
             sU = smem.allocate_tensor(Float32, row_major(MAXR, TV), byte_alignment=16)
+        XYS = 2 * T + 4  # sXY row stride: 16-byte rows, and the 16-byte row reads of the solve hit 32 banks
+        sXY = smem.allocate_tensor(Float32, cute.make_layout((TV, 2 * T), stride=(XYS, 1)), byte_alignment=16)
         sVin = smem.allocate_tensor(Float32, row_major(T, TV), byte_alignment=16)
-        sGlast = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
         sBdec = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
-        sInv = smem.allocate_tensor(Float32, cute.make_layout(2 * T), byte_alignment=16)
+        sInv = smem.allocate_tensor(Float32, cute.make_layout(2 * T), byte_alignment=16)  # 1/|k_s|, scale/|q_s|
         sBeta = smem.allocate_tensor(Float32, cute.make_layout(T), byte_alignment=16)
         sA = smem.allocate_tensor(Float32, row_major(T, T), byte_alignment=16)
         sAq = smem.allocate_tensor(Float32, row_major(T, T), byte_alignment=16)
@@ -307,9 +393,15 @@ class UcacheVerifyFlush:
                 P = cutlass.Int32(0)
             if P > MAXR:
                 P = cutlass.Int32(MAXR)
-            base = mBase[bi] & (RING_SLOTS - 1)
+            base = mBase[bi] & RING
             is_flush = P >= flush_min
             slot64 = Int64(slot)
+            # This (request, head)'s pool slot and rings, offset once in 64 bits; every index below is 32-bit.
+            gPool = mPool[slot64, h, None, None]
+            gKR = mKCache[slot64, h, None, None]
+            gUR = mUCache[slot64, h, None, None]
+            gGR = mGCache[slot64, h, None, None]
+            last_row = (base + P - 1) & RING
 
             if const_expr(self.mma):
                 # Issue the checkpoint rows' loads first: their DRAM latency overlaps the whole preamble.
@@ -319,21 +411,38 @@ class UcacheVerifyFlush:
                 s0_raw = cute.make_rmem_tensor((2 * CHUNKS_PER_THREAD * CHUNK,), mPool.element_type)
                 s0_chunks = cute.zipped_divide(s0_raw, (CHUNK,))
                 for rho in cutlass.range_constexpr(2):
-                    row_chunks = cute.zipped_divide(mPool[slot64, h, v0 + rows[rho], None], (CHUNK,))
+                    row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
                     for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
                         cute.autovec_copy(
                             row_chunks[None, m * ROW_THREADS + q4], s0_chunks[None, rho * CHUNKS_PER_THREAD + m]
                         )
 
-            # ---- phase 1: raw draft inputs, gate, ring tail, u and v tiles --------------------------
+            # ---- phase 1a: gate, raw k/q, decays and decayed draft vectors --------------------------
+            # Thread (token group grp, channel c) owns TPT consecutive draft tokens of one key channel, so the
+            # running sum cum_t of the gate stays in registers (one shuffle passes it between token groups).
+            # k and q stay raw: their norms come out of the triangle phase and are applied in the solve.
+            gQ = mQ[bi, None, h, None]
+            gK = mK[bi, None, h, None]
+            gGate = mG[bi, None, h, None]
+            grp = 0
+            c = tidx
+            if const_expr(NG > 1):
+                grp = lane // LG
+                c = warp * LG + lane % LG
             rate = cute.math.exp(mALog[h].to(Float32), fastmath=True)
-            for it in cutlass.range_constexpr(T * K // NT):
-                i = tidx + it * NT
-                t = i // K
-                c = i % K
-                sKh[t, c] = mK[bi, t, h, c].to(Float32)
-                sQh[t, c] = mQ[bi, t, h, c].to(Float32)
-                x = mG[bi, t, h, c].to(Float32) + mDtBias[h * K + c].to(Float32)
+            dt_c = mDtBias[h * K + c].to(Float32)
+            g_last = Float32(0.0)
+            if P > 0:
+                g_last = gGR[last_row, c]
+            k_raw = cute.make_rmem_tensor((TPT,), Float32)
+            q_raw = cute.make_rmem_tensor((TPT,), Float32)
+            g_logs = cute.make_rmem_tensor((TPT,), Float32)
+            part = Float32(0.0)
+            for i in cutlass.range_constexpr(TPT):
+                t = grp * TPT + i
+                k_raw[i] = gK[t, c].to(Float32)
+                q_raw[i] = gQ[t, c].to(Float32)
+                x = gGate[t, c].to(Float32) + dt_c
                 g_log = Float32(0.0)
                 if const_expr(self.softplus_gate):
                     sp = x
@@ -341,301 +450,417 @@ class UcacheVerifyFlush:
                         sp = cute.math.log1p(cute.math.exp(x, fastmath=True), fastmath=True)
                     g_log = -rate * sp
                 else:
-                    g_log = lower_bound / (Float32(1.0) + cute.math.exp(-rate * x, fastmath=True))
-                sCum[t, c] = g_log
+                    # lower_bound * sigmoid(rate * x); 1 + exp(..) >= 1, so the approximate reciprocal is exact
+                    # to an ulp and an overflowed exp gives 0, as a division would.
+                    g_log = lower_bound * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-rate * x, fastmath=True))
+                sK[t, c] = k_raw[i]
+                sQ[t, c] = q_raw[i]
                 sDec[t, c] = cute.math.exp(g_log, fastmath=True)
-            if tidx < K:
-                g_last = Float32(0.0)
-                if P > 0:
-                    g_last = mGCache[slot64, h, (base + P - 1) & (RING_SLOTS - 1), tidx]
-                sGlast[tidx] = g_last
-            # Only the live rows j < P are loaded: stale rows never enter an arithmetic op.
+                g_logs[i] = g_log
+                part = part + g_log
+            cum = Float32(0.0)  # the decay restarts at the checkpoint: cum before this thread's first token
+            if const_expr(NG == 2):
+                cum = Float32(cutlass.select_(grp == 1, cute.arch.shuffle_sync_bfly(part, offset=16), Float32(0.0)))
+            if const_expr(NG == 4):
+                prev = Float32(cutlass.select_(grp >= 1, cute.arch.shuffle_sync_up(part, offset=8), Float32(0.0)))
+                prev2 = cute.arch.shuffle_sync_up(prev + part, offset=16)
+                cum = prev + Float32(cutlass.select_(grp >= 2, prev2, Float32(0.0)))
+            even = (lane % 2) == 0  # c and c ^ 1 are lanes lane and lane ^ 1
+            bdec = Float32(1.0)
+            if P > 0:
+                bdec = cute.math.exp(g_last, fastmath=True)
             if const_expr(self.mma):
-                for it in cutlass.range_constexpr((KPAD // 2) * TV // NT):
-                    i = tidx + it * NT
-                    jp = i // TV
-                    r = i % TV
-                    u_even = Float32(0.0)
-                    u_odd = Float32(0.0)
-                    if 2 * jp < P:
-                        u_even = mUCache[slot64, h, (base + 2 * jp) & (RING_SLOTS - 1), v0 + r].to(Float32)
-                    if 2 * jp + 1 < P:
-                        u_odd = mUCache[slot64, h, (base + 2 * jp + 1) & (RING_SLOTS - 1), v0 + r].to(Float32)
-                    sUp[jp, r] = _pack_bf16x2(u_even, u_odd)  # exact: the ring holds bf16
+                # bdec of the two channels of this lane's packed pair (low half, high half)
+                bdec_partner = cute.arch.shuffle_sync_bfly(bdec, offset=1)
+                bdec_lo = Float32(cutlass.select_(even, bdec, bdec_partner))
+                bdec_hi = Float32(cutlass.select_(even, bdec_partner, bdec))
+            for i in cutlass.range_constexpr(TPT):
+                t = grp * TPT + i
+                cum = cum + g_logs[i]
+                if tile == 0:
+                    g_new = cum  # a flush row restarts the decay at the new checkpoint
+                    if P < flush_min:
+                        g_new = g_new + g_last
+                    gGR[(base + P + t) & RING, c] = g_new
+                decay = cute.math.exp(cum, fastmath=True)
+                kx = decay * k_raw[i]
+                qx = decay * q_raw[i]
+                if const_expr(self.mma):
+                    # Even lanes pack (kx_c, kx_c+1) into column t, odd lanes (qx_c-1, qx_c) into column T + t:
+                    # one shuffle gives each lane its partner's half.
+                    recv = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(even, qx, kx)), offset=1)
+                    x_lo = Float32(cutlass.select_(even, kx, recv))
+                    x_hi = Float32(cutlass.select_(even, recv, qx))
+                    s_x = t + Int32(cutlass.select_(even, Int32(0), Int32(T)))  # row of x: kx_t or qx_t
+                    pos = s_x // 8 + 2 * (c // 2 % 2)
+                    sXu[0, s_x % 8, c // 4, pos], sXu[1, s_x % 8, c // 4, pos] = _split_bf16x2(x_lo, x_hi)
+                    sXb[0, s_x % 8, c // 4, pos], sXb[1, s_x % 8, c // 4, pos] = _split_bf16x2(
+                        bdec_lo * x_lo, bdec_hi * x_hi
+                    )
+                else:
+                    sKx[t, c] = kx
+                    sQx[t, c] = qx
+            if grp == 0:
+                sBdec[c] = bdec
+            if const_expr(self.mma and 2 * T < 16):
+                # rows 2T..15 of the m16 operand x are zeros (a 16-byte read of rows s and s + 8 takes them along)
+                for it in cutlass.range_constexpr(2 * 8 * (K // 4) // NT):
+                    task = tidx + it * NT  # (hi / lo, s % 8, channel-pair group)
+                    for odd in cutlass.range_constexpr(2):
+                        sXu[task // (8 * (K // 4)), task // (K // 4) % 8, task % (K // 4), 2 * odd + 1] = Int32(0)
+                        sXb[task // (8 * (K // 4)), task // (K // 4) % 8, task % (K // 4), 2 * odd + 1] = Int32(0)
+
+            # ---- phase 1b: ring rows (u, replay vectors wk), v tile, beta ------------------------------
+            # Only the live rows j < P are loaded: stale rows never enter an arithmetic op.
+            u_chunk0 = tile * (TV // CHUNK)  # this tile's first 8-row chunk of a ring row
+            if const_expr(self.mma):
+                u_tasks = (KPAD // 2) * (TV // CHUNK)  # (row pair, 8 consecutive state rows)
+                for it in cutlass.range_constexpr((u_tasks + NT - 1) // NT):
+                    task = tidx + it * NT
+                    if task < u_tasks:
+                        jp = task // (TV // CHUNK)
+                        r8 = task % (TV // CHUNK)
+                        halves = [cute.make_rmem_tensor((CHUNK // 2,), Int32) for _ in range(2)]
+                        for odd in cutlass.range_constexpr(2):
+                            for e in cutlass.range_constexpr(CHUNK // 2):
+                                halves[odd][e] = Int32(0)
+                            if 2 * jp + odd < P:
+                                cute.autovec_copy(
+                                    _row_chunks(gUR, (base + 2 * jp + odd) & RING, CHUNK)[None, u_chunk0 + r8],
+                                    cute.recast_tensor(halves[odd], mUCache.element_type),
+                                )
+                        packed = cute.make_rmem_tensor((CHUNK,), Int32)
+                        for e in cutlass.range_constexpr(CHUNK // 2):
+                            # (u_2jp[v], u_2jp+1[v]) bf16 pairs: bit moves only, the ring holds bf16
+                            packed[2 * e] = _prmt(halves[0][e], halves[1][e], 0x5410)
+                            packed[2 * e + 1] = _prmt(halves[0][e], halves[1][e], 0x7632)
+                        cute.autovec_copy(packed, cute.zipped_divide(sUp[jp, None], (CHUNK,))[None, r8])
             else:
-                for it in cutlass.range_constexpr(MAXR * TV // NT):
-                    i = tidx + it * NT
-                    j = i // TV
-                    r = i % TV
-                    if j < P:
-                        sU[j, r] = mUCache[slot64, h, (base + j) & (RING_SLOTS - 1), v0 + r].to(Float32)
+                u_tasks = MAXR * (TV // CHUNK)
+                for it in cutlass.range_constexpr((u_tasks + NT - 1) // NT):
+                    task = tidx + it * NT
+                    if task < u_tasks:
+                        j = task // (TV // CHUNK)
+                        r8 = task % (TV // CHUNK)
+                        if j < P:
+                            raw_u = cute.make_rmem_tensor((CHUNK,), mUCache.element_type)
+                            cute.autovec_copy(_row_chunks(gUR, (base + j) & RING, CHUNK)[None, u_chunk0 + r8], raw_u)
+                            u32 = cute.make_rmem_tensor((CHUNK,), Float32)
+                            for e in cutlass.range_constexpr(CHUNK):
+                                u32[e] = raw_u[e].to(Float32)
+                            cute.autovec_copy(u32, cute.zipped_divide(sU[j, None], (CHUNK,))[None, r8])
+            gV = mV[bi, None, h, None]
             for it in cutlass.range_constexpr(T * TV // NT):
-                i = tidx + it * NT
-                t = i // TV
-                r = i % TV
-                sVin[t, r] = mV[bi, t, h, v0 + r].to(Float32)
+                task = tidx + it * NT
+                t = task // TV
+                r = task % TV
+                sVin[t, r] = gV[t, v0 + r].to(Float32)
             if tidx < T:
                 sBeta[tidx] = Float32(1.0) / (
                     Float32(1.0) + cute.math.exp(-mBeta[bi, tidx, h].to(Float32), fastmath=True)
                 )
-            cute.arch.sync_threads()
-
-            # ---- phase 2: norms, cumulative decay, replay vectors -----------------------------------
-            for n in cutlass.range(warp, 2 * T, NW):
-                acc = Float32(0.0)
-                for m in cutlass.range_constexpr(K // 32):
-                    val = Float32(0.0)
-                    if n < T:
-                        val = sKh[n, lane + 32 * m]
+            # wk_j = exp(G_{P-1} - G_j) * k^_j. A task is 4 channels (lanes run over them: whole ring rows per warp)
+            # of a set of ring rows: MMA, rows 16 ks + 2q + {0, 1, 8, 9} (the pairs ks*8 + q and ks*8 + q + 4 of one
+            # fold B fragment); CUDA cores, rows 2i + {0, 1}.
+            n_rows = 4 if self.mma else 2
+            wk_tasks = (KPAD if self.mma else MAXR) // n_rows * (K // 4)
+            for it in cutlass.range_constexpr((wk_tasks + NT - 1) // NT):
+                task = tidx + it * NT
+                if task < wk_tasks:
+                    c4 = task % (K // 4)
+                    row_set = task // (K // 4)
+                    last4 = cute.make_rmem_tensor((4,), Float32)
+                    for e in cutlass.range_constexpr(4):
+                        last4[e] = Float32(0.0)
+                    if P > 0:
+                        cute.autovec_copy(_row_chunks(gGR, last_row, 4)[None, c4], last4)
+                    wk = [cute.make_rmem_tensor((4,), Float32) for _ in range(n_rows)]
+                    js = [2 * row_set + odd for odd in range(2)]
+                    if const_expr(self.mma):
+                        js = [16 * (row_set // 4) + 2 * (row_set % 4) + d for d in (0, 1, 8, 9)]
+                    for rr in cutlass.range_constexpr(n_rows):
+                        for e in cutlass.range_constexpr(4):
+                            wk[rr][e] = Float32(0.0)
+                        if js[rr] < P:
+                            phys = (base + js[rr]) & RING
+                            gj = cute.make_rmem_tensor((4,), Float32)
+                            kj = cute.make_rmem_tensor((4,), mKCache.element_type)
+                            cute.autovec_copy(_row_chunks(gGR, phys, 4)[None, c4], gj)
+                            cute.autovec_copy(_row_chunks(gKR, phys, 4)[None, c4], kj)
+                            for e in cutlass.range_constexpr(4):
+                                wk[rr][e] = cute.math.exp(last4[e] - gj[e], fastmath=True) * kj[e].to(Float32)
+                    if const_expr(self.mma):
+                        quad = cute.make_rmem_tensor((4,), Int32)
+                        for rr in cutlass.range_constexpr(n_rows):
+                            # along channels: (hi, hi, lo, lo) of channel pairs 2 c4, 2 c4 + 1 of ring row j
+                            quad[0], quad[2] = _split_bf16x2(wk[rr][0], wk[rr][1])
+                            quad[1], quad[3] = _split_bf16x2(wk[rr][2], wk[rr][3])
+                            cute.autovec_copy(quad, sWKc[js[rr], c4, None])
+                        if is_flush:
+                            for e in cutlass.range_constexpr(4):
+                                # along ring rows: (hi, hi, lo, lo) of pairs (rows 0, 1) and (rows 8, 9) of the set
+                                quad[0], quad[2] = _split_bf16x2(wk[0][e], wk[1][e])
+                                quad[1], quad[3] = _split_bf16x2(wk[2][e], wk[3][e])
+                                ch = 4 * c4 + e
+                                cute.autovec_copy(quad, sWK[ch, _fold_group(ch, row_set // 4, row_set % 4, KPAD), None])
                     else:
-                        val = sQh[n - T, lane + 32 * m]
-                    acc = acc + val * val
-                for sh in cutlass.range_constexpr(5):
-                    acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1 << sh)
-                if lane == 0:
-                    sInv[n] = cute.math.rsqrt(acc + Float32(L2NORM_EPS), fastmath=True)
-            if tidx < K:
-                run = Float32(0.0)
-                for t in cutlass.range_constexpr(T):
-                    run = run + sCum[t, tidx]
-                    sCum[t, tidx] = run
-                bdec = Float32(1.0)
-                if P > 0:
-                    bdec = cute.math.exp(sGlast[tidx], fastmath=True)
-                sBdec[tidx] = bdec
-            if const_expr(self.mma):
-                for it in cutlass.range_constexpr((KPAD // 2) * K // NT):
-                    i = tidx + it * NT
-                    jp = i // K
-                    c = i % K
-                    wk = [Float32(0.0), Float32(0.0)]
-                    for odd in cutlass.range_constexpr(2):
-                        if 2 * jp + odd < P:
-                            phys = (base + 2 * jp + odd) & (RING_SLOTS - 1)
-                            decay = cute.math.exp(sGlast[c] - mGCache[slot64, h, phys, c], fastmath=True)
-                            wk[odd] = decay * mKCache[slot64, h, phys, c].to(Float32)
-                    sWKh[jp, c], sWKl[jp, c] = _split_bf16x2(wk[0], wk[1])
-            else:
-                for it in cutlass.range_constexpr(MAXR * K // NT):
-                    i = tidx + it * NT
-                    j = i // K
-                    c = i % K
-                    if j < P:
-                        phys = (base + j) & (RING_SLOTS - 1)
-                        decay = cute.math.exp(sGlast[c] - mGCache[slot64, h, phys, c], fastmath=True)
-                        sWK[j, c] = decay * mKCache[slot64, h, phys, c].to(Float32)
+                        for rr in cutlass.range_constexpr(n_rows):
+                            cute.autovec_copy(wk[rr], sWK[js[rr], c4, None])
             cute.arch.sync_threads()
 
-            # ---- phase 3: normalised and decayed draft vectors --------------------------------------
-            if const_expr(self.mma):
-                for it in cutlass.range_constexpr(T * (K // 2) // NT):
-                    i = tidx + it * NT
-                    t = i // (K // 2)
-                    cp = i % (K // 2)
-                    kh0 = sKh[t, 2 * cp] * sInv[t]
-                    kh1 = sKh[t, 2 * cp + 1] * sInv[t]
-                    qh0 = sQh[t, 2 * cp] * sInv[T + t] * scale
-                    qh1 = sQh[t, 2 * cp + 1] * sInv[T + t] * scale
-                    d0 = cute.math.exp(sCum[t, 2 * cp], fastmath=True)
-                    d1 = cute.math.exp(sCum[t, 2 * cp + 1], fastmath=True)
-                    sKh[t, 2 * cp] = kh0
-                    sKh[t, 2 * cp + 1] = kh1
-                    sQh[t, 2 * cp] = qh0
-                    sQh[t, 2 * cp + 1] = qh1
-                    khi, klo = _split_bf16x2(d0 * kh0, d1 * kh1)
-                    qhi, qlo = _split_bf16x2(d0 * qh0, d1 * qh1)
-                    sXh[cp, t] = khi
-                    sXl[cp, t] = klo
-                    sXh[cp, T + t] = qhi
-                    sXl[cp, T + t] = qlo
-            else:
-                for it in cutlass.range_constexpr(T * K // NT):
-                    i = tidx + it * NT
-                    t = i // K
-                    c = i % K
-                    kh = sKh[t, c] * sInv[t]
-                    qh = sQh[t, c] * sInv[T + t] * scale
-                    decay = cute.math.exp(sCum[t, c], fastmath=True)
-                    sKh[t, c] = kh
-                    sQh[t, c] = qh
-                    sKx[t, c] = decay * kh
-                    sQx[t, c] = decay * qh
-            cute.arch.sync_threads()
-
-            # ---- phase 4: the T x T triangles; k^ and G appends (V tile 0 only) ---------------------
-            # Column r of both triangles is one warp's job (columns r and T-1-r share a warp: equal work). Down
-            # the column, exp(cum_s - cum_r) is the running product of the per-token decays a_t (t = r+1..s): one
-            # multiply per entry instead of an exp, and no overflow whatever the gate (every factor is <= 1).
+            # ---- phase 2a: the T x T triangles and the norms (warps 0 .. T/2 - 1) -------------------------
+            # Column r of both triangles is one warp's job (columns r and T-1-r share a warp: equal work); a lane
+            # owns 4 consecutive channels (16-byte reads). Down the column, exp(cum_s - cum_r) is the running
+            # product of the per-token decays a_t (t = r+1..s): one multiply per entry instead of an exp, and no
+            # overflow whatever the gate (every factor is <= 1). The diagonal entry also gives the norms of k_r
+            # and q_r. Entries stay raw (un-normalised k, q): the solve applies 1/|k| and scale/|q|.
             for r in cutlass.range_constexpr(T):
-                if warp == min(r, T - 1 - r) % NW:
-                    k_r = [sKh[r, lane + 32 * m] for m in range(K // 32)]
-                    for s in cutlass.range_constexpr(r, T):
-                        if const_expr(s > r):
-                            for m in cutlass.range_constexpr(K // 32):
-                                k_r[m] = k_r[m] * sDec[s, lane + 32 * m]
-                        a_kk = Float32(0.0)
-                        a_qk = Float32(0.0)
-                        for m in cutlass.range_constexpr(K // 32):
-                            a_kk = a_kk + k_r[m] * sKh[s, lane + 32 * m]
-                            a_qk = a_qk + k_r[m] * sQh[s, lane + 32 * m]
+                if warp == min(r, T - 1 - r):
+                    w = cute.make_rmem_tensor((4,), Float32)
+                    q_r = cute.make_rmem_tensor((4,), Float32)
+                    cute.autovec_copy(sK4[r, lane, None], w)
+                    cute.autovec_copy(sQ4[r, lane, None], q_r)
+                    kk = w[0] * w[0]
+                    kq = w[0] * q_r[0]
+                    qq = q_r[0] * q_r[0]
+                    for e in cutlass.range_constexpr(1, 4):
+                        kk = kk + w[e] * w[e]
+                        kq = kq + w[e] * q_r[e]
+                        qq = qq + q_r[e] * q_r[e]
+                    for sh in cutlass.range_constexpr(5):
+                        kk = kk + cute.arch.shuffle_sync_bfly(kk, offset=1 << sh)
+                        kq = kq + cute.arch.shuffle_sync_bfly(kq, offset=1 << sh)
+                        qq = qq + cute.arch.shuffle_sync_bfly(qq, offset=1 << sh)
+                    if lane == 0:
+                        sInv[r] = cute.math.rsqrt(kk + Float32(L2NORM_EPS), fastmath=True)
+                        sInv[T + r] = cute.math.rsqrt(qq + Float32(L2NORM_EPS), fastmath=True) * scale
+                        sAq[r, r] = kq
+                    for s in cutlass.range_constexpr(r + 1, T):
+                        dec = cute.make_rmem_tensor((4,), Float32)
+                        k_s = cute.make_rmem_tensor((4,), Float32)
+                        q_s = cute.make_rmem_tensor((4,), Float32)
+                        cute.autovec_copy(sDec4[s, lane, None], dec)
+                        cute.autovec_copy(sK4[s, lane, None], k_s)
+                        cute.autovec_copy(sQ4[s, lane, None], q_s)
+                        for e in cutlass.range_constexpr(4):
+                            w[e] = w[e] * dec[e]
+                        a_kk = w[0] * k_s[0]
+                        a_qk = w[0] * q_s[0]
+                        for e in cutlass.range_constexpr(1, 4):
+                            a_kk = a_kk + w[e] * k_s[e]
+                            a_qk = a_qk + w[e] * q_s[e]
                         for sh in cutlass.range_constexpr(5):
                             a_kk = a_kk + cute.arch.shuffle_sync_bfly(a_kk, offset=1 << sh)
                             a_qk = a_qk + cute.arch.shuffle_sync_bfly(a_qk, offset=1 << sh)
                         if lane == 0:
                             sA[s, r] = a_kk
                             sAq[s, r] = a_qk
-            if tile == 0:
-                for it in cutlass.range_constexpr(T * K // NT):
-                    i = tidx + it * NT
-                    t = i // K
-                    c = i % K
-                    phys = (base + P + t) & (RING_SLOTS - 1)
-                    g_new = sCum[t, c]  # a flush row restarts the decay at the new checkpoint
-                    if P < flush_min:
-                        g_new = g_new + sGlast[c]
-                    mKCache[slot64, h, phys, c] = sKh[t, c].to(mKCache.element_type)
-                    mGCache[slot64, h, phys, c] = g_new
-            cute.arch.sync_threads()
 
-            # ---- phase 5: state rows ------------------------------------------------------------------
+            # ---- phase 2b: M = wk x (MMA; one 8-ring-row tile per warp, on warps past the triangles' ones) -------
+            # A verify row never needs S_commit: S_commit x_s = S0 (bdec * x_s) + sum_j u_j (wk_j . x_s) (DESIGN
+            # section 5, R2). M[j, s] = wk_j . x_s is per (request, head), so it is computed once here (m16 = the 2T
+            # draft vectors, n8 = 8 ring rows, k = channels, hi/lo splits: 3 MMAs per k-step); every state row then
+            # adds U M (one MMA per 16 ring rows) to S0 (bdec x), whose A operand is the bf16 checkpoint itself.
+            if const_expr(self.mma):
+                for jt in cutlass.range_constexpr(KPAD // 8):
+                    if warp == (T // 2 + jt) % NW:
+                        # one n8 tile of ring rows: A = x (m16), B = wk packed along channels, hi/lo of both
+                        m_acc = [Float32(0.0)] * 4
+                        for ks in cutlass.range_constexpr(K // MMA_K):
+                            grp_k = _pair_group(ks, q4)
+                            xop_hi = cute.make_rmem_tensor((4,), Int32)
+                            xop_lo = cute.make_rmem_tensor((4,), Int32)
+                            wb = cute.make_rmem_tensor((4,), Int32)
+                            cute.autovec_copy(sXu[0, g4, grp_k, None], xop_hi)
+                            cute.autovec_copy(sXu[1, g4, grp_k, None], xop_lo)
+                            cute.autovec_copy(sWKc[8 * jt + g4, grp_k, None], wb)
+                            a_hi = [xop_hi[i] for i in range(4)]
+                            a_lo = [xop_lo[i] for i in range(4)]
+                            m_acc = _mma_bf16_m16n8k16(a_hi, (wb[0], wb[1]), m_acc)
+                            m_acc = _mma_bf16_m16n8k16(a_lo, (wb[0], wb[1]), m_acc)
+                            m_acc = _mma_bf16_m16n8k16(a_hi, (wb[2], wb[3]), m_acc)
+                        # (c0, c1) = M[ring rows 8 jt + 2q, +1][s = g], (c2, c3) the same for s = g + 8: ring-row
+                        # pair jp = 4 jt + q, which is k-pair jp % 4 (+ 4 if (jp // 4) odd) of k-step jp // 8
+                        jp = 4 * jt + q4
+                        pos_k = 2 * ((jp // 4) % 2)
+                        grp_m = jp // 8 * 4 + jp % 4
+                        for half in cutlass.range_constexpr(2):
+                            m_hi, m_lo = _split_bf16x2(m_acc[2 * half], m_acc[2 * half + 1])
+                            sM[0, g4, grp_m, half + pos_k] = m_hi
+                            sM[1, g4, grp_m, half + pos_k] = m_lo
+
+            # ---- phase 2c: state rows: S0 (bdec x) dot products, the flush (every warp) ------------------------
             if const_expr(self.mma):
                 # Warp w owns local rows 16w + g and 16w + g + 8 (g = lane // 4); thread quad position q = lane % 4
                 # owns channels 32m + 8q + e (m < 4, e < 8) of both rows: 16-byte pool accesses, and, read as
                 # the K dimension of the MMA in the order (m, e), exactly the A-fragment columns {2q, 2q + 1,
                 # 2q + 8, 2q + 9} of k-step 2m + e // 4 (any permutation of K is fine when B uses the same one).
-                state = cute.make_rmem_tensor((2 * CHUNK * CHUNKS_PER_THREAD,), Float32)
-                raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
-                for rho in cutlass.range_constexpr(2):
-                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                        for e in cutlass.range_constexpr(CHUNK):
-                            c = (m * ROW_THREADS + q4) * CHUNK + e
-                            idx = rho * 32 + m * CHUNK + e
-                            state[idx] = s0_raw[idx].to(Float32) * sBdec[c]
-                # Fold on MMA: S_commit[v, c] += sum_j u_j[v] wk_j[c]; M = the warp's 16 rows, K = ring rows,
-                # N = channels. n-tile nt, column n stands for channel (4 (nt // 4) + n // 2) * 8 + 2 (nt % 4)
-                # + n % 2, so the accumulator fragment is exactly this thread's state registers. u is bf16 in
-                # the ring (exact as an operand); wk is split hi + lo: two MMAs, fp32 accumulation.
-                for ks in cutlass.range_constexpr(KPAD // MMA_K):
-                    if P > ks * MMA_K:
-                        jp0 = ks * (MMA_K // 2) + q4
-                        a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]], sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
-                        for nt in cutlass.range_constexpr(K // 8):
-                            e0 = 2 * (nt % 4)
-                            col = ((nt // 4) * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
-                            b_hi = (sWKh[jp0, col], sWKh[jp0 + 4, col])
-                            b_lo = (sWKl[jp0, col], sWKl[jp0 + 4, col])
-                            at = (nt // 4) * CHUNK + e0
-                            ids = (at, at + 1, 32 + at, 32 + at + 1)
-                            d = _mma_bf16_m16n8k16(a_u, b_hi, [state[z] for z in ids])
-                            d = _mma_bf16_m16n8k16(a_u, b_lo, d)
-                            for z in cutlass.range_constexpr(4):
-                                state[ids[z]] = d[z]
+                # x^T[s, v] = sum_c x_s[c] S0[v, c] bdec[c]: m16 = the 2T draft vectors (A, from shared memory), n8 =
+                # 8 of the warp's rows (B: rows 16w + 8 nt + g), k = channels. k-pairs (q, q + 4) of step ks are the
+                # channel pairs of _pair_group(ks, q): two consecutive bf16 words of the thread's checkpoint chunk,
+                # an exact B operand as loaded (no conversion, no split; bdec rides on x).
+                s0_words = cute.recast_tensor(s0_raw, Int32)  # [row nt][chunk m][4 channel pairs]
+                acc = cute.make_rmem_tensor((8,), Float32)  # n-tile nt: (s = g, v = 2q, 2q + 1), (s = g + 8, same)
+                for i in cutlass.range_constexpr(8):
+                    acc[i] = Float32(0.0)
+                for ks in cutlass.range_constexpr(K // MMA_K):
+                    grp_k = _pair_group(ks, q4)
+                    xop_hi = cute.make_rmem_tensor((4,), Int32)
+                    xop_lo = cute.make_rmem_tensor((4,), Int32)
+                    cute.autovec_copy(sXb[0, g4, grp_k, None], xop_hi)
+                    cute.autovec_copy(sXb[1, g4, grp_k, None], xop_lo)
+                    for nt in cutlass.range_constexpr(2):
+                        w0 = nt * 16 + (ks // 2) * 4 + 2 * (ks % 2)
+                        b_s0 = (s0_words[w0], s0_words[w0 + 1])
+                        d = _mma_bf16_m16n8k16([xop_hi[i] for i in range(4)], b_s0, [acc[4 * nt + i] for i in range(4)])
+                        d = _mma_bf16_m16n8k16([xop_lo[i] for i in range(4)], b_s0, d)
+                        for i in cutlass.range_constexpr(4):
+                            acc[4 * nt + i] = d[i]
+                for nt in cutlass.range_constexpr(2):
+                    for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
+                        sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
                 if is_flush:
+                    # S_commit = S0 * bdec + U^T WK in fp32 registers, one rounding to bf16. Fold on MMA: M = the
+                    # warp's 16 rows, K = ring rows, N = channels. n-tile nt, column n stands for channel
+                    # (4 (nt // 4) + n // 2) * 8 + 2 (nt % 4) + n % 2, so the accumulator fragment is exactly this
+                    # thread's state registers. u is bf16 in the ring (exact as an operand); wk is split hi + lo.
+                    state = cute.make_rmem_tensor((2 * CHUNK * CHUNKS_PER_THREAD,), Float32)
                     for rho in cutlass.range_constexpr(2):
-                        row_chunks = cute.zipped_divide(mPool[slot64, h, v0 + rows[rho], None], (CHUNK,))
+                        for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                            for e in cutlass.range_constexpr(CHUNK):
+                                ch = (m * ROW_THREADS + q4) * CHUNK + e
+                                idx = rho * 32 + m * CHUNK + e
+                                state[idx] = s0_raw[idx].to(Float32) * sBdec[ch]
+                    for ks in cutlass.range_constexpr(KPAD // MMA_K):
+                        if P > ks * MMA_K:
+                            jp0 = ks * (MMA_K // 2) + q4
+                            a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]], sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
+                            for nt in cutlass.range_constexpr(K // 8):
+                                e0 = 2 * (nt % 4)
+                                col = ((nt // 4) * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
+                                # hi and lo of ring-row pairs jp0 and jp0 + 4: one 16-byte read
+                                b = cute.make_rmem_tensor((4,), Int32)
+                                cute.autovec_copy(sWK[col, _fold_group(col, ks, q4, KPAD), None], b)
+                                at = (nt // 4) * CHUNK + e0
+                                ids = (at, at + 1, 32 + at, 32 + at + 1)
+                                d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [state[z] for z in ids])
+                                d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
+                                for z in cutlass.range_constexpr(4):
+                                    state[ids[z]] = d[z]
+                    raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
+                    for rho in cutlass.range_constexpr(2):
+                        row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
                         for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
                             for e in cutlass.range_constexpr(CHUNK):
                                 raw[e] = state[rho * 32 + m * CHUNK + e].to(mPool.element_type)
                             cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
-
-                n_tiles = 2 * T // 8
-                acc = cute.make_rmem_tensor((4 * n_tiles,), Float32)
-                for i in cutlass.range_constexpr(4 * n_tiles):
-                    acc[i] = Float32(0.0)
-                for ks in cutlass.range_constexpr(K // MMA_K):
-                    base_e = (ks // 2) * CHUNK + 4 * (ks % 2)
-                    a_hi = [None] * 4
-                    a_lo = [None] * 4
-                    # A registers: (row g, k 2q..2q+1), (row g+8, same), (row g, k 2q+8..), (row g+8, k 2q+8..)
-                    for reg in cutlass.range_constexpr(4):
-                        idx = (reg % 2) * 32 + base_e + 2 * (reg // 2)
-                        a_hi[reg], a_lo[reg] = _split_bf16x2(state[idx], state[idx + 1])
-                    pair = ((ks // 2) * ROW_THREADS + q4) * (CHUNK // 2) + 2 * (ks % 2)
-                    for nt in cutlass.range_constexpr(n_tiles):
-                        col = nt * 8 + g4
-                        b_hi = (sXh[pair, col], sXh[pair + 1, col])
-                        b_lo = (sXl[pair, col], sXl[pair + 1, col])
-                        c_in = [acc[4 * nt + i] for i in range(4)]
-                        d = _mma_bf16_m16n8k16(a_hi, b_hi, c_in)
-                        d = _mma_bf16_m16n8k16(a_lo, b_hi, d)
-                        d = _mma_bf16_m16n8k16(a_hi, b_lo, d)
-                        for i in cutlass.range_constexpr(4):
-                            acc[4 * nt + i] = d[i]
-                for nt in cutlass.range_constexpr(n_tiles):
-                    for i in cutlass.range_constexpr(4):
-                        sXY[rows[i // 2], nt * 8 + 2 * q4 + i % 2] = acc[4 * nt + i]
-                cute.arch.sync_warp()
-                if lane < 16:
-                    r_loc = warp * 16 + lane
-                    v = v0 + r_loc
-                    us = cute.make_rmem_tensor((T,), Float32)
-                    for s in cutlass.range_constexpr(T):
-                        p = sXY[r_loc, s]
-                        for r in cutlass.range_constexpr(s):
-                            p = p + sA[s, r] * us[r]
-                        us[s] = sBeta[s] * (sVin[s, r_loc] - p)
-                    for s in cutlass.range_constexpr(T):
-                        o = sXY[r_loc, T + s]
-                        for r in cutlass.range_constexpr(s + 1):
-                            o = o + sAq[s, r] * us[r]
-                        mOut[bi, s, h, v] = o.to(mOut.element_type)
-                        phys = (base + P + s) & (RING_SLOTS - 1)
-                        mUCache[slot64, h, phys, v] = us[s].to(mUCache.element_type)
             else:
                 r_loc = tidx // ROW_THREADS
                 seg = tidx % ROW_THREADS
-                v = v0 + r_loc
                 state = cute.make_rmem_tensor((CHUNK * CHUNKS_PER_THREAD,), Float32)
-                row = mPool[slot64, h, v, None]
-                row_chunks = cute.zipped_divide(row, (CHUNK,))  # ((8), (16))
+                row_chunks = cute.zipped_divide(gPool[v0 + r_loc, None], (CHUNK,))  # ((8), (16))
                 raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
                 for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
                     cute.autovec_copy(row_chunks[None, m * ROW_THREADS + seg], raw)
                     for e in cutlass.range_constexpr(CHUNK):
-                        c = (m * ROW_THREADS + seg) * CHUNK + e
-                        state[m * CHUNK + e] = raw[e].to(Float32) * sBdec[c]
+                        ch = (m * ROW_THREADS + seg) * CHUNK + e
+                        state[m * CHUNK + e] = raw[e].to(Float32) * sBdec[ch]
                 for j in cutlass.range(P, unroll=1):
                     u_j = sU[j, r_loc]
                     for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
                         for e in cutlass.range_constexpr(CHUNK):
-                            c = (m * ROW_THREADS + seg) * CHUNK + e
-                            state[m * CHUNK + e] = state[m * CHUNK + e] + u_j * sWK[j, c]
+                            ch = (m * ROW_THREADS + seg) * CHUNK + e
+                            state[m * CHUNK + e] = state[m * CHUNK + e] + u_j * sWK[j, ch // 4, ch % 4]
                 if is_flush:
                     for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
                         for e in cutlass.range_constexpr(CHUNK):
                             raw[e] = state[m * CHUNK + e].to(mPool.element_type)
                         cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + seg])
-
-                xs = cute.make_rmem_tensor((T,), Float32)
-                ys = cute.make_rmem_tensor((T,), Float32)
                 for s in cutlass.range_constexpr(T):
                     x = Float32(0.0)
                     y = Float32(0.0)
                     for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
                         for e in cutlass.range_constexpr(CHUNK):
-                            c = (m * ROW_THREADS + seg) * CHUNK + e
-                            x = x + state[m * CHUNK + e] * sKx[s, c]
-                            y = y + state[m * CHUNK + e] * sQx[s, c]
+                            ch = (m * ROW_THREADS + seg) * CHUNK + e
+                            x = x + state[m * CHUNK + e] * sKx[s, ch]
+                            y = y + state[m * CHUNK + e] * sQx[s, ch]
                     for sh in cutlass.range_constexpr(2):
                         x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << sh)
                         y = y + cute.arch.shuffle_sync_bfly(y, offset=1 << sh)
-                    xs[s] = x
-                    ys[s] = y
+                    if seg == 0:
+                        sXY[r_loc, s] = x
+                        sXY[r_loc, T + s] = y
+            cute.arch.sync_threads()
 
-                us = cute.make_rmem_tensor((T,), Float32)
+            # ---- phase 2d: ring correction x_s += sum_j u_j M[j, s] (MMA: M = 16 rows, K = ring rows) -----------
+            if const_expr(self.mma):
+                if P > 0:
+                    # x^T += M^T U: m16 = draft vectors (A: sM), n8 = 8 state rows (B: u pairs), k = ring rows
+                    acc = cute.make_rmem_tensor((8,), Float32)
+                    for nt in cutlass.range_constexpr(2):
+                        for i in cutlass.range_constexpr(4):
+                            acc[4 * nt + i] = Float32(0.0)
+                            if const_expr(i < 2 or 2 * T > 8):
+                                acc[4 * nt + i] = sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)]
+                    for ks in cutlass.range_constexpr(KPAD // MMA_K):
+                        if P > ks * MMA_K:
+                            m_hi = cute.make_rmem_tensor((4,), Int32)
+                            m_lo = cute.make_rmem_tensor((4,), Int32)
+                            cute.autovec_copy(sM[0, g4, ks * 4 + q4, None], m_hi)
+                            cute.autovec_copy(sM[1, g4, ks * 4 + q4, None], m_lo)
+                            jp0 = ks * (MMA_K // 2) + q4
+                            for nt in cutlass.range_constexpr(2):
+                                v_loc = warp * 16 + nt * 8 + g4
+                                b_u = (sUp[jp0, v_loc], sUp[jp0 + 4, v_loc])
+                                c_in = [acc[4 * nt + i] for i in range(4)]
+                                d = _mma_bf16_m16n8k16([m_hi[i] for i in range(4)], b_u, c_in)
+                                d = _mma_bf16_m16n8k16([m_lo[i] for i in range(4)], b_u, d)
+                                for i in cutlass.range_constexpr(4):
+                                    acc[4 * nt + i] = d[i]
+                    for nt in cutlass.range_constexpr(2):
+                        for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
+                            sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
+                cute.arch.sync_threads()
+
+            # ---- phase 3: k^ appends (V tile 0, threads past the tile), the triangular solve (one row each) -
+            if tile == 0:
+                if tidx >= TV:
+                    helpers = NT - TV
+                    ka_tasks = T * (K // CHUNK)
+                    for it in cutlass.range_constexpr((ka_tasks + helpers - 1) // helpers):
+                        task = (tidx - TV) + it * helpers
+                        if task < ka_tasks:
+                            t = task // (K // CHUNK)
+                            c8 = task % (K // CHUNK)
+                            k8 = cute.make_rmem_tensor((CHUNK,), Float32)
+                            cute.autovec_copy(cute.zipped_divide(sK[t, None], (CHUNK,))[None, c8], k8)
+                            inv_k = sInv[t]
+                            k_hat = cute.make_rmem_tensor((CHUNK,), mKCache.element_type)
+                            for e in cutlass.range_constexpr(CHUNK):
+                                k_hat[e] = (k8[e] * inv_k).to(mKCache.element_type)
+                            cute.autovec_copy(k_hat, _row_chunks(gKR, (base + P + t) & RING, CHUNK)[None, c8])
+            if tidx < TV:
+                # u_s = beta_s (v_s - S_commit kx_s - sum_{r<s} A[s, r] u_r), o_s = S_commit qx_s + sum_{r<=s}
+                # Aq[s, r] u_r, on raw k / q: with n_s = 1/|k_s|, x~ = S_commit (exp(cum) k_raw) and
+                # w_r = n_r u_r, u_s = beta_s (v_s - n_s (x~_s + sum A~[s, r] w_r)), o_s = (scale/|q_s|)(y~_s +
+                # sum Aq~[s, r] w_r).
+                v = v0 + tidx
+                xy = cute.make_rmem_tensor((2 * T,), Float32)
+                cute.autovec_copy(sXY[tidx, None], xy)
+                w_u = cute.make_rmem_tensor((T,), Float32)
+                gO = mOut[bi, None, h, None]
                 for s in cutlass.range_constexpr(T):
-                    p = xs[s]
+                    p = xy[s]
                     for r in cutlass.range_constexpr(s):
-                        p = p + sA[s, r] * us[r]
-                    us[s] = sBeta[s] * (sVin[s, r_loc] - p)
+                        p = p + sA[s, r] * w_u[r]
+                    u_s = sBeta[s] * (sVin[s, tidx] - sInv[s] * p)
+                    w_u[s] = sInv[s] * u_s
+                    gUR[(base + P + s) & RING, v] = u_s.to(mUCache.element_type)
                 for s in cutlass.range_constexpr(T):
-                    o = ys[s]
+                    o = xy[T + s]
                     for r in cutlass.range_constexpr(s + 1):
-                        o = o + sAq[s, r] * us[r]
-                    if seg == s % ROW_THREADS:
-                        mOut[bi, s, h, v] = o.to(mOut.element_type)
-                        phys = (base + P + s) & (RING_SLOTS - 1)
-                        mUCache[slot64, h, phys, v] = us[s].to(mUCache.element_type)
+                        o = o + sAq[s, r] * w_u[r]
+                    gO[s, v] = (sInv[T + s] * o).to(mOut.element_type)
         else:
             for i in cutlass.range(tidx, T * TV, NT):
                 t = i // TV
