@@ -1,8 +1,8 @@
 """ReplaySSM "ucache" verify+flush kernel for KDA speculative decode (DESIGN §5, issue 5).
 
-One CTA per (V tile, head, request). In the default MMA variant two threads share a state row pair (a warp covers
-16 rows; a thread holds 32 of the 128 key channels of two rows, in four interleaved 16-byte chunks). Per (request,
-head) the CTA first builds, in shared memory:
+One CTA per (V tile, head, request). Two threads per state row: a quad of four threads shares a state row pair (a
+warp covers 16 rows; a thread holds 32 of the 128 key channels of two rows, in four interleaved 16-byte chunks). Per
+(request, head) the CTA first builds, in shared memory:
 
 - the gate of the T draft tokens, the per-token decays a_t and, in registers, their running sum ``cum`` (the decay
   restarts at 0 after the checkpoint); raw k and q (normalised only in the solve);
@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 ROW_THREADS = 4
-"""Threads sharing one state row; each owns HEAD_DIM // ROW_THREADS = 32 key channels."""
+"""Quad positions sharing a state row pair (lane % 4); each owns HEAD_DIM // ROW_THREADS = 32 key channels."""
 CHUNK = 8
 """Contiguous bf16 channels per 16-byte pool access."""
 CHUNKS_PER_THREAD = HEAD_DIM // (ROW_THREADS * CHUNK)  # 4
@@ -183,7 +183,7 @@ def _mma_bf16_m16n8k16(a, b, c):
     return [Float32(llvm.extractvalue(ir_types.f32(), res, [i])) for i in range(4)]
 
 
-# Resident CTAs per SM asked of ptxas (``min_blocks_per_mp``: it caps the registers to fit), per MMA tile. Without
+# Resident CTAs per SM asked of ptxas (``min_blocks_per_mp``: it caps the registers to fit), per tile. Without
 # it the 256-thread tile-128 CTA takes 102 registers and 52.6 KB of shared memory: 2 CTAs per SM, 25% occupancy,
 # and ncu shows the kernel issue-bound (IPC 1.6, most warps waiting). Measured on the H200, 2026-11-29, T=8 w16
 # H=12, CUDA-graph replay (benchmarks/results/min_blocks_sweep_h200.json): tile 128 at 3 CTAs (80 registers, an
@@ -194,20 +194,16 @@ MIN_CTAS_PER_SM = {64: 5, 128: 3}
 # cache between values.
 _FORCE_MIN_BLOCKS = 0
 
-DEFAULT_MMA = True
-"""Dot products on warp MMA by default; the CUDA-core variant is kept for comparison (``mma=False``)."""
 
-
-def default_tile_v(batch: int, heads: int, mma: bool = DEFAULT_MMA) -> int:
+def default_tile_v(batch: int, heads: int) -> int:
     """State rows per CTA.
 
     Every CTA repeats the per-(request, head) preamble (gate, norms, replay vectors, triangles), which costs about
     as many instructions as its share of the state rows: 128-row tiles (256 threads) run it once per (request,
     head), 64-row tiles twice but give small batches twice the CTAs. Crossover guessed at ~4 CTAs of 128 rows per
-    SM of an H200 (132 SMs); to be replaced by the measured one (bench_kda_ucache_flush.py --tile-v).
+    SM of an H200 (132 SMs). Measured on the H200 (T=8 w16 H=12, benchmarks/results/ucache_tile_sweep_h200.json):
+    tile 128 wins from B=64 up (22.9 vs 34.0 us; B=512 186 vs 272), the two tie at B=8 (7.0 vs 7.1 us).
     """
-    if not mma:
-        return 32
     return 128 if batch * heads >= 4 * 132 else 64
 
 
@@ -216,13 +212,10 @@ class UcacheVerifyFlush:
 
     heads: H == HV; t_draft: T in {4, 8}; w_ring: 16 or 32 (bounds the live rows kept in shared memory);
     tile_v: state rows per CTA; softplus_gate: Kimi-Linear gate (lower_bound None) instead of the lower bound;
-    aligned: the pool and rings allow 16-byte accesses (else the same code with element-wide accesses);
-    mma: the 2T dot products of every state row on warp MMA (else on CUDA cores).
+    aligned: the pool and rings allow 16-byte accesses (else the same code with element-wide accesses).
     """
 
-    def __init__(
-        self, heads: int, t_draft: int, w_ring: int, tile_v: int, softplus_gate: bool, aligned: bool, mma: bool
-    ):
+    def __init__(self, heads: int, t_draft: int, w_ring: int, tile_v: int, softplus_gate: bool, aligned: bool):
         self.heads = heads
         self.aligned = aligned
         self.t_draft = t_draft
@@ -230,12 +223,11 @@ class UcacheVerifyFlush:
         self.max_rows = max_hist_len(t_draft, w_ring)
         self.tile_v = tile_v
         self.kpad = MMA_K * ((self.max_rows + MMA_K - 1) // MMA_K)  # ring rows as the K extent of the fold MMA
-        self.mma = mma
-        # MMA: one warp per 16 rows (2 rows x 32 channels per thread); CUDA cores: 4 threads per row.
-        self.threads = (2 if mma else ROW_THREADS) * tile_v
+        # one warp per 16 rows (2 rows x 32 channels per thread)
+        self.threads = 2 * tile_v
         self.softplus_gate = softplus_gate
-        if tile_v not in ((64, 128) if mma else (32, 64, 128)):
-            raise ValueError(f"tile_v: expected {'64 or 128' if mma else '32, 64 or 128'}, got {tile_v}")
+        if tile_v not in (64, 128):
+            raise ValueError(f"tile_v: expected 64 or 128, got {tile_v}")
         # The gate phase gives each key channel NT / 128 threads, each a run of T / (NT / 128) draft tokens.
         assert self.threads % HEAD_DIM == 0 and t_draft % (self.threads // HEAD_DIM) == 0, (self.threads, t_draft)
         assert self.kpad in (MMA_K, 2 * MMA_K), self.kpad
@@ -290,8 +282,8 @@ class UcacheVerifyFlush:
         )
 
     def occupancy(self) -> dict:
-        """Launch attributes: the resident-CTA floor (MMA variant) and the largest shared-memory carveout."""
-        ctas = _FORCE_MIN_BLOCKS or (MIN_CTAS_PER_SM.get(self.tile_v, 0) if self.mma else 0)
+        """Launch attributes: the resident-CTA floor and the largest shared-memory carveout."""
+        ctas = _FORCE_MIN_BLOCKS or MIN_CTAS_PER_SM.get(self.tile_v, 0)
         return dict(min_blocks_per_mp=ctas, preferred_smem_carveout=100) if ctas else {}
 
     # ------------------------------------------------------------------------------------------------
@@ -345,34 +337,28 @@ class UcacheVerifyFlush:
         sK4 = cute.make_tensor(sK.iterator, quads(T))
         sQ4 = cute.make_tensor(sQ.iterator, quads(T))
         sDec4 = cute.make_tensor(sDec.iterator, quads(T))
-        if const_expr(self.mma):
-            # Decayed raw draft vectors x_s = [kx_0..kx_{T-1}, qx_0..qx_{T-1}, zeros up to 16] as the m16 A operand
-            # of the products with the checkpoint and with wk: [hi / lo][s % 8][channel-pair group] 4 words
-            # (x_s pair 2i, x_s+8 pair 2i, x_s pair 2i+1, x_s+8 pair 2i+1), one 16-byte read per fragment.
-            # sXb: times bdec (S0 (bdec x)), sXu: as is (M = wk x).
-            x_layout = cute.make_layout((2, 8, PAIR_ROW // 4, 4), stride=(8 * PAIR_ROW, PAIR_ROW, 4, 1))
-            sXb = smem.allocate_tensor(Int32, x_layout, byte_alignment=16)
-            sXu = smem.allocate_tensor(Int32, x_layout, byte_alignment=16)
-            # Ring operands as packed bf16 pairs along the ring-row axis (the MMA k index); rows j >= P hold zeros
-            # written by a select. u: row stride padded (+8 words) so the fragment reads hit 32 banks. wk: once
-            # packed along ring rows (the fold's B operand, flush rows only; one column of KPAD words per channel,
-            # see _fold_group) and once along channels (M's B operand: rows of PAIR_ROW words, (hi, hi, lo, lo)).
-            sUp = smem.allocate_tensor(Int32, cute.make_layout((KPAD // 2, TV), stride=(TV + 8, 1)), byte_alignment=16)
-            quads_of = lambda rows, words: cute.make_layout((rows, words // 4, 4), stride=(words, 4, 1))  # noqa: E731
-            sWK = smem.allocate_tensor(Int32, quads_of(K, KPAD), byte_alignment=16)
-            sWKc = smem.allocate_tensor(Int32, quads_of(KPAD, PAIR_ROW), byte_alignment=16)
-            # M[j, s] = wk_j . x_s as the A operand of the ring correction: [hi / lo][s % 8][k-step, q] 4 words
-            # (s pair jp, s + 8 pair jp, s pair jp + 4, s + 8 pair jp + 4), jp = 8 step + q; rows padded to 16
-            # words mod 32 so the quarter-warp reads hit 32 banks.
-            m_row = KPAD if KPAD == 16 else KPAD + 16
-            sM = smem.allocate_tensor(
-                Int32, cute.make_layout((2, 8, KPAD // 4, 4), stride=(8 * m_row, m_row, 4, 1)), byte_alignment=16
-            )
-        else:
-            sKx = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
-            sQx = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
-            sWK = smem.allocate_tensor(Float32, quads(MAXR), byte_alignment=16)
-            sU = smem.allocate_tensor(Float32, row_major(MAXR, TV), byte_alignment=16)
+        # Decayed raw draft vectors x_s = [kx_0..kx_{T-1}, qx_0..qx_{T-1}, zeros up to 16] as the m16 A operand
+        # of the products with the checkpoint and with wk: [hi / lo][s % 8][channel-pair group] 4 words
+        # (x_s pair 2i, x_s+8 pair 2i, x_s pair 2i+1, x_s+8 pair 2i+1), one 16-byte read per fragment.
+        # sXb: times bdec (S0 (bdec x)), sXu: as is (M = wk x).
+        x_layout = cute.make_layout((2, 8, PAIR_ROW // 4, 4), stride=(8 * PAIR_ROW, PAIR_ROW, 4, 1))
+        sXb = smem.allocate_tensor(Int32, x_layout, byte_alignment=16)
+        sXu = smem.allocate_tensor(Int32, x_layout, byte_alignment=16)
+        # Ring operands as packed bf16 pairs along the ring-row axis (the MMA k index); rows j >= P hold zeros
+        # written by a select. u: row stride padded (+8 words) so the fragment reads hit 32 banks. wk: once
+        # packed along ring rows (the fold's B operand, flush rows only; one column of KPAD words per channel,
+        # see _fold_group) and once along channels (M's B operand: rows of PAIR_ROW words, (hi, hi, lo, lo)).
+        sUp = smem.allocate_tensor(Int32, cute.make_layout((KPAD // 2, TV), stride=(TV + 8, 1)), byte_alignment=16)
+        quads_of = lambda rows, words: cute.make_layout((rows, words // 4, 4), stride=(words, 4, 1))  # noqa: E731
+        sWK = smem.allocate_tensor(Int32, quads_of(K, KPAD), byte_alignment=16)
+        sWKc = smem.allocate_tensor(Int32, quads_of(KPAD, PAIR_ROW), byte_alignment=16)
+        # M[j, s] = wk_j . x_s as the A operand of the ring correction: [hi / lo][s % 8][k-step, q] 4 words
+        # (s pair jp, s + 8 pair jp, s pair jp + 4, s + 8 pair jp + 4), jp = 8 step + q; rows padded to 16
+        # words mod 32 so the quarter-warp reads hit 32 banks.
+        m_row = KPAD if KPAD == 16 else KPAD + 16
+        sM = smem.allocate_tensor(
+            Int32, cute.make_layout((2, 8, KPAD // 4, 4), stride=(8 * m_row, m_row, 4, 1)), byte_alignment=16
+        )
         XYS = 2 * T + 4  # sXY row stride: 16-byte rows, and the 16-byte row reads of the solve hit 32 banks
         sXY = smem.allocate_tensor(Float32, cute.make_layout((TV, 2 * T), stride=(XYS, 1)), byte_alignment=16)
         sVin = smem.allocate_tensor(Float32, row_major(T, TV), byte_alignment=16)
@@ -403,19 +389,18 @@ class UcacheVerifyFlush:
             gGR = mGCache[slot64, h, None, None]
             last_row = (base + P - 1) & RING
 
-            if const_expr(self.mma):
-                # Issue the checkpoint rows' loads first: their DRAM latency overlaps the whole preamble.
-                g4 = lane // 4
-                q4 = lane % 4
-                rows = (warp * 16 + g4, warp * 16 + g4 + 8)
-                s0_raw = cute.make_rmem_tensor((2 * CHUNKS_PER_THREAD * CHUNK,), mPool.element_type)
-                s0_chunks = cute.zipped_divide(s0_raw, (CHUNK,))
-                for rho in cutlass.range_constexpr(2):
-                    row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
-                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                        cute.autovec_copy(
-                            row_chunks[None, m * ROW_THREADS + q4], s0_chunks[None, rho * CHUNKS_PER_THREAD + m]
-                        )
+            # Issue the checkpoint rows' loads first: their DRAM latency overlaps the whole preamble.
+            g4 = lane // 4
+            q4 = lane % 4
+            rows = (warp * 16 + g4, warp * 16 + g4 + 8)
+            s0_raw = cute.make_rmem_tensor((2 * CHUNKS_PER_THREAD * CHUNK,), mPool.element_type)
+            s0_chunks = cute.zipped_divide(s0_raw, (CHUNK,))
+            for rho in cutlass.range_constexpr(2):
+                row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
+                for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                    cute.autovec_copy(
+                        row_chunks[None, m * ROW_THREADS + q4], s0_chunks[None, rho * CHUNKS_PER_THREAD + m]
+                    )
 
             # ---- phase 1a: gate, raw k/q, decays and decayed draft vectors --------------------------
             # Thread (token group grp, channel c) owns TPT consecutive draft tokens of one key channel, so the
@@ -469,11 +454,10 @@ class UcacheVerifyFlush:
             bdec = Float32(1.0)
             if P > 0:
                 bdec = cute.math.exp(g_last, fastmath=True)
-            if const_expr(self.mma):
-                # bdec of the two channels of this lane's packed pair (low half, high half)
-                bdec_partner = cute.arch.shuffle_sync_bfly(bdec, offset=1)
-                bdec_lo = Float32(cutlass.select_(even, bdec, bdec_partner))
-                bdec_hi = Float32(cutlass.select_(even, bdec_partner, bdec))
+            # bdec of the two channels of this lane's packed pair (low half, high half)
+            bdec_partner = cute.arch.shuffle_sync_bfly(bdec, offset=1)
+            bdec_lo = Float32(cutlass.select_(even, bdec, bdec_partner))
+            bdec_hi = Float32(cutlass.select_(even, bdec_partner, bdec))
             for i in cutlass.range_constexpr(TPT):
                 t = grp * TPT + i
                 cum = cum + g_logs[i]
@@ -485,24 +469,20 @@ class UcacheVerifyFlush:
                 decay = cute.math.exp(cum, fastmath=True)
                 kx = decay * k_raw[i]
                 qx = decay * q_raw[i]
-                if const_expr(self.mma):
-                    # Even lanes pack (kx_c, kx_c+1) into column t, odd lanes (qx_c-1, qx_c) into column T + t:
-                    # one shuffle gives each lane its partner's half.
-                    recv = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(even, qx, kx)), offset=1)
-                    x_lo = Float32(cutlass.select_(even, kx, recv))
-                    x_hi = Float32(cutlass.select_(even, recv, qx))
-                    s_x = t + Int32(cutlass.select_(even, Int32(0), Int32(T)))  # row of x: kx_t or qx_t
-                    pos = s_x // 8 + 2 * (c // 2 % 2)
-                    sXu[0, s_x % 8, c // 4, pos], sXu[1, s_x % 8, c // 4, pos] = _split_bf16x2(x_lo, x_hi)
-                    sXb[0, s_x % 8, c // 4, pos], sXb[1, s_x % 8, c // 4, pos] = _split_bf16x2(
-                        bdec_lo * x_lo, bdec_hi * x_hi
-                    )
-                else:
-                    sKx[t, c] = kx
-                    sQx[t, c] = qx
+                # Even lanes pack (kx_c, kx_c+1) into column t, odd lanes (qx_c-1, qx_c) into column T + t:
+                # one shuffle gives each lane its partner's half.
+                recv = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(even, qx, kx)), offset=1)
+                x_lo = Float32(cutlass.select_(even, kx, recv))
+                x_hi = Float32(cutlass.select_(even, recv, qx))
+                s_x = t + Int32(cutlass.select_(even, Int32(0), Int32(T)))  # row of x: kx_t or qx_t
+                pos = s_x // 8 + 2 * (c // 2 % 2)
+                sXu[0, s_x % 8, c // 4, pos], sXu[1, s_x % 8, c // 4, pos] = _split_bf16x2(x_lo, x_hi)
+                sXb[0, s_x % 8, c // 4, pos], sXb[1, s_x % 8, c // 4, pos] = _split_bf16x2(
+                    bdec_lo * x_lo, bdec_hi * x_hi
+                )
             if grp == 0:
                 sBdec[c] = bdec
-            if const_expr(self.mma and 2 * T < 16):
+            if const_expr(2 * T < 16):
                 # rows 2T..15 of the m16 operand x are zeros (a 16-byte read of rows s and s + 8 takes them along)
                 for it in cutlass.range_constexpr(2 * 8 * (K // 4) // NT):
                     task = tidx + it * NT  # (hi / lo, s % 8, channel-pair group)
@@ -513,42 +493,27 @@ class UcacheVerifyFlush:
             # ---- phase 1b: ring rows (u, replay vectors wk), v tile, beta ------------------------------
             # Only the live rows j < P are loaded: stale rows never enter an arithmetic op.
             u_chunk0 = tile * (TV // CHUNK)  # this tile's first 8-row chunk of a ring row
-            if const_expr(self.mma):
-                u_tasks = (KPAD // 2) * (TV // CHUNK)  # (row pair, 8 consecutive state rows)
-                for it in cutlass.range_constexpr((u_tasks + NT - 1) // NT):
-                    task = tidx + it * NT
-                    if task < u_tasks:
-                        jp = task // (TV // CHUNK)
-                        r8 = task % (TV // CHUNK)
-                        halves = [cute.make_rmem_tensor((CHUNK // 2,), Int32) for _ in range(2)]
-                        for odd in cutlass.range_constexpr(2):
-                            for e in cutlass.range_constexpr(CHUNK // 2):
-                                halves[odd][e] = Int32(0)
-                            if 2 * jp + odd < P:
-                                cute.autovec_copy(
-                                    _row_chunks(gUR, (base + 2 * jp + odd) & RING, CHUNK)[None, u_chunk0 + r8],
-                                    cute.recast_tensor(halves[odd], mUCache.element_type),
-                                )
-                        packed = cute.make_rmem_tensor((CHUNK,), Int32)
+            u_tasks = (KPAD // 2) * (TV // CHUNK)  # (row pair, 8 consecutive state rows)
+            for it in cutlass.range_constexpr((u_tasks + NT - 1) // NT):
+                task = tidx + it * NT
+                if task < u_tasks:
+                    jp = task // (TV // CHUNK)
+                    r8 = task % (TV // CHUNK)
+                    halves = [cute.make_rmem_tensor((CHUNK // 2,), Int32) for _ in range(2)]
+                    for odd in cutlass.range_constexpr(2):
                         for e in cutlass.range_constexpr(CHUNK // 2):
-                            # (u_2jp[v], u_2jp+1[v]) bf16 pairs: bit moves only, the ring holds bf16
-                            packed[2 * e] = _prmt(halves[0][e], halves[1][e], 0x5410)
-                            packed[2 * e + 1] = _prmt(halves[0][e], halves[1][e], 0x7632)
-                        cute.autovec_copy(packed, cute.zipped_divide(sUp[jp, None], (CHUNK,))[None, r8])
-            else:
-                u_tasks = MAXR * (TV // CHUNK)
-                for it in cutlass.range_constexpr((u_tasks + NT - 1) // NT):
-                    task = tidx + it * NT
-                    if task < u_tasks:
-                        j = task // (TV // CHUNK)
-                        r8 = task % (TV // CHUNK)
-                        if j < P:
-                            raw_u = cute.make_rmem_tensor((CHUNK,), mUCache.element_type)
-                            cute.autovec_copy(_row_chunks(gUR, (base + j) & RING, CHUNK)[None, u_chunk0 + r8], raw_u)
-                            u32 = cute.make_rmem_tensor((CHUNK,), Float32)
-                            for e in cutlass.range_constexpr(CHUNK):
-                                u32[e] = raw_u[e].to(Float32)
-                            cute.autovec_copy(u32, cute.zipped_divide(sU[j, None], (CHUNK,))[None, r8])
+                            halves[odd][e] = Int32(0)
+                        if 2 * jp + odd < P:
+                            cute.autovec_copy(
+                                _row_chunks(gUR, (base + 2 * jp + odd) & RING, CHUNK)[None, u_chunk0 + r8],
+                                cute.recast_tensor(halves[odd], mUCache.element_type),
+                            )
+                    packed = cute.make_rmem_tensor((CHUNK,), Int32)
+                    for e in cutlass.range_constexpr(CHUNK // 2):
+                        # (u_2jp[v], u_2jp+1[v]) bf16 pairs: bit moves only, the ring holds bf16
+                        packed[2 * e] = _prmt(halves[0][e], halves[1][e], 0x5410)
+                        packed[2 * e + 1] = _prmt(halves[0][e], halves[1][e], 0x7632)
+                    cute.autovec_copy(packed, cute.zipped_divide(sUp[jp, None], (CHUNK,))[None, r8])
             gV = mV[bi, None, h, None]
             for it in cutlass.range_constexpr(T * TV // NT):
                 task = tidx + it * NT
@@ -560,10 +525,10 @@ class UcacheVerifyFlush:
                     Float32(1.0) + cute.math.exp(-mBeta[bi, tidx, h].to(Float32), fastmath=True)
                 )
             # wk_j = exp(G_{P-1} - G_j) * k^_j. A task is 4 channels (lanes run over them: whole ring rows per warp)
-            # of a set of ring rows: MMA, rows 16 ks + 2q + {0, 1, 8, 9} (the pairs ks*8 + q and ks*8 + q + 4 of one
-            # fold B fragment); CUDA cores, rows 2i + {0, 1}.
-            n_rows = 4 if self.mma else 2
-            wk_tasks = (KPAD if self.mma else MAXR) // n_rows * (K // 4)
+            # of a set of ring rows 16 ks + 2q + {0, 1, 8, 9} (the pairs ks*8 + q and ks*8 + q + 4 of one fold B
+            # fragment).
+            n_rows = 4
+            wk_tasks = KPAD // n_rows * (K // 4)
             for it in cutlass.range_constexpr((wk_tasks + NT - 1) // NT):
                 task = tidx + it * NT
                 if task < wk_tasks:
@@ -575,9 +540,7 @@ class UcacheVerifyFlush:
                     if P > 0:
                         cute.autovec_copy(_row_chunks(gGR, last_row, 4)[None, c4], last4)
                     wk = [cute.make_rmem_tensor((4,), Float32) for _ in range(n_rows)]
-                    js = [2 * row_set + odd for odd in range(2)]
-                    if const_expr(self.mma):
-                        js = [16 * (row_set // 4) + 2 * (row_set % 4) + d for d in (0, 1, 8, 9)]
+                    js = [16 * (row_set // 4) + 2 * (row_set % 4) + d for d in (0, 1, 8, 9)]
                     for rr in cutlass.range_constexpr(n_rows):
                         for e in cutlass.range_constexpr(4):
                             wk[rr][e] = Float32(0.0)
@@ -589,23 +552,19 @@ class UcacheVerifyFlush:
                             cute.autovec_copy(_row_chunks(gKR, phys, 4)[None, c4], kj)
                             for e in cutlass.range_constexpr(4):
                                 wk[rr][e] = cute.math.exp(last4[e] - gj[e], fastmath=True) * kj[e].to(Float32)
-                    if const_expr(self.mma):
-                        quad = cute.make_rmem_tensor((4,), Int32)
-                        for rr in cutlass.range_constexpr(n_rows):
-                            # along channels: (hi, hi, lo, lo) of channel pairs 2 c4, 2 c4 + 1 of ring row j
-                            quad[0], quad[2] = _split_bf16x2(wk[rr][0], wk[rr][1])
-                            quad[1], quad[3] = _split_bf16x2(wk[rr][2], wk[rr][3])
-                            cute.autovec_copy(quad, sWKc[js[rr], c4, None])
-                        if is_flush:
-                            for e in cutlass.range_constexpr(4):
-                                # along ring rows: (hi, hi, lo, lo) of pairs (rows 0, 1) and (rows 8, 9) of the set
-                                quad[0], quad[2] = _split_bf16x2(wk[0][e], wk[1][e])
-                                quad[1], quad[3] = _split_bf16x2(wk[2][e], wk[3][e])
-                                ch = 4 * c4 + e
-                                cute.autovec_copy(quad, sWK[ch, _fold_group(ch, row_set // 4, row_set % 4, KPAD), None])
-                    else:
-                        for rr in cutlass.range_constexpr(n_rows):
-                            cute.autovec_copy(wk[rr], sWK[js[rr], c4, None])
+                    quad = cute.make_rmem_tensor((4,), Int32)
+                    for rr in cutlass.range_constexpr(n_rows):
+                        # along channels: (hi, hi, lo, lo) of channel pairs 2 c4, 2 c4 + 1 of ring row j
+                        quad[0], quad[2] = _split_bf16x2(wk[rr][0], wk[rr][1])
+                        quad[1], quad[3] = _split_bf16x2(wk[rr][2], wk[rr][3])
+                        cute.autovec_copy(quad, sWKc[js[rr], c4, None])
+                    if is_flush:
+                        for e in cutlass.range_constexpr(4):
+                            # along ring rows: (hi, hi, lo, lo) of pairs (rows 0, 1) and (rows 8, 9) of the set
+                            quad[0], quad[2] = _split_bf16x2(wk[0][e], wk[1][e])
+                            quad[1], quad[3] = _split_bf16x2(wk[2][e], wk[3][e])
+                            ch = 4 * c4 + e
+                            cute.autovec_copy(quad, sWK[ch, _fold_group(ch, row_set // 4, row_set % 4, KPAD), None])
             cute.arch.sync_threads()
 
             # ---- phase 2a: the T x T triangles and the norms (warps 0 .. T/2 - 1) -------------------------
@@ -661,166 +620,127 @@ class UcacheVerifyFlush:
             # section 5, R2). M[j, s] = wk_j . x_s is per (request, head), so it is computed once here (m16 = the 2T
             # draft vectors, n8 = 8 ring rows, k = channels, hi/lo splits: 3 MMAs per k-step); every state row then
             # adds U M (one MMA per 16 ring rows) to S0 (bdec x), whose A operand is the bf16 checkpoint itself.
-            if const_expr(self.mma):
-                for jt in cutlass.range_constexpr(KPAD // 8):
-                    if warp == (T // 2 + jt) % NW:
-                        # one n8 tile of ring rows: A = x (m16), B = wk packed along channels, hi/lo of both
-                        m_acc = [Float32(0.0)] * 4
-                        for ks in cutlass.range_constexpr(K // MMA_K):
-                            grp_k = _pair_group(ks, q4)
-                            xop_hi = cute.make_rmem_tensor((4,), Int32)
-                            xop_lo = cute.make_rmem_tensor((4,), Int32)
-                            wb = cute.make_rmem_tensor((4,), Int32)
-                            cute.autovec_copy(sXu[0, g4, grp_k, None], xop_hi)
-                            cute.autovec_copy(sXu[1, g4, grp_k, None], xop_lo)
-                            cute.autovec_copy(sWKc[8 * jt + g4, grp_k, None], wb)
-                            a_hi = [xop_hi[i] for i in range(4)]
-                            a_lo = [xop_lo[i] for i in range(4)]
-                            m_acc = _mma_bf16_m16n8k16(a_hi, (wb[0], wb[1]), m_acc)
-                            m_acc = _mma_bf16_m16n8k16(a_lo, (wb[0], wb[1]), m_acc)
-                            m_acc = _mma_bf16_m16n8k16(a_hi, (wb[2], wb[3]), m_acc)
-                        # (c0, c1) = M[ring rows 8 jt + 2q, +1][s = g], (c2, c3) the same for s = g + 8: ring-row
-                        # pair jp = 4 jt + q, which is k-pair jp % 4 (+ 4 if (jp // 4) odd) of k-step jp // 8
-                        jp = 4 * jt + q4
-                        pos_k = 2 * ((jp // 4) % 2)
-                        grp_m = jp // 8 * 4 + jp % 4
-                        for half in cutlass.range_constexpr(2):
-                            m_hi, m_lo = _split_bf16x2(m_acc[2 * half], m_acc[2 * half + 1])
-                            sM[0, g4, grp_m, half + pos_k] = m_hi
-                            sM[1, g4, grp_m, half + pos_k] = m_lo
+            for jt in cutlass.range_constexpr(KPAD // 8):
+                if warp == (T // 2 + jt) % NW:
+                    # one n8 tile of ring rows: A = x (m16), B = wk packed along channels, hi/lo of both
+                    m_acc = [Float32(0.0)] * 4
+                    for ks in cutlass.range_constexpr(K // MMA_K):
+                        grp_k = _pair_group(ks, q4)
+                        xop_hi = cute.make_rmem_tensor((4,), Int32)
+                        xop_lo = cute.make_rmem_tensor((4,), Int32)
+                        wb = cute.make_rmem_tensor((4,), Int32)
+                        cute.autovec_copy(sXu[0, g4, grp_k, None], xop_hi)
+                        cute.autovec_copy(sXu[1, g4, grp_k, None], xop_lo)
+                        cute.autovec_copy(sWKc[8 * jt + g4, grp_k, None], wb)
+                        a_hi = [xop_hi[i] for i in range(4)]
+                        a_lo = [xop_lo[i] for i in range(4)]
+                        m_acc = _mma_bf16_m16n8k16(a_hi, (wb[0], wb[1]), m_acc)
+                        m_acc = _mma_bf16_m16n8k16(a_lo, (wb[0], wb[1]), m_acc)
+                        m_acc = _mma_bf16_m16n8k16(a_hi, (wb[2], wb[3]), m_acc)
+                    # (c0, c1) = M[ring rows 8 jt + 2q, +1][s = g], (c2, c3) the same for s = g + 8: ring-row
+                    # pair jp = 4 jt + q, which is k-pair jp % 4 (+ 4 if (jp // 4) odd) of k-step jp // 8
+                    jp = 4 * jt + q4
+                    pos_k = 2 * ((jp // 4) % 2)
+                    grp_m = jp // 8 * 4 + jp % 4
+                    for half in cutlass.range_constexpr(2):
+                        m_hi, m_lo = _split_bf16x2(m_acc[2 * half], m_acc[2 * half + 1])
+                        sM[0, g4, grp_m, half + pos_k] = m_hi
+                        sM[1, g4, grp_m, half + pos_k] = m_lo
 
             # ---- phase 2c: state rows: S0 (bdec x) dot products, the flush (every warp) ------------------------
-            if const_expr(self.mma):
-                # Warp w owns local rows 16w + g and 16w + g + 8 (g = lane // 4); thread quad position q = lane % 4
-                # owns channels 32m + 8q + e (m < 4, e < 8) of both rows: 16-byte pool accesses, and, read as
-                # the K dimension of the MMA in the order (m, e), exactly the A-fragment columns {2q, 2q + 1,
-                # 2q + 8, 2q + 9} of k-step 2m + e // 4 (any permutation of K is fine when B uses the same one).
-                # x^T[s, v] = sum_c x_s[c] S0[v, c] bdec[c]: m16 = the 2T draft vectors (A, from shared memory), n8 =
-                # 8 of the warp's rows (B: rows 16w + 8 nt + g), k = channels. k-pairs (q, q + 4) of step ks are the
-                # channel pairs of _pair_group(ks, q): two consecutive bf16 words of the thread's checkpoint chunk,
-                # an exact B operand as loaded (no conversion, no split; bdec rides on x).
-                s0_words = cute.recast_tensor(s0_raw, Int32)  # [row nt][chunk m][4 channel pairs]
-                acc = cute.make_rmem_tensor((8,), Float32)  # n-tile nt: (s = g, v = 2q, 2q + 1), (s = g + 8, same)
-                for i in cutlass.range_constexpr(8):
-                    acc[i] = Float32(0.0)
-                for ks in cutlass.range_constexpr(K // MMA_K):
-                    grp_k = _pair_group(ks, q4)
-                    xop_hi = cute.make_rmem_tensor((4,), Int32)
-                    xop_lo = cute.make_rmem_tensor((4,), Int32)
-                    cute.autovec_copy(sXb[0, g4, grp_k, None], xop_hi)
-                    cute.autovec_copy(sXb[1, g4, grp_k, None], xop_lo)
-                    for nt in cutlass.range_constexpr(2):
-                        w0 = nt * 16 + (ks // 2) * 4 + 2 * (ks % 2)
-                        b_s0 = (s0_words[w0], s0_words[w0 + 1])
-                        d = _mma_bf16_m16n8k16([xop_hi[i] for i in range(4)], b_s0, [acc[4 * nt + i] for i in range(4)])
-                        d = _mma_bf16_m16n8k16([xop_lo[i] for i in range(4)], b_s0, d)
-                        for i in cutlass.range_constexpr(4):
-                            acc[4 * nt + i] = d[i]
+            # Warp w owns local rows 16w + g and 16w + g + 8 (g = lane // 4); thread quad position q = lane % 4
+            # owns channels 32m + 8q + e (m < 4, e < 8) of both rows: 16-byte pool accesses, and, read as
+            # the K dimension of the MMA in the order (m, e), exactly the A-fragment columns {2q, 2q + 1,
+            # 2q + 8, 2q + 9} of k-step 2m + e // 4 (any permutation of K is fine when B uses the same one).
+            # x^T[s, v] = sum_c x_s[c] S0[v, c] bdec[c]: m16 = the 2T draft vectors (A, from shared memory), n8 =
+            # 8 of the warp's rows (B: rows 16w + 8 nt + g), k = channels. k-pairs (q, q + 4) of step ks are the
+            # channel pairs of _pair_group(ks, q): two consecutive bf16 words of the thread's checkpoint chunk,
+            # an exact B operand as loaded (no conversion, no split; bdec rides on x).
+            s0_words = cute.recast_tensor(s0_raw, Int32)  # [row nt][chunk m][4 channel pairs]
+            acc = cute.make_rmem_tensor((8,), Float32)  # n-tile nt: (s = g, v = 2q, 2q + 1), (s = g + 8, same)
+            for i in cutlass.range_constexpr(8):
+                acc[i] = Float32(0.0)
+            for ks in cutlass.range_constexpr(K // MMA_K):
+                grp_k = _pair_group(ks, q4)
+                xop_hi = cute.make_rmem_tensor((4,), Int32)
+                xop_lo = cute.make_rmem_tensor((4,), Int32)
+                cute.autovec_copy(sXb[0, g4, grp_k, None], xop_hi)
+                cute.autovec_copy(sXb[1, g4, grp_k, None], xop_lo)
                 for nt in cutlass.range_constexpr(2):
-                    for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
-                        sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
-                if is_flush:
-                    # S_commit = S0 * bdec + U^T WK in fp32 registers, one rounding to bf16. Fold on MMA: M = the
-                    # warp's 16 rows, K = ring rows, N = channels. n-tile nt, column n stands for channel
-                    # (4 (nt // 4) + n // 2) * 8 + 2 (nt % 4) + n % 2, so the accumulator fragment is exactly this
-                    # thread's state registers. u is bf16 in the ring (exact as an operand); wk is split hi + lo.
-                    state = cute.make_rmem_tensor((2 * CHUNK * CHUNKS_PER_THREAD,), Float32)
-                    for rho in cutlass.range_constexpr(2):
-                        for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                            for e in cutlass.range_constexpr(CHUNK):
-                                ch = (m * ROW_THREADS + q4) * CHUNK + e
-                                idx = rho * 32 + m * CHUNK + e
-                                state[idx] = s0_raw[idx].to(Float32) * sBdec[ch]
-                    for ks in cutlass.range_constexpr(KPAD // MMA_K):
-                        if P > ks * MMA_K:
-                            jp0 = ks * (MMA_K // 2) + q4
-                            a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]], sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
-                            for nt in cutlass.range_constexpr(K // 8):
-                                e0 = 2 * (nt % 4)
-                                col = ((nt // 4) * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
-                                # hi and lo of ring-row pairs jp0 and jp0 + 4: one 16-byte read
-                                b = cute.make_rmem_tensor((4,), Int32)
-                                cute.autovec_copy(sWK[col, _fold_group(col, ks, q4, KPAD), None], b)
-                                at = (nt // 4) * CHUNK + e0
-                                ids = (at, at + 1, 32 + at, 32 + at + 1)
-                                d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [state[z] for z in ids])
-                                d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
-                                for z in cutlass.range_constexpr(4):
-                                    state[ids[z]] = d[z]
-                    raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
-                    for rho in cutlass.range_constexpr(2):
-                        row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
-                        for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                            for e in cutlass.range_constexpr(CHUNK):
-                                raw[e] = state[rho * 32 + m * CHUNK + e].to(mPool.element_type)
-                            cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
-            else:
-                r_loc = tidx // ROW_THREADS
-                seg = tidx % ROW_THREADS
-                state = cute.make_rmem_tensor((CHUNK * CHUNKS_PER_THREAD,), Float32)
-                row_chunks = cute.zipped_divide(gPool[v0 + r_loc, None], (CHUNK,))  # ((8), (16))
+                    w0 = nt * 16 + (ks // 2) * 4 + 2 * (ks % 2)
+                    b_s0 = (s0_words[w0], s0_words[w0 + 1])
+                    d = _mma_bf16_m16n8k16([xop_hi[i] for i in range(4)], b_s0, [acc[4 * nt + i] for i in range(4)])
+                    d = _mma_bf16_m16n8k16([xop_lo[i] for i in range(4)], b_s0, d)
+                    for i in cutlass.range_constexpr(4):
+                        acc[4 * nt + i] = d[i]
+            for nt in cutlass.range_constexpr(2):
+                for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
+                    sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
+            if is_flush:
+                # S_commit = S0 * bdec + U^T WK in fp32 registers, one rounding to bf16. Fold on MMA: M = the
+                # warp's 16 rows, K = ring rows, N = channels. n-tile nt, column n stands for channel
+                # (4 (nt // 4) + n // 2) * 8 + 2 (nt % 4) + n % 2, so the accumulator fragment is exactly this
+                # thread's state registers. u is bf16 in the ring (exact as an operand); wk is split hi + lo.
+                state = cute.make_rmem_tensor((2 * CHUNK * CHUNKS_PER_THREAD,), Float32)
+                for rho in cutlass.range_constexpr(2):
+                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                        for e in cutlass.range_constexpr(CHUNK):
+                            ch = (m * ROW_THREADS + q4) * CHUNK + e
+                            idx = rho * 32 + m * CHUNK + e
+                            state[idx] = s0_raw[idx].to(Float32) * sBdec[ch]
+                for ks in cutlass.range_constexpr(KPAD // MMA_K):
+                    if P > ks * MMA_K:
+                        jp0 = ks * (MMA_K // 2) + q4
+                        a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]], sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
+                        for nt in cutlass.range_constexpr(K // 8):
+                            e0 = 2 * (nt % 4)
+                            col = ((nt // 4) * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
+                            # hi and lo of ring-row pairs jp0 and jp0 + 4: one 16-byte read
+                            b = cute.make_rmem_tensor((4,), Int32)
+                            cute.autovec_copy(sWK[col, _fold_group(col, ks, q4, KPAD), None], b)
+                            at = (nt // 4) * CHUNK + e0
+                            ids = (at, at + 1, 32 + at, 32 + at + 1)
+                            d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [state[z] for z in ids])
+                            d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
+                            for z in cutlass.range_constexpr(4):
+                                state[ids[z]] = d[z]
                 raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
-                for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                    cute.autovec_copy(row_chunks[None, m * ROW_THREADS + seg], raw)
-                    for e in cutlass.range_constexpr(CHUNK):
-                        ch = (m * ROW_THREADS + seg) * CHUNK + e
-                        state[m * CHUNK + e] = raw[e].to(Float32) * sBdec[ch]
-                for j in cutlass.range(P, unroll=1):
-                    u_j = sU[j, r_loc]
+                for rho in cutlass.range_constexpr(2):
+                    row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
                     for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
                         for e in cutlass.range_constexpr(CHUNK):
-                            ch = (m * ROW_THREADS + seg) * CHUNK + e
-                            state[m * CHUNK + e] = state[m * CHUNK + e] + u_j * sWK[j, ch // 4, ch % 4]
-                if is_flush:
-                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                        for e in cutlass.range_constexpr(CHUNK):
-                            raw[e] = state[m * CHUNK + e].to(mPool.element_type)
-                        cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + seg])
-                for s in cutlass.range_constexpr(T):
-                    x = Float32(0.0)
-                    y = Float32(0.0)
-                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                        for e in cutlass.range_constexpr(CHUNK):
-                            ch = (m * ROW_THREADS + seg) * CHUNK + e
-                            x = x + state[m * CHUNK + e] * sKx[s, ch]
-                            y = y + state[m * CHUNK + e] * sQx[s, ch]
-                    for sh in cutlass.range_constexpr(2):
-                        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << sh)
-                        y = y + cute.arch.shuffle_sync_bfly(y, offset=1 << sh)
-                    if seg == 0:
-                        sXY[r_loc, s] = x
-                        sXY[r_loc, T + s] = y
+                            raw[e] = state[rho * 32 + m * CHUNK + e].to(mPool.element_type)
+                        cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
             cute.arch.sync_threads()
 
             # ---- phase 2d: ring correction x_s += sum_j u_j M[j, s] (MMA: M = 16 rows, K = ring rows) -----------
-            if const_expr(self.mma):
-                if P > 0:
-                    # x^T += M^T U: m16 = draft vectors (A: sM), n8 = 8 state rows (B: u pairs), k = ring rows
-                    acc = cute.make_rmem_tensor((8,), Float32)
-                    for nt in cutlass.range_constexpr(2):
-                        for i in cutlass.range_constexpr(4):
-                            acc[4 * nt + i] = Float32(0.0)
-                            if const_expr(i < 2 or 2 * T > 8):
-                                acc[4 * nt + i] = sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)]
-                    for ks in cutlass.range_constexpr(KPAD // MMA_K):
-                        if P > ks * MMA_K:
-                            m_hi = cute.make_rmem_tensor((4,), Int32)
-                            m_lo = cute.make_rmem_tensor((4,), Int32)
-                            cute.autovec_copy(sM[0, g4, ks * 4 + q4, None], m_hi)
-                            cute.autovec_copy(sM[1, g4, ks * 4 + q4, None], m_lo)
-                            jp0 = ks * (MMA_K // 2) + q4
-                            for nt in cutlass.range_constexpr(2):
-                                v_loc = warp * 16 + nt * 8 + g4
-                                b_u = (sUp[jp0, v_loc], sUp[jp0 + 4, v_loc])
-                                c_in = [acc[4 * nt + i] for i in range(4)]
-                                d = _mma_bf16_m16n8k16([m_hi[i] for i in range(4)], b_u, c_in)
-                                d = _mma_bf16_m16n8k16([m_lo[i] for i in range(4)], b_u, d)
-                                for i in cutlass.range_constexpr(4):
-                                    acc[4 * nt + i] = d[i]
-                    for nt in cutlass.range_constexpr(2):
-                        for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
-                            sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
-                cute.arch.sync_threads()
+            if P > 0:
+                # x^T += M^T U: m16 = draft vectors (A: sM), n8 = 8 state rows (B: u pairs), k = ring rows
+                acc = cute.make_rmem_tensor((8,), Float32)
+                for nt in cutlass.range_constexpr(2):
+                    for i in cutlass.range_constexpr(4):
+                        acc[4 * nt + i] = Float32(0.0)
+                        if const_expr(i < 2 or 2 * T > 8):
+                            acc[4 * nt + i] = sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)]
+                for ks in cutlass.range_constexpr(KPAD // MMA_K):
+                    if P > ks * MMA_K:
+                        m_hi = cute.make_rmem_tensor((4,), Int32)
+                        m_lo = cute.make_rmem_tensor((4,), Int32)
+                        cute.autovec_copy(sM[0, g4, ks * 4 + q4, None], m_hi)
+                        cute.autovec_copy(sM[1, g4, ks * 4 + q4, None], m_lo)
+                        jp0 = ks * (MMA_K // 2) + q4
+                        for nt in cutlass.range_constexpr(2):
+                            v_loc = warp * 16 + nt * 8 + g4
+                            b_u = (sUp[jp0, v_loc], sUp[jp0 + 4, v_loc])
+                            c_in = [acc[4 * nt + i] for i in range(4)]
+                            d = _mma_bf16_m16n8k16([m_hi[i] for i in range(4)], b_u, c_in)
+                            d = _mma_bf16_m16n8k16([m_lo[i] for i in range(4)], b_u, d)
+                            for i in cutlass.range_constexpr(4):
+                                acc[4 * nt + i] = d[i]
+                for nt in cutlass.range_constexpr(2):
+                    for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
+                        sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
+            cute.arch.sync_threads()
 
             # ---- phase 3: k^ appends (V tile 0, threads past the tile), the triangular solve (one row each) -
             if tile == 0:
@@ -906,12 +826,11 @@ def build_ucache_kernel(
     tile_v: int,
     softplus_gate: bool,
     aligned: bool,
-    mma: bool,
     arch: str,
     extra_options: str = "",
 ):
     """Compile one configuration against fake tensors (no GPU needed when CUTE_DSL_ARCH is set)."""
-    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, mma)
+    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned)
     return cute.compile(
         cfg,
         *_fakes(cfg),
@@ -1013,7 +932,6 @@ def ucache_verify_flush(
     restart_hist_on_flush: bool = False,
     aligned: bool = True,
     tile_v: int | None = None,
-    mma: bool | None = None,
 ) -> torch.Tensor:
     """Launch the kernel on the current stream. Arguments are already validated (kda-recurrent does it).
 
@@ -1025,13 +943,11 @@ def ucache_verify_flush(
     ``restart_hist_on_flush`` then applies the flush part of the commit with a second, one-thread-per-row kernel.
     """
     B, T, H, _ = q.shape
-    if mma is None:
-        mma = DEFAULT_MMA
-    tile_v = tile_v or default_tile_v(B, H, mma)
+    tile_v = tile_v or default_tile_v(B, H)
     softplus_gate = lower_bound is None
-    key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned), bool(mma))
+    key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned))
     fn = _launch.get_or_compile(
-        key, lambda arch: build_ucache_kernel(H, T, w_ring, tile_v, softplus_gate, bool(aligned), bool(mma), arch)
+        key, lambda arch: build_ucache_kernel(H, T, w_ring, tile_v, softplus_gate, bool(aligned), arch)
     )
     fn(
         q,
