@@ -125,6 +125,49 @@ def _row_chunks(tensor: cute.Tensor, row, width: int) -> cute.Tensor:
     return cute.zipped_divide(tensor[row, None], (width,))
 
 
+def _pair_sum(kept: Float32, sent: Float32) -> Float32:
+    """Level 0 of :func:`_lane_sums` for one pair of values (2j, 2j + 1) that the lane computed in (kept, sent)
+    order already (even lanes keep value 2j, odd lanes value 2j + 1): one shuffle and one add, no selects."""
+    return kept + cute.arch.shuffle_sync_bfly(sent, offset=1)
+
+
+def _lane_sums(vals, bits, first_level: int = 0):
+    """Totals over the 32 lanes of a warp of up to 32 per-lane partial sums, transposed: lane i < len(vals) ends
+    with the total of value i (lanes past the list end with copies or padding: never store them).
+
+    ``bits[l]``: lane bit l is set. Butterfly level l (offset 2^l) pairs the entries (2j, 2j + 1) of the current
+    list: lanes with bit l set keep entry 2j + 1 and send entry 2j to their partner, the others the reverse, so each
+    level halves the list at one shuffle, one add and two selects per pair instead of reducing every value over all
+    5 levels (5 shuffles and 5 adds each). After level l a lane's entry j stands for value j 2^(l+1) + (lane mod
+    2^(l+1)). An unpaired last entry is summed whole (its missing partner would stand for values >= V only); once the
+    list is one entry the remaining levels are plain butterflies. ``first_level``: the levels below it ran already
+    (``vals`` is then that level's list, e.g. of :func:`_pair_sum` results for first_level=1).
+    """
+    cur = list(vals)
+    for lvl in range(first_level, 5):
+        off = 1 << lvl
+        nxt = []
+        for j in range(0, len(cur), 2):
+            a = cur[j]
+            if j + 1 == len(cur):
+                nxt.append(a + cute.arch.shuffle_sync_bfly(a, offset=off))
+            else:
+                b = cur[j + 1]
+                send = Float32(cutlass.select_(bits[lvl], a, b))
+                keep = Float32(cutlass.select_(bits[lvl], b, a))
+                nxt.append(keep + cute.arch.shuffle_sync_bfly(send, offset=off))
+        cur = nxt
+    return cur[0]
+
+
+TRI_GROUP = 1
+"""Triangle entries reduced together by :func:`_lane_sums` after their :func:`_pair_sum` (1: each entry's pair is
+one value, then 4 plain butterfly levels: 10 instructions per entry, was 20). Groups of 2 or 4 save 1.5 to 3 more
+per entry, but compiled for sm_90a (80 registers at tile 128) ptxas then spilled a prefetched checkpoint chunk right
+after its load in some configurations (the spill store waits for the DRAM load), and the whole-kernel estimate did
+not improve."""
+
+
 PAIR_ROW = HEAD_DIM + 4
 """Words per row of a bf16-pair operand packed along channels (64 pairs x (hi, lo), + 4): the 16-byte fragment
 reads of a quarter warp (rows r, r + 1 at 4 quad positions 8 words apart) then hit 32 banks."""
@@ -331,9 +374,12 @@ class UcacheVerifyFlush:
         smem = cutlass.memory.SmemAllocator()
         row_major = lambda rows, cols: cute.make_layout((rows, cols), stride=(cols, 1))  # noqa: E731
         quads = lambda rows: cute.make_layout((rows, K // 4, 4), stride=(K, 4, 1))  # noqa: E731
-        sK = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # raw k (normalised in the solve)
-        sQ = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # raw q
+        # raw k (plane 0, normalised in the solve) and raw q (plane 1) as one block: a lane can pick its plane
+        sKQ = smem.allocate_tensor(Float32, cute.make_layout((2, T, K), stride=(T * K, K, 1)), byte_alignment=16)
+        sK = sKQ[0, None, None]
+        sQ = sKQ[1, None, None]
         sDec = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # per-token decay exp(g_log)
+        sKQ4 = cute.make_tensor(sKQ.iterator, cute.make_layout((2, T, K // 4, 4), stride=(T * K, K, 4, 1)))
         sK4 = cute.make_tensor(sK.iterator, quads(T))
         sQ4 = cute.make_tensor(sQ.iterator, quads(T))
         sDec4 = cute.make_tensor(sDec.iterator, quads(T))
@@ -365,8 +411,11 @@ class UcacheVerifyFlush:
         sBdec = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
         sInv = smem.allocate_tensor(Float32, cute.make_layout(2 * T), byte_alignment=16)  # 1/|k_s|, scale/|q_s|
         sBeta = smem.allocate_tensor(Float32, cute.make_layout(T), byte_alignment=16)
-        sA = smem.allocate_tensor(Float32, row_major(T, T), byte_alignment=16)
-        sAq = smem.allocate_tensor(Float32, row_major(T, T), byte_alignment=16)
+        # the triangles A[s, r] (decayed k_r . k_s) and Aq[s, r] (decayed k_r . q_s) as one block: a reduction lane
+        # stores either with one computed index
+        sTri = smem.allocate_tensor(Float32, cute.make_layout(2 * T * T), byte_alignment=16)
+        sA = cute.make_tensor(sTri.iterator, row_major(T, T))
+        sAq = cute.make_tensor(sTri.iterator + T * T, row_major(T, T))
 
         slot = mSlot[bi]
         pool_rows = mPool.shape[0]
@@ -570,50 +619,59 @@ class UcacheVerifyFlush:
             # ---- phase 2a: the T x T triangles and the norms (warps 0 .. T/2 - 1) -------------------------
             # Column r of both triangles is one warp's job (columns r and T-1-r share a warp: equal work); a lane
             # owns 4 consecutive channels (16-byte reads). Down the column, exp(cum_s - cum_r) is the running
-            # product of the per-token decays a_t (t = r+1..s): one multiply per entry instead of an exp, and no
-            # overflow whatever the gate (every factor is <= 1). The diagonal entry also gives the norms of k_r
-            # and q_r. Entries stay raw (un-normalised k, q): the solve applies 1/|k| and scale/|q|.
+            # product of the per-token decays a_t = exp(g_log_t), t = r+1..s: one multiply per entry instead of an
+            # exp, and no overflow whatever the gate: every g_log <= 0, so cum_s - cum_r <= 0 for s >= r and every
+            # factor (and the product) is <= 1 (a ratio exp(cum_s) / exp(cum_r) would overflow for strong decay).
+            # The diagonal also gives the norms of k_r and q_r. Entries stay raw (un-normalised k, q): the solve
+            # applies 1/|k| and scale/|q|. The lanes' partial sums are reduced a few values at a time by one
+            # transposing butterfly (_lane_sums: value i lands on lane i, which stores it), not value by value.
             for r in cutlass.range_constexpr(T):
                 if warp == min(r, T - 1 - r):
+                    bits = [(lane & (1 << b)) != 0 for b in range(5)]
+                    odd = lane % 2
                     w = cute.make_rmem_tensor((4,), Float32)
                     q_r = cute.make_rmem_tensor((4,), Float32)
                     cute.autovec_copy(sK4[r, lane, None], w)
                     cute.autovec_copy(sQ4[r, lane, None], q_r)
                     kk = w[0] * w[0]
-                    kq = w[0] * q_r[0]
                     qq = q_r[0] * q_r[0]
+                    kq = w[0] * q_r[0]
                     for e in cutlass.range_constexpr(1, 4):
                         kk = kk + w[e] * w[e]
-                        kq = kq + w[e] * q_r[e]
                         qq = qq + q_r[e] * q_r[e]
-                    for sh in cutlass.range_constexpr(5):
-                        kk = kk + cute.arch.shuffle_sync_bfly(kk, offset=1 << sh)
-                        kq = kq + cute.arch.shuffle_sync_bfly(kq, offset=1 << sh)
-                        qq = qq + cute.arch.shuffle_sync_bfly(qq, offset=1 << sh)
-                    if lane == 0:
-                        sInv[r] = cute.math.rsqrt(kk + Float32(L2NORM_EPS), fastmath=True)
-                        sInv[T + r] = cute.math.rsqrt(qq + Float32(L2NORM_EPS), fastmath=True) * scale
-                        sAq[r, r] = kq
+                        kq = kq + w[e] * q_r[e]
+                    # lane 0: |k_r|^2 -> 1/|k_r|; lane 1: |q_r|^2 -> scale/|q_r|; lane 2: k_r . q_r = Aq[r, r]
+                    tot = _lane_sums([kk, qq, kq], bits)
+                    inv = cute.math.rsqrt(tot + Float32(L2NORM_EPS), fastmath=True)
+                    if lane < 2:
+                        sInv[r + odd * T] = inv * Float32(cutlass.select_(bits[0], scale, Float32(1.0)))
+                    if lane == 2:
+                        sAq[r, r] = tot
+                    # Entries (s, r), s > r, TRI_GROUP at a time. Each lane computes the pair (A, Aq) of an entry as
+                    # (kept, sent) for the first butterfly level: odd lanes read k_s and q_s from swapped planes.
+                    group = []
                     for s in cutlass.range_constexpr(r + 1, T):
                         dec = cute.make_rmem_tensor((4,), Float32)
-                        k_s = cute.make_rmem_tensor((4,), Float32)
-                        q_s = cute.make_rmem_tensor((4,), Float32)
+                        x_kept = cute.make_rmem_tensor((4,), Float32)
+                        x_sent = cute.make_rmem_tensor((4,), Float32)
                         cute.autovec_copy(sDec4[s, lane, None], dec)
-                        cute.autovec_copy(sK4[s, lane, None], k_s)
-                        cute.autovec_copy(sQ4[s, lane, None], q_s)
+                        cute.autovec_copy(sKQ4[odd, s, lane, None], x_kept)
+                        cute.autovec_copy(sKQ4[1 - odd, s, lane, None], x_sent)
                         for e in cutlass.range_constexpr(4):
                             w[e] = w[e] * dec[e]
-                        a_kk = w[0] * k_s[0]
-                        a_qk = w[0] * q_s[0]
+                        kept = w[0] * x_kept[0]
+                        sent = w[0] * x_sent[0]
                         for e in cutlass.range_constexpr(1, 4):
-                            a_kk = a_kk + w[e] * k_s[e]
-                            a_qk = a_qk + w[e] * q_s[e]
-                        for sh in cutlass.range_constexpr(5):
-                            a_kk = a_kk + cute.arch.shuffle_sync_bfly(a_kk, offset=1 << sh)
-                            a_qk = a_qk + cute.arch.shuffle_sync_bfly(a_qk, offset=1 << sh)
-                        if lane == 0:
-                            sA[s, r] = a_kk
-                            sAq[s, r] = a_qk
+                            kept = kept + w[e] * x_kept[e]
+                            sent = sent + w[e] * x_sent[e]
+                        group.append(_pair_sum(kept, sent))
+                        if const_expr(len(group) == TRI_GROUP or s == T - 1):
+                            # lane 2i + p holds entry (s_first + i, r) of A (p = 0) or Aq (p = 1)
+                            tot = _lane_sums(group, bits, first_level=1)
+                            s_first = s + 1 - len(group)
+                            if lane < 2 * len(group):
+                                sTri[odd * (T * T) + (s_first + lane // 2) * T + r] = tot
+                            group = []
 
             # ---- phase 2b: M = wk x (MMA; one 8-ring-row tile per warp, on warps past the triangles' ones) -------
             # A verify row never needs S_commit: S_commit x_s = S0 (bdec * x_s) + sum_j u_j (wk_j . x_s) (DESIGN
