@@ -407,7 +407,7 @@ class UcacheVerifyFlush:
         )
         XYS = 2 * T + 4  # sXY row stride: 16-byte rows, and the 16-byte row reads of the solve hit 32 banks
         sXY = smem.allocate_tensor(Float32, cute.make_layout((TV, 2 * T), stride=(XYS, 1)), byte_alignment=16)
-        sVin = smem.allocate_tensor(Float32, row_major(T, TV), byte_alignment=16)
+        sVin = smem.allocate_tensor(mV.element_type, row_major(T, TV), byte_alignment=16)  # v tile as given (bf16)
         sBdec = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
         sInv = smem.allocate_tensor(Float32, cute.make_layout(2 * T), byte_alignment=16)  # 1/|k_s|, scale/|q_s|
         sBeta = smem.allocate_tensor(Float32, cute.make_layout(T), byte_alignment=16)
@@ -568,7 +568,7 @@ class UcacheVerifyFlush:
                 task = tidx + it * NT
                 t = task // TV
                 r = task % TV
-                sVin[t, r] = gV[t, v0 + r].to(Float32)
+                sVin[t, r] = gV[t, v0 + r]
             if tidx < T:
                 sBeta[tidx] = Float32(1.0) / (
                     Float32(1.0) + cute.math.exp(-mBeta[bi, tidx, h].to(Float32), fastmath=True)
@@ -831,7 +831,7 @@ class UcacheVerifyFlush:
                     p = xy[s]
                     for r in cutlass.range_constexpr(s):
                         p = p + sA[s, r] * w_u[r]
-                    u_s = sBeta[s] * (sVin[s, tidx] - sInv[s] * p)
+                    u_s = sBeta[s] * (sVin[s, tidx].to(Float32) - sInv[s] * p)
                     w_u[s] = sInv[s] * u_s
                     gUR[(base + P + s) & RING, v] = u_s.to(mUCache.element_type)
                 for s in cutlass.range_constexpr(T):
