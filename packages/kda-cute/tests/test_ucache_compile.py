@@ -29,6 +29,26 @@ def test_verify_flush_kernel_compiles(arch, config):
     assert build_ucache_kernel(*config, arch) is not None
 
 
+@pytest.mark.parametrize("config", [(12, 8, 16, 64, False, True), (96, 4, 32, 128, True, False),
+                                    (8, 8, 32, 128, False, True)], ids=["T8-w16-tv64", "T4-w32-tv128", "T8-w32-tv128"])
+def test_smem_estimate_matches_the_compiled_launch(config):
+    # The launcher caps the resident-CTA floor (hence the register budget) by UcacheVerifyFlush.ctas_by_smem: its
+    # byte count must be the dynamic shared memory the compiled launch asks for (a constant of the host code).
+    from kda_cute.ucache import UcacheVerifyFlush, build_ucache_kernel
+
+    expected = UcacheVerifyFlush(*config).smem_bytes()
+    assert f"llvm.mlir.constant({expected} : i64)" in str(build_ucache_kernel(*config, "sm_90a").ir_module)
+
+
+def test_resident_cta_floor_is_capped_by_shared_memory():
+    from kda_cute.ucache import MIN_CTAS_PER_SM, UcacheVerifyFlush
+
+    main = UcacheVerifyFlush(12, 8, 16, 128, False, True)
+    assert main.ctas_by_smem() == 3 and main.occupancy()["min_blocks_per_mp"] == MIN_CTAS_PER_SM[128]
+    assert UcacheVerifyFlush(12, 8, 16, 64, False, True).occupancy()["min_blocks_per_mp"] == 4
+    assert UcacheVerifyFlush(12, 8, 32, 128, False, True).occupancy()["min_blocks_per_mp"] == 2
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cursor_restart_kernel_compiles(arch):
     from kda_cute.ucache import build_restart_kernel

@@ -231,8 +231,14 @@ def _mma_bf16_m16n8k16(a, b, c):
 # and ncu shows the kernel issue-bound (IPC 1.6, most warps waiting). Measured on the H200, 2026-11-29, T=8 w16
 # H=12, CUDA-graph replay (benchmarks/results/min_blocks_sweep_h200.json): tile 128 at 3 CTAs (80 registers, an
 # 8-byte spill) B=512 278 -> 236 us (0% folds), 342 -> 290 (100%), B=64 36.4 -> 31.1; tile 64 at 5 CTAs B=512
-# 347 -> 314 (6 CTAs: 316).
+# 347 -> 314 (6 CTAs: 316). The kernel has grown since: the floor asked is capped at what shared memory lets reside
+# (UcacheVerifyFlush.ctas_by_smem), since a floor above it only takes registers away (today tile 64 T=8 w16 fits 4,
+# T=8 w32 fits 2 at either tile). That cap is not measured on hardware.
 MIN_CTAS_PER_SM = {64: 5, 128: 3}
+SM_SMEM_BYTES = 228 * 1024
+"""Shared memory of one SM with the largest carveout on sm_90a and sm_100a (H100/H200, B200)."""
+CTA_SMEM_RESERVED = 1024
+"""Shared memory the driver reserves per resident CTA (sm_80 and later); allocations come in 128-byte granules."""
 # Benchmarks' sweep hook: overrides the table when non-zero. Not in the compile key: a sweep clears the compile
 # cache between values.
 _FORCE_MIN_BLOCKS = 0
@@ -266,6 +272,9 @@ class UcacheVerifyFlush:
         self.max_rows = max_hist_len(t_draft, w_ring)
         self.tile_v = tile_v
         self.kpad = MMA_K * ((self.max_rows + MMA_K - 1) // MMA_K)  # ring rows as the K extent of the fold MMA
+        # row strides (words) of sM and sXY, padded for bank-conflict-free fragment / 16-byte row reads
+        self.m_row = self.kpad if self.kpad == 16 else self.kpad + 16
+        self.xy_stride = 2 * t_draft + 4
         # one warp per 16 rows (2 rows x 32 channels per thread)
         self.threads = 2 * tile_v
         self.softplus_gate = softplus_gate
@@ -324,9 +333,37 @@ class UcacheVerifyFlush:
             **self.occupancy(),
         )
 
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of one CTA: the kernel's allocations, in its order (each a multiple of 16 bytes).
+        test_ucache_compile checks it against the size the compiled launch asks for."""
+        T, K, TV, KPAD = self.t_draft, HEAD_DIM, self.tile_v, self.kpad
+        words = (
+            2 * T * K,  # sKQ
+            T * K,  # sDec
+            16 * PAIR_ROW,  # sXb
+            16 * PAIR_ROW,  # sXu
+            (KPAD // 2 - 1) * (TV + 8) + TV,  # sUp
+            K * KPAD,  # sWK
+            KPAD * PAIR_ROW,  # sWKc
+            15 * self.m_row + KPAD,  # sM
+            (TV - 1) * self.xy_stride + 2 * T,  # sXY
+            T * TV // 2,  # sVin (bf16)
+            K,  # sBdec
+            2 * T,  # sInv
+            T,  # sBeta
+            2 * T * T,  # sTri
+        )
+        return sum(-(-4 * w // 16) * 16 for w in words)
+
+    def ctas_by_smem(self) -> int:
+        """CTAs per SM that shared memory allows (largest carveout, the per-CTA reserve, 128-byte granules)."""
+        per_cta = -(-(self.smem_bytes() + CTA_SMEM_RESERVED) // 128) * 128
+        return SM_SMEM_BYTES // per_cta
+
     def occupancy(self) -> dict:
-        """Launch attributes: the resident-CTA floor and the largest shared-memory carveout."""
-        ctas = _FORCE_MIN_BLOCKS or MIN_CTAS_PER_SM.get(self.tile_v, 0)
+        """Launch attributes: the resident-CTA floor (at most what shared memory allows) and the largest
+        shared-memory carveout."""
+        ctas = _FORCE_MIN_BLOCKS or min(MIN_CTAS_PER_SM.get(self.tile_v, 0), self.ctas_by_smem())
         return dict(min_blocks_per_mp=ctas, preferred_smem_carveout=100) if ctas else {}
 
     # ------------------------------------------------------------------------------------------------
@@ -401,11 +438,11 @@ class UcacheVerifyFlush:
         # M[j, s] = wk_j . x_s as the A operand of the ring correction: [hi / lo][s % 8][k-step, q] 4 words
         # (s pair jp, s + 8 pair jp, s pair jp + 4, s + 8 pair jp + 4), jp = 8 step + q; rows padded to 16
         # words mod 32 so the quarter-warp reads hit 32 banks.
-        m_row = KPAD if KPAD == 16 else KPAD + 16
+        m_row = self.m_row
         sM = smem.allocate_tensor(
             Int32, cute.make_layout((2, 8, KPAD // 4, 4), stride=(8 * m_row, m_row, 4, 1)), byte_alignment=16
         )
-        XYS = 2 * T + 4  # sXY row stride: 16-byte rows, and the 16-byte row reads of the solve hit 32 banks
+        XYS = self.xy_stride  # sXY row stride: 16-byte rows, and the 16-byte row reads of the solve hit 32 banks
         sXY = smem.allocate_tensor(Float32, cute.make_layout((TV, 2 * T), stride=(XYS, 1)), byte_alignment=16)
         sVin = smem.allocate_tensor(mV.element_type, row_major(T, TV), byte_alignment=16)  # v tile as given (bf16)
         sBdec = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
