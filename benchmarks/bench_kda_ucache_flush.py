@@ -44,8 +44,6 @@ def parse_args(argv=None):
     p.add_argument("--restart-hist-on-flush", type=int, choices=[0, 1], default=0)
     p.add_argument("--tile-v", type=int, nargs="+", default=[0],
                    help="state rows per CTA (0 = the schedule policy); several values make a sweep")
-    p.add_argument("--variant", choices=["mma", "fma"], nargs="+", default=["mma"],
-                   help="dot products and fold on warp MMA (default) or on CUDA cores")
     p.add_argument("--cold-l2", action="store_true", help="flush the L2 (256 MiB write) before every iteration")
     p.add_argument("--no-fla", action="store_true", help="skip FLA (e.g. fla-core missing)")
     p.add_argument("--check-max-batch", type=int, default=64, help="oracle check for B up to this (0 = never)")
@@ -95,18 +93,17 @@ def make_step(B, T, H, w_ring, flush_min, fold_pct, verify_hist, seed=0):
     )  # fmt: skip
 
 
-def ours_fn(x, w_ring, flush_min, restart, out, tile_v=0, variant="mma"):
+def ours_fn(x, w_ring, flush_min, restart, out, tile_v=0):
     from kda_recurrent.ucache import kda_delta_rule_mtp_ucache_flush
 
-    if tile_v or variant != "mma":  # a forced schedule: the kernel launcher itself (the inputs are well formed)
+    if tile_v:  # a forced schedule: the kernel launcher itself (the inputs are well formed)
         from kda_cute.ucache import ucache_verify_flush
 
         def forced():
             ucache_verify_flush(
                 x["A_log"], x["g"], x["dt_bias"], LOWER_BOUND, x["q"], x["k"], x["v"], x["b"], x["pool"],
                 x["slots"], x["k_cache"], x["u_cache"], x["g_cache"], x["hist_len"], x["cache_base"], flush_min,
-                w_ring, HEAD_DIM**-0.5, out, restart_hist_on_flush=restart, tile_v=tile_v or None,
-                mma=variant == "mma",
+                w_ring, HEAD_DIM**-0.5, out, restart_hist_on_flush=restart, tile_v=tile_v,
             )  # fmt: skip
 
         return forced
@@ -155,14 +152,14 @@ def moved_bytes(x, T, flush_min):
     return B * state + folds * state + int(P.sum()) * ring_row + B * T * ring_row + per_step_io
 
 
-def check_correctness(x, T, w_ring, flush_min, tile_v=0, variant="mma"):
+def check_correctness(x, T, w_ring, flush_min, tile_v=0):
     """Ours vs the oracle on copies; raises on mismatch. Returns (output err, state err)."""
     from kda_core.oracle import ucache_verify_flush_ref
 
     mine = {n: t.clone() for n, t in x.items()}
     ref = {n: t.clone() for n, t in x.items()}
     out = torch.empty_like(x["v"])
-    ours_fn(mine, w_ring, flush_min, True, out, tile_v, variant)()
+    ours_fn(mine, w_ring, flush_min, True, out, tile_v)()
     expected = ucache_verify_flush_ref(
         ref["A_log"], ref["g"], ref["dt_bias"], LOWER_BOUND, q=ref["q"], k=ref["k"], v=ref["v"], b=ref["b"],
         initial_state_source=ref["pool"], initial_state_indices=ref["slots"], k_cache=ref["k_cache"],
@@ -199,21 +196,20 @@ def main(argv=None):
     records = []
     from kda_cute.ucache import default_tile_v
 
-    schedules = [(tv, var) for var in args.variant for tv in args.tile_v]
-    total = len(args.batch_size) * len(args.fold_pct) * len(schedules)
+    total = len(args.batch_size) * len(args.fold_pct) * len(args.tile_v)
     done = 0
     for B in args.batch_size:
         fla_us = None
         for fold_pct in args.fold_pct:
-            for tile_v, variant in schedules:
+            for tile_v in args.tile_v:
                 x = make_step(B, T, H, w_ring, flush_min, fold_pct, args.verify_hist, seed=B * 101 + fold_pct)
-                used_tile = tile_v or default_tile_v(B, H, variant == "mma")
+                used_tile = tile_v or default_tile_v(B, H)
                 check = None
                 if B <= args.check_max_batch:
-                    check = check_correctness(x, T, w_ring, flush_min, tile_v, variant)
+                    check = check_correctness(x, T, w_ring, flush_min, tile_v)
                 nbytes = moved_bytes(x, T, flush_min)
                 out = torch.empty_like(x["v"])
-                calls = {"ours": ours_fn(x, w_ring, flush_min, bool(args.restart_hist_on_flush), out, tile_v, variant),
+                calls = {"ours": ours_fn(x, w_ring, flush_min, bool(args.restart_hist_on_flush), out, tile_v),
                          "copy": _timing.copy_roofline(nbytes)}
                 if with_fla and fla_us is None:  # FLA's cost does not depend on our fold rate: once per B
                     try:
@@ -229,7 +225,7 @@ def main(argv=None):
                          for name, fn in graphs.items()}
                 fla_us = times.get("fla", fla_us)
                 rec = dict(B=B, T=T, H=H, w_ring=w_ring, flush_min=flush_min, fold_pct=fold_pct, tile_v=used_tile,
-                           tile_v_forced=tile_v, variant=variant,
+                           tile_v_forced=tile_v,
                            mean_hist_len=float(x["hist_len"].float().mean()), verify_hist=args.verify_hist,
                            restart_hist_on_flush=bool(args.restart_hist_on_flush), cold_l2=args.cold_l2,
                            timer=timer.backend, ours_us=times["ours"], fla_spec_us=fla_us, copy_us=times["copy"],
@@ -242,7 +238,7 @@ def main(argv=None):
                 records.append(rec)
                 done += 1
                 fla_txt = f"fla {fla_us:8.2f} us ({rec['speedup_vs_fla']:.1f}x)  " if fla_us else ""
-                print(f"[{done}/{total}] T={T} w={w_ring} B={B:4d} fold={fold_pct:3d}% {variant}/{used_tile:3d}  "
+                print(f"[{done}/{total}] T={T} w={w_ring} B={B:4d} fold={fold_pct:3d}% tile {used_tile:3d}  "
                       f"ours {times['ours']:8.2f} us "
                       f"({rec['ours_TBps']:.2f} TB/s)  {fla_txt}copy {times['copy']:8.2f} us", flush=True)
                 del x, graphs, calls

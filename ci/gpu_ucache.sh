@@ -34,9 +34,7 @@ esac
 
 case " $stages " in *" sweep "*)
   run ucache_tile_sweep "$py" $bench --t 8 --w-ring 16 --batch-size 8 64 512 --fold-pct 0 100 --tile-v 64 128 \
-      --no-fla --check-max-batch 0 --iterations 50 --json "$OUT/ucache_tile_sweep.json"
-  run ucache_fma_variant "$py" $bench --t 8 --w-ring 16 --batch-size 8 64 512 --fold-pct 0 100 --variant fma \
-      --tile-v 32 --no-fla --check-max-batch 8 --iterations 50 --json "$OUT/ucache_fma_variant.json" ;;
+      --no-fla --check-max-batch 0 --iterations 50 --json "$OUT/ucache_tile_sweep.json" ;;
 esac
 
 case " $stages " in *" more "*)

@@ -12,22 +12,41 @@ pytest.importorskip("cutlass")
 
 ARCHS = ("sm_90a", "sm_100a")
 
-# (heads, T, w_ring, tile_v, softplus gate, aligned, mma): the benchmark's configuration first, then the corners.
+# (heads, T, w_ring, tile_v, softplus gate, aligned): the benchmark's configuration first, then the corners.
 CONFIGS = (
-    (12, 8, 16, 64, False, True, True),
-    (96, 4, 32, 128, True, False, True),
-    (8, 8, 32, 32, False, True, False),
+    (12, 8, 16, 64, False, True),
+    (96, 4, 32, 128, True, False),
+    (8, 8, 32, 128, False, True),
 )
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "H{}-T{}-w{}-tv{}-{}-{}-{}".format(
-    c[0], c[1], c[2], c[3], "softplus" if c[4] else "lb", "aligned" if c[5] else "unaligned",
-    "mma" if c[6] else "fma"))
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "H{}-T{}-w{}-tv{}-{}-{}".format(
+    c[0], c[1], c[2], c[3], "softplus" if c[4] else "lb", "aligned" if c[5] else "unaligned"))
 def test_verify_flush_kernel_compiles(arch, config):
     from kda_cute.ucache import build_ucache_kernel
 
     assert build_ucache_kernel(*config, arch) is not None
+
+
+@pytest.mark.parametrize("config", [(12, 8, 16, 64, False, True), (96, 4, 32, 128, True, False),
+                                    (8, 8, 32, 128, False, True)], ids=["T8-w16-tv64", "T4-w32-tv128", "T8-w32-tv128"])
+def test_smem_estimate_matches_the_compiled_launch(config):
+    # The launcher caps the resident-CTA floor (hence the register budget) by UcacheVerifyFlush.ctas_by_smem: its
+    # byte count must be the dynamic shared memory the compiled launch asks for (a constant of the host code).
+    from kda_cute.ucache import UcacheVerifyFlush, build_ucache_kernel
+
+    expected = UcacheVerifyFlush(*config).smem_bytes()
+    assert f"llvm.mlir.constant({expected} : i64)" in str(build_ucache_kernel(*config, "sm_90a").ir_module)
+
+
+def test_resident_cta_floor_is_capped_by_shared_memory():
+    from kda_cute.ucache import MIN_CTAS_PER_SM, UcacheVerifyFlush
+
+    main = UcacheVerifyFlush(12, 8, 16, 128, False, True)
+    assert main.ctas_by_smem() == 3 and main.occupancy()["min_blocks_per_mp"] == MIN_CTAS_PER_SM[128]
+    assert UcacheVerifyFlush(12, 8, 16, 64, False, True).occupancy()["min_blocks_per_mp"] == 4
+    assert UcacheVerifyFlush(12, 8, 32, 128, False, True).occupancy()["min_blocks_per_mp"] == 2
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -45,14 +64,14 @@ def test_compile_cache_key_separates_every_code_generation_parameter(monkeypatch
     monkeypatch.setattr(ucache, "restart_cursors", lambda *a: None)
     import torch
 
-    def call(T=8, H=12, w_ring=16, lower_bound=-5.0, aligned=True, tile_v=None, mma=None):
+    def call(T=8, H=12, w_ring=16, lower_bound=-5.0, aligned=True, tile_v=None):
         q = torch.empty(2, T, H, 128)
         ucache.ucache_verify_flush(None, None, None, lower_bound, q, None, None, None, None, None, None, None, None,
-                                   None, None, 9, w_ring, 1.0, None, aligned=aligned, tile_v=tile_v, mma=mma)
+                                   None, None, 9, w_ring, 1.0, None, aligned=aligned, tile_v=tile_v)
 
     _launch.clear_cache()
     for kwargs in ({}, {"T": 4}, {"H": 24}, {"w_ring": 32}, {"lower_bound": None}, {"aligned": False},
-                   {"tile_v": 128}, {"mma": False, "tile_v": 64}, {}):
+                   {"tile_v": 128}, {}):
         call(**kwargs)
-    assert len(built) == 8  # the last call is a cache hit
+    assert len(built) == 7  # the last call is a cache hit
     _launch.clear_cache()

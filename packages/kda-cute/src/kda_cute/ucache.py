@@ -1,8 +1,8 @@
 """ReplaySSM "ucache" verify+flush kernel for KDA speculative decode (DESIGN §5, issue 5).
 
-One CTA per (V tile, head, request). In the default MMA variant two threads share a state row pair (a warp covers
-16 rows; a thread holds 32 of the 128 key channels of two rows, in four interleaved 16-byte chunks). Per (request,
-head) the CTA first builds, in shared memory:
+One CTA per (V tile, head, request). Two threads per state row: a quad of four threads shares a state row pair (a
+warp covers 16 rows; a thread holds 32 of the 128 key channels of two rows, in four interleaved 16-byte chunks). Per
+(request, head) the CTA first builds, in shared memory:
 
 - the gate of the T draft tokens, the per-token decays a_t and, in registers, their running sum ``cum`` (the decay
   restarts at 0 after the checkpoint); raw k and q (normalised only in the solve);
@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 ROW_THREADS = 4
-"""Threads sharing one state row; each owns HEAD_DIM // ROW_THREADS = 32 key channels."""
+"""Quad positions sharing a state row pair (lane % 4); each owns HEAD_DIM // ROW_THREADS = 32 key channels."""
 CHUNK = 8
 """Contiguous bf16 channels per 16-byte pool access."""
 CHUNKS_PER_THREAD = HEAD_DIM // (ROW_THREADS * CHUNK)  # 4
@@ -125,6 +125,49 @@ def _row_chunks(tensor: cute.Tensor, row, width: int) -> cute.Tensor:
     return cute.zipped_divide(tensor[row, None], (width,))
 
 
+def _pair_sum(kept: Float32, sent: Float32) -> Float32:
+    """Level 0 of :func:`_lane_sums` for one pair of values (2j, 2j + 1) that the lane computed in (kept, sent)
+    order already (even lanes keep value 2j, odd lanes value 2j + 1): one shuffle and one add, no selects."""
+    return kept + cute.arch.shuffle_sync_bfly(sent, offset=1)
+
+
+def _lane_sums(vals, bits, first_level: int = 0):
+    """Totals over the 32 lanes of a warp of up to 32 per-lane partial sums, transposed: lane i < len(vals) ends
+    with the total of value i (lanes past the list end with copies or padding: never store them).
+
+    ``bits[l]``: lane bit l is set. Butterfly level l (offset 2^l) pairs the entries (2j, 2j + 1) of the current
+    list: lanes with bit l set keep entry 2j + 1 and send entry 2j to their partner, the others the reverse, so each
+    level halves the list at one shuffle, one add and two selects per pair instead of reducing every value over all
+    5 levels (5 shuffles and 5 adds each). After level l a lane's entry j stands for value j 2^(l+1) + (lane mod
+    2^(l+1)). An unpaired last entry is summed whole (its missing partner would stand for values >= V only); once the
+    list is one entry the remaining levels are plain butterflies. ``first_level``: the levels below it ran already
+    (``vals`` is then that level's list, e.g. of :func:`_pair_sum` results for first_level=1).
+    """
+    cur = list(vals)
+    for lvl in range(first_level, 5):
+        off = 1 << lvl
+        nxt = []
+        for j in range(0, len(cur), 2):
+            a = cur[j]
+            if j + 1 == len(cur):
+                nxt.append(a + cute.arch.shuffle_sync_bfly(a, offset=off))
+            else:
+                b = cur[j + 1]
+                send = Float32(cutlass.select_(bits[lvl], a, b))
+                keep = Float32(cutlass.select_(bits[lvl], b, a))
+                nxt.append(keep + cute.arch.shuffle_sync_bfly(send, offset=off))
+        cur = nxt
+    return cur[0]
+
+
+TRI_GROUP = 1
+"""Triangle entries reduced together by :func:`_lane_sums` after their :func:`_pair_sum` (1: each entry's pair is
+one value, then 4 plain butterfly levels: 10 instructions per entry, was 20). Groups of 2 or 4 save 1.5 to 3 more
+per entry, but compiled for sm_90a (80 registers at tile 128) ptxas then spilled a prefetched checkpoint chunk right
+after its load in some configurations (the spill store waits for the DRAM load), and the whole-kernel estimate did
+not improve."""
+
+
 PAIR_ROW = HEAD_DIM + 4
 """Words per row of a bf16-pair operand packed along channels (64 pairs x (hi, lo), + 4): the 16-byte fragment
 reads of a quarter warp (rows r, r + 1 at 4 quad positions 8 words apart) then hit 32 banks."""
@@ -183,31 +226,33 @@ def _mma_bf16_m16n8k16(a, b, c):
     return [Float32(llvm.extractvalue(ir_types.f32(), res, [i])) for i in range(4)]
 
 
-# Resident CTAs per SM asked of ptxas (``min_blocks_per_mp``: it caps the registers to fit), per MMA tile. Without
+# Resident CTAs per SM asked of ptxas (``min_blocks_per_mp``: it caps the registers to fit), per tile. Without
 # it the 256-thread tile-128 CTA takes 102 registers and 52.6 KB of shared memory: 2 CTAs per SM, 25% occupancy,
 # and ncu shows the kernel issue-bound (IPC 1.6, most warps waiting). Measured on the H200, 2026-11-29, T=8 w16
 # H=12, CUDA-graph replay (benchmarks/results/min_blocks_sweep_h200.json): tile 128 at 3 CTAs (80 registers, an
 # 8-byte spill) B=512 278 -> 236 us (0% folds), 342 -> 290 (100%), B=64 36.4 -> 31.1; tile 64 at 5 CTAs B=512
-# 347 -> 314 (6 CTAs: 316).
+# 347 -> 314 (6 CTAs: 316). The kernel has grown since: the floor asked is capped at what shared memory lets reside
+# (UcacheVerifyFlush.ctas_by_smem), since a floor above it only takes registers away (today tile 64 T=8 w16 fits 4,
+# T=8 w32 fits 2 at either tile). That cap is not measured on hardware.
 MIN_CTAS_PER_SM = {64: 5, 128: 3}
+SM_SMEM_BYTES = 228 * 1024
+"""Shared memory of one SM with the largest carveout on sm_90a and sm_100a (H100/H200, B200)."""
+CTA_SMEM_RESERVED = 1024
+"""Shared memory the driver reserves per resident CTA (sm_80 and later); allocations come in 128-byte granules."""
 # Benchmarks' sweep hook: overrides the table when non-zero. Not in the compile key: a sweep clears the compile
 # cache between values.
 _FORCE_MIN_BLOCKS = 0
 
-DEFAULT_MMA = True
-"""Dot products on warp MMA by default; the CUDA-core variant is kept for comparison (``mma=False``)."""
 
-
-def default_tile_v(batch: int, heads: int, mma: bool = DEFAULT_MMA) -> int:
+def default_tile_v(batch: int, heads: int) -> int:
     """State rows per CTA.
 
     Every CTA repeats the per-(request, head) preamble (gate, norms, replay vectors, triangles), which costs about
     as many instructions as its share of the state rows: 128-row tiles (256 threads) run it once per (request,
     head), 64-row tiles twice but give small batches twice the CTAs. Crossover guessed at ~4 CTAs of 128 rows per
-    SM of an H200 (132 SMs); to be replaced by the measured one (bench_kda_ucache_flush.py --tile-v).
+    SM of an H200 (132 SMs). Measured on the H200 (T=8 w16 H=12, benchmarks/results/ucache_tile_sweep_h200.json):
+    tile 128 wins from B=64 up (22.9 vs 34.0 us; B=512 186 vs 272), the two tie at B=8 (7.0 vs 7.1 us).
     """
-    if not mma:
-        return 32
     return 128 if batch * heads >= 4 * 132 else 64
 
 
@@ -216,13 +261,10 @@ class UcacheVerifyFlush:
 
     heads: H == HV; t_draft: T in {4, 8}; w_ring: 16 or 32 (bounds the live rows kept in shared memory);
     tile_v: state rows per CTA; softplus_gate: Kimi-Linear gate (lower_bound None) instead of the lower bound;
-    aligned: the pool and rings allow 16-byte accesses (else the same code with element-wide accesses);
-    mma: the 2T dot products of every state row on warp MMA (else on CUDA cores).
+    aligned: the pool and rings allow 16-byte accesses (else the same code with element-wide accesses).
     """
 
-    def __init__(
-        self, heads: int, t_draft: int, w_ring: int, tile_v: int, softplus_gate: bool, aligned: bool, mma: bool
-    ):
+    def __init__(self, heads: int, t_draft: int, w_ring: int, tile_v: int, softplus_gate: bool, aligned: bool):
         self.heads = heads
         self.aligned = aligned
         self.t_draft = t_draft
@@ -230,12 +272,14 @@ class UcacheVerifyFlush:
         self.max_rows = max_hist_len(t_draft, w_ring)
         self.tile_v = tile_v
         self.kpad = MMA_K * ((self.max_rows + MMA_K - 1) // MMA_K)  # ring rows as the K extent of the fold MMA
-        self.mma = mma
-        # MMA: one warp per 16 rows (2 rows x 32 channels per thread); CUDA cores: 4 threads per row.
-        self.threads = (2 if mma else ROW_THREADS) * tile_v
+        # row strides (words) of sM and sXY, padded for bank-conflict-free fragment / 16-byte row reads
+        self.m_row = self.kpad if self.kpad == 16 else self.kpad + 16
+        self.xy_stride = 2 * t_draft + 4
+        # one warp per 16 rows (2 rows x 32 channels per thread)
+        self.threads = 2 * tile_v
         self.softplus_gate = softplus_gate
-        if tile_v not in ((64, 128) if mma else (32, 64, 128)):
-            raise ValueError(f"tile_v: expected {'64 or 128' if mma else '32, 64 or 128'}, got {tile_v}")
+        if tile_v not in (64, 128):
+            raise ValueError(f"tile_v: expected 64 or 128, got {tile_v}")
         # The gate phase gives each key channel NT / 128 threads, each a run of T / (NT / 128) draft tokens.
         assert self.threads % HEAD_DIM == 0 and t_draft % (self.threads // HEAD_DIM) == 0, (self.threads, t_draft)
         assert self.kpad in (MMA_K, 2 * MMA_K), self.kpad
@@ -289,9 +333,37 @@ class UcacheVerifyFlush:
             **self.occupancy(),
         )
 
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of one CTA: the kernel's allocations, in its order (each a multiple of 16 bytes).
+        test_ucache_compile checks it against the size the compiled launch asks for."""
+        T, K, TV, KPAD = self.t_draft, HEAD_DIM, self.tile_v, self.kpad
+        words = (
+            2 * T * K,  # sKQ
+            T * K,  # sDec
+            16 * PAIR_ROW,  # sXb
+            16 * PAIR_ROW,  # sXu
+            (KPAD // 2 - 1) * (TV + 8) + TV,  # sUp
+            K * KPAD,  # sWK
+            KPAD * PAIR_ROW,  # sWKc
+            15 * self.m_row + KPAD,  # sM
+            (TV - 1) * self.xy_stride + 2 * T,  # sXY
+            T * TV // 2,  # sVin (bf16)
+            K,  # sBdec
+            2 * T,  # sInv
+            T,  # sBeta
+            2 * T * T,  # sTri
+        )
+        return sum(-(-4 * w // 16) * 16 for w in words)
+
+    def ctas_by_smem(self) -> int:
+        """CTAs per SM that shared memory allows (largest carveout, the per-CTA reserve, 128-byte granules)."""
+        per_cta = -(-(self.smem_bytes() + CTA_SMEM_RESERVED) // 128) * 128
+        return SM_SMEM_BYTES // per_cta
+
     def occupancy(self) -> dict:
-        """Launch attributes: the resident-CTA floor (MMA variant) and the largest shared-memory carveout."""
-        ctas = _FORCE_MIN_BLOCKS or (MIN_CTAS_PER_SM.get(self.tile_v, 0) if self.mma else 0)
+        """Launch attributes: the resident-CTA floor (at most what shared memory allows) and the largest
+        shared-memory carveout."""
+        ctas = _FORCE_MIN_BLOCKS or min(MIN_CTAS_PER_SM.get(self.tile_v, 0), self.ctas_by_smem())
         return dict(min_blocks_per_mp=ctas, preferred_smem_carveout=100) if ctas else {}
 
     # ------------------------------------------------------------------------------------------------
@@ -339,48 +411,48 @@ class UcacheVerifyFlush:
         smem = cutlass.memory.SmemAllocator()
         row_major = lambda rows, cols: cute.make_layout((rows, cols), stride=(cols, 1))  # noqa: E731
         quads = lambda rows: cute.make_layout((rows, K // 4, 4), stride=(K, 4, 1))  # noqa: E731
-        sK = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # raw k (normalised in the solve)
-        sQ = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # raw q
+        # raw k (plane 0, normalised in the solve) and raw q (plane 1) as one block: a lane can pick its plane
+        sKQ = smem.allocate_tensor(Float32, cute.make_layout((2, T, K), stride=(T * K, K, 1)), byte_alignment=16)
+        sK = sKQ[0, None, None]
+        sQ = sKQ[1, None, None]
         sDec = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # per-token decay exp(g_log)
+        sKQ4 = cute.make_tensor(sKQ.iterator, cute.make_layout((2, T, K // 4, 4), stride=(T * K, K, 4, 1)))
         sK4 = cute.make_tensor(sK.iterator, quads(T))
         sQ4 = cute.make_tensor(sQ.iterator, quads(T))
         sDec4 = cute.make_tensor(sDec.iterator, quads(T))
-        if const_expr(self.mma):
-            # Decayed raw draft vectors x_s = [kx_0..kx_{T-1}, qx_0..qx_{T-1}, zeros up to 16] as the m16 A operand
-            # of the products with the checkpoint and with wk: [hi / lo][s % 8][channel-pair group] 4 words
-            # (x_s pair 2i, x_s+8 pair 2i, x_s pair 2i+1, x_s+8 pair 2i+1), one 16-byte read per fragment.
-            # sXb: times bdec (S0 (bdec x)), sXu: as is (M = wk x).
-            x_layout = cute.make_layout((2, 8, PAIR_ROW // 4, 4), stride=(8 * PAIR_ROW, PAIR_ROW, 4, 1))
-            sXb = smem.allocate_tensor(Int32, x_layout, byte_alignment=16)
-            sXu = smem.allocate_tensor(Int32, x_layout, byte_alignment=16)
-            # Ring operands as packed bf16 pairs along the ring-row axis (the MMA k index); rows j >= P hold zeros
-            # written by a select. u: row stride padded (+8 words) so the fragment reads hit 32 banks. wk: once
-            # packed along ring rows (the fold's B operand, flush rows only; one column of KPAD words per channel,
-            # see _fold_group) and once along channels (M's B operand: rows of PAIR_ROW words, (hi, hi, lo, lo)).
-            sUp = smem.allocate_tensor(Int32, cute.make_layout((KPAD // 2, TV), stride=(TV + 8, 1)), byte_alignment=16)
-            quads_of = lambda rows, words: cute.make_layout((rows, words // 4, 4), stride=(words, 4, 1))  # noqa: E731
-            sWK = smem.allocate_tensor(Int32, quads_of(K, KPAD), byte_alignment=16)
-            sWKc = smem.allocate_tensor(Int32, quads_of(KPAD, PAIR_ROW), byte_alignment=16)
-            # M[j, s] = wk_j . x_s as the A operand of the ring correction: [hi / lo][s % 8][k-step, q] 4 words
-            # (s pair jp, s + 8 pair jp, s pair jp + 4, s + 8 pair jp + 4), jp = 8 step + q; rows padded to 16
-            # words mod 32 so the quarter-warp reads hit 32 banks.
-            m_row = KPAD if KPAD == 16 else KPAD + 16
-            sM = smem.allocate_tensor(
-                Int32, cute.make_layout((2, 8, KPAD // 4, 4), stride=(8 * m_row, m_row, 4, 1)), byte_alignment=16
-            )
-        else:
-            sKx = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
-            sQx = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)
-            sWK = smem.allocate_tensor(Float32, quads(MAXR), byte_alignment=16)
-            sU = smem.allocate_tensor(Float32, row_major(MAXR, TV), byte_alignment=16)
-        XYS = 2 * T + 4  # sXY row stride: 16-byte rows, and the 16-byte row reads of the solve hit 32 banks
+        # Decayed raw draft vectors x_s = [kx_0..kx_{T-1}, qx_0..qx_{T-1}, zeros up to 16] as the m16 A operand
+        # of the products with the checkpoint and with wk: [hi / lo][s % 8][channel-pair group] 4 words
+        # (x_s pair 2i, x_s+8 pair 2i, x_s pair 2i+1, x_s+8 pair 2i+1), one 16-byte read per fragment.
+        # sXb: times bdec (S0 (bdec x)), sXu: as is (M = wk x).
+        x_layout = cute.make_layout((2, 8, PAIR_ROW // 4, 4), stride=(8 * PAIR_ROW, PAIR_ROW, 4, 1))
+        sXb = smem.allocate_tensor(Int32, x_layout, byte_alignment=16)
+        sXu = smem.allocate_tensor(Int32, x_layout, byte_alignment=16)
+        # Ring operands as packed bf16 pairs along the ring-row axis (the MMA k index); rows j >= P hold zeros
+        # written by a select. u: row stride padded (+8 words) so the fragment reads hit 32 banks. wk: once
+        # packed along ring rows (the fold's B operand, flush rows only; one column of KPAD words per channel,
+        # see _fold_group) and once along channels (M's B operand: rows of PAIR_ROW words, (hi, hi, lo, lo)).
+        sUp = smem.allocate_tensor(Int32, cute.make_layout((KPAD // 2, TV), stride=(TV + 8, 1)), byte_alignment=16)
+        quads_of = lambda rows, words: cute.make_layout((rows, words // 4, 4), stride=(words, 4, 1))  # noqa: E731
+        sWK = smem.allocate_tensor(Int32, quads_of(K, KPAD), byte_alignment=16)
+        sWKc = smem.allocate_tensor(Int32, quads_of(KPAD, PAIR_ROW), byte_alignment=16)
+        # M[j, s] = wk_j . x_s as the A operand of the ring correction: [hi / lo][s % 8][k-step, q] 4 words
+        # (s pair jp, s + 8 pair jp, s pair jp + 4, s + 8 pair jp + 4), jp = 8 step + q; rows padded to 16
+        # words mod 32 so the quarter-warp reads hit 32 banks.
+        m_row = self.m_row
+        sM = smem.allocate_tensor(
+            Int32, cute.make_layout((2, 8, KPAD // 4, 4), stride=(8 * m_row, m_row, 4, 1)), byte_alignment=16
+        )
+        XYS = self.xy_stride  # sXY row stride: 16-byte rows, and the 16-byte row reads of the solve hit 32 banks
         sXY = smem.allocate_tensor(Float32, cute.make_layout((TV, 2 * T), stride=(XYS, 1)), byte_alignment=16)
-        sVin = smem.allocate_tensor(Float32, row_major(T, TV), byte_alignment=16)
+        sVin = smem.allocate_tensor(mV.element_type, row_major(T, TV), byte_alignment=16)  # v tile as given (bf16)
         sBdec = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
         sInv = smem.allocate_tensor(Float32, cute.make_layout(2 * T), byte_alignment=16)  # 1/|k_s|, scale/|q_s|
         sBeta = smem.allocate_tensor(Float32, cute.make_layout(T), byte_alignment=16)
-        sA = smem.allocate_tensor(Float32, row_major(T, T), byte_alignment=16)
-        sAq = smem.allocate_tensor(Float32, row_major(T, T), byte_alignment=16)
+        # the triangles A[s, r] (decayed k_r . k_s) and Aq[s, r] (decayed k_r . q_s) as one block: a reduction lane
+        # stores either with one computed index
+        sTri = smem.allocate_tensor(Float32, cute.make_layout(2 * T * T), byte_alignment=16)
+        sA = cute.make_tensor(sTri.iterator, row_major(T, T))
+        sAq = cute.make_tensor(sTri.iterator + T * T, row_major(T, T))
 
         slot = mSlot[bi]
         pool_rows = mPool.shape[0]
@@ -403,19 +475,18 @@ class UcacheVerifyFlush:
             gGR = mGCache[slot64, h, None, None]
             last_row = (base + P - 1) & RING
 
-            if const_expr(self.mma):
-                # Issue the checkpoint rows' loads first: their DRAM latency overlaps the whole preamble.
-                g4 = lane // 4
-                q4 = lane % 4
-                rows = (warp * 16 + g4, warp * 16 + g4 + 8)
-                s0_raw = cute.make_rmem_tensor((2 * CHUNKS_PER_THREAD * CHUNK,), mPool.element_type)
-                s0_chunks = cute.zipped_divide(s0_raw, (CHUNK,))
-                for rho in cutlass.range_constexpr(2):
-                    row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
-                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                        cute.autovec_copy(
-                            row_chunks[None, m * ROW_THREADS + q4], s0_chunks[None, rho * CHUNKS_PER_THREAD + m]
-                        )
+            # Issue the checkpoint rows' loads first: their DRAM latency overlaps the whole preamble.
+            g4 = lane // 4
+            q4 = lane % 4
+            rows = (warp * 16 + g4, warp * 16 + g4 + 8)
+            s0_raw = cute.make_rmem_tensor((2 * CHUNKS_PER_THREAD * CHUNK,), mPool.element_type)
+            s0_chunks = cute.zipped_divide(s0_raw, (CHUNK,))
+            for rho in cutlass.range_constexpr(2):
+                row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
+                for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                    cute.autovec_copy(
+                        row_chunks[None, m * ROW_THREADS + q4], s0_chunks[None, rho * CHUNKS_PER_THREAD + m]
+                    )
 
             # ---- phase 1a: gate, raw k/q, decays and decayed draft vectors --------------------------
             # Thread (token group grp, channel c) owns TPT consecutive draft tokens of one key channel, so the
@@ -469,11 +540,10 @@ class UcacheVerifyFlush:
             bdec = Float32(1.0)
             if P > 0:
                 bdec = cute.math.exp(g_last, fastmath=True)
-            if const_expr(self.mma):
-                # bdec of the two channels of this lane's packed pair (low half, high half)
-                bdec_partner = cute.arch.shuffle_sync_bfly(bdec, offset=1)
-                bdec_lo = Float32(cutlass.select_(even, bdec, bdec_partner))
-                bdec_hi = Float32(cutlass.select_(even, bdec_partner, bdec))
+            # bdec of the two channels of this lane's packed pair (low half, high half)
+            bdec_partner = cute.arch.shuffle_sync_bfly(bdec, offset=1)
+            bdec_lo = Float32(cutlass.select_(even, bdec, bdec_partner))
+            bdec_hi = Float32(cutlass.select_(even, bdec_partner, bdec))
             for i in cutlass.range_constexpr(TPT):
                 t = grp * TPT + i
                 cum = cum + g_logs[i]
@@ -485,24 +555,20 @@ class UcacheVerifyFlush:
                 decay = cute.math.exp(cum, fastmath=True)
                 kx = decay * k_raw[i]
                 qx = decay * q_raw[i]
-                if const_expr(self.mma):
-                    # Even lanes pack (kx_c, kx_c+1) into column t, odd lanes (qx_c-1, qx_c) into column T + t:
-                    # one shuffle gives each lane its partner's half.
-                    recv = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(even, qx, kx)), offset=1)
-                    x_lo = Float32(cutlass.select_(even, kx, recv))
-                    x_hi = Float32(cutlass.select_(even, recv, qx))
-                    s_x = t + Int32(cutlass.select_(even, Int32(0), Int32(T)))  # row of x: kx_t or qx_t
-                    pos = s_x // 8 + 2 * (c // 2 % 2)
-                    sXu[0, s_x % 8, c // 4, pos], sXu[1, s_x % 8, c // 4, pos] = _split_bf16x2(x_lo, x_hi)
-                    sXb[0, s_x % 8, c // 4, pos], sXb[1, s_x % 8, c // 4, pos] = _split_bf16x2(
-                        bdec_lo * x_lo, bdec_hi * x_hi
-                    )
-                else:
-                    sKx[t, c] = kx
-                    sQx[t, c] = qx
+                # Even lanes pack (kx_c, kx_c+1) into column t, odd lanes (qx_c-1, qx_c) into column T + t:
+                # one shuffle gives each lane its partner's half.
+                recv = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(even, qx, kx)), offset=1)
+                x_lo = Float32(cutlass.select_(even, kx, recv))
+                x_hi = Float32(cutlass.select_(even, recv, qx))
+                s_x = t + Int32(cutlass.select_(even, Int32(0), Int32(T)))  # row of x: kx_t or qx_t
+                pos = s_x // 8 + 2 * (c // 2 % 2)
+                sXu[0, s_x % 8, c // 4, pos], sXu[1, s_x % 8, c // 4, pos] = _split_bf16x2(x_lo, x_hi)
+                sXb[0, s_x % 8, c // 4, pos], sXb[1, s_x % 8, c // 4, pos] = _split_bf16x2(
+                    bdec_lo * x_lo, bdec_hi * x_hi
+                )
             if grp == 0:
                 sBdec[c] = bdec
-            if const_expr(self.mma and 2 * T < 16):
+            if const_expr(2 * T < 16):
                 # rows 2T..15 of the m16 operand x are zeros (a 16-byte read of rows s and s + 8 takes them along)
                 for it in cutlass.range_constexpr(2 * 8 * (K // 4) // NT):
                     task = tidx + it * NT  # (hi / lo, s % 8, channel-pair group)
@@ -513,57 +579,42 @@ class UcacheVerifyFlush:
             # ---- phase 1b: ring rows (u, replay vectors wk), v tile, beta ------------------------------
             # Only the live rows j < P are loaded: stale rows never enter an arithmetic op.
             u_chunk0 = tile * (TV // CHUNK)  # this tile's first 8-row chunk of a ring row
-            if const_expr(self.mma):
-                u_tasks = (KPAD // 2) * (TV // CHUNK)  # (row pair, 8 consecutive state rows)
-                for it in cutlass.range_constexpr((u_tasks + NT - 1) // NT):
-                    task = tidx + it * NT
-                    if task < u_tasks:
-                        jp = task // (TV // CHUNK)
-                        r8 = task % (TV // CHUNK)
-                        halves = [cute.make_rmem_tensor((CHUNK // 2,), Int32) for _ in range(2)]
-                        for odd in cutlass.range_constexpr(2):
-                            for e in cutlass.range_constexpr(CHUNK // 2):
-                                halves[odd][e] = Int32(0)
-                            if 2 * jp + odd < P:
-                                cute.autovec_copy(
-                                    _row_chunks(gUR, (base + 2 * jp + odd) & RING, CHUNK)[None, u_chunk0 + r8],
-                                    cute.recast_tensor(halves[odd], mUCache.element_type),
-                                )
-                        packed = cute.make_rmem_tensor((CHUNK,), Int32)
+            u_tasks = (KPAD // 2) * (TV // CHUNK)  # (row pair, 8 consecutive state rows)
+            for it in cutlass.range_constexpr((u_tasks + NT - 1) // NT):
+                task = tidx + it * NT
+                if task < u_tasks:
+                    jp = task // (TV // CHUNK)
+                    r8 = task % (TV // CHUNK)
+                    halves = [cute.make_rmem_tensor((CHUNK // 2,), Int32) for _ in range(2)]
+                    for odd in cutlass.range_constexpr(2):
                         for e in cutlass.range_constexpr(CHUNK // 2):
-                            # (u_2jp[v], u_2jp+1[v]) bf16 pairs: bit moves only, the ring holds bf16
-                            packed[2 * e] = _prmt(halves[0][e], halves[1][e], 0x5410)
-                            packed[2 * e + 1] = _prmt(halves[0][e], halves[1][e], 0x7632)
-                        cute.autovec_copy(packed, cute.zipped_divide(sUp[jp, None], (CHUNK,))[None, r8])
-            else:
-                u_tasks = MAXR * (TV // CHUNK)
-                for it in cutlass.range_constexpr((u_tasks + NT - 1) // NT):
-                    task = tidx + it * NT
-                    if task < u_tasks:
-                        j = task // (TV // CHUNK)
-                        r8 = task % (TV // CHUNK)
-                        if j < P:
-                            raw_u = cute.make_rmem_tensor((CHUNK,), mUCache.element_type)
-                            cute.autovec_copy(_row_chunks(gUR, (base + j) & RING, CHUNK)[None, u_chunk0 + r8], raw_u)
-                            u32 = cute.make_rmem_tensor((CHUNK,), Float32)
-                            for e in cutlass.range_constexpr(CHUNK):
-                                u32[e] = raw_u[e].to(Float32)
-                            cute.autovec_copy(u32, cute.zipped_divide(sU[j, None], (CHUNK,))[None, r8])
+                            halves[odd][e] = Int32(0)
+                        if 2 * jp + odd < P:
+                            cute.autovec_copy(
+                                _row_chunks(gUR, (base + 2 * jp + odd) & RING, CHUNK)[None, u_chunk0 + r8],
+                                cute.recast_tensor(halves[odd], mUCache.element_type),
+                            )
+                    packed = cute.make_rmem_tensor((CHUNK,), Int32)
+                    for e in cutlass.range_constexpr(CHUNK // 2):
+                        # (u_2jp[v], u_2jp+1[v]) bf16 pairs: bit moves only, the ring holds bf16
+                        packed[2 * e] = _prmt(halves[0][e], halves[1][e], 0x5410)
+                        packed[2 * e + 1] = _prmt(halves[0][e], halves[1][e], 0x7632)
+                    cute.autovec_copy(packed, cute.zipped_divide(sUp[jp, None], (CHUNK,))[None, r8])
             gV = mV[bi, None, h, None]
             for it in cutlass.range_constexpr(T * TV // NT):
                 task = tidx + it * NT
                 t = task // TV
                 r = task % TV
-                sVin[t, r] = gV[t, v0 + r].to(Float32)
+                sVin[t, r] = gV[t, v0 + r]
             if tidx < T:
                 sBeta[tidx] = Float32(1.0) / (
                     Float32(1.0) + cute.math.exp(-mBeta[bi, tidx, h].to(Float32), fastmath=True)
                 )
             # wk_j = exp(G_{P-1} - G_j) * k^_j. A task is 4 channels (lanes run over them: whole ring rows per warp)
-            # of a set of ring rows: MMA, rows 16 ks + 2q + {0, 1, 8, 9} (the pairs ks*8 + q and ks*8 + q + 4 of one
-            # fold B fragment); CUDA cores, rows 2i + {0, 1}.
-            n_rows = 4 if self.mma else 2
-            wk_tasks = (KPAD if self.mma else MAXR) // n_rows * (K // 4)
+            # of a set of ring rows 16 ks + 2q + {0, 1, 8, 9} (the pairs ks*8 + q and ks*8 + q + 4 of one fold B
+            # fragment).
+            n_rows = 4
+            wk_tasks = KPAD // n_rows * (K // 4)
             for it in cutlass.range_constexpr((wk_tasks + NT - 1) // NT):
                 task = tidx + it * NT
                 if task < wk_tasks:
@@ -575,9 +626,7 @@ class UcacheVerifyFlush:
                     if P > 0:
                         cute.autovec_copy(_row_chunks(gGR, last_row, 4)[None, c4], last4)
                     wk = [cute.make_rmem_tensor((4,), Float32) for _ in range(n_rows)]
-                    js = [2 * row_set + odd for odd in range(2)]
-                    if const_expr(self.mma):
-                        js = [16 * (row_set // 4) + 2 * (row_set % 4) + d for d in (0, 1, 8, 9)]
+                    js = [16 * (row_set // 4) + 2 * (row_set % 4) + d for d in (0, 1, 8, 9)]
                     for rr in cutlass.range_constexpr(n_rows):
                         for e in cutlass.range_constexpr(4):
                             wk[rr][e] = Float32(0.0)
@@ -589,238 +638,204 @@ class UcacheVerifyFlush:
                             cute.autovec_copy(_row_chunks(gKR, phys, 4)[None, c4], kj)
                             for e in cutlass.range_constexpr(4):
                                 wk[rr][e] = cute.math.exp(last4[e] - gj[e], fastmath=True) * kj[e].to(Float32)
-                    if const_expr(self.mma):
-                        quad = cute.make_rmem_tensor((4,), Int32)
-                        for rr in cutlass.range_constexpr(n_rows):
-                            # along channels: (hi, hi, lo, lo) of channel pairs 2 c4, 2 c4 + 1 of ring row j
-                            quad[0], quad[2] = _split_bf16x2(wk[rr][0], wk[rr][1])
-                            quad[1], quad[3] = _split_bf16x2(wk[rr][2], wk[rr][3])
-                            cute.autovec_copy(quad, sWKc[js[rr], c4, None])
-                        if is_flush:
-                            for e in cutlass.range_constexpr(4):
-                                # along ring rows: (hi, hi, lo, lo) of pairs (rows 0, 1) and (rows 8, 9) of the set
-                                quad[0], quad[2] = _split_bf16x2(wk[0][e], wk[1][e])
-                                quad[1], quad[3] = _split_bf16x2(wk[2][e], wk[3][e])
-                                ch = 4 * c4 + e
-                                cute.autovec_copy(quad, sWK[ch, _fold_group(ch, row_set // 4, row_set % 4, KPAD), None])
-                    else:
-                        for rr in cutlass.range_constexpr(n_rows):
-                            cute.autovec_copy(wk[rr], sWK[js[rr], c4, None])
+                    quad = cute.make_rmem_tensor((4,), Int32)
+                    for rr in cutlass.range_constexpr(n_rows):
+                        # along channels: (hi, hi, lo, lo) of channel pairs 2 c4, 2 c4 + 1 of ring row j
+                        quad[0], quad[2] = _split_bf16x2(wk[rr][0], wk[rr][1])
+                        quad[1], quad[3] = _split_bf16x2(wk[rr][2], wk[rr][3])
+                        cute.autovec_copy(quad, sWKc[js[rr], c4, None])
+                    if is_flush:
+                        for e in cutlass.range_constexpr(4):
+                            # along ring rows: (hi, hi, lo, lo) of pairs (rows 0, 1) and (rows 8, 9) of the set
+                            quad[0], quad[2] = _split_bf16x2(wk[0][e], wk[1][e])
+                            quad[1], quad[3] = _split_bf16x2(wk[2][e], wk[3][e])
+                            ch = 4 * c4 + e
+                            cute.autovec_copy(quad, sWK[ch, _fold_group(ch, row_set // 4, row_set % 4, KPAD), None])
             cute.arch.sync_threads()
 
             # ---- phase 2a: the T x T triangles and the norms (warps 0 .. T/2 - 1) -------------------------
             # Column r of both triangles is one warp's job (columns r and T-1-r share a warp: equal work); a lane
             # owns 4 consecutive channels (16-byte reads). Down the column, exp(cum_s - cum_r) is the running
-            # product of the per-token decays a_t (t = r+1..s): one multiply per entry instead of an exp, and no
-            # overflow whatever the gate (every factor is <= 1). The diagonal entry also gives the norms of k_r
-            # and q_r. Entries stay raw (un-normalised k, q): the solve applies 1/|k| and scale/|q|.
+            # product of the per-token decays a_t = exp(g_log_t), t = r+1..s: one multiply per entry instead of an
+            # exp, and no overflow whatever the gate: every g_log <= 0, so cum_s - cum_r <= 0 for s >= r and every
+            # factor (and the product) is <= 1 (a ratio exp(cum_s) / exp(cum_r) would overflow for strong decay).
+            # The diagonal also gives the norms of k_r and q_r. Entries stay raw (un-normalised k, q): the solve
+            # applies 1/|k| and scale/|q|. The lanes' partial sums are reduced a few values at a time by one
+            # transposing butterfly (_lane_sums: value i lands on lane i, which stores it), not value by value.
             for r in cutlass.range_constexpr(T):
                 if warp == min(r, T - 1 - r):
+                    bits = [(lane & (1 << b)) != 0 for b in range(5)]
+                    odd = lane % 2
                     w = cute.make_rmem_tensor((4,), Float32)
                     q_r = cute.make_rmem_tensor((4,), Float32)
                     cute.autovec_copy(sK4[r, lane, None], w)
                     cute.autovec_copy(sQ4[r, lane, None], q_r)
                     kk = w[0] * w[0]
-                    kq = w[0] * q_r[0]
                     qq = q_r[0] * q_r[0]
+                    kq = w[0] * q_r[0]
                     for e in cutlass.range_constexpr(1, 4):
                         kk = kk + w[e] * w[e]
-                        kq = kq + w[e] * q_r[e]
                         qq = qq + q_r[e] * q_r[e]
-                    for sh in cutlass.range_constexpr(5):
-                        kk = kk + cute.arch.shuffle_sync_bfly(kk, offset=1 << sh)
-                        kq = kq + cute.arch.shuffle_sync_bfly(kq, offset=1 << sh)
-                        qq = qq + cute.arch.shuffle_sync_bfly(qq, offset=1 << sh)
-                    if lane == 0:
-                        sInv[r] = cute.math.rsqrt(kk + Float32(L2NORM_EPS), fastmath=True)
-                        sInv[T + r] = cute.math.rsqrt(qq + Float32(L2NORM_EPS), fastmath=True) * scale
-                        sAq[r, r] = kq
+                        kq = kq + w[e] * q_r[e]
+                    # lane 0: |k_r|^2 -> 1/|k_r|; lane 1: |q_r|^2 -> scale/|q_r|; lane 2: k_r . q_r = Aq[r, r]
+                    tot = _lane_sums([kk, qq, kq], bits)
+                    inv = cute.math.rsqrt(tot + Float32(L2NORM_EPS), fastmath=True)
+                    if lane < 2:
+                        sInv[r + odd * T] = inv * Float32(cutlass.select_(bits[0], scale, Float32(1.0)))
+                    if lane == 2:
+                        sAq[r, r] = tot
+                    # Entries (s, r), s > r, TRI_GROUP at a time. Each lane computes the pair (A, Aq) of an entry as
+                    # (kept, sent) for the first butterfly level: odd lanes read k_s and q_s from swapped planes.
+                    group = []
                     for s in cutlass.range_constexpr(r + 1, T):
                         dec = cute.make_rmem_tensor((4,), Float32)
-                        k_s = cute.make_rmem_tensor((4,), Float32)
-                        q_s = cute.make_rmem_tensor((4,), Float32)
+                        x_kept = cute.make_rmem_tensor((4,), Float32)
+                        x_sent = cute.make_rmem_tensor((4,), Float32)
                         cute.autovec_copy(sDec4[s, lane, None], dec)
-                        cute.autovec_copy(sK4[s, lane, None], k_s)
-                        cute.autovec_copy(sQ4[s, lane, None], q_s)
+                        cute.autovec_copy(sKQ4[odd, s, lane, None], x_kept)
+                        cute.autovec_copy(sKQ4[1 - odd, s, lane, None], x_sent)
                         for e in cutlass.range_constexpr(4):
                             w[e] = w[e] * dec[e]
-                        a_kk = w[0] * k_s[0]
-                        a_qk = w[0] * q_s[0]
+                        kept = w[0] * x_kept[0]
+                        sent = w[0] * x_sent[0]
                         for e in cutlass.range_constexpr(1, 4):
-                            a_kk = a_kk + w[e] * k_s[e]
-                            a_qk = a_qk + w[e] * q_s[e]
-                        for sh in cutlass.range_constexpr(5):
-                            a_kk = a_kk + cute.arch.shuffle_sync_bfly(a_kk, offset=1 << sh)
-                            a_qk = a_qk + cute.arch.shuffle_sync_bfly(a_qk, offset=1 << sh)
-                        if lane == 0:
-                            sA[s, r] = a_kk
-                            sAq[s, r] = a_qk
+                            kept = kept + w[e] * x_kept[e]
+                            sent = sent + w[e] * x_sent[e]
+                        group.append(_pair_sum(kept, sent))
+                        if const_expr(len(group) == TRI_GROUP or s == T - 1):
+                            # lane 2i + p holds entry (s_first + i, r) of A (p = 0) or Aq (p = 1)
+                            tot = _lane_sums(group, bits, first_level=1)
+                            s_first = s + 1 - len(group)
+                            if lane < 2 * len(group):
+                                sTri[odd * (T * T) + (s_first + lane // 2) * T + r] = tot
+                            group = []
 
             # ---- phase 2b: M = wk x (MMA; one 8-ring-row tile per warp, on warps past the triangles' ones) -------
             # A verify row never needs S_commit: S_commit x_s = S0 (bdec * x_s) + sum_j u_j (wk_j . x_s) (DESIGN
             # section 5, R2). M[j, s] = wk_j . x_s is per (request, head), so it is computed once here (m16 = the 2T
             # draft vectors, n8 = 8 ring rows, k = channels, hi/lo splits: 3 MMAs per k-step); every state row then
             # adds U M (one MMA per 16 ring rows) to S0 (bdec x), whose A operand is the bf16 checkpoint itself.
-            if const_expr(self.mma):
-                for jt in cutlass.range_constexpr(KPAD // 8):
-                    if warp == (T // 2 + jt) % NW:
-                        # one n8 tile of ring rows: A = x (m16), B = wk packed along channels, hi/lo of both
-                        m_acc = [Float32(0.0)] * 4
-                        for ks in cutlass.range_constexpr(K // MMA_K):
-                            grp_k = _pair_group(ks, q4)
-                            xop_hi = cute.make_rmem_tensor((4,), Int32)
-                            xop_lo = cute.make_rmem_tensor((4,), Int32)
-                            wb = cute.make_rmem_tensor((4,), Int32)
-                            cute.autovec_copy(sXu[0, g4, grp_k, None], xop_hi)
-                            cute.autovec_copy(sXu[1, g4, grp_k, None], xop_lo)
-                            cute.autovec_copy(sWKc[8 * jt + g4, grp_k, None], wb)
-                            a_hi = [xop_hi[i] for i in range(4)]
-                            a_lo = [xop_lo[i] for i in range(4)]
-                            m_acc = _mma_bf16_m16n8k16(a_hi, (wb[0], wb[1]), m_acc)
-                            m_acc = _mma_bf16_m16n8k16(a_lo, (wb[0], wb[1]), m_acc)
-                            m_acc = _mma_bf16_m16n8k16(a_hi, (wb[2], wb[3]), m_acc)
-                        # (c0, c1) = M[ring rows 8 jt + 2q, +1][s = g], (c2, c3) the same for s = g + 8: ring-row
-                        # pair jp = 4 jt + q, which is k-pair jp % 4 (+ 4 if (jp // 4) odd) of k-step jp // 8
-                        jp = 4 * jt + q4
-                        pos_k = 2 * ((jp // 4) % 2)
-                        grp_m = jp // 8 * 4 + jp % 4
-                        for half in cutlass.range_constexpr(2):
-                            m_hi, m_lo = _split_bf16x2(m_acc[2 * half], m_acc[2 * half + 1])
-                            sM[0, g4, grp_m, half + pos_k] = m_hi
-                            sM[1, g4, grp_m, half + pos_k] = m_lo
+            for jt in cutlass.range_constexpr(KPAD // 8):
+                if warp == (T // 2 + jt) % NW:
+                    # one n8 tile of ring rows: A = x (m16), B = wk packed along channels, hi/lo of both
+                    m_acc = [Float32(0.0)] * 4
+                    for ks in cutlass.range_constexpr(K // MMA_K):
+                        grp_k = _pair_group(ks, q4)
+                        xop_hi = cute.make_rmem_tensor((4,), Int32)
+                        xop_lo = cute.make_rmem_tensor((4,), Int32)
+                        wb = cute.make_rmem_tensor((4,), Int32)
+                        cute.autovec_copy(sXu[0, g4, grp_k, None], xop_hi)
+                        cute.autovec_copy(sXu[1, g4, grp_k, None], xop_lo)
+                        cute.autovec_copy(sWKc[8 * jt + g4, grp_k, None], wb)
+                        a_hi = [xop_hi[i] for i in range(4)]
+                        a_lo = [xop_lo[i] for i in range(4)]
+                        m_acc = _mma_bf16_m16n8k16(a_hi, (wb[0], wb[1]), m_acc)
+                        m_acc = _mma_bf16_m16n8k16(a_lo, (wb[0], wb[1]), m_acc)
+                        m_acc = _mma_bf16_m16n8k16(a_hi, (wb[2], wb[3]), m_acc)
+                    # (c0, c1) = M[ring rows 8 jt + 2q, +1][s = g], (c2, c3) the same for s = g + 8: ring-row
+                    # pair jp = 4 jt + q, which is k-pair jp % 4 (+ 4 if (jp // 4) odd) of k-step jp // 8
+                    jp = 4 * jt + q4
+                    pos_k = 2 * ((jp // 4) % 2)
+                    grp_m = jp // 8 * 4 + jp % 4
+                    for half in cutlass.range_constexpr(2):
+                        m_hi, m_lo = _split_bf16x2(m_acc[2 * half], m_acc[2 * half + 1])
+                        sM[0, g4, grp_m, half + pos_k] = m_hi
+                        sM[1, g4, grp_m, half + pos_k] = m_lo
 
             # ---- phase 2c: state rows: S0 (bdec x) dot products, the flush (every warp) ------------------------
-            if const_expr(self.mma):
-                # Warp w owns local rows 16w + g and 16w + g + 8 (g = lane // 4); thread quad position q = lane % 4
-                # owns channels 32m + 8q + e (m < 4, e < 8) of both rows: 16-byte pool accesses, and, read as
-                # the K dimension of the MMA in the order (m, e), exactly the A-fragment columns {2q, 2q + 1,
-                # 2q + 8, 2q + 9} of k-step 2m + e // 4 (any permutation of K is fine when B uses the same one).
-                # x^T[s, v] = sum_c x_s[c] S0[v, c] bdec[c]: m16 = the 2T draft vectors (A, from shared memory), n8 =
-                # 8 of the warp's rows (B: rows 16w + 8 nt + g), k = channels. k-pairs (q, q + 4) of step ks are the
-                # channel pairs of _pair_group(ks, q): two consecutive bf16 words of the thread's checkpoint chunk,
-                # an exact B operand as loaded (no conversion, no split; bdec rides on x).
-                s0_words = cute.recast_tensor(s0_raw, Int32)  # [row nt][chunk m][4 channel pairs]
-                acc = cute.make_rmem_tensor((8,), Float32)  # n-tile nt: (s = g, v = 2q, 2q + 1), (s = g + 8, same)
-                for i in cutlass.range_constexpr(8):
-                    acc[i] = Float32(0.0)
-                for ks in cutlass.range_constexpr(K // MMA_K):
-                    grp_k = _pair_group(ks, q4)
-                    xop_hi = cute.make_rmem_tensor((4,), Int32)
-                    xop_lo = cute.make_rmem_tensor((4,), Int32)
-                    cute.autovec_copy(sXb[0, g4, grp_k, None], xop_hi)
-                    cute.autovec_copy(sXb[1, g4, grp_k, None], xop_lo)
-                    for nt in cutlass.range_constexpr(2):
-                        w0 = nt * 16 + (ks // 2) * 4 + 2 * (ks % 2)
-                        b_s0 = (s0_words[w0], s0_words[w0 + 1])
-                        d = _mma_bf16_m16n8k16([xop_hi[i] for i in range(4)], b_s0, [acc[4 * nt + i] for i in range(4)])
-                        d = _mma_bf16_m16n8k16([xop_lo[i] for i in range(4)], b_s0, d)
-                        for i in cutlass.range_constexpr(4):
-                            acc[4 * nt + i] = d[i]
+            # Warp w owns local rows 16w + g and 16w + g + 8 (g = lane // 4); thread quad position q = lane % 4
+            # owns channels 32m + 8q + e (m < 4, e < 8) of both rows: 16-byte pool accesses, and, read as
+            # the K dimension of the MMA in the order (m, e), exactly the A-fragment columns {2q, 2q + 1,
+            # 2q + 8, 2q + 9} of k-step 2m + e // 4 (any permutation of K is fine when B uses the same one).
+            # x^T[s, v] = sum_c x_s[c] S0[v, c] bdec[c]: m16 = the 2T draft vectors (A, from shared memory), n8 =
+            # 8 of the warp's rows (B: rows 16w + 8 nt + g), k = channels. k-pairs (q, q + 4) of step ks are the
+            # channel pairs of _pair_group(ks, q): two consecutive bf16 words of the thread's checkpoint chunk,
+            # an exact B operand as loaded (no conversion, no split; bdec rides on x).
+            s0_words = cute.recast_tensor(s0_raw, Int32)  # [row nt][chunk m][4 channel pairs]
+            acc = cute.make_rmem_tensor((8,), Float32)  # n-tile nt: (s = g, v = 2q, 2q + 1), (s = g + 8, same)
+            for i in cutlass.range_constexpr(8):
+                acc[i] = Float32(0.0)
+            for ks in cutlass.range_constexpr(K // MMA_K):
+                grp_k = _pair_group(ks, q4)
+                xop_hi = cute.make_rmem_tensor((4,), Int32)
+                xop_lo = cute.make_rmem_tensor((4,), Int32)
+                cute.autovec_copy(sXb[0, g4, grp_k, None], xop_hi)
+                cute.autovec_copy(sXb[1, g4, grp_k, None], xop_lo)
                 for nt in cutlass.range_constexpr(2):
-                    for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
-                        sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
-                if is_flush:
-                    # S_commit = S0 * bdec + U^T WK in fp32 registers, one rounding to bf16. Fold on MMA: M = the
-                    # warp's 16 rows, K = ring rows, N = channels. n-tile nt, column n stands for channel
-                    # (4 (nt // 4) + n // 2) * 8 + 2 (nt % 4) + n % 2, so the accumulator fragment is exactly this
-                    # thread's state registers. u is bf16 in the ring (exact as an operand); wk is split hi + lo.
-                    state = cute.make_rmem_tensor((2 * CHUNK * CHUNKS_PER_THREAD,), Float32)
-                    for rho in cutlass.range_constexpr(2):
-                        for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                            for e in cutlass.range_constexpr(CHUNK):
-                                ch = (m * ROW_THREADS + q4) * CHUNK + e
-                                idx = rho * 32 + m * CHUNK + e
-                                state[idx] = s0_raw[idx].to(Float32) * sBdec[ch]
-                    for ks in cutlass.range_constexpr(KPAD // MMA_K):
-                        if P > ks * MMA_K:
-                            jp0 = ks * (MMA_K // 2) + q4
-                            a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]], sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
-                            for nt in cutlass.range_constexpr(K // 8):
-                                e0 = 2 * (nt % 4)
-                                col = ((nt // 4) * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
-                                # hi and lo of ring-row pairs jp0 and jp0 + 4: one 16-byte read
-                                b = cute.make_rmem_tensor((4,), Int32)
-                                cute.autovec_copy(sWK[col, _fold_group(col, ks, q4, KPAD), None], b)
-                                at = (nt // 4) * CHUNK + e0
-                                ids = (at, at + 1, 32 + at, 32 + at + 1)
-                                d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [state[z] for z in ids])
-                                d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
-                                for z in cutlass.range_constexpr(4):
-                                    state[ids[z]] = d[z]
-                    raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
-                    for rho in cutlass.range_constexpr(2):
-                        row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
-                        for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                            for e in cutlass.range_constexpr(CHUNK):
-                                raw[e] = state[rho * 32 + m * CHUNK + e].to(mPool.element_type)
-                            cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
-            else:
-                r_loc = tidx // ROW_THREADS
-                seg = tidx % ROW_THREADS
-                state = cute.make_rmem_tensor((CHUNK * CHUNKS_PER_THREAD,), Float32)
-                row_chunks = cute.zipped_divide(gPool[v0 + r_loc, None], (CHUNK,))  # ((8), (16))
+                    w0 = nt * 16 + (ks // 2) * 4 + 2 * (ks % 2)
+                    b_s0 = (s0_words[w0], s0_words[w0 + 1])
+                    d = _mma_bf16_m16n8k16([xop_hi[i] for i in range(4)], b_s0, [acc[4 * nt + i] for i in range(4)])
+                    d = _mma_bf16_m16n8k16([xop_lo[i] for i in range(4)], b_s0, d)
+                    for i in cutlass.range_constexpr(4):
+                        acc[4 * nt + i] = d[i]
+            for nt in cutlass.range_constexpr(2):
+                for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
+                    sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
+            if is_flush:
+                # S_commit = S0 * bdec + U^T WK in fp32 registers, one rounding to bf16. Fold on MMA: M = the
+                # warp's 16 rows, K = ring rows, N = channels. n-tile nt, column n stands for channel
+                # (4 (nt // 4) + n // 2) * 8 + 2 (nt % 4) + n % 2, so the accumulator fragment is exactly this
+                # thread's state registers. u is bf16 in the ring (exact as an operand); wk is split hi + lo.
+                state = cute.make_rmem_tensor((2 * CHUNK * CHUNKS_PER_THREAD,), Float32)
+                for rho in cutlass.range_constexpr(2):
+                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                        for e in cutlass.range_constexpr(CHUNK):
+                            ch = (m * ROW_THREADS + q4) * CHUNK + e
+                            idx = rho * 32 + m * CHUNK + e
+                            state[idx] = s0_raw[idx].to(Float32) * sBdec[ch]
+                for ks in cutlass.range_constexpr(KPAD // MMA_K):
+                    if P > ks * MMA_K:
+                        jp0 = ks * (MMA_K // 2) + q4
+                        a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]], sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
+                        for nt in cutlass.range_constexpr(K // 8):
+                            e0 = 2 * (nt % 4)
+                            col = ((nt // 4) * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
+                            # hi and lo of ring-row pairs jp0 and jp0 + 4: one 16-byte read
+                            b = cute.make_rmem_tensor((4,), Int32)
+                            cute.autovec_copy(sWK[col, _fold_group(col, ks, q4, KPAD), None], b)
+                            at = (nt // 4) * CHUNK + e0
+                            ids = (at, at + 1, 32 + at, 32 + at + 1)
+                            d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [state[z] for z in ids])
+                            d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
+                            for z in cutlass.range_constexpr(4):
+                                state[ids[z]] = d[z]
                 raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
-                for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                    cute.autovec_copy(row_chunks[None, m * ROW_THREADS + seg], raw)
-                    for e in cutlass.range_constexpr(CHUNK):
-                        ch = (m * ROW_THREADS + seg) * CHUNK + e
-                        state[m * CHUNK + e] = raw[e].to(Float32) * sBdec[ch]
-                for j in cutlass.range(P, unroll=1):
-                    u_j = sU[j, r_loc]
+                for rho in cutlass.range_constexpr(2):
+                    row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
                     for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
                         for e in cutlass.range_constexpr(CHUNK):
-                            ch = (m * ROW_THREADS + seg) * CHUNK + e
-                            state[m * CHUNK + e] = state[m * CHUNK + e] + u_j * sWK[j, ch // 4, ch % 4]
-                if is_flush:
-                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                        for e in cutlass.range_constexpr(CHUNK):
-                            raw[e] = state[m * CHUNK + e].to(mPool.element_type)
-                        cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + seg])
-                for s in cutlass.range_constexpr(T):
-                    x = Float32(0.0)
-                    y = Float32(0.0)
-                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                        for e in cutlass.range_constexpr(CHUNK):
-                            ch = (m * ROW_THREADS + seg) * CHUNK + e
-                            x = x + state[m * CHUNK + e] * sKx[s, ch]
-                            y = y + state[m * CHUNK + e] * sQx[s, ch]
-                    for sh in cutlass.range_constexpr(2):
-                        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << sh)
-                        y = y + cute.arch.shuffle_sync_bfly(y, offset=1 << sh)
-                    if seg == 0:
-                        sXY[r_loc, s] = x
-                        sXY[r_loc, T + s] = y
+                            raw[e] = state[rho * 32 + m * CHUNK + e].to(mPool.element_type)
+                        cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
             cute.arch.sync_threads()
 
             # ---- phase 2d: ring correction x_s += sum_j u_j M[j, s] (MMA: M = 16 rows, K = ring rows) -----------
-            if const_expr(self.mma):
-                if P > 0:
-                    # x^T += M^T U: m16 = draft vectors (A: sM), n8 = 8 state rows (B: u pairs), k = ring rows
-                    acc = cute.make_rmem_tensor((8,), Float32)
-                    for nt in cutlass.range_constexpr(2):
-                        for i in cutlass.range_constexpr(4):
-                            acc[4 * nt + i] = Float32(0.0)
-                            if const_expr(i < 2 or 2 * T > 8):
-                                acc[4 * nt + i] = sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)]
-                    for ks in cutlass.range_constexpr(KPAD // MMA_K):
-                        if P > ks * MMA_K:
-                            m_hi = cute.make_rmem_tensor((4,), Int32)
-                            m_lo = cute.make_rmem_tensor((4,), Int32)
-                            cute.autovec_copy(sM[0, g4, ks * 4 + q4, None], m_hi)
-                            cute.autovec_copy(sM[1, g4, ks * 4 + q4, None], m_lo)
-                            jp0 = ks * (MMA_K // 2) + q4
-                            for nt in cutlass.range_constexpr(2):
-                                v_loc = warp * 16 + nt * 8 + g4
-                                b_u = (sUp[jp0, v_loc], sUp[jp0 + 4, v_loc])
-                                c_in = [acc[4 * nt + i] for i in range(4)]
-                                d = _mma_bf16_m16n8k16([m_hi[i] for i in range(4)], b_u, c_in)
-                                d = _mma_bf16_m16n8k16([m_lo[i] for i in range(4)], b_u, d)
-                                for i in cutlass.range_constexpr(4):
-                                    acc[4 * nt + i] = d[i]
-                    for nt in cutlass.range_constexpr(2):
-                        for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
-                            sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
-                cute.arch.sync_threads()
+            if P > 0:
+                # x^T += M^T U: m16 = draft vectors (A: sM), n8 = 8 state rows (B: u pairs), k = ring rows
+                acc = cute.make_rmem_tensor((8,), Float32)
+                for nt in cutlass.range_constexpr(2):
+                    for i in cutlass.range_constexpr(4):
+                        acc[4 * nt + i] = Float32(0.0)
+                        if const_expr(i < 2 or 2 * T > 8):
+                            acc[4 * nt + i] = sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)]
+                for ks in cutlass.range_constexpr(KPAD // MMA_K):
+                    if P > ks * MMA_K:
+                        m_hi = cute.make_rmem_tensor((4,), Int32)
+                        m_lo = cute.make_rmem_tensor((4,), Int32)
+                        cute.autovec_copy(sM[0, g4, ks * 4 + q4, None], m_hi)
+                        cute.autovec_copy(sM[1, g4, ks * 4 + q4, None], m_lo)
+                        jp0 = ks * (MMA_K // 2) + q4
+                        for nt in cutlass.range_constexpr(2):
+                            v_loc = warp * 16 + nt * 8 + g4
+                            b_u = (sUp[jp0, v_loc], sUp[jp0 + 4, v_loc])
+                            c_in = [acc[4 * nt + i] for i in range(4)]
+                            d = _mma_bf16_m16n8k16([m_hi[i] for i in range(4)], b_u, c_in)
+                            d = _mma_bf16_m16n8k16([m_lo[i] for i in range(4)], b_u, d)
+                            for i in cutlass.range_constexpr(4):
+                                acc[4 * nt + i] = d[i]
+                for nt in cutlass.range_constexpr(2):
+                    for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
+                        sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
+            cute.arch.sync_threads()
 
             # ---- phase 3: k^ appends (V tile 0, threads past the tile), the triangular solve (one row each) -
             if tile == 0:
@@ -853,7 +868,7 @@ class UcacheVerifyFlush:
                     p = xy[s]
                     for r in cutlass.range_constexpr(s):
                         p = p + sA[s, r] * w_u[r]
-                    u_s = sBeta[s] * (sVin[s, tidx] - sInv[s] * p)
+                    u_s = sBeta[s] * (sVin[s, tidx].to(Float32) - sInv[s] * p)
                     w_u[s] = sInv[s] * u_s
                     gUR[(base + P + s) & RING, v] = u_s.to(mUCache.element_type)
                 for s in cutlass.range_constexpr(T):
@@ -906,12 +921,11 @@ def build_ucache_kernel(
     tile_v: int,
     softplus_gate: bool,
     aligned: bool,
-    mma: bool,
     arch: str,
     extra_options: str = "",
 ):
     """Compile one configuration against fake tensors (no GPU needed when CUTE_DSL_ARCH is set)."""
-    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, mma)
+    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned)
     return cute.compile(
         cfg,
         *_fakes(cfg),
@@ -1013,7 +1027,6 @@ def ucache_verify_flush(
     restart_hist_on_flush: bool = False,
     aligned: bool = True,
     tile_v: int | None = None,
-    mma: bool | None = None,
 ) -> torch.Tensor:
     """Launch the kernel on the current stream. Arguments are already validated (kda-recurrent does it).
 
@@ -1025,13 +1038,11 @@ def ucache_verify_flush(
     ``restart_hist_on_flush`` then applies the flush part of the commit with a second, one-thread-per-row kernel.
     """
     B, T, H, _ = q.shape
-    if mma is None:
-        mma = DEFAULT_MMA
-    tile_v = tile_v or default_tile_v(B, H, mma)
+    tile_v = tile_v or default_tile_v(B, H)
     softplus_gate = lower_bound is None
-    key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned), bool(mma))
+    key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned))
     fn = _launch.get_or_compile(
-        key, lambda arch: build_ucache_kernel(H, T, w_ring, tile_v, softplus_gate, bool(aligned), bool(mma), arch)
+        key, lambda arch: build_ucache_kernel(H, T, w_ring, tile_v, softplus_gate, bool(aligned), arch)
     )
     fn(
         q,
