@@ -249,11 +249,13 @@ def default_tile_v(batch: int, heads: int) -> int:
 
     Every CTA repeats the per-(request, head) preamble (gate, norms, replay vectors, triangles), which costs about
     as many instructions as its share of the state rows: 128-row tiles (256 threads) run it once per (request,
-    head), 64-row tiles twice but give small batches twice the CTAs. Crossover guessed at ~4 CTAs of 128 rows per
-    SM of an H200 (132 SMs). Measured on the H200 (T=8 w16 H=12, benchmarks/results/ucache_tile_sweep_h200.json):
-    tile 128 wins from B=64 up (22.9 vs 34.0 us; B=512 186 vs 272), the two tie at B=8 (7.0 vs 7.1 us).
+    head), 64-row tiles twice but give small batches twice the CTAs. Measured on the H200 after the round-2 cuts
+    (T=8 w16 H=12, CUDA-graph replay, benchmarks/results/ucache_tile_sweep_h200.json): tile 128 wins at B=8 (6.53
+    vs 6.96 us at 0% folds, 7.94 vs 8.29 at 100%), B=64 (20.2 vs 27.2) and B=512 (154 vs 207). B=1 (12 states) was
+    timed with tile 64 only (5.95 us) and B=32 with tile 64 only (15.2 us): from 96 states (B=8 at H=12) on the
+    table takes 128, between the two measured wins; below it keeps 64.
     """
-    return 128 if batch * heads >= 4 * 132 else 64
+    return 128 if batch * heads >= 96 else 64
 
 
 class UcacheVerifyFlush:
