@@ -378,6 +378,29 @@ def _check_gate_params(A_log, dt_bias, H: int, K: int, use_gate: bool, dev: int)
     return dt_bias.data_ptr()
 
 
+def _gate_and_scale(use_gate: bool, A_log, dt_bias, lower_bound, scale, H: int, K: int, dev: int):
+    """Hot-path gate parameter and scalar checks shared by the T=1 and recurrent validators: (dt_bias pointer bits
+    for the alignment fold, or 0 without the gate; the lower bound as remembered, None without the gate; the scale,
+    defaulted). A broken rule goes to the full checkers, which raise the argument's error."""
+    ptr = 0
+    lb = None  # ignored (and unchecked) with a precomputed gate
+    if use_gate:
+        if (not isinstance(A_log, _Tensor) or A_log.shape != (H,) or A_log.dtype is not _F32
+                or A_log.get_device() != dev or not isinstance(dt_bias, _Tensor)
+                or ((ds := dt_bias.shape) != (H * K,) and ds != (H, K)) or dt_bias.dtype is not _F32
+                or dt_bias.get_device() != dev or not dt_bias.is_contiguous()):
+            _check_gate_params(A_log, dt_bias, H, K, True, dev)
+        ptr = dt_bias.data_ptr()
+        if lower_bound is not None and (type(lower_bound) is not float or not -_INF < lower_bound < 0.0):
+            _check_scalar_args(lower_bound, None, K, True)  # raises unless another legal number type
+        lb = lower_bound
+    if scale is None:
+        scale = _DEFAULT_SCALE[K]
+    elif type(scale) is not float or not 0.0 < scale < _INF:
+        scale = _check_scalar_args(None, scale, K, False)
+    return ptr, lb, scale
+
+
 def _check_flag(name: str, value) -> None:
     if value is not True and value is not False:
         fail(name, "a bool", type(value).__name__)
@@ -436,22 +459,8 @@ def _t1_tail(B, H, g_dtype, beta_dtype, state_pool, slot_indices, A_log, dt_bias
             or slot_indices.get_device() != dev or (B > 1 and slot_indices.stride()[0] != 1)):
         _index("slot_indices", slot_indices, B, "[B]", dev)
 
-    if use_gate_in_kernel:
-        if (not isinstance(A_log, _Tensor) or A_log.shape != (H,) or A_log.dtype is not _F32
-                or A_log.get_device() != dev or not isinstance(dt_bias, _Tensor)
-                or ((ds := dt_bias.shape) != (H * HEAD_DIM,) and ds != (H, HEAD_DIM)) or dt_bias.dtype is not _F32
-                or dt_bias.get_device() != dev or not dt_bias.is_contiguous()):
-            _check_gate_params(A_log, dt_bias, H, HEAD_DIM, True, dev)
-        acc |= dt_bias.data_ptr()
-        if lower_bound is not None and (type(lower_bound) is not float or not -_INF < lower_bound < 0.0):
-            _check_scalar_args(lower_bound, None, HEAD_DIM, True)  # raises unless another legal number type
-        lb = lower_bound
-    else:
-        lb = None  # ignored (and unchecked) with a precomputed gate
-    if scale is None:
-        scale = _DEFAULT_SCALE[HEAD_DIM]
-    elif type(scale) is not float or not 0.0 < scale < _INF:
-        scale = _check_scalar_args(None, scale, HEAD_DIM, False)
+    dt_bias_ptr, lb, scale = _gate_and_scale(use_gate_in_kernel, A_log, dt_bias, lower_bound, scale, H, HEAD_DIM, dev)
+    acc |= dt_bias_ptr
 
     if output is not None:
         so = output.stride() if isinstance(output, _Tensor) else None
@@ -785,22 +794,8 @@ def validate_recurrent(
                  "a tensor")
         _index("num_accepted_tokens", num_accepted_tokens, N_seq, "[N_seq]", dev)
 
-    if use_gate_in_kernel:
-        if (not isinstance(A_log, _Tensor) or A_log.shape != (H,) or A_log.dtype is not _F32
-                or A_log.get_device() != dev or not isinstance(dt_bias, _Tensor)
-                or ((ds := dt_bias.shape) != (H * K,) and ds != (H, K)) or dt_bias.dtype is not _F32
-                or dt_bias.get_device() != dev or not dt_bias.is_contiguous()):
-            _check_gate_params(A_log, dt_bias, H, K, True, dev)
-        acc |= dt_bias.data_ptr()
-        if lower_bound is not None and (type(lower_bound) is not float or not -_INF < lower_bound < 0.0):
-            _check_scalar_args(lower_bound, None, K, True)  # raises unless another legal number type
-        lb = lower_bound
-    else:
-        lb = None  # ignored (and unchecked) with a precomputed gate
-    if scale is None:
-        scale = _DEFAULT_SCALE[K]
-    elif type(scale) is not float or not 0.0 < scale < _INF:
-        scale = _check_scalar_args(None, scale, K, False)
+    dt_bias_ptr, lb, scale = _gate_and_scale(use_gate_in_kernel, A_log, dt_bias, lower_bound, scale, H, K, dev)
+    acc |= dt_bias_ptr
     if output is not None:
         so = output.stride() if isinstance(output, _Tensor) else None
         if (so is None or output.shape != vs or output.dtype is not _BF16 or output.get_device() != dev
