@@ -612,8 +612,9 @@ _LAUNCH_MEMO: dict[tuple, tuple] = {}
 _LAUNCH_MEMO_MAX = 1024
 
 
-def _configure(call, packed, l2norm, x, g_dtype, beta_dtype):
-    """Schedule + compiled variant of one validated call; stores and returns its launch memo entry."""
+def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype):
+    """Schedule + compiled variant of one validated call; stores its launch memo entry under ``memo_key`` (built
+    by the caller, ``_run`` / ``_run_packed``, from the facts listed at ``_LAUNCH_MEMO``)."""
     gated = call.gate_mode is not GateMode.PRECOMPUTED
     fn = compiled = None
     if call.B > 0:
@@ -633,9 +634,21 @@ def _configure(call, packed, l2norm, x, g_dtype, beta_dtype):
              compiled)
     if len(_LAUNCH_MEMO) >= _LAUNCH_MEMO_MAX:  # many distinct call shapes: start over rather than grow
         _LAUNCH_MEMO.clear()
-    _LAUNCH_MEMO[(id(call), packed, l2norm, x.get_device(), knobs.get("KDA_DECODE_TILE_V"), _FORCE_SMEM_STAGE,
-                  _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT)] = entry
+    _LAUNCH_MEMO[memo_key] = entry
     return entry
+
+
+def _launch_args(entry, x, A_log, dt_bias, output):
+    """(function or None when B == 0, output (allocated when None), A_log, dt_bias as the kernel takes them, scale,
+    lower bound) from a launch memo entry; shared by both entries."""
+    _, fn, scale, lower_bound, gated, B, H, _ = entry
+    if output is None:
+        output = torch.empty((B, 1, H, HEAD_DIM), dtype=torch.bfloat16, device=x.device)
+    if not gated:
+        A_log = dt_bias = None
+    elif fn is not None and dt_bias.dim() != 1:
+        dt_bias = dt_bias.view(-1)
+    return fn, output, A_log, dt_bias, scale, lower_bound
 
 
 def _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, l2norm, output):
@@ -644,37 +657,23 @@ def _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, l2nor
 
     Per call: one memo lookup (the knob read is a dict lookup, see ``kda_core.knobs``) and the FFI call.
     """
-    entry = _LAUNCH_MEMO.get((id(call), False, l2norm, q.get_device(), knobs.get("KDA_DECODE_TILE_V"),
-                              _FORCE_SMEM_STAGE, _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT))
-    if entry is None:
-        entry = _configure(call, False, l2norm, q, g.dtype, beta.dtype)
-    _, fn, scale, lower_bound, gated, B, H, _ = entry
-    if output is None:
-        output = torch.empty((B, 1, H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
+    key = (id(call), False, l2norm, q.get_device(), knobs.get("KDA_DECODE_TILE_V"), _FORCE_SMEM_STAGE,
+           _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT)  # the _LAUNCH_MEMO key, spelled out: this is the hot path
+    entry = _LAUNCH_MEMO.get(key) or _configure(key, call, False, l2norm, q, g.dtype, beta.dtype)
+    fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, q, A_log, dt_bias, output)
     if fn is None:  # B == 0
         return output
-    if not gated:
-        A_log = dt_bias = None
-    elif dt_bias.dim() != 1:
-        dt_bias = dt_bias.view(-1)
     fn(q, k, v, g, beta, A_log, dt_bias, state_pool, slot_indices, output, scale, lower_bound)
     return output
 
 
 def _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias, l2norm, output):
     """:func:`_run` for a validated packed call: the GEMM rows go to the compiled function as they are."""
-    entry = _LAUNCH_MEMO.get((id(call), True, l2norm, mixed_qkv.get_device(), knobs.get("KDA_DECODE_TILE_V"),
-                              _FORCE_SMEM_STAGE, _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT))
-    if entry is None:
-        entry = _configure(call, True, l2norm, mixed_qkv, raw_gate.dtype, raw_beta.dtype)
-    _, fn, scale, lower_bound, gated, B, H, _ = entry
-    if output is None:
-        output = torch.empty((B, 1, H, HEAD_DIM), dtype=torch.bfloat16, device=mixed_qkv.device)
+    key = (id(call), True, l2norm, mixed_qkv.get_device(), knobs.get("KDA_DECODE_TILE_V"), _FORCE_SMEM_STAGE,
+           _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT)  # as in _run
+    entry = _LAUNCH_MEMO.get(key) or _configure(key, call, True, l2norm, mixed_qkv, raw_gate.dtype, raw_beta.dtype)
+    fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, mixed_qkv, A_log, dt_bias, output)
     if fn is None:  # B == 0
         return output
-    if not gated:
-        A_log = dt_bias = None
-    elif dt_bias.dim() != 1:
-        dt_bias = dt_bias.view(-1)
     fn(mixed_qkv, raw_gate, raw_beta, A_log, dt_bias, state_pool, slot_indices, output, scale, lower_bound)
     return output
