@@ -324,14 +324,12 @@ class KDARecurrent:
         # the current chunk's rows are updated and prepared after them, so one barrier per chunk suffices.
         C = self.groups
         smem = cutlass.memory.SmemAllocator()
-        sK = smem.allocate_tensor(Float32, cute.make_layout((2, C, self.head_dim), stride=(C * self.head_dim,
-                                  self.head_dim, 1)), byte_alignment=16)
-        sQ = smem.allocate_tensor(Float32, cute.make_layout((2, C, self.head_dim), stride=(C * self.head_dim,
-                                  self.head_dim, 1)), byte_alignment=16)
-        sD = smem.allocate_tensor(Float32, cute.make_layout((2, C, self.head_dim), stride=(C * self.head_dim,
-                                  self.head_dim, 1)), byte_alignment=16)
-        sV = smem.allocate_tensor(Float32, cute.make_layout((2, C, self.tile_v), stride=(C * self.tile_v,
-                                  self.tile_v, 1)), byte_alignment=16)
+        def chunk_buffers(width):  # [buffer, token of the chunk, width] fp32, row-major
+            layout = cute.make_layout((2, C, width), stride=(C * width, width, 1))
+            return smem.allocate_tensor(Float32, layout, byte_alignment=16)
+
+        sK, sQ, sD = chunk_buffers(self.head_dim), chunk_buffers(self.head_dim), chunk_buffers(self.head_dim)
+        sV = chunk_buffers(self.tile_v)
         sKQ = smem.allocate_tensor(Float32, cute.make_layout((2, C), stride=(C, 1)), byte_alignment=16)
         sBeta = smem.allocate_tensor(Float32, cute.make_layout((2, C), stride=(C, 1)), byte_alignment=16)
 
