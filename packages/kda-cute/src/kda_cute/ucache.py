@@ -485,15 +485,36 @@ class UcacheVerifyFlush:
         slot = mSlot[bi]
         pool_rows = mPool.shape[0]
         active = (slot >= 0) & (slot < pool_rows)
+        # Loads that do not depend on the slot are issued with it, before the branch on it (every index is in
+        # bounds for an inactive row too): the cursors, and the gate phase's draft inputs. Their latency then
+        # overlaps the slot's instead of following it.
+        hist_in = mHist[bi]
+        base_in = mBase[bi]
+        gQ = mQ[bi, None, h, None]
+        gK = mK[bi, None, h, None]
+        gGate = mG[bi, None, h, None]
+        grp = 0
+        c = tidx
+        if const_expr(NG > 1):
+            grp = lane // LG
+            c = warp * LG + lane % LG
+        k_raw = cute.make_rmem_tensor((TPT,), Float32)
+        q_raw = cute.make_rmem_tensor((TPT,), Float32)
+        gate_in = cute.make_rmem_tensor((TPT,), Float32)
+        for i in cutlass.range_constexpr(TPT):
+            t = grp * TPT + i
+            k_raw[i] = gK[t, c].to(Float32)
+            q_raw[i] = gQ[t, c].to(Float32)
+            gate_in[i] = gGate[t, c].to(Float32)
         if active:
             # Clamp the cursors: a malformed hist_len / cache_base must never index past the shared-memory
             # tiles or the 32-slot ring (legal values are checked by the caller, under KDA_DEBUG_VALIDATE).
-            P = mHist[bi]
+            P = hist_in
             if P < 0:
                 P = cutlass.Int32(0)
             if P > MAXR:
                 P = cutlass.Int32(MAXR)
-            base = mBase[bi] & RING
+            base = base_in & RING
             is_flush = P >= flush_min
             slot64 = Int64(slot)
             # This (request, head)'s pool slot and rings, offset once in 64 bits; every index below is 32-bit.
@@ -528,28 +549,16 @@ class UcacheVerifyFlush:
             # Thread (token group grp, channel c) owns TPT consecutive draft tokens of one key channel, so the
             # running sum cum_t of the gate stays in registers (one shuffle passes it between token groups).
             # k and q stay raw: their norms come out of the triangle phase and are applied in the solve.
-            gQ = mQ[bi, None, h, None]
-            gK = mK[bi, None, h, None]
-            gGate = mG[bi, None, h, None]
-            grp = 0
-            c = tidx
-            if const_expr(NG > 1):
-                grp = lane // LG
-                c = warp * LG + lane % LG
             rate = cute.math.exp(mALog[h].to(Float32), fastmath=True)
             dt_c = mDtBias[h * K + c].to(Float32)
             g_last = Float32(0.0)
             if P > 0:
                 g_last = gGR[last_row, c]
-            k_raw = cute.make_rmem_tensor((TPT,), Float32)
-            q_raw = cute.make_rmem_tensor((TPT,), Float32)
             g_logs = cute.make_rmem_tensor((TPT,), Float32)
             part = Float32(0.0)
             for i in cutlass.range_constexpr(TPT):
                 t = grp * TPT + i
-                k_raw[i] = gK[t, c].to(Float32)
-                q_raw[i] = gQ[t, c].to(Float32)
-                x = gGate[t, c].to(Float32) + dt_c
+                x = gate_in[i] + dt_c
                 g_log = Float32(0.0)
                 if const_expr(self.softplus_gate):
                     sp = x
