@@ -1114,6 +1114,7 @@ def ucache_verify_flush(
     restart_hist_on_flush: bool = False,
     aligned: bool = True,
     tile_v: int | None = None,
+    four_ctas: bool | None = None,
 ) -> torch.Tensor:
     """Launch the kernel on the current stream. Arguments are already validated (kda-recurrent does it).
 
@@ -1123,11 +1124,12 @@ def ucache_verify_flush(
     cache_base [B] int32 contiguous; output [B, T, H, 128] bf16. ``aligned``: every pool/ring pointer and row
     stride is a multiple of 16 bytes (kda_core's validation says so). The kernel only reads the cursors;
     ``restart_hist_on_flush`` then applies the flush part of the commit with a second, one-thread-per-row kernel.
+    ``four_ctas``: the :class:`UcacheVerifyFlush` variant (None: ``_FORCE_FOUR_CTAS``, off by default).
     """
     B, T, H, _ = q.shape
     tile_v = tile_v or default_tile_v(B, H)
     softplus_gate = lower_bound is None
-    four_ctas = bool(_FORCE_FOUR_CTAS)
+    four_ctas = bool(_FORCE_FOUR_CTAS if four_ctas is None else four_ctas)
     key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned), four_ctas)
     fn = _launch.get_or_compile(
         key,
