@@ -545,6 +545,63 @@ class UcacheVerifyFlush:
             if const_expr(not self.four_ctas):
                 load_checkpoint_rows()
 
+            # Phase 1b's global loads: u ring rows (tasks = (row pair, 8 consecutive state rows)), and for the replay
+            # vectors wk_j = exp(G_{P-1} - G_j) * k^_j the last G row and rows G_j, k^_j. A wk task is 4 channels
+            # (lanes run over them: whole ring rows per warp) of a set of ring rows 16 ks + 2q + {0, 1, 8, 9} (the
+            # pairs ks*8 + q and ks*8 + q + 4 of one fold B fragment). four_ctas starts the wk tasks at thread NT/2,
+            # so that they do not pile onto the threads that load u.
+            u_chunk0 = tile * (TV // CHUNK)  # this tile's first 8-row chunk of a ring row
+            u_tasks = (KPAD // 2) * (TV // CHUNK)
+            n_rows = 4
+            wk_tasks = KPAD // n_rows * (K // 4)
+
+            def wk_task(it):
+                if const_expr(self.four_ctas):
+                    return (tidx + NT // 2) % NT + it * NT
+                return tidx + it * NT
+
+            def issue_ring_loads():
+                u_loaded = []
+                for it in cutlass.range_constexpr((u_tasks + NT - 1) // NT):
+                    task = tidx + it * NT
+                    halves = [cute.make_rmem_tensor((CHUNK // 2,), Int32) for _ in range(2)]
+                    if task < u_tasks:
+                        jp = task // (TV // CHUNK)
+                        r8 = task % (TV // CHUNK)
+                        for odd in cutlass.range_constexpr(2):
+                            for e in cutlass.range_constexpr(CHUNK // 2):
+                                halves[odd][e] = Int32(0)
+                            if 2 * jp + odd < P:
+                                cute.autovec_copy(
+                                    _row_chunks(gUR, (base + 2 * jp + odd) & RING, CHUNK)[None, u_chunk0 + r8],
+                                    cute.recast_tensor(halves[odd], mUCache.element_type),
+                                )
+                    u_loaded.append(halves)
+                wk_loaded = []
+                for it in cutlass.range_constexpr((wk_tasks + NT - 1) // NT):
+                    task = wk_task(it)
+                    last4 = cute.make_rmem_tensor((4,), Float32)
+                    gjs = [cute.make_rmem_tensor((4,), Float32) for _ in range(n_rows)]
+                    kjs = [cute.make_rmem_tensor((4,), mKCache.element_type) for _ in range(n_rows)]
+                    if task < wk_tasks:
+                        c4 = task % (K // 4)
+                        row_set = task // (K // 4)
+                        for e in cutlass.range_constexpr(4):
+                            last4[e] = Float32(0.0)
+                        if P > 0:
+                            cute.autovec_copy(_row_chunks(gGR, last_row, 4)[None, c4], last4)
+                        js = [16 * (row_set // 4) + 2 * (row_set % 4) + d for d in (0, 1, 8, 9)]
+                        for rr in cutlass.range_constexpr(n_rows):
+                            if js[rr] < P:
+                                phys = (base + js[rr]) & RING
+                                cute.autovec_copy(_row_chunks(gGR, phys, 4)[None, c4], gjs[rr])
+                                cute.autovec_copy(_row_chunks(gKR, phys, 4)[None, c4], kjs[rr])
+                    wk_loaded.append((last4, gjs, kjs))
+                return u_loaded, wk_loaded
+
+            if const_expr(self.four_ctas):
+                ring = issue_ring_loads()
+
             # ---- phase 1a: gate, raw k/q, decays and decayed draft vectors --------------------------
             # Thread (token group grp, channel c) owns TPT consecutive draft tokens of one key channel, so the
             # running sum cum_t of the gate stays in registers (one shuffle passes it between token groups).
@@ -622,23 +679,17 @@ class UcacheVerifyFlush:
                         sXb[task // (8 * (K // 4)), task // (K // 4) % 8, task % (K // 4), 2 * odd + 1] = Int32(0)
 
             # ---- phase 1b: ring rows (u, replay vectors wk), v tile, beta ------------------------------
-            # Only the live rows j < P are loaded: stale rows never enter an arithmetic op.
-            u_chunk0 = tile * (TV // CHUNK)  # this tile's first 8-row chunk of a ring row
-            u_tasks = (KPAD // 2) * (TV // CHUNK)  # (row pair, 8 consecutive state rows)
-            for it in cutlass.range_constexpr((u_tasks + NT - 1) // NT):
+            # Only the live rows j < P are loaded: stale rows never enter an arithmetic op. The four_ctas variant
+            # issued these loads before phase 1a (ring_loads above), so their latency hid under the gate math.
+            if const_expr(not self.four_ctas):
+                ring = issue_ring_loads()
+            u_loaded, wk_loaded = ring
+            for it in cutlass.range_constexpr(len(u_loaded)):
                 task = tidx + it * NT
                 if task < u_tasks:
                     jp = task // (TV // CHUNK)
                     r8 = task % (TV // CHUNK)
-                    halves = [cute.make_rmem_tensor((CHUNK // 2,), Int32) for _ in range(2)]
-                    for odd in cutlass.range_constexpr(2):
-                        for e in cutlass.range_constexpr(CHUNK // 2):
-                            halves[odd][e] = Int32(0)
-                        if 2 * jp + odd < P:
-                            cute.autovec_copy(
-                                _row_chunks(gUR, (base + 2 * jp + odd) & RING, CHUNK)[None, u_chunk0 + r8],
-                                cute.recast_tensor(halves[odd], mUCache.element_type),
-                            )
+                    halves = u_loaded[it]
                     packed = cute.make_rmem_tensor((CHUNK,), Int32)
                     for e in cutlass.range_constexpr(CHUNK // 2):
                         # (u_2jp[v], u_2jp+1[v]) bf16 pairs: bit moves only, the ring holds bf16
@@ -655,34 +706,22 @@ class UcacheVerifyFlush:
                 sBeta[tidx] = Float32(1.0) / (
                     Float32(1.0) + cute.math.exp(-mBeta[bi, tidx, h].to(Float32), fastmath=True)
                 )
-            # wk_j = exp(G_{P-1} - G_j) * k^_j. A task is 4 channels (lanes run over them: whole ring rows per warp)
-            # of a set of ring rows 16 ks + 2q + {0, 1, 8, 9} (the pairs ks*8 + q and ks*8 + q + 4 of one fold B
-            # fragment).
-            n_rows = 4
-            wk_tasks = KPAD // n_rows * (K // 4)
-            for it in cutlass.range_constexpr((wk_tasks + NT - 1) // NT):
-                task = tidx + it * NT
+            for it in cutlass.range_constexpr(len(wk_loaded)):
+                task = wk_task(it)
                 if task < wk_tasks:
                     c4 = task % (K // 4)
                     row_set = task // (K // 4)
-                    last4 = cute.make_rmem_tensor((4,), Float32)
-                    for e in cutlass.range_constexpr(4):
-                        last4[e] = Float32(0.0)
-                    if P > 0:
-                        cute.autovec_copy(_row_chunks(gGR, last_row, 4)[None, c4], last4)
+                    last4, gjs, kjs = wk_loaded[it]
                     wk = [cute.make_rmem_tensor((4,), Float32) for _ in range(n_rows)]
                     js = [16 * (row_set // 4) + 2 * (row_set % 4) + d for d in (0, 1, 8, 9)]
                     for rr in cutlass.range_constexpr(n_rows):
                         for e in cutlass.range_constexpr(4):
                             wk[rr][e] = Float32(0.0)
                         if js[rr] < P:
-                            phys = (base + js[rr]) & RING
-                            gj = cute.make_rmem_tensor((4,), Float32)
-                            kj = cute.make_rmem_tensor((4,), mKCache.element_type)
-                            cute.autovec_copy(_row_chunks(gGR, phys, 4)[None, c4], gj)
-                            cute.autovec_copy(_row_chunks(gKR, phys, 4)[None, c4], kj)
                             for e in cutlass.range_constexpr(4):
-                                wk[rr][e] = cute.math.exp(last4[e] - gj[e], fastmath=True) * kj[e].to(Float32)
+                                wk[rr][e] = cute.math.exp(last4[e] - gjs[rr][e], fastmath=True) * kjs[rr][e].to(
+                                    Float32
+                                )
                     quad = cute.make_rmem_tensor((4,), Int32)
                     for rr in cutlass.range_constexpr(n_rows):
                         # along channels: (hi, hi, lo, lo) of channel pairs 2 c4, 2 c4 + 1 of ring row j
