@@ -242,8 +242,7 @@ SM_SMEM_BYTES = 228 * 1024
 """Shared memory of one SM with the largest carveout on sm_90a and sm_100a (H100/H200, B200)."""
 CTA_SMEM_RESERVED = 1024
 """Shared memory the driver reserves per resident CTA (sm_80 and later); allocations come in 128-byte granules."""
-# Benchmarks' sweep hook: overrides the table when non-zero. Not in the compile key: a sweep clears the compile
-# cache between values.
+# Benchmarks' sweep hook: overrides the table when non-zero (part of the compile key).
 _FORCE_MIN_BLOCKS = 0
 # Benchmarks' sweep hook for the ``four_ctas`` variant (None: the default, off). It is in the compile key.
 _FORCE_FOUR_CTAS = None
@@ -1169,7 +1168,7 @@ def ucache_verify_flush(
     tile_v = tile_v or default_tile_v(B, H)
     softplus_gate = lower_bound is None
     four_ctas = bool(_FORCE_FOUR_CTAS if four_ctas is None else four_ctas)
-    key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned), four_ctas)
+    key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned), four_ctas, _FORCE_MIN_BLOCKS)
     fn = _launch.get_or_compile(
         key,
         lambda arch: build_ucache_kernel(H, T, w_ring, tile_v, softplus_gate, bool(aligned), arch, four_ctas=four_ctas),
