@@ -10,6 +10,12 @@ draft token) for the same T and B, and a device-to-device copy of the bytes our 
     python benchmarks/bench_kda_ucache_flush.py --t 8 --w-ring 16 --batch-size 1 64 512 --fold-pct 0 100 \
         --json out.json --plot out.png
 
+``--variant r2 four_ctas`` times the kernel variants (kda_cute.ucache.UcacheVerifyFlush) one after the other in one
+process, and ``--min-blocks 3 4`` the resident-CTA floor asked of ptxas (0: the kernel's table), e.g.
+
+    python benchmarks/bench_kda_ucache_flush.py --t 8 --w-ring 16 --batch-size 8 64 512 --fold-pct 0 100 --no-fla \
+        --variant r2 four_ctas --iterations 50
+
 ``--restart-hist-on-flush 1`` adds the one-thread-per-row cursor restart kernel to every timed call (serving stacks
 sharing one cursor set across layers run it once per step instead: the default 0 times the per-layer kernel).
 """
@@ -44,6 +50,10 @@ def parse_args(argv=None):
     p.add_argument("--restart-hist-on-flush", type=int, choices=[0, 1], default=0)
     p.add_argument("--tile-v", type=int, nargs="+", default=[0],
                    help="state rows per CTA (0 = the schedule policy); several values make a sweep")
+    p.add_argument("--variant", nargs="+", choices=["r2", "four_ctas"], default=["r2"],
+                   help="kernel variants to time (four_ctas: UcacheVerifyFlush's 4-CTA-per-SM schedule)")
+    p.add_argument("--min-blocks", type=int, nargs="+", default=[0],
+                   help="resident-CTA floors asked of ptxas (0 = the kernel's table; sets _FORCE_MIN_BLOCKS)")
     p.add_argument("--cold-l2", action="store_true", help="flush the L2 (256 MiB write) before every iteration")
     p.add_argument("--no-fla", action="store_true", help="skip FLA (e.g. fla-core missing)")
     p.add_argument("--check-max-batch", type=int, default=64, help="oracle check for B up to this (0 = never)")
@@ -194,14 +204,20 @@ def main(argv=None):
     timer = _timing.KernelTimer()
     flush = _timing.L2Flusher() if args.cold_l2 else None
     records = []
+    import itertools
+
+    from kda_cute import ucache
     from kda_cute.ucache import default_tile_v
 
-    total = len(args.batch_size) * len(args.fold_pct) * len(args.tile_v)
+    schedules = list(itertools.product(args.tile_v, args.variant, args.min_blocks))
+    total = len(args.batch_size) * len(args.fold_pct) * len(schedules)
     done = 0
     for B in args.batch_size:
         fla_us = None
         for fold_pct in args.fold_pct:
-            for tile_v in args.tile_v:
+            for tile_v, variant, min_blocks in schedules:
+                ucache._FORCE_FOUR_CTAS = variant == "four_ctas"
+                ucache._FORCE_MIN_BLOCKS = min_blocks  # both hooks are in the compile key
                 x = make_step(B, T, H, w_ring, flush_min, fold_pct, args.verify_hist, seed=B * 101 + fold_pct)
                 used_tile = tile_v or default_tile_v(B, H)
                 check = None
@@ -225,7 +241,7 @@ def main(argv=None):
                          for name, fn in graphs.items()}
                 fla_us = times.get("fla", fla_us)
                 rec = dict(B=B, T=T, H=H, w_ring=w_ring, flush_min=flush_min, fold_pct=fold_pct, tile_v=used_tile,
-                           tile_v_forced=tile_v,
+                           tile_v_forced=tile_v, variant=variant, min_blocks_forced=min_blocks,
                            mean_hist_len=float(x["hist_len"].float().mean()), verify_hist=args.verify_hist,
                            restart_hist_on_flush=bool(args.restart_hist_on_flush), cold_l2=args.cold_l2,
                            timer=timer.backend, ours_us=times["ours"], fla_spec_us=fla_us, copy_us=times["copy"],
@@ -238,7 +254,8 @@ def main(argv=None):
                 records.append(rec)
                 done += 1
                 fla_txt = f"fla {fla_us:8.2f} us ({rec['speedup_vs_fla']:.1f}x)  " if fla_us else ""
-                print(f"[{done}/{total}] T={T} w={w_ring} B={B:4d} fold={fold_pct:3d}% tile {used_tile:3d}  "
+                print(f"[{done}/{total}] T={T} w={w_ring} B={B:4d} fold={fold_pct:3d}% tile {used_tile:3d} "
+                      f"{variant}{f' min-blocks {min_blocks}' if min_blocks else ''}  "
                       f"ours {times['ours']:8.2f} us "
                       f"({rec['ours_TBps']:.2f} TB/s)  {fla_txt}copy {times['copy']:8.2f} us", flush=True)
                 del x, graphs, calls

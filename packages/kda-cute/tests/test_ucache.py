@@ -332,3 +332,59 @@ def test_batch_64_random_is_deterministic():
     assert torch.equal(first.pool, second.pool)
     for name in ("k_cache", "u_cache", "g_cache"):
         assert torch.equal(getattr(first, name).nan_to_num(), getattr(second, name).nan_to_num())
+
+
+# The four_ctas variant (UcacheVerifyFlush): a schedule and shared-memory layout change with the same operations in
+# the same order, so it must match the oracle and the default variant bit for bit.
+FOUR_CTAS_STEPS = {
+    "empty-T4": lambda: make_step(8, 4, 12, hist=0, seed=1),
+    "full-flush-T8-wrapped": lambda: make_step(8, 8, 12, hist=default_flush_min(8, 16), bases=29, seed=2),
+    "full-flush-T4": lambda: make_step(8, 4, 12, hist=default_flush_min(4, 16), seed=2),
+    "mixed-T8": lambda: make_step(32, 8, 12, seed=3),
+    "mixed-T4": lambda: make_step(32, 4, 12, seed=3),
+    "strong-decay-softplus": lambda: make_step(16, 8, 12, hist=torch.arange(16) % 9 + 8, decay_range=(-5.0, -1.0),
+                                               gate="softplus", seed=6),
+    "w32-T8": lambda: make_step(16, 8, 12, w_ring=32, flush_min=default_flush_min(8, 32),
+                                hist=torch.arange(16) % (max_hist_len(8, 32) + 1), seed=7),
+    "w32-T4": lambda: make_step(16, 4, 12, w_ring=32, flush_min=default_flush_min(4, 32),
+                                hist=torch.arange(16) % (max_hist_len(4, 32) + 1), seed=7),
+    "inactive-rows": lambda: make_step(6, 8, 12, n_slots=10, slots=[-1, 3, 10, -7, 5, 110], hist=9, seed=13),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("tile_v", [64, 128])
+@pytest.mark.parametrize("name", list(FOUR_CTAS_STEPS))
+def test_four_ctas_variant_matches_oracle_and_default_bitwise(name, tile_v):
+    step = FOUR_CTAS_STEPS[name]()
+    mine, _, out, _ = check_against_oracle(step, tile_v=tile_v, four_ctas=True)
+    default = step.clone()
+    out_default = run_kernel(default, tile_v=tile_v, four_ctas=False)
+    torch.cuda.synchronize()
+    assert torch.equal(out, out_default)
+    assert torch.equal(mine.pool, default.pool)
+    for ring in ("k_cache", "u_cache", "g_cache"):
+        assert torch.equal(getattr(mine, ring).nan_to_num(), getattr(default, ring).nan_to_num()), ring
+
+
+def test_four_ctas_misaligned_pool_matches_oracle():
+    step = make_step(8, 8, 12, n_slots=20, pool_row_pad=1, pool_offset=1, hist=9, seed=19)
+    check_against_oracle(step, aligned=False, four_ctas=True)
+
+
+def test_four_ctas_batch_64_is_deterministic_under_graph_replay():
+    step = make_step(64, 8, 12, seed=17)
+    eager = step.clone()
+    out_eager = run_kernel(eager, four_ctas=True)
+    graphed = step.clone()
+    out = torch.empty_like(out_eager)
+    run_kernel(graphed.clone(), four_ctas=True)  # load the module before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_kernel(graphed, output=out, four_ctas=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, out_eager)
+    assert torch.equal(graphed.pool, eager.pool)
+    for name in ("k_cache", "u_cache", "g_cache"):
+        assert torch.equal(getattr(graphed, name).nan_to_num(), getattr(eager, name).nan_to_num()), name

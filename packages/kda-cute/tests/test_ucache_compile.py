@@ -6,6 +6,10 @@
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
+
 import pytest
 
 pytest.importorskip("cutlass")
@@ -29,6 +33,46 @@ def test_verify_flush_kernel_compiles(arch, config):
     assert build_ucache_kernel(*config, arch) is not None
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "H{}-T{}-w{}-tv{}-{}-{}".format(
+    c[0], c[1], c[2], c[3], "softplus" if c[4] else "lb", "aligned" if c[5] else "unaligned"))
+def test_four_ctas_variant_compiles(arch, config):
+    from kda_cute.ucache import build_ucache_kernel
+
+    assert build_ucache_kernel(*config, arch, four_ctas=True) is not None
+
+
+def _ptxas_registers_and_spills(ptx_path, arch):
+    """(registers, spill bytes) from ``ptxas -v``; a PTX newer than the local ptxas is retried with the .version
+    that ptxas names as its newest."""
+    cmd = [shutil.which("ptxas"), f"-arch={arch}", "-v", str(ptx_path), "-o", "/dev/null"]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    newest = re.search(r"Unsupported \.version \S+; current version is '([\d.]+)'", run.stderr)
+    if run.returncode and newest:
+        text = ptx_path.read_text()
+        ptx_path.write_text(re.sub(r"^\.version \S+", f".version {newest.group(1)}", text, count=1, flags=re.M))
+        run = subprocess.run(cmd, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    report = run.stderr + run.stdout
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+    return registers, spills
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("softplus_gate", [False, True], ids=["lb", "softplus"])
+def test_four_ctas_main_config_fits_64_registers_without_spills(softplus_gate, arch, tmp_path):
+    # T=8 w16 tile 128 (the B >= 8 schedule at H=12): 4 CTAs of 256 threads need <= 64 registers per thread.
+    from kda_cute.ucache import build_ucache_kernel
+
+    build_ucache_kernel(12, 8, 16, 128, softplus_gate, True, arch, f"--keep-ptx --dump-dir {tmp_path}",
+                        four_ctas=True)  # fmt: skip
+    (ptx,) = list(tmp_path.glob("*.ptx"))
+    registers, spills = _ptxas_registers_and_spills(ptx, arch)
+    assert registers <= 64 and spills == 0, f"{registers} registers, {spills} bytes of spill traffic"
+
+
 @pytest.mark.parametrize("config", [(12, 8, 16, 64, False, True), (96, 4, 32, 128, True, False),
                                     (8, 8, 32, 128, False, True)], ids=["T8-w16-tv64", "T4-w32-tv128", "T8-w32-tv128"])
 def test_smem_estimate_matches_the_compiled_launch(config):
@@ -36,8 +80,10 @@ def test_smem_estimate_matches_the_compiled_launch(config):
     # byte count must be the dynamic shared memory the compiled launch asks for (a constant of the host code).
     from kda_cute.ucache import UcacheVerifyFlush, build_ucache_kernel
 
-    expected = UcacheVerifyFlush(*config).smem_bytes()
-    assert f"llvm.mlir.constant({expected} : i64)" in str(build_ucache_kernel(*config, "sm_90a").ir_module)
+    for four_ctas in (False, True):
+        expected = UcacheVerifyFlush(*config, four_ctas).smem_bytes()
+        module = build_ucache_kernel(*config, "sm_90a", four_ctas=four_ctas).ir_module
+        assert f"llvm.mlir.constant({expected} : i64)" in str(module), four_ctas
 
 
 def test_resident_cta_floor_is_capped_by_shared_memory():
@@ -47,6 +93,9 @@ def test_resident_cta_floor_is_capped_by_shared_memory():
     assert main.ctas_by_smem() == 3 and main.occupancy()["min_blocks_per_mp"] == MIN_CTAS_PER_SM[128]
     assert UcacheVerifyFlush(12, 8, 16, 64, False, True).occupancy()["min_blocks_per_mp"] == 4
     assert UcacheVerifyFlush(12, 8, 32, 128, False, True).occupancy()["min_blocks_per_mp"] == 2
+    four = UcacheVerifyFlush(12, 8, 16, 128, False, True, four_ctas=True)
+    assert four.smem_bytes() + 1024 <= 228 * 1024 // 4
+    assert four.ctas_by_smem() == 4 and four.occupancy()["min_blocks_per_mp"] == 4
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -64,14 +113,16 @@ def test_compile_cache_key_separates_every_code_generation_parameter(monkeypatch
     monkeypatch.setattr(ucache, "restart_cursors", lambda *a: None)
     import torch
 
-    def call(T=8, H=12, w_ring=16, lower_bound=-5.0, aligned=True, tile_v=None):
+    def call(T=8, H=12, w_ring=16, lower_bound=-5.0, aligned=True, tile_v=None, four_ctas=None, min_blocks=0):
         q = torch.empty(2, T, H, 128)
+        monkeypatch.setattr(ucache, "_FORCE_MIN_BLOCKS", min_blocks)
         ucache.ucache_verify_flush(None, None, None, lower_bound, q, None, None, None, None, None, None, None, None,
-                                   None, None, 9, w_ring, 1.0, None, aligned=aligned, tile_v=tile_v)
+                                   None, None, 9, w_ring, 1.0, None, aligned=aligned, tile_v=tile_v,
+                                   four_ctas=four_ctas)  # fmt: skip
 
     _launch.clear_cache()
     for kwargs in ({}, {"T": 4}, {"H": 24}, {"w_ring": 32}, {"lower_bound": None}, {"aligned": False},
-                   {"tile_v": 128}, {}):
+                   {"tile_v": 128}, {"four_ctas": True}, {"min_blocks": 4}, {}, {"four_ctas": False}):
         call(**kwargs)
-    assert len(built) == 7  # the last call is a cache hit
+    assert len(built) == 9  # the last two calls are cache hits
     _launch.clear_cache()

@@ -235,13 +235,17 @@ def _mma_bf16_m16n8k16(a, b, c):
 # (UcacheVerifyFlush.ctas_by_smem), since a floor above it only takes registers away (today tile 64 T=8 w16 fits 4,
 # T=8 w32 fits 2 at either tile). That cap is not measured on hardware.
 MIN_CTAS_PER_SM = {64: 5, 128: 3}
+MIN_CTAS_PER_SM_FOUR = {64: 5, 128: 4}
+"""The table of the ``four_ctas`` variant: its shared memory lets 4 tile-128 CTAs reside (T=8 w16), and ptxas is
+asked for 64 registers. Not measured on hardware yet."""
 SM_SMEM_BYTES = 228 * 1024
 """Shared memory of one SM with the largest carveout on sm_90a and sm_100a (H100/H200, B200)."""
 CTA_SMEM_RESERVED = 1024
 """Shared memory the driver reserves per resident CTA (sm_80 and later); allocations come in 128-byte granules."""
-# Benchmarks' sweep hook: overrides the table when non-zero. Not in the compile key: a sweep clears the compile
-# cache between values.
+# Benchmarks' sweep hook: overrides the table when non-zero (part of the compile key).
 _FORCE_MIN_BLOCKS = 0
+# Benchmarks' sweep hook for the ``four_ctas`` variant (None: the default, off). It is in the compile key.
+_FORCE_FOUR_CTAS = None
 
 
 def default_tile_v(batch: int, heads: int) -> int:
@@ -263,11 +267,25 @@ class UcacheVerifyFlush:
 
     heads: H == HV; t_draft: T in {4, 8}; w_ring: 16 or 32 (bounds the live rows kept in shared memory);
     tile_v: state rows per CTA; softplus_gate: Kimi-Linear gate (lower_bound None) instead of the lower bound;
-    aligned: the pool and rings allow 16-byte accesses (else the same code with element-wide accesses).
+    aligned: the pool and rings allow 16-byte accesses (else the same code with element-wide accesses);
+    four_ctas: the round-3 schedule sized for 4 tile-128 CTAs per SM (same math, bit for bit): the 2T dot products
+    stay in registers across the ring correction, so ``sXY`` is only written after it and shares the bytes of the
+    dead x operands (sXb, sXu: -10 KB at tile 128 T=8); the flush fold runs one 8-channel chunk at a time (16
+    accumulators live instead of 64); the resident-CTA floor comes from ``MIN_CTAS_PER_SM_FOUR``.
     """
 
-    def __init__(self, heads: int, t_draft: int, w_ring: int, tile_v: int, softplus_gate: bool, aligned: bool):
+    def __init__(
+        self,
+        heads: int,
+        t_draft: int,
+        w_ring: int,
+        tile_v: int,
+        softplus_gate: bool,
+        aligned: bool,
+        four_ctas: bool = False,
+    ):
         self.heads = heads
+        self.four_ctas = four_ctas
         self.aligned = aligned
         self.t_draft = t_draft
         self.w_ring = w_ring
@@ -348,7 +366,7 @@ class UcacheVerifyFlush:
             K * KPAD,  # sWK
             KPAD * PAIR_ROW,  # sWKc
             15 * self.m_row + KPAD,  # sM
-            (TV - 1) * self.xy_stride + 2 * T,  # sXY
+            0 if self.four_ctas else (TV - 1) * self.xy_stride + 2 * T,  # sXY (four_ctas: inside sXb, sXu)
             T * TV // 2,  # sVin (bf16)
             K,  # sBdec
             2 * T,  # sInv
@@ -365,7 +383,8 @@ class UcacheVerifyFlush:
     def occupancy(self) -> dict:
         """Launch attributes: the resident-CTA floor (at most what shared memory allows) and the largest
         shared-memory carveout."""
-        ctas = _FORCE_MIN_BLOCKS or min(MIN_CTAS_PER_SM.get(self.tile_v, 0), self.ctas_by_smem())
+        table = MIN_CTAS_PER_SM_FOUR if self.four_ctas else MIN_CTAS_PER_SM
+        ctas = _FORCE_MIN_BLOCKS or min(table.get(self.tile_v, 0), self.ctas_by_smem())
         return dict(min_blocks_per_mp=ctas, preferred_smem_carveout=100) if ctas else {}
 
     # ------------------------------------------------------------------------------------------------
@@ -445,7 +464,13 @@ class UcacheVerifyFlush:
             Int32, cute.make_layout((2, 8, KPAD // 4, 4), stride=(8 * m_row, m_row, 4, 1)), byte_alignment=16
         )
         XYS = self.xy_stride  # sXY row stride: 16-byte rows, and the 16-byte row reads of the solve hit 32 banks
-        sXY = smem.allocate_tensor(Float32, cute.make_layout((TV, 2 * T), stride=(XYS, 1)), byte_alignment=16)
+        xy_layout = cute.make_layout((TV, 2 * T), stride=(XYS, 1))
+        if const_expr(self.four_ctas):
+            # written only after the sync that ends the last read of sXb / sXu (phase 2c), contiguous and larger
+            assert (TV - 1) * XYS + 2 * T <= 2 * cute.cosize(x_layout), (TV, XYS)
+            sXY = cute.make_tensor(cute.recast_ptr(sXb.iterator, dtype=Float32), xy_layout)
+        else:
+            sXY = smem.allocate_tensor(Float32, xy_layout, byte_alignment=16)
         sVin = smem.allocate_tensor(mV.element_type, row_major(T, TV), byte_alignment=16)  # v tile as given (bf16)
         sBdec = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
         sInv = smem.allocate_tensor(Float32, cute.make_layout(2 * T), byte_alignment=16)  # 1/|k_s|, scale/|q_s|
@@ -459,15 +484,36 @@ class UcacheVerifyFlush:
         slot = mSlot[bi]
         pool_rows = mPool.shape[0]
         active = (slot >= 0) & (slot < pool_rows)
+        # Loads that do not depend on the slot are issued with it, before the branch on it (every index is in
+        # bounds for an inactive row too): the cursors, and the gate phase's draft inputs. Their latency then
+        # overlaps the slot's instead of following it.
+        hist_in = mHist[bi]
+        base_in = mBase[bi]
+        gQ = mQ[bi, None, h, None]
+        gK = mK[bi, None, h, None]
+        gGate = mG[bi, None, h, None]
+        grp = 0
+        c = tidx
+        if const_expr(NG > 1):
+            grp = lane // LG
+            c = warp * LG + lane % LG
+        k_raw = cute.make_rmem_tensor((TPT,), Float32)
+        q_raw = cute.make_rmem_tensor((TPT,), Float32)
+        gate_in = cute.make_rmem_tensor((TPT,), Float32)
+        for i in cutlass.range_constexpr(TPT):
+            t = grp * TPT + i
+            k_raw[i] = gK[t, c].to(Float32)
+            q_raw[i] = gQ[t, c].to(Float32)
+            gate_in[i] = gGate[t, c].to(Float32)
         if active:
             # Clamp the cursors: a malformed hist_len / cache_base must never index past the shared-memory
             # tiles or the 32-slot ring (legal values are checked by the caller, under KDA_DEBUG_VALIDATE).
-            P = mHist[bi]
+            P = hist_in
             if P < 0:
                 P = cutlass.Int32(0)
             if P > MAXR:
                 P = cutlass.Int32(MAXR)
-            base = mBase[bi] & RING
+            base = base_in & RING
             is_flush = P >= flush_min
             slot64 = Int64(slot)
             # This (request, head)'s pool slot and rings, offset once in 64 bits; every index below is 32-bit.
@@ -477,45 +523,98 @@ class UcacheVerifyFlush:
             gGR = mGCache[slot64, h, None, None]
             last_row = (base + P - 1) & RING
 
-            # Issue the checkpoint rows' loads first: their DRAM latency overlaps the whole preamble.
+            # Issue the checkpoint rows' loads first: their DRAM latency overlaps the whole preamble. Not in the
+            # four_ctas variant: at its 64 registers ptxas spilled the 32 prefetched words right after their loads
+            # (the spill store waits for DRAM) or the preamble around them (140 bytes); loaded just before
+            # phase 2c they cost 8 bytes of spill, and the fourth resident CTA is what hides their latency.
             g4 = lane // 4
             q4 = lane % 4
             rows = (warp * 16 + g4, warp * 16 + g4 + 8)
             s0_raw = cute.make_rmem_tensor((2 * CHUNKS_PER_THREAD * CHUNK,), mPool.element_type)
             s0_chunks = cute.zipped_divide(s0_raw, (CHUNK,))
-            for rho in cutlass.range_constexpr(2):
-                row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
-                for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                    cute.autovec_copy(
-                        row_chunks[None, m * ROW_THREADS + q4], s0_chunks[None, rho * CHUNKS_PER_THREAD + m]
-                    )
+
+            def load_checkpoint_rows():
+                for rho in cutlass.range_constexpr(2):
+                    row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
+                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                        cute.autovec_copy(
+                            row_chunks[None, m * ROW_THREADS + q4], s0_chunks[None, rho * CHUNKS_PER_THREAD + m]
+                        )
+
+            if const_expr(not self.four_ctas):
+                load_checkpoint_rows()
+
+            # Phase 1b's global loads: u ring rows (tasks = (row pair, 8 consecutive state rows)), and for the replay
+            # vectors wk_j = exp(G_{P-1} - G_j) * k^_j the last G row and rows G_j, k^_j. A wk task is 4 channels
+            # (lanes run over them: whole ring rows per warp) of a set of ring rows 16 ks + 2q + {0, 1, 8, 9} (the
+            # pairs ks*8 + q and ks*8 + q + 4 of one fold B fragment). four_ctas starts the wk tasks at thread NT/2,
+            # so that they do not pile onto the threads that load u.
+            u_chunk0 = tile * (TV // CHUNK)  # this tile's first 8-row chunk of a ring row
+            u_tasks = (KPAD // 2) * (TV // CHUNK)
+            n_rows = 4
+            wk_tasks = KPAD // n_rows * (K // 4)
+
+            def wk_task(it):
+                if const_expr(self.four_ctas):
+                    return (tidx + NT // 2) % NT + it * NT
+                return tidx + it * NT
+
+            def issue_ring_loads():
+                u_loaded = []
+                for it in cutlass.range_constexpr((u_tasks + NT - 1) // NT):
+                    task = tidx + it * NT
+                    halves = [cute.make_rmem_tensor((CHUNK // 2,), Int32) for _ in range(2)]
+                    if task < u_tasks:
+                        jp = task // (TV // CHUNK)
+                        r8 = task % (TV // CHUNK)
+                        for odd in cutlass.range_constexpr(2):
+                            for e in cutlass.range_constexpr(CHUNK // 2):
+                                halves[odd][e] = Int32(0)
+                            if 2 * jp + odd < P:
+                                cute.autovec_copy(
+                                    _row_chunks(gUR, (base + 2 * jp + odd) & RING, CHUNK)[None, u_chunk0 + r8],
+                                    cute.recast_tensor(halves[odd], mUCache.element_type),
+                                )
+                    u_loaded.append(halves)
+                wk_loaded = []
+                for it in cutlass.range_constexpr((wk_tasks + NT - 1) // NT):
+                    task = wk_task(it)
+                    last4 = cute.make_rmem_tensor((4,), Float32)
+                    gjs = [cute.make_rmem_tensor((4,), Float32) for _ in range(n_rows)]
+                    kjs = [cute.make_rmem_tensor((4,), mKCache.element_type) for _ in range(n_rows)]
+                    if task < wk_tasks:
+                        c4 = task % (K // 4)
+                        row_set = task // (K // 4)
+                        for e in cutlass.range_constexpr(4):
+                            last4[e] = Float32(0.0)
+                        if P > 0:
+                            cute.autovec_copy(_row_chunks(gGR, last_row, 4)[None, c4], last4)
+                        js = [16 * (row_set // 4) + 2 * (row_set % 4) + d for d in (0, 1, 8, 9)]
+                        for rr in cutlass.range_constexpr(n_rows):
+                            if js[rr] < P:
+                                phys = (base + js[rr]) & RING
+                                cute.autovec_copy(_row_chunks(gGR, phys, 4)[None, c4], gjs[rr])
+                                cute.autovec_copy(_row_chunks(gKR, phys, 4)[None, c4], kjs[rr])
+                    wk_loaded.append((last4, gjs, kjs))
+                return u_loaded, wk_loaded
+
+            if const_expr(self.four_ctas):
+                ring = issue_ring_loads()
 
             # ---- phase 1a: gate, raw k/q, decays and decayed draft vectors --------------------------
             # Thread (token group grp, channel c) owns TPT consecutive draft tokens of one key channel, so the
             # running sum cum_t of the gate stays in registers (one shuffle passes it between token groups).
             # k and q stay raw: their norms come out of the triangle phase and are applied in the solve.
-            gQ = mQ[bi, None, h, None]
-            gK = mK[bi, None, h, None]
-            gGate = mG[bi, None, h, None]
-            grp = 0
-            c = tidx
-            if const_expr(NG > 1):
-                grp = lane // LG
-                c = warp * LG + lane % LG
             rate = cute.math.exp(mALog[h].to(Float32), fastmath=True)
             dt_c = mDtBias[h * K + c].to(Float32)
             g_last = Float32(0.0)
             if P > 0:
                 g_last = gGR[last_row, c]
-            k_raw = cute.make_rmem_tensor((TPT,), Float32)
-            q_raw = cute.make_rmem_tensor((TPT,), Float32)
             g_logs = cute.make_rmem_tensor((TPT,), Float32)
             part = Float32(0.0)
             for i in cutlass.range_constexpr(TPT):
                 t = grp * TPT + i
-                k_raw[i] = gK[t, c].to(Float32)
-                q_raw[i] = gQ[t, c].to(Float32)
-                x = gGate[t, c].to(Float32) + dt_c
+                x = gate_in[i] + dt_c
                 g_log = Float32(0.0)
                 if const_expr(self.softplus_gate):
                     sp = x
@@ -579,23 +678,17 @@ class UcacheVerifyFlush:
                         sXb[task // (8 * (K // 4)), task // (K // 4) % 8, task % (K // 4), 2 * odd + 1] = Int32(0)
 
             # ---- phase 1b: ring rows (u, replay vectors wk), v tile, beta ------------------------------
-            # Only the live rows j < P are loaded: stale rows never enter an arithmetic op.
-            u_chunk0 = tile * (TV // CHUNK)  # this tile's first 8-row chunk of a ring row
-            u_tasks = (KPAD // 2) * (TV // CHUNK)  # (row pair, 8 consecutive state rows)
-            for it in cutlass.range_constexpr((u_tasks + NT - 1) // NT):
+            # Only the live rows j < P are loaded: stale rows never enter an arithmetic op. The four_ctas variant
+            # issued these loads before phase 1a (ring_loads above), so their latency hid under the gate math.
+            if const_expr(not self.four_ctas):
+                ring = issue_ring_loads()
+            u_loaded, wk_loaded = ring
+            for it in cutlass.range_constexpr(len(u_loaded)):
                 task = tidx + it * NT
                 if task < u_tasks:
                     jp = task // (TV // CHUNK)
                     r8 = task % (TV // CHUNK)
-                    halves = [cute.make_rmem_tensor((CHUNK // 2,), Int32) for _ in range(2)]
-                    for odd in cutlass.range_constexpr(2):
-                        for e in cutlass.range_constexpr(CHUNK // 2):
-                            halves[odd][e] = Int32(0)
-                        if 2 * jp + odd < P:
-                            cute.autovec_copy(
-                                _row_chunks(gUR, (base + 2 * jp + odd) & RING, CHUNK)[None, u_chunk0 + r8],
-                                cute.recast_tensor(halves[odd], mUCache.element_type),
-                            )
+                    halves = u_loaded[it]
                     packed = cute.make_rmem_tensor((CHUNK,), Int32)
                     for e in cutlass.range_constexpr(CHUNK // 2):
                         # (u_2jp[v], u_2jp+1[v]) bf16 pairs: bit moves only, the ring holds bf16
@@ -612,34 +705,22 @@ class UcacheVerifyFlush:
                 sBeta[tidx] = Float32(1.0) / (
                     Float32(1.0) + cute.math.exp(-mBeta[bi, tidx, h].to(Float32), fastmath=True)
                 )
-            # wk_j = exp(G_{P-1} - G_j) * k^_j. A task is 4 channels (lanes run over them: whole ring rows per warp)
-            # of a set of ring rows 16 ks + 2q + {0, 1, 8, 9} (the pairs ks*8 + q and ks*8 + q + 4 of one fold B
-            # fragment).
-            n_rows = 4
-            wk_tasks = KPAD // n_rows * (K // 4)
-            for it in cutlass.range_constexpr((wk_tasks + NT - 1) // NT):
-                task = tidx + it * NT
+            for it in cutlass.range_constexpr(len(wk_loaded)):
+                task = wk_task(it)
                 if task < wk_tasks:
                     c4 = task % (K // 4)
                     row_set = task // (K // 4)
-                    last4 = cute.make_rmem_tensor((4,), Float32)
-                    for e in cutlass.range_constexpr(4):
-                        last4[e] = Float32(0.0)
-                    if P > 0:
-                        cute.autovec_copy(_row_chunks(gGR, last_row, 4)[None, c4], last4)
+                    last4, gjs, kjs = wk_loaded[it]
                     wk = [cute.make_rmem_tensor((4,), Float32) for _ in range(n_rows)]
                     js = [16 * (row_set // 4) + 2 * (row_set % 4) + d for d in (0, 1, 8, 9)]
                     for rr in cutlass.range_constexpr(n_rows):
                         for e in cutlass.range_constexpr(4):
                             wk[rr][e] = Float32(0.0)
                         if js[rr] < P:
-                            phys = (base + js[rr]) & RING
-                            gj = cute.make_rmem_tensor((4,), Float32)
-                            kj = cute.make_rmem_tensor((4,), mKCache.element_type)
-                            cute.autovec_copy(_row_chunks(gGR, phys, 4)[None, c4], gj)
-                            cute.autovec_copy(_row_chunks(gKR, phys, 4)[None, c4], kj)
                             for e in cutlass.range_constexpr(4):
-                                wk[rr][e] = cute.math.exp(last4[e] - gj[e], fastmath=True) * kj[e].to(Float32)
+                                wk[rr][e] = cute.math.exp(last4[e] - gjs[rr][e], fastmath=True) * kjs[rr][e].to(
+                                    Float32
+                                )
                     quad = cute.make_rmem_tensor((4,), Int32)
                     for rr in cutlass.range_constexpr(n_rows):
                         # along channels: (hi, hi, lo, lo) of channel pairs 2 c4, 2 c4 + 1 of ring row j
@@ -753,6 +834,8 @@ class UcacheVerifyFlush:
             # 8 of the warp's rows (B: rows 16w + 8 nt + g), k = channels. k-pairs (q, q + 4) of step ks are the
             # channel pairs of _pair_group(ks, q): two consecutive bf16 words of the thread's checkpoint chunk,
             # an exact B operand as loaded (no conversion, no split; bdec rides on x).
+            if const_expr(self.four_ctas):
+                load_checkpoint_rows()
             s0_words = cute.recast_tensor(s0_raw, Int32)  # [row nt][chunk m][4 channel pairs]
             acc = cute.make_rmem_tensor((8,), Float32)  # n-tile nt: (s = g, v = 2q, 2q + 1), (s = g + 8, same)
             for i in cutlass.range_constexpr(8):
@@ -770,55 +853,88 @@ class UcacheVerifyFlush:
                     d = _mma_bf16_m16n8k16([xop_lo[i] for i in range(4)], b_s0, d)
                     for i in cutlass.range_constexpr(4):
                         acc[4 * nt + i] = d[i]
-            for nt in cutlass.range_constexpr(2):
-                for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
-                    sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
+            if const_expr(not self.four_ctas):
+                for nt in cutlass.range_constexpr(2):
+                    for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
+                        sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
             if is_flush:
                 # S_commit = S0 * bdec + U^T WK in fp32 registers, one rounding to bf16. Fold on MMA: M = the
                 # warp's 16 rows, K = ring rows, N = channels. n-tile nt, column n stands for channel
                 # (4 (nt // 4) + n // 2) * 8 + 2 (nt % 4) + n % 2, so the accumulator fragment is exactly this
                 # thread's state registers. u is bf16 in the ring (exact as an operand); wk is split hi + lo.
-                state = cute.make_rmem_tensor((2 * CHUNK * CHUNKS_PER_THREAD,), Float32)
-                for rho in cutlass.range_constexpr(2):
+                if const_expr(self.four_ctas):
+                    # One 8-channel chunk m (n-tiles 4m .. 4m + 3) at a time: 16 accumulators live instead of 64,
+                    # each with the same operation order as the whole-row fold (S0 * bdec, then k-steps in order).
+                    raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
                     for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                        for e in cutlass.range_constexpr(CHUNK):
-                            ch = (m * ROW_THREADS + q4) * CHUNK + e
-                            idx = rho * 32 + m * CHUNK + e
-                            state[idx] = s0_raw[idx].to(Float32) * sBdec[ch]
-                for ks in cutlass.range_constexpr(KPAD // MMA_K):
-                    if P > ks * MMA_K:
-                        jp0 = ks * (MMA_K // 2) + q4
-                        a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]], sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
-                        for nt in cutlass.range_constexpr(K // 8):
-                            e0 = 2 * (nt % 4)
-                            col = ((nt // 4) * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
-                            # hi and lo of ring-row pairs jp0 and jp0 + 4: one 16-byte read
-                            b = cute.make_rmem_tensor((4,), Int32)
-                            cute.autovec_copy(sWK[col, _fold_group(col, ks, q4, KPAD), None], b)
-                            at = (nt // 4) * CHUNK + e0
-                            ids = (at, at + 1, 32 + at, 32 + at + 1)
-                            d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [state[z] for z in ids])
-                            d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
-                            for z in cutlass.range_constexpr(4):
-                                state[ids[z]] = d[z]
-                raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
-                for rho in cutlass.range_constexpr(2):
-                    row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
-                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                        for e in cutlass.range_constexpr(CHUNK):
-                            raw[e] = state[rho * 32 + m * CHUNK + e].to(mPool.element_type)
-                        cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
+                        fold_acc = cute.make_rmem_tensor((2 * CHUNK,), Float32)  # [rho][e]
+                        for rho in cutlass.range_constexpr(2):
+                            for e in cutlass.range_constexpr(CHUNK):
+                                ch = (m * ROW_THREADS + q4) * CHUNK + e
+                                fold_acc[rho * CHUNK + e] = s0_raw[rho * 32 + m * CHUNK + e].to(Float32) * sBdec[ch]
+                        for ks in cutlass.range_constexpr(KPAD // MMA_K):
+                            if P > ks * MMA_K:
+                                jp0 = ks * (MMA_K // 2) + q4
+                                a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]])
+                                a_u = (*a_u, sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
+                                for nt in cutlass.range_constexpr(4 * m, 4 * m + 4):
+                                    e0 = 2 * (nt % 4)
+                                    col = (m * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
+                                    b = cute.make_rmem_tensor((4,), Int32)
+                                    cute.autovec_copy(sWK[col, _fold_group(col, ks, q4, KPAD), None], b)
+                                    ids = (e0, e0 + 1, CHUNK + e0, CHUNK + e0 + 1)
+                                    d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [fold_acc[z] for z in ids])
+                                    d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
+                                    for z in cutlass.range_constexpr(4):
+                                        fold_acc[ids[z]] = d[z]
+                        for rho in cutlass.range_constexpr(2):
+                            row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
+                            for e in cutlass.range_constexpr(CHUNK):
+                                raw[e] = fold_acc[rho * CHUNK + e].to(mPool.element_type)
+                            cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
+                else:
+                    state = cute.make_rmem_tensor((2 * CHUNK * CHUNKS_PER_THREAD,), Float32)
+                    for rho in cutlass.range_constexpr(2):
+                        for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                            for e in cutlass.range_constexpr(CHUNK):
+                                ch = (m * ROW_THREADS + q4) * CHUNK + e
+                                idx = rho * 32 + m * CHUNK + e
+                                state[idx] = s0_raw[idx].to(Float32) * sBdec[ch]
+                    for ks in cutlass.range_constexpr(KPAD // MMA_K):
+                        if P > ks * MMA_K:
+                            jp0 = ks * (MMA_K // 2) + q4
+                            a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]], sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
+                            for nt in cutlass.range_constexpr(K // 8):
+                                e0 = 2 * (nt % 4)
+                                col = ((nt // 4) * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
+                                # hi and lo of ring-row pairs jp0 and jp0 + 4: one 16-byte read
+                                b = cute.make_rmem_tensor((4,), Int32)
+                                cute.autovec_copy(sWK[col, _fold_group(col, ks, q4, KPAD), None], b)
+                                at = (nt // 4) * CHUNK + e0
+                                ids = (at, at + 1, 32 + at, 32 + at + 1)
+                                d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [state[z] for z in ids])
+                                d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
+                                for z in cutlass.range_constexpr(4):
+                                    state[ids[z]] = d[z]
+                    raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
+                    for rho in cutlass.range_constexpr(2):
+                        row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
+                        for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                            for e in cutlass.range_constexpr(CHUNK):
+                                raw[e] = state[rho * 32 + m * CHUNK + e].to(mPool.element_type)
+                            cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
             cute.arch.sync_threads()
 
             # ---- phase 2d: ring correction x_s += sum_j u_j M[j, s] (MMA: M = 16 rows, K = ring rows) -----------
             if P > 0:
                 # x^T += M^T U: m16 = draft vectors (A: sM), n8 = 8 state rows (B: u pairs), k = ring rows
-                acc = cute.make_rmem_tensor((8,), Float32)
-                for nt in cutlass.range_constexpr(2):
-                    for i in cutlass.range_constexpr(4):
-                        acc[4 * nt + i] = Float32(0.0)
-                        if const_expr(i < 2 or 2 * T > 8):
-                            acc[4 * nt + i] = sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)]
+                if const_expr(not self.four_ctas):  # four_ctas: acc still holds phase 2c's products
+                    acc = cute.make_rmem_tensor((8,), Float32)
+                    for nt in cutlass.range_constexpr(2):
+                        for i in cutlass.range_constexpr(4):
+                            acc[4 * nt + i] = Float32(0.0)
+                            if const_expr(i < 2 or 2 * T > 8):
+                                acc[4 * nt + i] = sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)]
                 for ks in cutlass.range_constexpr(KPAD // MMA_K):
                     if P > ks * MMA_K:
                         m_hi = cute.make_rmem_tensor((4,), Int32)
@@ -834,6 +950,12 @@ class UcacheVerifyFlush:
                             d = _mma_bf16_m16n8k16([m_lo[i] for i in range(4)], b_u, d)
                             for i in cutlass.range_constexpr(4):
                                 acc[4 * nt + i] = d[i]
+                if const_expr(not self.four_ctas):
+                    for nt in cutlass.range_constexpr(2):
+                        for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
+                            sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
+            if const_expr(self.four_ctas):
+                # sXY shares sXb / sXu, whose last reads (phases 2b, 2c) ended at the sync above
                 for nt in cutlass.range_constexpr(2):
                     for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
                         sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
@@ -925,9 +1047,10 @@ def build_ucache_kernel(
     aligned: bool,
     arch: str,
     extra_options: str = "",
+    four_ctas: bool = False,
 ):
     """Compile one configuration against fake tensors (no GPU needed when CUTE_DSL_ARCH is set)."""
-    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned)
+    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, four_ctas)
     return cute.compile(
         cfg,
         *_fakes(cfg),
@@ -1029,6 +1152,7 @@ def ucache_verify_flush(
     restart_hist_on_flush: bool = False,
     aligned: bool = True,
     tile_v: int | None = None,
+    four_ctas: bool | None = None,
 ) -> torch.Tensor:
     """Launch the kernel on the current stream. Arguments are already validated (kda-recurrent does it).
 
@@ -1038,13 +1162,16 @@ def ucache_verify_flush(
     cache_base [B] int32 contiguous; output [B, T, H, 128] bf16. ``aligned``: every pool/ring pointer and row
     stride is a multiple of 16 bytes (kda_core's validation says so). The kernel only reads the cursors;
     ``restart_hist_on_flush`` then applies the flush part of the commit with a second, one-thread-per-row kernel.
+    ``four_ctas``: the :class:`UcacheVerifyFlush` variant (None: ``_FORCE_FOUR_CTAS``, off by default).
     """
     B, T, H, _ = q.shape
     tile_v = tile_v or default_tile_v(B, H)
     softplus_gate = lower_bound is None
-    key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned))
+    four_ctas = bool(_FORCE_FOUR_CTAS if four_ctas is None else four_ctas)
+    key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned), four_ctas, _FORCE_MIN_BLOCKS)
     fn = _launch.get_or_compile(
-        key, lambda arch: build_ucache_kernel(H, T, w_ring, tile_v, softplus_gate, bool(aligned), arch)
+        key,
+        lambda arch: build_ucache_kernel(H, T, w_ring, tile_v, softplus_gate, bool(aligned), arch, four_ctas=four_ctas),
     )
     fn(
         q,
