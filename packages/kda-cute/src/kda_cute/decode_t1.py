@@ -439,8 +439,9 @@ class KDADecodeT1:
 
     @cute.jit
     def issue_activations(self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, b, h, row0, lane, group, k_raw, q_raw, g_raw,
-                          scalars, bias_raw):
-        """Issue one item's activation loads into the carried registers; ``scalars`` = (v, beta, A_log).
+                          scalars):
+        """Issue one item's activation loads into the carried registers (dt_bias excepted, see the loop);
+        ``scalars`` = (v, beta, A_log).
 
         v: lane l of a half-warp holds v of the half-warp's row l (in fp32, exact) and the row loop takes it by a
         shuffle: one carried register instead of one per row.
@@ -455,8 +456,6 @@ class KDADecodeT1:
         scalars[1] = mBeta[b, 0, h].to(Float32)
         if const_expr(self.gate != GateMode.PRECOMPUTED):
             scalars[2] = mALog[h]
-            if const_expr(self.has_dt_bias):
-                self.load_lane_vector_into(bias_raw, cute.local_tile(mDtBias, (HEAD_DIM,), (h,)), lane, Float32)
 
     @cute.jit
     def row_view(self, mState, slot, h, row, lane):
@@ -483,10 +482,11 @@ class KDADecodeT1:
     ):
         """The same step as :meth:`kernel`, one item (V tile, head, sequence) after another with a grid stride.
 
-        Cross-item pipeline: the item's preamble runs on activations loaded during the previous item, then the next
-        item's slot index and activations are issued, and while the last ``rows_in_flight`` rows of this item are
-        computed the register ring carries on into the next item's first rows (only when that item exists and its
-        slot is active). So no CTA starts an item with nothing in flight, and no CTA drains at every item.
+        Cross-item pipeline: the item's preamble runs on activations loaded during the previous item (dt_bias: at
+        the top of the item), then the next item's slot index and activations are issued, and while the last
+        ``rows_in_flight`` rows of this item are computed the register ring carries on into the next item's first
+        rows (only when that item exists and its slot is active). So no CTA starts an item with nothing in flight,
+        and no CTA drains at every item.
         """
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -508,7 +508,6 @@ class KDADecodeT1:
         k_raw = cute.make_rmem_tensor((CHANNELS_PER_LANE,), mK.element_type)
         q_raw = cute.make_rmem_tensor((CHANNELS_PER_LANE,), mQ.element_type)
         g_raw = cute.make_rmem_tensor((CHANNELS_PER_LANE,), mG.element_type)
-        bias_raw = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
         scalars = cute.make_rmem_tensor((3,), Float32)  # v of the lane's row, beta (raw, in fp32: exact), A_log
         slot_next = cute.make_rmem_tensor((1,), cutlass.Int32)
         row_regs = [cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt) for _ in range(self.rows)]
@@ -518,7 +517,7 @@ class KDADecodeT1:
         first_row0 = first_vt * self.tile_v
         slot_next[0] = mSlot[first_b]
         self.issue_activations(mQ, mK, mV, mG, mBeta, mALog, mDtBias, first_b, first_h, first_row0, lane, group,
-                               k_raw, q_raw, g_raw, scalars, bias_raw)
+                               k_raw, q_raw, g_raw, scalars)
         first_slot = slot_next[0]
         if (first_slot >= 0) & (first_slot < n_slots):
             for j in cutlass.range_constexpr(rif):
@@ -527,6 +526,12 @@ class KDADecodeT1:
 
         for item in cutlass.range(cta, items, ctas, unroll=1):
             v_tile, h, b = self.item_coords(item, H)
+            bias_raw = None
+            if const_expr(self.gate != GateMode.PRECOMPUTED and self.has_dt_bias):
+                # Loaded here, not carried from the previous item: dt_bias is H x 512 bytes (L1-resident after the
+                # first items), and carrying it cost 8 registers, the difference between spilling and not at 3
+                # CTAs/SM with 4 bf16 rows in flight (sm_90a: 168 with 24-byte spills -> 156, none).
+                bias_raw = self.load_lane_vector(cute.local_tile(mDtBias, (HEAD_DIM,), (h,)), lane, Float32)
             row0 = v_tile * self.tile_v
             slot = slot_next[0]
             active = (slot >= 0) & (slot < n_slots)
@@ -542,14 +547,17 @@ class KDADecodeT1:
             nxt_row0 = nxt_vt * self.tile_v
             slot_next[0] = mSlot[nxt_b]
             self.issue_activations(mQ, mK, mV, mG, mBeta, mALog, mDtBias, nxt_b, nxt_h, nxt_row0, lane, group,
-                                   k_raw, q_raw, g_raw, scalars, bias_raw)
+                                   k_raw, q_raw, g_raw, scalars)
 
             if active:
+                gState = mState[Int64(slot), h, None, None]  # [V, K]
+                row_views = [cute.logical_divide(cute.local_tile(gState[row0 + group + j * ROW_GROUPS, None],
+                                                                 (CHANNELS_PER_LANE,), (lane,)), (s_vec,))
+                             for j in range(self.rows)]
                 for j in cutlass.range_constexpr(self.rows):
                     ahead = j + rif
                     if const_expr(ahead < self.rows):
-                        view = self.row_view(mState, slot, h, row0 + group + ahead * ROW_GROUPS, lane)
-                        cute.copy(load_atom, view, cute.logical_divide(row_regs[ahead], (s_vec,)))
+                        cute.copy(load_atom, row_views[ahead], cute.logical_divide(row_regs[ahead], (s_vec,)))
                     v_val = cute.arch.shuffle_sync(v_lane, offset=j, mask_and_clamp=HALF_WARP_SEGMENT)
                     s_new, o_row = self.update_row(row_regs[j], decay, kf, qf, beta, kq, v_val)
                     if const_expr(ahead >= self.rows):
@@ -558,8 +566,7 @@ class KDADecodeT1:
                         self.issue_next_row(load_atom, mState, slot_next[0], nxt_exists, n_slots, nxt_h,
                                             nxt_row0 + group + (ahead - self.rows) * ROW_GROUPS, lane,
                                             row_regs[ahead - self.rows])
-                    view = self.row_view(mState, slot, h, row0 + group + j * ROW_GROUPS, lane)
-                    cute.copy(store_atom, cute.logical_divide(s_new, (s_vec,)), view)
+                    cute.copy(store_atom, cute.logical_divide(s_new, (s_vec,)), row_views[j])
                     if lane == 0:
                         mOut[b, 0, h, row0 + group + j * ROW_GROUPS] = o_row.to(mOut.element_type)
             else:
