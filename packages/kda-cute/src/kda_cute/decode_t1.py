@@ -21,9 +21,14 @@ of ``rows_in_flight`` of its rows before it uses any (or, with ``smem_stage``, a
 The state's loads and stores carry a cache hint: streaming (.cs, the state is touched once per step) by
 default, ld.cg / st.wb where the schedule says so (the fp32 large-batch row, measured).
 
+Persistent variant (``persistent`` = N, off by default): a grid of at most N resident CTAs per SM walks the
+(V tile, head, sequence) items with a grid stride and software-pipelines across items (the next item's slot,
+activations and first rows are in flight while the current one streams), so that no CTA spends its start on the
+slot -> state dependency with nothing in flight, nor its end draining stores.
+
 Variants (compile-time): pool dtype x gate mode x beta logit x l2norm x dt_bias present x g/beta
-dtypes x tile_v x alignment x staging x rows in flight x cache hint. Batch, pool rows and the head count are
-runtime values (the head count only enters the grid and the index math), so one compiled function serves every B
+dtypes x tile_v x alignment x staging x rows in flight x cache hint x persistent. Batch, pool rows and the head count
+are runtime values (the head count only enters the grid and the index math), so one compiled function serves every B
 and every H.
 """
 
