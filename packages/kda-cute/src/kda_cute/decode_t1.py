@@ -589,6 +589,7 @@ class KDADecodeT1:
             s_vec = self._copy_bits(self.state_dtype, CHANNELS_PER_LANE) // self.state_dtype.width
             cute.copy(load_atom, self.row_view(mState, slot, h, row, lane), cute.logical_divide(regs, (s_vec,)))
 
+
 class KDADecodeT1Packed(KDADecodeT1):
     """The packed entry's host wrapper: the same kernel, launched on the rows of one GEMM output.
 
