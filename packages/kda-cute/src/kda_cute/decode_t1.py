@@ -316,8 +316,9 @@ class KDADecodeT1:
         return decay, kf, qf, beta, kq
 
     @cute.jit
-    def update_row(self, raw: cute.Tensor, decay, kf, qf, beta, kq, v_val):
-        """One state row (the lane's 8 channels): (S_new in the pool dtype, o[v] in fp32)."""
+    def update_row(self, raw: cute.Tensor, decay, kf, qf, beta, v_val):
+        """One state row (the lane's 8 channels): (S_new in the pool dtype, S'q^, u); o[v] = S'q^ + u (k^.q^) is
+        left to the lane that stores it (computed there, the smem-staged 16-row tile keeps clear of a spill)."""
         sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
         sf.store(raw.load().to(Float32))
         p = Float32(0.0)
@@ -333,7 +334,7 @@ class KDADecodeT1:
             sf[c] = sf[c] + u * kf[c]
         s_new = cute.make_rmem_tensor((CHANNELS_PER_LANE,), self.state_dtype)
         s_new.store(sf.load().to(self.state_dtype))
-        return s_new, sq + u * kq
+        return s_new, sq, u
 
     @cute.kernel
     def kernel(
@@ -425,10 +426,10 @@ class KDADecodeT1:
                 elif const_expr(j + self.rows_in_flight < self.rows):
                     nxt = j + self.rows_in_flight
                     cute.copy(load_atom, row_views[nxt], cute.logical_divide(row_regs[nxt], (s_vec,)))
-                s_new, o_row = self.update_row(row_regs[j], decay, kf, qf, beta, kq, v_raw[j])
+                s_new, sq, u = self.update_row(row_regs[j], decay, kf, qf, beta, v_raw[j])
                 cute.copy(store_atom, cute.logical_divide(s_new, (s_vec,)), row_views[j])
                 if lane == 0:
-                    mOut[b, 0, h, row0 + group + j * ROW_GROUPS] = o_row.to(mOut.element_type)
+                    mOut[b, 0, h, row0 + group + j * ROW_GROUPS] = (sq + u * kq).to(mOut.element_type)
         else:
             if lane == 0:
                 for j in cutlass.range_constexpr(self.rows):
@@ -564,7 +565,7 @@ class KDADecodeT1:
                     if const_expr(ahead < self.rows):
                         cute.copy(load_atom, row_views[ahead], cute.logical_divide(row_regs[ahead], (s_vec,)))
                     v_val = cute.arch.shuffle_sync(v_lane, offset=j, mask_and_clamp=HALF_WARP_SEGMENT)
-                    s_new, o_row = self.update_row(row_regs[j], decay, kf, qf, beta, kq, v_val)
+                    s_new, sq, u = self.update_row(row_regs[j], decay, kf, qf, beta, v_val)
                     if const_expr(ahead >= self.rows):
                         # row_regs[ahead - rows] is free: this item's row of that register was read already
                         # (ahead - rows <= j).
@@ -573,7 +574,7 @@ class KDADecodeT1:
                                             row_regs[ahead - self.rows])
                     cute.copy(store_atom, cute.logical_divide(s_new, (s_vec,)), row_views[j])
                     if lane == 0:
-                        mOut[b, 0, h, row0 + group + j * ROW_GROUPS] = o_row.to(mOut.element_type)
+                        mOut[b, 0, h, row0 + group + j * ROW_GROUPS] = (sq + u * kq).to(mOut.element_type)
             else:
                 if lane == 0:
                     for j in cutlass.range_constexpr(self.rows):
