@@ -318,7 +318,8 @@ class KDADecodeT1:
     @cute.jit
     def update_row(self, raw: cute.Tensor, decay, kf, qf, beta, v_val):
         """One state row (the lane's 8 channels): (S_new in the pool dtype, S'q^, u); o[v] = S'q^ + u (k^.q^) is
-        left to the lane that stores it (computed there, the smem-staged 16-row tile keeps clear of a spill)."""
+        left to the caller (formed in the storing lane, the default kernel's smem-staged 16-row tile keeps clear of a
+        spill; formed in every lane, the persistent kernel needs fewer registers)."""
         sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
         sf.store(raw.load().to(Float32))
         p = Float32(0.0)
@@ -566,6 +567,7 @@ class KDADecodeT1:
                         cute.copy(load_atom, row_views[ahead], cute.logical_divide(row_regs[ahead], (s_vec,)))
                     v_val = cute.arch.shuffle_sync(v_lane, offset=j, mask_and_clamp=HALF_WARP_SEGMENT)
                     s_new, sq, u = self.update_row(row_regs[j], decay, kf, qf, beta, v_val)
+                    o_row = sq + u * kq  # formed by every lane here: ptxas then needs fewer registers
                     if const_expr(ahead >= self.rows):
                         # row_regs[ahead - rows] is free: this item's row of that register was read already
                         # (ahead - rows <= j).
@@ -574,7 +576,7 @@ class KDADecodeT1:
                                             row_regs[ahead - self.rows])
                     cute.copy(store_atom, cute.logical_divide(s_new, (s_vec,)), row_views[j])
                     if lane == 0:
-                        mOut[b, 0, h, row0 + group + j * ROW_GROUPS] = (sq + u * kq).to(mOut.element_type)
+                        mOut[b, 0, h, row0 + group + j * ROW_GROUPS] = o_row.to(mOut.element_type)
             else:
                 if lane == 0:
                     for j in cutlass.range_constexpr(self.rows):
