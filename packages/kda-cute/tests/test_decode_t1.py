@@ -74,6 +74,101 @@ def test_tuning_variant_matches_oracle_and_leaves_inactive_rows_untouched(state_
     _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
 
 
+# The persistent walk against the one-CTA-per-item kernel of the same schedule: (pool dtype, tile_v, rows_in_flight,
+# cache hint).
+PERSISTENT_VARIANTS = [(BF16, 128, 8, "stream"), (BF16, 128, 4, "stream"), (BF16, 128, 16, "stream"),
+                       (BF16, 32, 4, "stream"), (FP32, 128, 4, "global"), (FP32, 128, 16, "global"),
+                       (FP32, 64, 4, "stream")]
+
+
+def _with_inactive_slots(B, n_slots, seed):
+    """B distinct active slots of [0, n_slots) with every fifth row made inactive (-1, n_slots, a large negative)."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(n_slots, generator=gen)[:B].to(torch.int32)
+    junk = torch.tensor([-1, n_slots, -2147483648, n_slots + 7], dtype=torch.int32)
+    for i in range(2, B, 5):
+        slots[i] = junk[i % 4]
+    return slots.tolist()
+
+
+@pytest.mark.parametrize("persistent", [1, 2, 3, 4])
+@pytest.mark.parametrize("B", [5, 37, 300])  # items 60 (grid = items), 444 and 3600 (not multiples of the grid)
+@pytest.mark.parametrize("state_dtype, tile_v, rows_in_flight, cache_hint", PERSISTENT_VARIANTS,
+                         ids=[f"{str(d)[6:]}-tv{t}-rif{r}-{c}" for d, t, r, c in PERSISTENT_VARIANTS])
+def test_persistent_variant_is_bitwise_the_default_variant_and_leaves_inactive_rows_untouched(
+        state_dtype, tile_v, rows_in_flight, cache_hint, B, persistent, monkeypatch, make_case):
+    from kda_cute import decode_t1
+
+    monkeypatch.setenv("KDA_DECODE_TILE_V", str(tile_v))
+    monkeypatch.setattr(decode_t1, "_FORCE_ROWS_IN_FLIGHT", rows_in_flight)
+    monkeypatch.setattr(decode_t1, "_FORCE_CACHE_HINT", cache_hint)
+    n_slots = B + 11
+    slots = _with_inactive_slots(B, n_slots, seed=B + persistent)
+    case = make_case(B, 12, state_dtype=state_dtype, n_slots=n_slots, slots=slots, seed=B + 100 * persistent)
+    active = [s for s in slots if 0 <= s < n_slots]
+    inactive_rows = torch.tensor([i for i, s in enumerate(slots) if not 0 <= s < n_slots], device="cuda")
+    before = case.pool.clone()
+    ref_out, ref_pool = case.oracle()
+
+    outs, pools = [], []
+    for forced in (0, persistent):
+        monkeypatch.setattr(decode_t1, "_FORCE_PERSISTENT", forced)
+        assert decode_t1.select_config(B, 12, state_dtype, True).persistent == forced
+        case.pool.copy_(before)
+        outs.append(_decode(case, output=torch.full((B, 1, 12, 128), 3.0, dtype=torch.bfloat16, device="cuda")))
+        pools.append(case.pool.clone())
+    assert torch.equal(outs[1], outs[0])
+    assert torch.equal(pools[1], pools[0])
+    assert torch.count_nonzero(outs[1][inactive_rows]) == 0
+    untouched = [s for s in range(n_slots) if s not in active]
+    assert torch.equal(pools[1][untouched], before[untouched])
+    _assert_matches_oracle(case, outs[1], pools[1], ref_out, ref_pool)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_persistent_all_inactive_batch_is_a_bitwise_noop_on_the_pool(state_dtype, monkeypatch, make_case):
+    from kda_cute import decode_t1
+
+    monkeypatch.setattr(decode_t1, "_FORCE_PERSISTENT", 2)
+    case = make_case(300, 12, state_dtype=state_dtype, n_slots=5, slots=[-1, 5, 99, -7] * 75)
+    before = case.pool.clone()
+    out = _decode(case)
+    assert torch.equal(case.pool, before)
+    assert torch.count_nonzero(out) == 0
+
+
+def test_persistent_packed_entry_under_cuda_graph_replay_matches_oracle(monkeypatch, make_case):
+    from kda_cute import decode_t1
+
+    monkeypatch.setattr(decode_t1, "_FORCE_PERSISTENT", 3)
+    case = make_case(40, 12, n_slots=90, row_pad=8, seed=41)
+    out = torch.empty(40, 1, 12, 128, dtype=torch.bfloat16, device="cuda")
+    _decode_packed(case, output=out)  # load the module before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _decode_packed(case, output=out)
+    for step in range(3):
+        fresh = make_case(40, 12, n_slots=90, row_pad=8, seed=400 + step)
+        case.mixed_qkv.copy_(fresh.mixed_qkv)
+        case.raw_gate.copy_(fresh.raw_gate)
+        case.raw_beta.copy_(fresh.raw_beta)
+        case.slots.copy_(fresh.slots)
+        ref_out, ref_pool = case.oracle()
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+def test_persistent_is_ignored_by_the_unaligned_variant(monkeypatch, make_case):
+    from kda_cute import decode_t1
+
+    monkeypatch.setattr(decode_t1, "_FORCE_PERSISTENT", 2)
+    case = make_case(7, 12, row_pad=3, seed=43)  # odd packed row stride: the unaligned variant
+    ref_out, ref_pool = case.oracle()
+    out = _decode(case)
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
 @pytest.mark.parametrize("B", [256, 512])
 def test_fp32_large_batch_policy_variant_matches_oracle(B, make_case):
     from kda_cute import decode_t1
