@@ -216,7 +216,7 @@ class KDADecodeT1:
         scale: Float32,
         lower_bound: Float32,
         stream,
-        max_ctas=None,  # Int32, persistent variants only: resident CTAs per SM x SMs
+        max_ctas: cutlass.Int32,  # resident CTAs per SM x SMs (persistent variants; 0 and unused otherwise)
     ):
         B = cute.size(mQ, mode=[0])
         H = cute.size(mQ, mode=[2])
@@ -226,8 +226,8 @@ class KDADecodeT1:
             # many resident CTAs as it holds, capped where ptxas still needs no spill (80 registers per thread
             # for 6 CTAs; the 16-row tile needs 96, 5 CTAs).
             tile_bytes = self.tile_v * HEAD_DIM * self.state_dtype.width // 8
-            max_ctas = 6 if self.rows <= 8 else 5
-            occupancy = dict(min_blocks_per_mp=min(SMEM_PER_SM_BYTES // tile_bytes, max_ctas),
+            cta_cap = 6 if self.rows <= 8 else 5
+            occupancy = dict(min_blocks_per_mp=min(SMEM_PER_SM_BYTES // tile_bytes, cta_cap),
                              preferred_smem_carveout=100)
         elif const_expr(_FORCE_MIN_BLOCKS):
             occupancy = dict(min_blocks_per_mp=_FORCE_MIN_BLOCKS, preferred_smem_carveout=-1)
@@ -619,7 +619,7 @@ class KDADecodeT1Packed(KDADecodeT1):
         scale: Float32,
         lower_bound: Float32,
         stream,
-        max_ctas=None,
+        max_ctas: cutlass.Int32,
     ):
         B = cute.size(mMixed, mode=[0])
         H = cute.size(mRawBeta, mode=[1])
@@ -683,8 +683,9 @@ def _compile(key, arch):
         cutlass.Float32(-1.0),
         _launch.fake_stream(),
     ]
-    if persistent:
-        fake_args.append(cutlass.Int32(1))  # max_ctas
+    # max_ctas, a runtime Int32 in every variant (0 and unused unless persistent): a parameter left at its None
+    # default becomes a None-typed argument of the TVM-FFI function, which the call must then pass as well.
+    fake_args.append(cutlass.Int32(0))
     kernel = (KDADecodeT1Packed if packed else KDADecodeT1)(
         state_dtype=cdt(state_dt),
         gate=gate,
@@ -828,7 +829,7 @@ def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype):
     by the caller, ``_run`` / ``_run_packed``, from the facts listed at ``_LAUNCH_MEMO``)."""
     gated = call.gate_mode is not GateMode.PRECOMPUTED
     fn = compiled = None
-    extra = ()
+    extra = (0,)  # max_ctas, read only by the persistent variants
     if call.B > 0:
         cfg = select_config(call.B, call.H, call.state_dtype, call.aligned)
         # dt_bias is required with the gate in the kernel (kda-core), ignored without it.
@@ -842,9 +843,8 @@ def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype):
         # the compiled object rides along so that the module outlives any cache clearing.
         raw = getattr(compiled, "__tvm_ffi_object__", None)
         fn = (raw() if raw is not None else None) or compiled
-        persistent = key[variant_key.__code__.co_varnames.index("persistent")]
-        if persistent:  # the persistent variants' last argument: resident CTAs per SM x SMs
-            extra = (persistent * _sm_count(x.device),)
+        if cfg.persistent:  # the persistent variants' last argument: resident CTAs per SM x SMs
+            extra = (cfg.persistent * _sm_count(x.device),)
     lower_bound = call.lower_bound
     entry = (call, fn, call.scale, -1.0 if lower_bound is None else float(lower_bound), gated, call.B, call.H,
              compiled, extra)
