@@ -366,30 +366,6 @@ def test_four_ctas_variant_matches_oracle_and_default_bitwise(name, tile_v):
         assert torch.equal(getattr(mine, ring).nan_to_num(), getattr(default, ring).nan_to_num()), ring
 
 
-@pytest.mark.parametrize("min_blocks", [0, 3], ids=["mb-table", "mb3"])
-@pytest.mark.parametrize("tile_v", [64, 128])
-@pytest.mark.parametrize("name", list(FOUR_CTAS_STEPS))
-def test_late_fold_variant_matches_oracle_and_default_bitwise(name, tile_v, min_blocks, monkeypatch):
-    # four_ctas with the flush fold after the ring correction: the same operations, so bit for bit the default's
-    from kda_cute import ucache
-
-    monkeypatch.setattr(ucache, "_FORCE_MIN_BLOCKS", min_blocks)  # in the compile key
-    step = FOUR_CTAS_STEPS[name]()
-    mine, _, out, _ = check_against_oracle(step, tile_v=tile_v, late_fold=True)
-    default = step.clone()
-    out_default = run_kernel(default, tile_v=tile_v, four_ctas=False)
-    torch.cuda.synchronize()
-    assert torch.equal(out, out_default)
-    assert torch.equal(mine.pool, default.pool)
-    for ring in ("k_cache", "u_cache", "g_cache"):
-        assert torch.equal(getattr(mine, ring).nan_to_num(), getattr(default, ring).nan_to_num()), ring
-
-
-def test_late_fold_misaligned_pool_matches_oracle():
-    step = make_step(8, 8, 12, n_slots=20, pool_row_pad=1, pool_offset=1, hist=9, seed=19)
-    check_against_oracle(step, aligned=False, late_fold=True)
-
-
 def test_four_ctas_misaligned_pool_matches_oracle():
     step = make_step(8, 8, 12, n_slots=20, pool_row_pad=1, pool_offset=1, hist=9, seed=19)
     check_against_oracle(step, aligned=False, four_ctas=True)

@@ -73,34 +73,6 @@ def test_four_ctas_main_config_fits_64_registers_without_spills(softplus_gate, a
     assert registers <= 64 and spills == 0, f"{registers} registers, {spills} bytes of spill traffic"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "H{}-T{}-w{}-tv{}-{}-{}".format(
-    c[0], c[1], c[2], c[3], "softplus" if c[4] else "lb", "aligned" if c[5] else "unaligned"))
-def test_late_fold_variant_compiles(arch, config):
-    from kda_cute.ucache import build_ucache_kernel
-
-    assert build_ucache_kernel(*config, arch, four_ctas=True, late_fold=True) is not None
-
-
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("softplus_gate", [False, True], ids=["lb", "softplus"])
-@pytest.mark.parametrize("min_blocks", [0, 3], ids=["mb-table", "mb3"])
-def test_late_fold_main_config_registers_and_spills(min_blocks, softplus_gate, arch, tmp_path, monkeypatch):
-    # T=8 w16 tile 128. At the 4-CTA floor (64 registers) ptxas spills 8 bytes (one 64-bit pair, flush path: the
-    # checkpoint words stay live across phase 2d; reloading them from L1/L2 in the fold spilled 16-32 B since ptxas
-    # hoists the reloads); at the 3-CTA floor (80 registers) none.
-    from kda_cute import ucache
-
-    monkeypatch.setattr(ucache, "_FORCE_MIN_BLOCKS", min_blocks)
-    ucache.build_ucache_kernel(12, 8, 16, 128, softplus_gate, True, arch, f"--keep-ptx --dump-dir {tmp_path}",
-                               four_ctas=True, late_fold=True)  # fmt: skip
-    (ptx,) = list(tmp_path.glob("*.ptx"))
-    registers, spills = _ptxas_registers_and_spills(ptx, arch)
-    budget = (64, 16) if min_blocks == 0 else (80, 0)  # spill traffic: 8 B stores + 8 B loads
-    assert registers <= budget[0] and spills <= budget[1], f"{registers} registers, {spills} bytes of spill traffic"
-
-
 @pytest.mark.parametrize("config", [(12, 8, 16, 64, False, True), (96, 4, 32, 128, True, False),
                                     (8, 8, 32, 128, False, True)], ids=["T8-w16-tv64", "T4-w32-tv128", "T8-w32-tv128"])
 def test_smem_estimate_matches_the_compiled_launch(config):
@@ -141,18 +113,16 @@ def test_compile_cache_key_separates_every_code_generation_parameter(monkeypatch
     monkeypatch.setattr(ucache, "restart_cursors", lambda *a: None)
     import torch
 
-    def call(T=8, H=12, w_ring=16, lower_bound=-5.0, aligned=True, tile_v=None, four_ctas=None, min_blocks=0,
-             late_fold=None):
+    def call(T=8, H=12, w_ring=16, lower_bound=-5.0, aligned=True, tile_v=None, four_ctas=None, min_blocks=0):
         q = torch.empty(2, T, H, 128)
         monkeypatch.setattr(ucache, "_FORCE_MIN_BLOCKS", min_blocks)
         ucache.ucache_verify_flush(None, None, None, lower_bound, q, None, None, None, None, None, None, None, None,
                                    None, None, 9, w_ring, 1.0, None, aligned=aligned, tile_v=tile_v,
-                                   four_ctas=four_ctas, late_fold=late_fold)  # fmt: skip
+                                   four_ctas=four_ctas)  # fmt: skip
 
     _launch.clear_cache()
     for kwargs in ({}, {"T": 4}, {"H": 24}, {"w_ring": 32}, {"lower_bound": None}, {"aligned": False},
-                   {"tile_v": 128}, {"four_ctas": True}, {"min_blocks": 4}, {"late_fold": True}, {},
-                   {"four_ctas": False}):
+                   {"tile_v": 128}, {"four_ctas": True}, {"min_blocks": 4}, {}, {"four_ctas": False}):
         call(**kwargs)
-    assert len(built) == 10  # the last two calls are cache hits
+    assert len(built) == 9  # the last two calls are cache hits
     _launch.clear_cache()

@@ -246,8 +246,6 @@ CTA_SMEM_RESERVED = 1024
 _FORCE_MIN_BLOCKS = 0
 # Benchmarks' sweep hook for the ``four_ctas`` variant (None: the default, off). It is in the compile key.
 _FORCE_FOUR_CTAS = None
-# Benchmarks' sweep hook for the ``late_fold`` refinement of four_ctas (None: off; True implies four_ctas). In the key.
-_FORCE_LATE_FOLD = None
 
 
 def default_tile_v(batch: int, heads: int) -> int:
@@ -274,9 +272,6 @@ class UcacheVerifyFlush:
     stay in registers across the ring correction, so ``sXY`` is only written after it and shares the bytes of the
     dead x operands (sXb, sXu: -10 KB at tile 128 T=8); the flush fold runs one 8-channel chunk at a time (16
     accumulators live instead of 64); the resident-CTA floor comes from ``MIN_CTAS_PER_SM_FOUR``.
-    late_fold (four_ctas only, same math bit for bit): the flush fold runs after the ring correction (phase 2d)
-    instead of before it, so the 8 accumulators of the dot products are stored to ``sXY`` and dead while the fold
-    runs, and the fold's chunks overlap the other warps' phase-3 start instead of the sync before phase 2d.
     """
 
     def __init__(
@@ -288,13 +283,9 @@ class UcacheVerifyFlush:
         softplus_gate: bool,
         aligned: bool,
         four_ctas: bool = False,
-        late_fold: bool = False,
     ):
         self.heads = heads
         self.four_ctas = four_ctas
-        if late_fold and not four_ctas:
-            raise ValueError("late_fold is a refinement of the four_ctas schedule")
-        self.late_fold = late_fold
         self.aligned = aligned
         self.t_draft = t_draft
         self.w_ring = w_ring
@@ -866,78 +857,72 @@ class UcacheVerifyFlush:
                 for nt in cutlass.range_constexpr(2):
                     for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
                         sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
-
-            def flush_fold():
-                if is_flush:
-                    # S_commit = S0 * bdec + U^T WK in fp32 registers, one rounding to bf16. Fold on MMA: M = the
-                    # warp's 16 rows, K = ring rows, N = channels. n-tile nt, column n stands for channel
-                    # (4 (nt // 4) + n // 2) * 8 + 2 (nt % 4) + n % 2, so the accumulator fragment is exactly this
-                    # thread's state registers. u is bf16 in the ring (exact as an operand); wk is split hi + lo.
-                    if const_expr(self.four_ctas):
-                        # One 8-channel chunk m (n-tiles 4m .. 4m + 3) at a time: 16 accumulators live instead of 64,
-                        # each with the same operation order as the whole-row fold (S0 * bdec, then k-steps in order).
-                        raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
-                        for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                            fold_acc = cute.make_rmem_tensor((2 * CHUNK,), Float32)  # [rho][e]
-                            for rho in cutlass.range_constexpr(2):
-                                for e in cutlass.range_constexpr(CHUNK):
-                                    ch = (m * ROW_THREADS + q4) * CHUNK + e
-                                    fold_acc[rho * CHUNK + e] = s0_raw[rho * 32 + m * CHUNK + e].to(Float32) * sBdec[ch]
-                            for ks in cutlass.range_constexpr(KPAD // MMA_K):
-                                if P > ks * MMA_K:
-                                    jp0 = ks * (MMA_K // 2) + q4
-                                    a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]])
-                                    a_u = (*a_u, sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
-                                    for nt in cutlass.range_constexpr(4 * m, 4 * m + 4):
-                                        e0 = 2 * (nt % 4)
-                                        col = (m * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
-                                        b = cute.make_rmem_tensor((4,), Int32)
-                                        cute.autovec_copy(sWK[col, _fold_group(col, ks, q4, KPAD), None], b)
-                                        ids = (e0, e0 + 1, CHUNK + e0, CHUNK + e0 + 1)
-                                        fd = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [fold_acc[z] for z in ids])
-                                        fd = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), fd)
-                                        for z in cutlass.range_constexpr(4):
-                                            fold_acc[ids[z]] = fd[z]
-                            for rho in cutlass.range_constexpr(2):
-                                row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
-                                for e in cutlass.range_constexpr(CHUNK):
-                                    raw[e] = fold_acc[rho * CHUNK + e].to(mPool.element_type)
-                                cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
-                    else:
-                        state = cute.make_rmem_tensor((2 * CHUNK * CHUNKS_PER_THREAD,), Float32)
+            if is_flush:
+                # S_commit = S0 * bdec + U^T WK in fp32 registers, one rounding to bf16. Fold on MMA: M = the
+                # warp's 16 rows, K = ring rows, N = channels. n-tile nt, column n stands for channel
+                # (4 (nt // 4) + n // 2) * 8 + 2 (nt % 4) + n % 2, so the accumulator fragment is exactly this
+                # thread's state registers. u is bf16 in the ring (exact as an operand); wk is split hi + lo.
+                if const_expr(self.four_ctas):
+                    # One 8-channel chunk m (n-tiles 4m .. 4m + 3) at a time: 16 accumulators live instead of 64,
+                    # each with the same operation order as the whole-row fold (S0 * bdec, then k-steps in order).
+                    raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
+                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                        fold_acc = cute.make_rmem_tensor((2 * CHUNK,), Float32)  # [rho][e]
                         for rho in cutlass.range_constexpr(2):
-                            for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                                for e in cutlass.range_constexpr(CHUNK):
-                                    ch = (m * ROW_THREADS + q4) * CHUNK + e
-                                    idx = rho * 32 + m * CHUNK + e
-                                    state[idx] = s0_raw[idx].to(Float32) * sBdec[ch]
+                            for e in cutlass.range_constexpr(CHUNK):
+                                ch = (m * ROW_THREADS + q4) * CHUNK + e
+                                fold_acc[rho * CHUNK + e] = s0_raw[rho * 32 + m * CHUNK + e].to(Float32) * sBdec[ch]
                         for ks in cutlass.range_constexpr(KPAD // MMA_K):
                             if P > ks * MMA_K:
                                 jp0 = ks * (MMA_K // 2) + q4
                                 a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]])
                                 a_u = (*a_u, sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
-                                for nt in cutlass.range_constexpr(K // 8):
+                                for nt in cutlass.range_constexpr(4 * m, 4 * m + 4):
                                     e0 = 2 * (nt % 4)
-                                    col = ((nt // 4) * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
-                                    # hi and lo of ring-row pairs jp0 and jp0 + 4: one 16-byte read
+                                    col = (m * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
                                     b = cute.make_rmem_tensor((4,), Int32)
                                     cute.autovec_copy(sWK[col, _fold_group(col, ks, q4, KPAD), None], b)
-                                    at = (nt // 4) * CHUNK + e0
-                                    ids = (at, at + 1, 32 + at, 32 + at + 1)
-                                    fd = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [state[z] for z in ids])
-                                    fd = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), fd)
+                                    ids = (e0, e0 + 1, CHUNK + e0, CHUNK + e0 + 1)
+                                    d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [fold_acc[z] for z in ids])
+                                    d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
                                     for z in cutlass.range_constexpr(4):
-                                        state[ids[z]] = fd[z]
-                        raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
+                                        fold_acc[ids[z]] = d[z]
                         for rho in cutlass.range_constexpr(2):
                             row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
-                            for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                                for e in cutlass.range_constexpr(CHUNK):
-                                    raw[e] = state[rho * 32 + m * CHUNK + e].to(mPool.element_type)
-                                cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
-
-            if const_expr(not self.late_fold):
-                flush_fold()
+                            for e in cutlass.range_constexpr(CHUNK):
+                                raw[e] = fold_acc[rho * CHUNK + e].to(mPool.element_type)
+                            cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
+                else:
+                    state = cute.make_rmem_tensor((2 * CHUNK * CHUNKS_PER_THREAD,), Float32)
+                    for rho in cutlass.range_constexpr(2):
+                        for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                            for e in cutlass.range_constexpr(CHUNK):
+                                ch = (m * ROW_THREADS + q4) * CHUNK + e
+                                idx = rho * 32 + m * CHUNK + e
+                                state[idx] = s0_raw[idx].to(Float32) * sBdec[ch]
+                    for ks in cutlass.range_constexpr(KPAD // MMA_K):
+                        if P > ks * MMA_K:
+                            jp0 = ks * (MMA_K // 2) + q4
+                            a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]], sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
+                            for nt in cutlass.range_constexpr(K // 8):
+                                e0 = 2 * (nt % 4)
+                                col = ((nt // 4) * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
+                                # hi and lo of ring-row pairs jp0 and jp0 + 4: one 16-byte read
+                                b = cute.make_rmem_tensor((4,), Int32)
+                                cute.autovec_copy(sWK[col, _fold_group(col, ks, q4, KPAD), None], b)
+                                at = (nt // 4) * CHUNK + e0
+                                ids = (at, at + 1, 32 + at, 32 + at + 1)
+                                d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [state[z] for z in ids])
+                                d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
+                                for z in cutlass.range_constexpr(4):
+                                    state[ids[z]] = d[z]
+                    raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
+                    for rho in cutlass.range_constexpr(2):
+                        row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
+                        for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                            for e in cutlass.range_constexpr(CHUNK):
+                                raw[e] = state[rho * 32 + m * CHUNK + e].to(mPool.element_type)
+                            cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
             cute.arch.sync_threads()
 
             # ---- phase 2d: ring correction x_s += sum_j u_j M[j, s] (MMA: M = 16 rows, K = ring rows) -----------
@@ -974,8 +959,6 @@ class UcacheVerifyFlush:
                 for nt in cutlass.range_constexpr(2):
                     for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
                         sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
-            if const_expr(self.late_fold):
-                flush_fold()  # after the ring correction: its 8 accumulators are in sXY, their registers free
             cute.arch.sync_threads()
 
             # ---- phase 3: k^ appends (V tile 0, threads past the tile), the triangular solve (one row each) -
@@ -1065,10 +1048,9 @@ def build_ucache_kernel(
     arch: str,
     extra_options: str = "",
     four_ctas: bool = False,
-    late_fold: bool = False,
 ):
     """Compile one configuration against fake tensors (no GPU needed when CUTE_DSL_ARCH is set)."""
-    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, four_ctas, late_fold)
+    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, four_ctas)
     return cute.compile(
         cfg,
         *_fakes(cfg),
@@ -1171,7 +1153,6 @@ def ucache_verify_flush(
     aligned: bool = True,
     tile_v: int | None = None,
     four_ctas: bool | None = None,
-    late_fold: bool | None = None,
 ) -> torch.Tensor:
     """Launch the kernel on the current stream. Arguments are already validated (kda-recurrent does it).
 
@@ -1182,19 +1163,15 @@ def ucache_verify_flush(
     stride is a multiple of 16 bytes (kda_core's validation says so). The kernel only reads the cursors;
     ``restart_hist_on_flush`` then applies the flush part of the commit with a second, one-thread-per-row kernel.
     ``four_ctas``: the :class:`UcacheVerifyFlush` variant (None: ``_FORCE_FOUR_CTAS``, off by default).
-    ``late_fold``: its refinement (None: ``_FORCE_LATE_FOLD``, off by default); True turns four_ctas on.
     """
     B, T, H, _ = q.shape
     tile_v = tile_v or default_tile_v(B, H)
     softplus_gate = lower_bound is None
-    late_fold = bool(_FORCE_LATE_FOLD if late_fold is None else late_fold)
-    four_ctas = late_fold or bool(_FORCE_FOUR_CTAS if four_ctas is None else four_ctas)
-    key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned), four_ctas, late_fold,
-           _FORCE_MIN_BLOCKS)  # fmt: skip
+    four_ctas = bool(_FORCE_FOUR_CTAS if four_ctas is None else four_ctas)
+    key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned), four_ctas, _FORCE_MIN_BLOCKS)
     fn = _launch.get_or_compile(
         key,
-        lambda arch: build_ucache_kernel(H, T, w_ring, tile_v, softplus_gate, bool(aligned), arch,
-                                         four_ctas=four_ctas, late_fold=late_fold),  # fmt: skip
+        lambda arch: build_ucache_kernel(H, T, w_ring, tile_v, softplus_gate, bool(aligned), arch, four_ctas=four_ctas),
     )
     fn(
         q,
