@@ -44,8 +44,6 @@ def parse_args(argv=None):
                         "several make a sweep")
     p.add_argument("--cache-hint", choices=["auto", "stream", "global"], nargs="+", default=["auto"],
                    help="cache operators of the state's loads/stores (auto = the schedule's); several make a sweep")
-    p.add_argument("--persistent", type=int, nargs="+", default=[-1],
-                   help="persistent CTAs per SM (-1 = the schedule's, 0 = one CTA per item); several make a sweep")
     p.add_argument("--cold-l2", action="store_true", help="flush the L2 (256 MiB write) before every iteration")
     p.add_argument("--no-fla", action="store_true", help="skip FLA (e.g. fla-core missing)")
     p.add_argument("--eager-calls", type=int, default=200, help="calls for the eager wall-time figure (0 = skip)")
@@ -141,7 +139,7 @@ def main(argv=None):
     flush = _timing.L2Flusher() if args.cold_l2 else None
     records = []
     H = args.heads
-    sweep = list(itertools.product(args.tile_v, args.stage, args.rows_in_flight, args.cache_hint, args.persistent))
+    sweep = list(itertools.product(args.tile_v, args.stage, args.rows_in_flight, args.cache_hint))
     total = len(args.batch_size) * len(args.state_dtype) * len(sweep)
     from kda_cute import decode_t1
     done = 0
@@ -156,12 +154,11 @@ def main(argv=None):
                 fla_call, _ = fla_fn(x, H, fla_pool)
             baselines = {}
             for point in sweep:
-                tile_v, stage, rows_in_flight, cache_hint, persistent = point
+                tile_v, stage, rows_in_flight, cache_hint = point
                 os.environ["KDA_DECODE_TILE_V"] = str(tile_v)
                 decode_t1._FORCE_SMEM_STAGE = {"auto": None, "regs": False, "smem": True}[stage]
                 decode_t1._FORCE_ROWS_IN_FLIGHT = None if rows_in_flight < 0 else rows_in_flight
                 decode_t1._FORCE_CACHE_HINT = None if cache_hint == "auto" else cache_hint
-                decode_t1._FORCE_PERSISTENT = None if persistent < 0 else persistent
                 cfg = decode_t1.select_config(B, H, DTYPES[dtype_name], True)
                 try:
                     s_err, o_err, fla_err = check_correctness(x, H, B, with_fla)
@@ -189,7 +186,7 @@ def main(argv=None):
                            smem_stage=cfg.smem_stage, tile_v_forced=tile_v, stage_forced=stage,
                            rows_in_flight=decode_t1.rows_in_flight_for(cfg.tile_v, DTYPES[dtype_name].itemsize,
                                                                        cfg.rows_in_flight),
-                           cache_hint=cfg.cache_hint, persistent=cfg.persistent,
+                           cache_hint=cfg.cache_hint,
                            cold_l2=args.cold_l2, timer=timers,
                            ours_us=times["ours"], fla_us=times.get("fla"), copy_us=times["copy"],
                            state_bytes=state_bytes,
@@ -213,8 +210,7 @@ def main(argv=None):
                 fla_txt = f"fla {rec['fla_us']:8.2f} us ({rec['ours_over_fla']:.2f}x)  " if rec["fla_us"] else ""
                 eager = f"  eager {rec['ours_eager_call_us']:.1f} us" if "ours_eager_call_us" in rec else ""
                 tile_txt = (f"{cfg.tile_v:3d}{'s' if cfg.smem_stage else 'r'}"
-                            f"{'' if cfg.smem_stage else rec['rows_in_flight']} {cfg.cache_hint:6s}"
-                            f" p{cfg.persistent}")
+                            f"{'' if cfg.smem_stage else rec['rows_in_flight']} {cfg.cache_hint:6s}")
                 print(f"[{done}/{total}] {dtype_name} B={B:5d} tile={tile_txt}  ours {rec['ours_us']:8.2f} us "
                       f"({rec['ours_TBps']:.2f} TB/s, {100 * rec['frac_of_copy']:.0f}% of copy)  {fla_txt}"
                       f"copy {rec['copy_us']:8.2f} us{eager}", flush=True)
@@ -222,7 +218,6 @@ def main(argv=None):
             torch.cuda.empty_cache()
     os.environ.pop("KDA_DECODE_TILE_V", None)
     decode_t1._FORCE_SMEM_STAGE = decode_t1._FORCE_ROWS_IN_FLIGHT = decode_t1._FORCE_CACHE_HINT = None
-    decode_t1._FORCE_PERSISTENT = None
     if args.json:
         _timing.write_json(args.json, records)
     if args.plot:

@@ -241,18 +241,18 @@ def main(argv=None):
         cases += [
             (
                 "compiled call alone, packed (8 tensors)",
-                lambda: fn_packed(mixed, gate, beta, A_log, dt_bias, pool, slots, out, scale, LOWER_BOUND, 0),
+                lambda: fn_packed(mixed, gate, beta, A_log, dt_bias, pool, slots, out, scale, LOWER_BOUND),
             ),
             (
                 "compiled call alone, views (10 tensors)",
-                lambda: fn_unpacked(q, k, v, g, bt, A_log, dt_bias, pool, slots, out, scale, LOWER_BOUND, 0),
+                lambda: fn_unpacked(q, k, v, g, bt, A_log, dt_bias, pool, slots, out, scale, LOWER_BOUND),
             ),
         ]
         import tvm_ffi
 
         try:
             ffi = [tvm_ffi.from_dlpack(t) for t in (mixed, gate, beta, A_log, dt_bias, pool, slots, out)]
-            cases.append(("compiled call, packed, ffi tensors", lambda: fn_packed(*ffi, scale, LOWER_BOUND, 0)))
+            cases.append(("compiled call, packed, ffi tensors", lambda: fn_packed(*ffi, scale, LOWER_BOUND)))
         except Exception as err:  # a tensor tvm_ffi refuses: that row is skipped, the others still run
             print(f"tvm_ffi.from_dlpack failed: {type(err).__name__}: {err}")
         cases.append(("one tvm_ffi.from_dlpack", lambda: tvm_ffi.from_dlpack(pool)))

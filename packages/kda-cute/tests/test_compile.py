@@ -20,20 +20,6 @@ import torch
 
 ARCHS = ("sm_90a", "sm_100a")
 TILES = (8, 16, 32, 64, 128)
-# Persistent variants that build without spills on both targets (pool dtype, tile_v, rows in flight, CTAs per SM,
-# entries): the floor of resident CTAs caps registers at 64K / (128 x CTAs), so more CTAs per SM take fewer rows in
-# flight. Packed-entry registers with ptxas 13.0 (sm_90a / sm_100a): bf16 128/8/2 230/228, 128/4/3 156/156, 128/4/4
-# 128/128, 64/8/2 194/198, 32/4/4 128/128; fp32 128/8/2 248/250, 128/4/3 160/166, 128/2/4 124/124. The unpacked
-# entry carries four more tensors' pointers and strides: at 4 CTAs/SM its bf16 rows spill (28-36 B), so those two
-# are candidates for the packed entry only. Spilling (not candidates): bf16 128/8/3 (24-40 B), 128/16/2 (28 B);
-# fp32 128/16/2 (8 B on sm_90a), 128/4/4 (44-84 B).
-BF16, FP32 = torch.bfloat16, torch.float32
-BOTH, PACKED = (False, True), (True,)
-PERSISTENT_NO_SPILL = [(BF16, 128, 8, 2, BOTH), (BF16, 128, 4, 3, BOTH), (BF16, 128, 4, 4, PACKED),
-                       (BF16, 64, 8, 2, BOTH), (BF16, 32, 4, 4, PACKED), (FP32, 128, 8, 2, BOTH),
-                       (FP32, 128, 4, 3, BOTH), (FP32, 128, 2, 4, BOTH)]
-PERSISTENT_NO_SPILL_CASES = [(sd, tile, rif, p, packed) for sd, tile, rif, p, entries in PERSISTENT_NO_SPILL
-                             for packed in entries]
 
 
 def _variants():
@@ -52,14 +38,6 @@ def _variants():
     for sd, tile, rif, hint in itertools.product((torch.bfloat16, torch.float32), (64, 128), (16,),
                                                  ("stream", "global")):
         out.append({**base, "state_dtype": sd, "tile_v": tile, "rows_in_flight": rif, "cache_hint": hint})
-    # The persistent walk: every candidate of PERSISTENT_NO_SPILL, packed and unpacked, and the fp32 / all-rows rows
-    # that spill (the sweep measures them; they must still build).
-    for sd, tile, rif, persistent, _ in PERSISTENT_NO_SPILL:
-        for packed in (False, True):
-            out.append({**base, "state_dtype": sd, "tile_v": tile, "rows_in_flight": rif, "persistent": persistent,
-                        "cache_hint": "global" if sd == torch.float32 else "stream", "packed": packed})
-    for sd, persistent in itertools.product((torch.bfloat16, torch.float32), (1, 3)):
-        out.append({**base, "state_dtype": sd, "tile_v": 128, "rows_in_flight": 16, "persistent": persistent})
     for flag in (dict(beta_is_logit=False), dict(use_qk_l2norm=False), dict(has_dt_bias=False),
                  dict(g_dtype=torch.float32, gate=GateMode.PRECOMPUTED), dict(beta_dtype=torch.float32)):
         out.append({**base, **flag})
@@ -79,7 +57,6 @@ def _ident(v):
             f"{'-smem' if v.get('smem_stage') else ''}"
             f"{'-rif%d' % v['rows_in_flight'] if v.get('rows_in_flight') else ''}"
             f"{'-' + v['cache_hint'] if v.get('cache_hint', 'stream') != 'stream' else ''}"
-            f"{'-p%d' % v['persistent'] if v.get('persistent') else ''}"
             f"{'' if v['beta_is_logit'] else '-sigbeta'}{'' if v['use_qk_l2norm'] else '-nonorm'}"
             f"{'' if v['has_dt_bias'] else '-nobias'}-g{str(v['g_dtype'])[6:]}-b{str(v['beta_dtype'])[6:]}"
             f"{'-packed' if v.get('packed') else ''}")
@@ -128,28 +105,6 @@ def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, smem_sta
                                 gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
                                 tile_v=tile_v, aligned=aligned, smem_stage=smem_stage,
                                 rows_in_flight=rows_in_flight, packed=packed)
-    _assert_no_spill(key, arch, tmp_path)
-
-
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("state_dtype, tile_v, rows_in_flight, persistent, packed", PERSISTENT_NO_SPILL_CASES,
-                         ids=[f"{str(d)[6:]}-tv{t}-rif{r}-p{p}{'-packed' if k else ''}"
-                              for d, t, r, p, k in PERSISTENT_NO_SPILL_CASES])
-def test_persistent_candidate_does_not_spill(state_dtype, tile_v, rows_in_flight, persistent, packed, arch, tmp_path):
-    from kda_core.contracts import GateMode
-    from kda_cute import decode_t1
-
-    key = decode_t1.variant_key(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
-                                gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
-                                tile_v=tile_v, aligned=True, rows_in_flight=rows_in_flight, persistent=persistent,
-                                cache_hint="global" if state_dtype == torch.float32 else "stream", packed=packed)
-    _assert_no_spill(key, arch, tmp_path)
-
-
-def _assert_no_spill(key, arch, tmp_path):
-    from kda_cute import decode_t1
-
     decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
     ptx = sorted(tmp_path.glob("*.ptx"))
     assert ptx, "no PTX kept"
