@@ -50,8 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--restart-hist-on-flush", type=int, choices=[0, 1], default=0)
     p.add_argument("--tile-v", type=int, nargs="+", default=[0],
                    help="state rows per CTA (0 = the schedule policy); several values make a sweep")
-    p.add_argument("--variant", nargs="+", choices=["r2", "four_ctas"], default=["r2"],
-                   help="kernel variants to time (four_ctas: UcacheVerifyFlush's 4-CTA-per-SM schedule)")
+    p.add_argument("--variant", nargs="+", choices=["default", "r2", "four_ctas"], default=["default"],
+                   help="kernel variants to time (default: the launcher's schedule; four_ctas: UcacheVerifyFlush's "
+                        "4-CTA-per-SM layout; r2: the round-2 layout)")
     p.add_argument("--min-blocks", type=int, nargs="+", default=[0],
                    help="resident-CTA floors asked of ptxas (0 = the kernel's table; sets _FORCE_MIN_BLOCKS)")
     p.add_argument("--cold-l2", action="store_true", help="flush the L2 (256 MiB write) before every iteration")
@@ -216,7 +217,7 @@ def main(argv=None):
         fla_us = None
         for fold_pct in args.fold_pct:
             for tile_v, variant, min_blocks in schedules:
-                ucache._FORCE_FOUR_CTAS = variant == "four_ctas"
+                ucache._FORCE_FOUR_CTAS = {"default": None, "r2": False, "four_ctas": True}[variant]
                 ucache._FORCE_MIN_BLOCKS = min_blocks  # both hooks are in the compile key
                 x = make_step(B, T, H, w_ring, flush_min, fold_pct, args.verify_hist, seed=B * 101 + fold_pct)
                 used_tile = tile_v or default_tile_v(B, H)

@@ -62,15 +62,18 @@ def _ptxas_registers_and_spills(ptx_path, arch):
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("softplus_gate", [False, True], ids=["lb", "softplus"])
-def test_four_ctas_main_config_fits_64_registers_without_spills(softplus_gate, arch, tmp_path):
-    # T=8 w16 tile 128 (the B >= 8 schedule at H=12): 4 CTAs of 256 threads need <= 64 registers per thread.
+@pytest.mark.parametrize("min_ctas", [0, 3], ids=["4cta", "3cta"])
+def test_four_ctas_main_config_fits_its_register_budget_without_spills(min_ctas, softplus_gate, arch, tmp_path):
+    # T=8 w16 tile 128 (the B >= 8 schedule at H=12): 4 CTAs of 256 threads need <= 64 registers per thread, the
+    # 3-CTA floor of small grids (default_min_ctas) <= 80.
     from kda_cute.ucache import build_ucache_kernel
 
     build_ucache_kernel(12, 8, 16, 128, softplus_gate, True, arch, f"--keep-ptx --dump-dir {tmp_path}",
-                        four_ctas=True)  # fmt: skip
+                        four_ctas=True, min_ctas=min_ctas)  # fmt: skip
     (ptx,) = list(tmp_path.glob("*.ptx"))
     registers, spills = _ptxas_registers_and_spills(ptx, arch)
-    assert registers <= 64 and spills == 0, f"{registers} registers, {spills} bytes of spill traffic"
+    budget = 80 if min_ctas == 3 else 64
+    assert registers <= budget and spills == 0, f"{registers} registers, {spills} bytes of spill traffic"
 
 
 @pytest.mark.parametrize("config", [(12, 8, 16, 64, False, True), (96, 4, 32, 128, True, False),
@@ -96,6 +99,16 @@ def test_resident_cta_floor_is_capped_by_shared_memory():
     four = UcacheVerifyFlush(12, 8, 16, 128, False, True, four_ctas=True)
     assert four.smem_bytes() + 1024 <= 228 * 1024 // 4
     assert four.ctas_by_smem() == 4 and four.occupancy()["min_blocks_per_mp"] == 4
+    small_grid = UcacheVerifyFlush(12, 8, 16, 128, False, True, four_ctas=True, min_ctas=3)
+    assert small_grid.occupancy()["min_blocks_per_mp"] == 3
+
+
+def test_default_cta_floor_by_grid_size():
+    from kda_cute.ucache import FOUR_CTAS_FROM_STATES, default_min_ctas
+
+    assert default_min_ctas(128, 64, 12) == 3  # B=64 at H=12: the 80-register build measured faster
+    assert default_min_ctas(128, FOUR_CTAS_FROM_STATES // 12, 12) == 0  # from B=128: the table's 4
+    assert default_min_ctas(64, 4, 12) == 0  # tile 64 keeps its table entry
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -113,16 +126,19 @@ def test_compile_cache_key_separates_every_code_generation_parameter(monkeypatch
     monkeypatch.setattr(ucache, "restart_cursors", lambda *a: None)
     import torch
 
-    def call(T=8, H=12, w_ring=16, lower_bound=-5.0, aligned=True, tile_v=None, four_ctas=None, min_blocks=0):
-        q = torch.empty(2, T, H, 128)
+    def call(B=2, T=8, H=12, w_ring=16, lower_bound=-5.0, aligned=True, tile_v=None, four_ctas=None, min_blocks=0):
+        q = torch.empty(B, T, H, 128)
         monkeypatch.setattr(ucache, "_FORCE_MIN_BLOCKS", min_blocks)
         ucache.ucache_verify_flush(None, None, None, lower_bound, q, None, None, None, None, None, None, None, None,
                                    None, None, 9, w_ring, 1.0, None, aligned=aligned, tile_v=tile_v,
                                    four_ctas=four_ctas)  # fmt: skip
 
     _launch.clear_cache()
+    # The default is four_ctas; tile 128 asks for 3 CTAs below FOUR_CTAS_FROM_STATES (request, head) pairs and for
+    # the table's 4 from there (B=128 at H=12), a different build.
     for kwargs in ({}, {"T": 4}, {"H": 24}, {"w_ring": 32}, {"lower_bound": None}, {"aligned": False},
-                   {"tile_v": 128}, {"four_ctas": True}, {"min_blocks": 4}, {}, {"four_ctas": False}):
+                   {"tile_v": 128}, {"tile_v": 128, "B": ucache.FOUR_CTAS_FROM_STATES // 12}, {"four_ctas": False},
+                   {"min_blocks": 4}, {}, {"four_ctas": True}):
         call(**kwargs)
-    assert len(built) == 9  # the last two calls are cache hits
+    assert len(built) == 10  # the last two calls are cache hits
     _launch.clear_cache()

@@ -237,15 +237,28 @@ def _mma_bf16_m16n8k16(a, b, c):
 MIN_CTAS_PER_SM = {64: 5, 128: 3}
 MIN_CTAS_PER_SM_FOUR = {64: 5, 128: 4}
 """The table of the ``four_ctas`` variant: its shared memory lets 4 tile-128 CTAs reside (T=8 w16), and ptxas is
-asked for 64 registers. Not measured on hardware yet."""
+asked for 64 registers; small grids ask for 3 (80 registers) instead, see :func:`default_min_ctas`."""
+FOUR_CTAS_FROM_STATES = 1536
+"""(request, head) pairs from which the four_ctas tile-128 kernel asks for 4 resident CTAs per SM (64 registers)
+rather than 3 (80 registers). H200, T=8 w16 H=12, CUDA-graph replay, us at 0 / 100% folds
+(benchmarks/results/ucache_r3_variants_h200.json, ucache_r4_h200.json): B=8 3 CTAs 5.76 / 6.91, 4 CTAs 5.89 / 7.14;
+B=64 18.0 / 25.3 vs 19.0 / 28.2; B=128 36.1 / 50.0 vs 34.2 / 51.3; B=256 69.3 / 96.4 vs 65.1 / 100.1; B=512 133.7 /
+188.4 vs 125.4 / 195.3. Below B=128 at H=12 the 80-register build wins at both fold rates; from there the two split
+the fold rates (their means are within 0.6%), and 4 CTAs win the no-fold steps."""
 SM_SMEM_BYTES = 228 * 1024
 """Shared memory of one SM with the largest carveout on sm_90a and sm_100a (H100/H200, B200)."""
 CTA_SMEM_RESERVED = 1024
 """Shared memory the driver reserves per resident CTA (sm_80 and later); allocations come in 128-byte granules."""
 # Benchmarks' sweep hook: overrides the table when non-zero (part of the compile key).
 _FORCE_MIN_BLOCKS = 0
-# Benchmarks' sweep hook for the ``four_ctas`` variant (None: the default, off). It is in the compile key.
+# Benchmarks' sweep hook for the ``four_ctas`` variant (None: the default, on). It is in the compile key.
 _FORCE_FOUR_CTAS = None
+
+
+def default_min_ctas(tile_v: int, batch: int, heads: int) -> int:
+    """Resident-CTA floor the four_ctas kernel asks of ptxas: 3 for tile-128 grids under ``FOUR_CTAS_FROM_STATES``
+    (request, head) pairs, else 0 (the ``MIN_CTAS_PER_SM_FOUR`` table)."""
+    return 3 if tile_v == 128 and batch * heads < FOUR_CTAS_FROM_STATES else 0
 
 
 def default_tile_v(batch: int, heads: int) -> int:
@@ -283,9 +296,11 @@ class UcacheVerifyFlush:
         softplus_gate: bool,
         aligned: bool,
         four_ctas: bool = False,
+        min_ctas: int = 0,
     ):
         self.heads = heads
         self.four_ctas = four_ctas
+        self.min_ctas = min_ctas  # resident-CTA floor; 0 = the table of the variant
         self.aligned = aligned
         self.t_draft = t_draft
         self.w_ring = w_ring
@@ -384,7 +399,7 @@ class UcacheVerifyFlush:
         """Launch attributes: the resident-CTA floor (at most what shared memory allows) and the largest
         shared-memory carveout."""
         table = MIN_CTAS_PER_SM_FOUR if self.four_ctas else MIN_CTAS_PER_SM
-        ctas = _FORCE_MIN_BLOCKS or min(table.get(self.tile_v, 0), self.ctas_by_smem())
+        ctas = _FORCE_MIN_BLOCKS or min(self.min_ctas or table.get(self.tile_v, 0), self.ctas_by_smem())
         return dict(min_blocks_per_mp=ctas, preferred_smem_carveout=100) if ctas else {}
 
     # ------------------------------------------------------------------------------------------------
@@ -1048,9 +1063,10 @@ def build_ucache_kernel(
     arch: str,
     extra_options: str = "",
     four_ctas: bool = False,
+    min_ctas: int = 0,
 ):
     """Compile one configuration against fake tensors (no GPU needed when CUTE_DSL_ARCH is set)."""
-    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, four_ctas)
+    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, four_ctas, min_ctas)
     return cute.compile(
         cfg,
         *_fakes(cfg),
@@ -1162,16 +1178,21 @@ def ucache_verify_flush(
     cache_base [B] int32 contiguous; output [B, T, H, 128] bf16. ``aligned``: every pool/ring pointer and row
     stride is a multiple of 16 bytes (kda_core's validation says so). The kernel only reads the cursors;
     ``restart_hist_on_flush`` then applies the flush part of the commit with a second, one-thread-per-row kernel.
-    ``four_ctas``: the :class:`UcacheVerifyFlush` variant (None: ``_FORCE_FOUR_CTAS``, off by default).
+    ``four_ctas``: the :class:`UcacheVerifyFlush` variant (None: ``_FORCE_FOUR_CTAS``, else on; False is the
+    round-2 schedule, kept for comparison). Its resident-CTA floor follows :func:`default_min_ctas`.
     """
     B, T, H, _ = q.shape
     tile_v = tile_v or default_tile_v(B, H)
     softplus_gate = lower_bound is None
-    four_ctas = bool(_FORCE_FOUR_CTAS if four_ctas is None else four_ctas)
-    key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned), four_ctas, _FORCE_MIN_BLOCKS)
+    if four_ctas is None:
+        four_ctas = True if _FORCE_FOUR_CTAS is None else bool(_FORCE_FOUR_CTAS)
+    min_ctas = default_min_ctas(tile_v, B, H) if four_ctas else 0
+    key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned), four_ctas, min_ctas,
+           _FORCE_MIN_BLOCKS)  # fmt: skip
     fn = _launch.get_or_compile(
         key,
-        lambda arch: build_ucache_kernel(H, T, w_ring, tile_v, softplus_gate, bool(aligned), arch, four_ctas=four_ctas),
+        lambda arch: build_ucache_kernel(H, T, w_ring, tile_v, softplus_gate, bool(aligned), arch, four_ctas=four_ctas,
+                                         min_ctas=min_ctas),  # fmt: skip
     )
     fn(
         q,
