@@ -7,7 +7,11 @@ validation, schedule policy) compile for ``CUTE_DSL_ARCH`` (default sm_90a here)
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -114,3 +118,33 @@ def make_case(B, H, *, state_dtype=torch.bfloat16, gate="lower_bound", n_slots=N
 def make_case_fixture():
     """The :func:`make_case` factory."""
     return make_case
+
+
+# ptxas -v on a kernel's kept PTX, for the CPU no-spill checks of every kernel family (the tests run with
+# --import-mode=importlib, so a shared helper module is not importable from them: they take the fixture).
+def _ptxas_report(ptx_path, arch: str) -> str:
+    """``ptxas -v`` output; a PTX newer than the local ptxas is retried with the .version that ptxas names as its
+    newest."""
+    cmd = [shutil.which("ptxas"), f"-arch={arch}", "-v", str(ptx_path), "-o", "/dev/null"]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    newest = re.search(r"Unsupported \.version \S+; current version is '([\d.]+)'", run.stderr)
+    if run.returncode and newest:
+        text = ptx_path.read_text()
+        ptx_path.write_text(re.sub(r"^\.version \S+", f".version {newest.group(1)}", text, count=1, flags=re.M))
+        run = subprocess.run(cmd, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return run.stderr + run.stdout
+
+
+def _registers_and_spills(ptx_path, arch: str) -> tuple[int, int]:
+    """(registers, spill bytes stored + loaded) of the PTX's kernel."""
+    report = _ptxas_report(ptx_path, arch)
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+    return registers, spills
+
+
+@pytest.fixture
+def ptxas():
+    """``ptxas.report(ptx, arch)`` -> the ``-v`` text; ``ptxas.registers_and_spills(ptx, arch)`` -> (int, int)."""
+    return SimpleNamespace(report=_ptxas_report, registers_and_spills=_registers_and_spills)

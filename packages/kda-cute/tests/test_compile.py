@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import re
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -74,19 +73,6 @@ def test_decode_t1_variant_compiles(variant, arch):
     assert decode_t1.compile_variant(key, arch) is not None
 
 
-def _ptxas_report(ptx_path, arch):
-    """``ptxas -v`` output; a PTX newer than the local ptxas is retried with the .version it supports."""
-    cmd = [shutil.which("ptxas"), f"-arch={arch}", "-v", str(ptx_path), "-o", "/dev/null"]
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    newest = re.search(r"Unsupported \.version \S+; current version is '([\d.]+)'", run.stderr)
-    if run.returncode and newest:
-        text = ptx_path.read_text()
-        ptx_path.write_text(re.sub(r"^\.version \S+", f".version {newest.group(1)}", text, count=1, flags=re.M))
-        run = subprocess.run(cmd, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    return run.stderr + run.stdout
-
-
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -96,7 +82,7 @@ def _ptxas_report(ptx_path, arch):
                           (True, False, 16, False), (True, False, 0, True), (False, False, 0, True)],
                          ids=["aligned", "unaligned", "smem", "allrows", "packed", "packed-unaligned"])
 def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, smem_stage, rows_in_flight, packed, arch,
-                                          tmp_path):
+                                          tmp_path, ptxas):
     from kda_core.contracts import GateMode
     from kda_cute import decode_t1
 
@@ -108,7 +94,7 @@ def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, smem_sta
     decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
     ptx = sorted(tmp_path.glob("*.ptx"))
     assert ptx, "no PTX kept"
-    report = _ptxas_report(ptx[0], arch)
+    report = ptxas.report(ptx[0], arch)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills, report
     assert all(int(s) == 0 and int(ld) == 0 for s, ld in spills), report

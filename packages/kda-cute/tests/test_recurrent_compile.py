@@ -9,9 +9,7 @@ const_expr flags are each varied on a fixed base (crossing them all would be tho
 from __future__ import annotations
 
 import dataclasses
-import re
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -76,28 +74,11 @@ def test_recurrent_variant_compiles(name, arch):
     assert R.compile_variant(R.variant_key(**VARIANTS[name]), arch) is not None
 
 
-def _ptxas_registers_and_spills(ptx_path, arch):
-    """(registers, spill bytes) from ``ptxas -v``; a PTX newer than the local ptxas is retried with the .version
-    that ptxas names as its newest."""
-    cmd = [shutil.which("ptxas"), f"-arch={arch}", "-v", str(ptx_path), "-o", "/dev/null"]
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    newest = re.search(r"Unsupported \.version \S+; current version is '([\d.]+)'", run.stderr)
-    if run.returncode and newest:
-        text = ptx_path.read_text()
-        ptx_path.write_text(re.sub(r"^\.version \S+", f".version {newest.group(1)}", text, count=1, flags=re.M))
-        run = subprocess.run(cmd, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    report = run.stderr + run.stdout
-    registers = int(re.search(r"Used (\d+) registers", report).group(1))
-    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
-    return registers, spills
-
-
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("K", [128, 64])
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
-def test_largest_tile_does_not_spill(K, aligned, arch, tmp_path):
+def test_largest_tile_does_not_spill(K, aligned, arch, tmp_path, ptxas):
     # Most rows per thread, fp32 activations (widest raw prefetch), softplus gate (longest preamble), spec mode
     # with varlen (most live indices): the register high-water mark of each head dim.
     variant = {**BASE, "head_dim": K, "tile_v": R.tile_v_choices(K)[-1], "aligned": aligned,
@@ -105,7 +86,7 @@ def test_largest_tile_does_not_spill(K, aligned, arch, tmp_path):
                "varlen": True, "cu_dtype": torch.int64}
     R.compile_variant(R.variant_key(**variant), arch, f"--keep-ptx --dump-dir {tmp_path}")
     (ptx,) = list(tmp_path.glob("*.ptx"))
-    registers, spills = _ptxas_registers_and_spills(ptx, arch)
+    registers, spills = ptxas.registers_and_spills(ptx, arch)
     # The unaligned corner (scalar accesses, fp32 activations) sits at ptxas's 128-register occupancy step: at
     # K=64 ptxas keeps 4 CTAs per SM by spilling one 8-byte scalar of the sequence setup (remarks point at the
     # cu_seqlens read, outside the token loop). Allow that much there; the aligned variants must not spill.

@@ -6,9 +6,7 @@
 
 from __future__ import annotations
 
-import re
 import shutil
-import subprocess
 
 import pytest
 
@@ -42,28 +40,11 @@ def test_four_ctas_variant_compiles(arch, config):
     assert build_ucache_kernel(*config, arch, four_ctas=True) is not None
 
 
-def _ptxas_registers_and_spills(ptx_path, arch):
-    """(registers, spill bytes) from ``ptxas -v``; a PTX newer than the local ptxas is retried with the .version
-    that ptxas names as its newest."""
-    cmd = [shutil.which("ptxas"), f"-arch={arch}", "-v", str(ptx_path), "-o", "/dev/null"]
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    newest = re.search(r"Unsupported \.version \S+; current version is '([\d.]+)'", run.stderr)
-    if run.returncode and newest:
-        text = ptx_path.read_text()
-        ptx_path.write_text(re.sub(r"^\.version \S+", f".version {newest.group(1)}", text, count=1, flags=re.M))
-        run = subprocess.run(cmd, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    report = run.stderr + run.stdout
-    registers = int(re.search(r"Used (\d+) registers", report).group(1))
-    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
-    return registers, spills
-
-
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("softplus_gate", [False, True], ids=["lb", "softplus"])
 @pytest.mark.parametrize("min_ctas", [0, 3], ids=["4cta", "3cta"])
-def test_four_ctas_main_config_fits_its_register_budget_without_spills(min_ctas, softplus_gate, arch, tmp_path):
+def test_four_ctas_main_config_fits_its_register_budget_without_spills(min_ctas, softplus_gate, arch, tmp_path, ptxas):
     # T=8 w16 tile 128 (the B >= 8 schedule at H=12): 4 CTAs of 256 threads need <= 64 registers per thread, the
     # 3-CTA floor of small grids (default_min_ctas) <= 80.
     from kda_cute.ucache import build_ucache_kernel
@@ -71,7 +52,7 @@ def test_four_ctas_main_config_fits_its_register_budget_without_spills(min_ctas,
     build_ucache_kernel(12, 8, 16, 128, softplus_gate, True, arch, f"--keep-ptx --dump-dir {tmp_path}",
                         four_ctas=True, min_ctas=min_ctas)  # fmt: skip
     (ptx,) = list(tmp_path.glob("*.ptx"))
-    registers, spills = _ptxas_registers_and_spills(ptx, arch)
+    registers, spills = ptxas.registers_and_spills(ptx, arch)
     budget = 80 if min_ctas == 3 else 64
     assert registers <= budget and spills == 0, f"{registers} registers, {spills} bytes of spill traffic"
 
