@@ -310,10 +310,11 @@ class UcacheVerifyFlush:
     lean_fold (four_ctas only; 0 = off): cheaper flush fold, bit for bit four_ctas (every accumulator keeps its
     operation order). Level 1: the fold's fp32 start values S0 * bdec unpack the bf16 checkpoint with one bit operation
     per value (:func:`_bf16x2_to_f32`; the DSL's conversion spent a PRMT and a shift on each high half): 32
-    instructions fewer per thread on flush rows. Level 2 adds, in the 64-register build (resident-CTA floor >= 4), a
-    chunked phase 2c on flush rows: the two dot-product k-steps that read checkpoint chunk m (2m, 2m + 1), then the
-    fold of chunk m, so each chunk's words die after its fold (at the 3-CTA floor it is level 1: the interleave spilled
-    4 B there on sm_100a). Verify rows run four_ctas' code at both levels.
+    instructions fewer per thread on flush rows. Level 2 adds, at T=8 in a build of >= 4 resident CTAs (tile 128's
+    64-register build, tile 64), a chunked phase 2c on flush rows: the two dot-product k-steps that read checkpoint
+    chunk m (2m, 2m + 1), then the fold of chunk m, so each chunk's words die after its fold; elsewhere it is level 1
+    (the interleave spilled 4 B at the 3-CTA floor on sm_100a, and T=4 tile 128 went from 24 to 76 B). Verify rows
+    run four_ctas' code at both levels.
     """
 
     def __init__(
@@ -424,8 +425,9 @@ class UcacheVerifyFlush:
         return sum(-(-4 * w // 16) * 16 for w in words)
 
     def interleaved_fold(self) -> bool:
-        """lean_fold level 2 in the 64-register build: phase 2c and the fold interleaved by checkpoint chunk."""
-        return self.lean_fold >= 2 and self.occupancy().get("min_blocks_per_mp", 0) >= 4
+        """lean_fold level 2 in a build of >= 4 resident CTAs at T=8: phase 2c and the fold interleaved by checkpoint
+        chunk (T=4 tile 128, which four_ctas already spills 24 B at, went to 76-80 B with it)."""
+        return self.lean_fold >= 2 and self.t_draft == 8 and self.occupancy().get("min_blocks_per_mp", 0) >= 4
 
     def ctas_by_smem(self) -> int:
         """CTAs per SM that shared memory allows (largest carveout, the per-CTA reserve, 128-byte granules)."""
