@@ -73,14 +73,14 @@ def test_lean_fold_variant_compiles(arch, level, config):
 @pytest.mark.parametrize("min_ctas", [0, 3], ids=["4cta", "3cta"])
 @pytest.mark.parametrize("level", [1, 2])
 def test_lean_fold_main_config_fits_its_register_budget_without_spills(level, min_ctas, softplus_gate, arch,
-                                                                       tmp_path):  # fmt: skip
+                                                                       tmp_path, ptxas):  # fmt: skip
     # T=8 w16 tile 128 as in the four_ctas test: 64 registers at 4 CTAs, 80 at the 3-CTA floor, no spill
     from kda_cute.ucache import build_ucache_kernel
 
     build_ucache_kernel(12, 8, 16, 128, softplus_gate, True, arch, f"--keep-ptx --dump-dir {tmp_path}",
                         four_ctas=True, min_ctas=min_ctas, lean_fold=level)  # fmt: skip
     (ptx,) = list(tmp_path.glob("*.ptx"))
-    registers, spills = _ptxas_registers_and_spills(ptx, arch)
+    registers, spills = ptxas.registers_and_spills(ptx, arch)
     budget = 80 if min_ctas == 3 else 64
     assert registers <= budget and spills == 0, f"{registers} registers, {spills} bytes of spill traffic"
 
