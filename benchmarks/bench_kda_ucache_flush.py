@@ -10,9 +10,8 @@ draft token) for the same T and B, and a device-to-device copy of the bytes our 
     python benchmarks/bench_kda_ucache_flush.py --t 8 --w-ring 16 --batch-size 1 64 512 --fold-pct 0 100 \
         --json out.json --plot out.png
 
-``--variant r2 four_ctas lean_fold lean_fold2`` times the kernel variants (kda_cute.ucache.UcacheVerifyFlush) one
-after the other in one process, and ``--min-blocks 3 4`` the resident-CTA floor asked of ptxas (0: the kernel's
-table), e.g.
+``--variant r2 four_ctas`` times the kernel variants (kda_cute.ucache.UcacheVerifyFlush) one after the other in one
+process, and ``--min-blocks 3 4`` the resident-CTA floor asked of ptxas (0: the kernel's table), e.g.
 
     python benchmarks/bench_kda_ucache_flush.py --t 8 --w-ring 16 --batch-size 8 64 512 --fold-pct 0 100 --no-fla \
         --variant r2 four_ctas --iterations 50
@@ -51,11 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--restart-hist-on-flush", type=int, choices=[0, 1], default=0)
     p.add_argument("--tile-v", type=int, nargs="+", default=[0],
                    help="state rows per CTA (0 = the schedule policy); several values make a sweep")
-    p.add_argument("--variant", nargs="+", choices=["default", "r2", "four_ctas", "lean_fold", "lean_fold2"],
-                   default=["default"],
+    p.add_argument("--variant", nargs="+", choices=["default", "r2", "four_ctas"], default=["default"],
                    help="kernel variants to time (default: the launcher's schedule; four_ctas: UcacheVerifyFlush's "
-                        "4-CTA-per-SM layout; r2: the round-2 layout; lean_fold, lean_fold2: four_ctas with "
-                        "lean_fold level 1 / 2)")
+                        "4-CTA-per-SM layout; r2: the round-2 layout)")
     p.add_argument("--min-blocks", type=int, nargs="+", default=[0],
                    help="resident-CTA floors asked of ptxas (0 = the kernel's table; sets _FORCE_MIN_BLOCKS)")
     p.add_argument("--cold-l2", action="store_true", help="flush the L2 (256 MiB write) before every iteration")
@@ -220,9 +217,8 @@ def main(argv=None):
         fla_us = None
         for fold_pct in args.fold_pct:
             for tile_v, variant, min_blocks in schedules:
-                ucache._FORCE_FOUR_CTAS = {"default": None, "r2": False}.get(variant, True)
-                ucache._FORCE_LEAN_FOLD = {"lean_fold": 1, "lean_fold2": 2}.get(variant, 0)
-                ucache._FORCE_MIN_BLOCKS = min_blocks  # the hooks are in the compile key
+                ucache._FORCE_FOUR_CTAS = {"default": None, "r2": False, "four_ctas": True}[variant]
+                ucache._FORCE_MIN_BLOCKS = min_blocks  # both hooks are in the compile key
                 x = make_step(B, T, H, w_ring, flush_min, fold_pct, args.verify_hist, seed=B * 101 + fold_pct)
                 used_tile = tile_v or default_tile_v(B, H)
                 check = None

@@ -369,51 +369,6 @@ def test_four_ctas_layout_matches_oracle_and_round2_layout_bitwise(name, tile_v)
         assert torch.equal(getattr(mine, ring).nan_to_num(), getattr(r2, ring).nan_to_num()), ring
 
 
-@pytest.mark.parametrize("tile_v", [64, 128])
-@pytest.mark.parametrize("level,min_blocks", [(1, 0), (2, 4)], ids=["lean1-mb-policy", "lean2-mb4"])
-@pytest.mark.parametrize("name", list(FOUR_CTAS_STEPS))
-def test_lean_fold_variant_matches_oracle_and_four_ctas_bitwise(name, level, min_blocks, tile_v, monkeypatch):
-    # lean_fold: the same operations per accumulator as four_ctas (bit unpack of the fold's start values; level 2
-    # interleaves phase 2c and the fold by checkpoint chunk where the floor is >= 4 CTAs and T=8: forced by mb4 at
-    # these small batches, whose policy floor is 3 at tile 128), so bit for bit four_ctas at the same floor
-    from kda_cute import ucache
-
-    monkeypatch.setattr(ucache, "_FORCE_MIN_BLOCKS", min_blocks)  # in the compile key
-    step = FOUR_CTAS_STEPS[name]()
-    mine, _, out, _ = check_against_oracle(step, tile_v=tile_v, four_ctas=True, lean_fold=level)
-    ref = step.clone()
-    out_ref = run_kernel(ref, tile_v=tile_v, four_ctas=True, lean_fold=0)
-    torch.cuda.synchronize()
-    assert torch.equal(out, out_ref)
-    assert torch.equal(mine.pool.view(torch.int16), ref.pool.view(torch.int16))  # bits, signed zeros included
-    for ring in ("k_cache", "u_cache", "g_cache"):
-        assert torch.equal(getattr(mine, ring).nan_to_num(), getattr(ref, ring).nan_to_num()), ring
-
-
-@pytest.mark.parametrize("level", [1, 2])
-def test_lean_fold_misaligned_pool_matches_oracle(level, monkeypatch):
-    from kda_cute import ucache
-
-    monkeypatch.setattr(ucache, "_FORCE_MIN_BLOCKS", 4)
-    step = make_step(8, 8, 12, n_slots=20, pool_row_pad=1, pool_offset=1, hist=9, seed=19)
-    check_against_oracle(step, aligned=False, four_ctas=True, lean_fold=level)
-
-
-@pytest.mark.parametrize("level", [1, 2])
-def test_lean_fold_batch_128_public_entry_matches_four_ctas_bitwise(level, monkeypatch):
-    # B=128 at H=12: the launcher's own floor is 4 CTAs (the 64-register build lean_fold2 targets), half the rows flush
-    from kda_cute import ucache
-
-    step = make_step(128, 8, 12, hist=torch.arange(128) % 17, seed=23)
-    mine, _, out, _ = check_against_oracle(step, lean_fold=level)
-    ref = step.clone()
-    out_ref = run_kernel(ref, lean_fold=0)
-    torch.cuda.synchronize()
-    assert ucache.default_min_ctas(128, 128, 12) == 0
-    assert torch.equal(out, out_ref)
-    assert torch.equal(mine.pool.view(torch.int16), ref.pool.view(torch.int16))
-
-
 def test_four_ctas_misaligned_pool_matches_oracle():
     step = make_step(8, 8, 12, n_slots=20, pool_row_pad=1, pool_offset=1, hist=9, seed=19)
     check_against_oracle(step, aligned=False, four_ctas=True)

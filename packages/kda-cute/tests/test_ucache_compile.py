@@ -57,45 +57,6 @@ def test_four_ctas_main_config_fits_its_register_budget_without_spills(min_ctas,
     assert registers <= budget and spills == 0, f"{registers} registers, {spills} bytes of spill traffic"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("level", [1, 2])
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "H{}-T{}-w{}-tv{}-{}-{}".format(
-    c[0], c[1], c[2], c[3], "softplus" if c[4] else "lb", "aligned" if c[5] else "unaligned"))
-def test_lean_fold_variant_compiles(arch, level, config):
-    from kda_cute.ucache import build_ucache_kernel
-
-    assert build_ucache_kernel(*config, arch, four_ctas=True, lean_fold=level) is not None
-
-
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("softplus_gate", [False, True], ids=["lb", "softplus"])
-@pytest.mark.parametrize("min_ctas", [0, 3], ids=["4cta", "3cta"])
-@pytest.mark.parametrize("level", [1, 2])
-def test_lean_fold_main_config_fits_its_register_budget_without_spills(level, min_ctas, softplus_gate, arch,
-                                                                       tmp_path, ptxas):  # fmt: skip
-    # T=8 w16 tile 128 as in the four_ctas test: 64 registers at 4 CTAs, 80 at the 3-CTA floor, no spill
-    from kda_cute.ucache import build_ucache_kernel
-
-    build_ucache_kernel(12, 8, 16, 128, softplus_gate, True, arch, f"--keep-ptx --dump-dir {tmp_path}",
-                        four_ctas=True, min_ctas=min_ctas, lean_fold=level)  # fmt: skip
-    (ptx,) = list(tmp_path.glob("*.ptx"))
-    registers, spills = ptxas.registers_and_spills(ptx, arch)
-    budget = 80 if min_ctas == 3 else 64
-    assert registers <= budget and spills == 0, f"{registers} registers, {spills} bytes of spill traffic"
-
-
-def test_lean_fold_interleaves_only_in_the_four_cta_build():
-    from kda_cute.ucache import UcacheVerifyFlush
-
-    assert UcacheVerifyFlush(12, 8, 16, 128, False, True, four_ctas=True, lean_fold=2).interleaved_fold()
-    three = UcacheVerifyFlush(12, 8, 16, 128, False, True, four_ctas=True, min_ctas=3, lean_fold=2)
-    assert not three.interleaved_fold()
-    assert not UcacheVerifyFlush(12, 8, 16, 128, False, True, four_ctas=True, lean_fold=1).interleaved_fold()
-    with pytest.raises(ValueError):
-        UcacheVerifyFlush(12, 8, 16, 128, False, True, four_ctas=False, lean_fold=1)
-
-
 @pytest.mark.parametrize("config", [(12, 8, 16, 64, False, True), (96, 4, 32, 128, True, False),
                                     (8, 8, 32, 128, False, True)], ids=["T8-w16-tv64", "T4-w32-tv128", "T8-w32-tv128"])
 def test_smem_estimate_matches_the_compiled_launch(config):
@@ -146,21 +107,19 @@ def test_compile_cache_key_separates_every_code_generation_parameter(monkeypatch
     monkeypatch.setattr(ucache, "restart_cursors", lambda *a: None)
     import torch
 
-    def call(B=2, T=8, H=12, w_ring=16, lower_bound=-5.0, aligned=True, tile_v=None, four_ctas=None, min_blocks=0,
-             lean_fold=None):
+    def call(B=2, T=8, H=12, w_ring=16, lower_bound=-5.0, aligned=True, tile_v=None, four_ctas=None, min_blocks=0):
         q = torch.empty(B, T, H, 128)
         monkeypatch.setattr(ucache, "_FORCE_MIN_BLOCKS", min_blocks)
         ucache.ucache_verify_flush(None, None, None, lower_bound, q, None, None, None, None, None, None, None, None,
                                    None, None, 9, w_ring, 1.0, None, aligned=aligned, tile_v=tile_v,
-                                   four_ctas=four_ctas, lean_fold=lean_fold)  # fmt: skip
+                                   four_ctas=four_ctas)  # fmt: skip
 
     _launch.clear_cache()
     # The default is four_ctas; tile 128 asks for 3 CTAs below FOUR_CTAS_FROM_STATES (request, head) pairs and for
     # the table's 4 from there (B=128 at H=12), a different build.
     for kwargs in ({}, {"T": 4}, {"H": 24}, {"w_ring": 32}, {"lower_bound": None}, {"aligned": False},
                    {"tile_v": 128}, {"tile_v": 128, "B": ucache.FOUR_CTAS_FROM_STATES // 12}, {"four_ctas": False},
-                   {"min_blocks": 4}, {"lean_fold": 1}, {"lean_fold": 2}, {"four_ctas": False, "lean_fold": 2}, {},
-                   {"four_ctas": True}):
+                   {"min_blocks": 4}, {}, {"four_ctas": True}):
         call(**kwargs)
-    assert len(built) == 12  # cache hits: lean_fold without four_ctas (ignored) and the last two calls
+    assert len(built) == 10  # the last two calls are cache hits
     _launch.clear_cache()

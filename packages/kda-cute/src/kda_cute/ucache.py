@@ -31,8 +31,6 @@ The cursors (hist_len, cache_base) are only read here; the caller's commit is ap
 kda-recurrent.
 """
 
-from types import SimpleNamespace
-
 import cutlass
 import cutlass.cute as cute
 import torch
@@ -103,24 +101,6 @@ def _pack_bf16x2(lo: Float32, hi: Float32) -> Int32:
             is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT,
         )
-    )
-
-
-def _bf16x2_to_f32(word: Int32):
-    """(low, high) halves of a packed bf16 pair as fp32, exact (bit moves only: ``shl 16`` and ``and 0xffff0000``,
-    one instruction each, where the DSL's bf16 -> fp32 conversion of the high half costs a ``PRMT`` and a shift)."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([ir_types.f32(), ir_types.f32()]),
-        [word.ir_value()],
-        "{ .reg .b32 t0, t1; shl.b32 t0, $2, 16; and.b32 t1, $2, 0xffff0000; mov.b32 $0, t0; mov.b32 $1, t1; }",
-        "=f,=f,r",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return (
-        Float32(llvm.extractvalue(ir_types.f32(), res, [0])),
-        Float32(llvm.extractvalue(ir_types.f32(), res, [1])),
     )
 
 
@@ -273,8 +253,6 @@ CTA_SMEM_RESERVED = 1024
 _FORCE_MIN_BLOCKS = 0
 # Benchmarks' sweep hook for the ``four_ctas`` variant (None: the default, on). It is in the compile key.
 _FORCE_FOUR_CTAS = None
-# Benchmarks' sweep hook for the ``lean_fold`` level of four_ctas (None: 0, off). It is in the compile key.
-_FORCE_LEAN_FOLD = None
 
 
 def default_min_ctas(tile_v: int, batch: int, heads: int) -> int:
@@ -307,14 +285,6 @@ class UcacheVerifyFlush:
     stay in registers across the ring correction, so ``sXY`` is only written after it and shares the bytes of the
     dead x operands (sXb, sXu: -10 KB at tile 128 T=8); the flush fold runs one 8-channel chunk at a time (16
     accumulators live instead of 64); the resident-CTA floor comes from ``MIN_CTAS_PER_SM_FOUR``.
-    lean_fold (four_ctas only; 0 = off): cheaper flush fold, bit for bit four_ctas (every accumulator keeps its
-    operation order). Level 1: the fold's fp32 start values S0 * bdec unpack the bf16 checkpoint with one bit operation
-    per value (:func:`_bf16x2_to_f32`; the DSL's conversion spent a PRMT and a shift on each high half): 32
-    instructions fewer per thread on flush rows. Level 2 adds, at T=8 in a build of >= 4 resident CTAs (tile 128's
-    64-register build, tile 64), a chunked phase 2c on flush rows: the two dot-product k-steps that read checkpoint
-    chunk m (2m, 2m + 1), then the fold of chunk m, so each chunk's words die after its fold; elsewhere it is level 1
-    (the interleave spilled 4 B at the 3-CTA floor on sm_100a, and T=4 tile 128 went from 24 to 76 B). Verify rows
-    run four_ctas' code at both levels.
     """
 
     def __init__(
@@ -327,13 +297,9 @@ class UcacheVerifyFlush:
         aligned: bool,
         four_ctas: bool = False,
         min_ctas: int = 0,
-        lean_fold: int = 0,
     ):
         self.heads = heads
         self.four_ctas = four_ctas
-        self.lean_fold = lean_fold
-        if lean_fold not in (0, 1, 2) or (lean_fold and not four_ctas):
-            raise ValueError(f"lean_fold: 0, 1 or 2, and only with four_ctas (got {lean_fold}, four_ctas={four_ctas})")
         self.min_ctas = min_ctas  # resident-CTA floor; 0 = the table of the variant
         self.aligned = aligned
         self.t_draft = t_draft
@@ -423,11 +389,6 @@ class UcacheVerifyFlush:
             2 * T * T,  # sTri
         )
         return sum(-(-4 * w // 16) * 16 for w in words)
-
-    def interleaved_fold(self) -> bool:
-        """lean_fold level 2 in a build of >= 4 resident CTAs at T=8: phase 2c and the fold interleaved by checkpoint
-        chunk (T=4 tile 128, which four_ctas already spills 24 B at, went to 76-80 B with it)."""
-        return self.lean_fold >= 2 and self.t_draft == 8 and self.occupancy().get("min_blocks_per_mp", 0) >= 4
 
     def ctas_by_smem(self) -> int:
         """CTAs per SM that shared memory allows (largest carveout, the per-CTA reserve, 128-byte granules)."""
@@ -894,124 +855,89 @@ class UcacheVerifyFlush:
             acc = cute.make_rmem_tensor((8,), Float32)  # n-tile nt: (s = g, v = 2q, 2q + 1), (s = g + 8, same)
             for i in cutlass.range_constexpr(8):
                 acc[i] = Float32(0.0)
-
-            def dot_steps(c, steps):
-                for ks in steps:
-                    grp_k = _pair_group(ks, c.q4)
-                    xop_hi = cute.make_rmem_tensor((4,), Int32)
-                    xop_lo = cute.make_rmem_tensor((4,), Int32)
-                    cute.autovec_copy(c.sXb[0, c.g4, grp_k, None], xop_hi)
-                    cute.autovec_copy(c.sXb[1, c.g4, grp_k, None], xop_lo)
-                    for nt in cutlass.range_constexpr(2):
-                        w0 = nt * 16 + (ks // 2) * 4 + 2 * (ks % 2)
-                        b_s0 = (c.s0_words[w0], c.s0_words[w0 + 1])
-                        d = _mma_bf16_m16n8k16(
-                            [xop_hi[i] for i in range(4)], b_s0, [c.acc[4 * nt + i] for i in range(4)]
-                        )
-                        d = _mma_bf16_m16n8k16([xop_lo[i] for i in range(4)], b_s0, d)
-                        for i in cutlass.range_constexpr(4):
-                            c.acc[4 * nt + i] = d[i]
-
-            # S_commit = S0 * bdec + U^T WK in fp32 registers, one rounding to bf16 (flush rows). Fold on MMA: M = the
-            # warp's 16 rows, K = ring rows, N = channels. n-tile nt, column n stands for channel
-            # (4 (nt // 4) + n // 2) * 8 + 2 (nt % 4) + n % 2, so the accumulator fragment is exactly this
-            # thread's state registers. u is bf16 in the ring (exact as an operand); wk is split hi + lo.
-            # four_ctas: one 8-channel chunk m (n-tiles 4m .. 4m + 3) at a time: 16 accumulators live instead of 64,
-            # each with the same operation order as the whole-row fold (S0 * bdec, then k-steps in order).
-            def fold_chunk(c, m, raw, bit_unpack):
-                fold_acc = cute.make_rmem_tensor((2 * CHUNK,), Float32)  # [rho][e]
-                for rho in cutlass.range_constexpr(2):
-                    if const_expr(bit_unpack):
-                        for i in cutlass.range_constexpr(CHUNK // 2):
-                            lo, hi = _bf16x2_to_f32(c.s0_words[rho * 16 + m * 4 + i])
-                            ch = (m * ROW_THREADS + c.q4) * CHUNK + 2 * i
-                            fold_acc[rho * CHUNK + 2 * i] = lo * c.sBdec[ch]
-                            fold_acc[rho * CHUNK + 2 * i + 1] = hi * c.sBdec[ch + 1]
-                    else:
-                        for e in cutlass.range_constexpr(CHUNK):
-                            ch = (m * ROW_THREADS + c.q4) * CHUNK + e
-                            fold_acc[rho * CHUNK + e] = c.s0_raw[rho * 32 + m * CHUNK + e].to(Float32) * c.sBdec[ch]
-
-                for ks in cutlass.range_constexpr(c.KPAD // MMA_K):
-                    if c.P > ks * MMA_K:
-                        jp0 = ks * (MMA_K // 2) + c.q4
-                        a_u = (c.sUp[jp0, c.rows[0]], c.sUp[jp0, c.rows[1]])
-                        a_u = (*a_u, c.sUp[jp0 + 4, c.rows[0]], c.sUp[jp0 + 4, c.rows[1]])
-                        for nt in cutlass.range_constexpr(4 * m, 4 * m + 4):
-                            e0 = 2 * (nt % 4)
-                            col = (m * ROW_THREADS + c.g4 // 2) * CHUNK + e0 + c.g4 % 2
-                            b = cute.make_rmem_tensor((4,), Int32)
-                            cute.autovec_copy(c.sWK[col, _fold_group(col, ks, c.q4, c.KPAD), None], b)
-                            ids = (e0, e0 + 1, CHUNK + e0, CHUNK + e0 + 1)
-                            d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [fold_acc[z] for z in ids])
-                            d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
-                            for z in cutlass.range_constexpr(4):
-                                fold_acc[ids[z]] = d[z]
-                for rho in cutlass.range_constexpr(2):
-                    row_chunks = cute.zipped_divide(c.gPool[c.v0 + c.rows[rho], None], (CHUNK,))
-                    for e in cutlass.range_constexpr(CHUNK):
-                        raw[e] = fold_acc[rho * CHUNK + e].to(c.mPool.element_type)
-                    cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + c.q4])
-
-            # what the two helpers read, passed explicitly (the DSL forbids closures inside a staged if)
-            c2 = SimpleNamespace(KPAD=KPAD, P=P, q4=q4, g4=g4, rows=rows, s0_words=s0_words, s0_raw=s0_raw,
-                                 sBdec=sBdec, sUp=sUp, sWK=sWK, gPool=gPool, v0=v0, mPool=mPool, sXb=sXb, acc=acc)
-            all_steps = list(range(K // MMA_K))
-            if const_expr(self.interleaved_fold()):
-                # Flush rows: the dot-product k-steps 2m, 2m + 1, then the fold of chunk m, the checkpoint words both
-                # read (each accumulator keeps its operation order), so each chunk's words die after its fold. (Fold
-                # first, then the k-steps, spilled 16-32 B at 64 registers: ptxas spilled a checkpoint chunk.)
-                if is_flush:
-                    raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
-                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                        dot_steps(c2, [2 * m, 2 * m + 1])
-                        fold_chunk(c2, m, raw, True)
-                else:
-                    dot_steps(c2, all_steps)
-            else:
-                dot_steps(c2, all_steps)
+            for ks in cutlass.range_constexpr(K // MMA_K):
+                grp_k = _pair_group(ks, q4)
+                xop_hi = cute.make_rmem_tensor((4,), Int32)
+                xop_lo = cute.make_rmem_tensor((4,), Int32)
+                cute.autovec_copy(sXb[0, g4, grp_k, None], xop_hi)
+                cute.autovec_copy(sXb[1, g4, grp_k, None], xop_lo)
+                for nt in cutlass.range_constexpr(2):
+                    w0 = nt * 16 + (ks // 2) * 4 + 2 * (ks % 2)
+                    b_s0 = (s0_words[w0], s0_words[w0 + 1])
+                    d = _mma_bf16_m16n8k16([xop_hi[i] for i in range(4)], b_s0, [acc[4 * nt + i] for i in range(4)])
+                    d = _mma_bf16_m16n8k16([xop_lo[i] for i in range(4)], b_s0, d)
+                    for i in cutlass.range_constexpr(4):
+                        acc[4 * nt + i] = d[i]
             if const_expr(not self.four_ctas):
                 for nt in cutlass.range_constexpr(2):
                     for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
                         sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
-            if const_expr(not self.interleaved_fold()):  # else folded above, chunk by chunk
-                if is_flush:
-                    if const_expr(self.four_ctas):
-                        raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
-                        for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                            fold_chunk(c2, m, raw, self.lean_fold >= 1)
-                    else:
-                        state = cute.make_rmem_tensor((2 * CHUNK * CHUNKS_PER_THREAD,), Float32)
+            if is_flush:
+                # S_commit = S0 * bdec + U^T WK in fp32 registers, one rounding to bf16. Fold on MMA: M = the
+                # warp's 16 rows, K = ring rows, N = channels. n-tile nt, column n stands for channel
+                # (4 (nt // 4) + n // 2) * 8 + 2 (nt % 4) + n % 2, so the accumulator fragment is exactly this
+                # thread's state registers. u is bf16 in the ring (exact as an operand); wk is split hi + lo.
+                if const_expr(self.four_ctas):
+                    # One 8-channel chunk m (n-tiles 4m .. 4m + 3) at a time: 16 accumulators live instead of 64,
+                    # each with the same operation order as the whole-row fold (S0 * bdec, then k-steps in order).
+                    raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
+                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                        fold_acc = cute.make_rmem_tensor((2 * CHUNK,), Float32)  # [rho][e]
                         for rho in cutlass.range_constexpr(2):
-                            for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                                for e in cutlass.range_constexpr(CHUNK):
-                                    ch = (m * ROW_THREADS + q4) * CHUNK + e
-                                    idx = rho * 32 + m * CHUNK + e
-                                    state[idx] = s0_raw[idx].to(Float32) * sBdec[ch]
+                            for e in cutlass.range_constexpr(CHUNK):
+                                ch = (m * ROW_THREADS + q4) * CHUNK + e
+                                fold_acc[rho * CHUNK + e] = s0_raw[rho * 32 + m * CHUNK + e].to(Float32) * sBdec[ch]
                         for ks in cutlass.range_constexpr(KPAD // MMA_K):
                             if P > ks * MMA_K:
                                 jp0 = ks * (MMA_K // 2) + q4
                                 a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]])
                                 a_u = (*a_u, sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
-                                for nt in cutlass.range_constexpr(K // 8):
+                                for nt in cutlass.range_constexpr(4 * m, 4 * m + 4):
                                     e0 = 2 * (nt % 4)
-                                    col = ((nt // 4) * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
-                                    # hi and lo of ring-row pairs jp0 and jp0 + 4: one 16-byte read
+                                    col = (m * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
                                     b = cute.make_rmem_tensor((4,), Int32)
                                     cute.autovec_copy(sWK[col, _fold_group(col, ks, q4, KPAD), None], b)
-                                    at = (nt // 4) * CHUNK + e0
-                                    ids = (at, at + 1, 32 + at, 32 + at + 1)
-                                    d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [state[z] for z in ids])
+                                    ids = (e0, e0 + 1, CHUNK + e0, CHUNK + e0 + 1)
+                                    d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [fold_acc[z] for z in ids])
                                     d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
                                     for z in cutlass.range_constexpr(4):
-                                        state[ids[z]] = d[z]
-                        raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
+                                        fold_acc[ids[z]] = d[z]
                         for rho in cutlass.range_constexpr(2):
                             row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
-                            for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                                for e in cutlass.range_constexpr(CHUNK):
-                                    raw[e] = state[rho * 32 + m * CHUNK + e].to(mPool.element_type)
-                                cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
+                            for e in cutlass.range_constexpr(CHUNK):
+                                raw[e] = fold_acc[rho * CHUNK + e].to(mPool.element_type)
+                            cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
+                else:
+                    state = cute.make_rmem_tensor((2 * CHUNK * CHUNKS_PER_THREAD,), Float32)
+                    for rho in cutlass.range_constexpr(2):
+                        for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                            for e in cutlass.range_constexpr(CHUNK):
+                                ch = (m * ROW_THREADS + q4) * CHUNK + e
+                                idx = rho * 32 + m * CHUNK + e
+                                state[idx] = s0_raw[idx].to(Float32) * sBdec[ch]
+                    for ks in cutlass.range_constexpr(KPAD // MMA_K):
+                        if P > ks * MMA_K:
+                            jp0 = ks * (MMA_K // 2) + q4
+                            a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]], sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
+                            for nt in cutlass.range_constexpr(K // 8):
+                                e0 = 2 * (nt % 4)
+                                col = ((nt // 4) * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
+                                # hi and lo of ring-row pairs jp0 and jp0 + 4: one 16-byte read
+                                b = cute.make_rmem_tensor((4,), Int32)
+                                cute.autovec_copy(sWK[col, _fold_group(col, ks, q4, KPAD), None], b)
+                                at = (nt // 4) * CHUNK + e0
+                                ids = (at, at + 1, 32 + at, 32 + at + 1)
+                                d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [state[z] for z in ids])
+                                d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
+                                for z in cutlass.range_constexpr(4):
+                                    state[ids[z]] = d[z]
+                    raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
+                    for rho in cutlass.range_constexpr(2):
+                        row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
+                        for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                            for e in cutlass.range_constexpr(CHUNK):
+                                raw[e] = state[rho * 32 + m * CHUNK + e].to(mPool.element_type)
+                            cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
             cute.arch.sync_threads()
 
             # ---- phase 2d: ring correction x_s += sum_j u_j M[j, s] (MMA: M = 16 rows, K = ring rows) -----------
@@ -1138,11 +1064,9 @@ def build_ucache_kernel(
     extra_options: str = "",
     four_ctas: bool = False,
     min_ctas: int = 0,
-    lean_fold: int = 0,
 ):
     """Compile one configuration against fake tensors (no GPU needed when CUTE_DSL_ARCH is set)."""
-    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, four_ctas, min_ctas,
-                            lean_fold)  # fmt: skip
+    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, four_ctas, min_ctas)
     return cute.compile(
         cfg,
         *_fakes(cfg),
@@ -1245,7 +1169,6 @@ def ucache_verify_flush(
     aligned: bool = True,
     tile_v: int | None = None,
     four_ctas: bool | None = None,
-    lean_fold: int | None = None,
 ) -> torch.Tensor:
     """Launch the kernel on the current stream. Arguments are already validated (kda-recurrent does it).
 
@@ -1257,24 +1180,19 @@ def ucache_verify_flush(
     ``restart_hist_on_flush`` then applies the flush part of the commit with a second, one-thread-per-row kernel.
     ``four_ctas``: the :class:`UcacheVerifyFlush` variant (None: ``_FORCE_FOUR_CTAS``, else on; False is the
     round-2 schedule, kept for comparison). Its resident-CTA floor follows :func:`default_min_ctas`.
-    ``lean_fold``: the four_ctas refinement level 0, 1 or 2 (None: ``_FORCE_LEAN_FOLD``, else 0; ignored without
-    four_ctas).
     """
     B, T, H, _ = q.shape
     tile_v = tile_v or default_tile_v(B, H)
     softplus_gate = lower_bound is None
     if four_ctas is None:
         four_ctas = True if _FORCE_FOUR_CTAS is None else bool(_FORCE_FOUR_CTAS)
-    if lean_fold is None:
-        lean_fold = _FORCE_LEAN_FOLD or 0
-    lean_fold = int(lean_fold) if four_ctas else 0
     min_ctas = default_min_ctas(tile_v, B, H) if four_ctas else 0
     key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned), four_ctas, min_ctas,
-           _FORCE_MIN_BLOCKS, lean_fold)  # fmt: skip
+           _FORCE_MIN_BLOCKS)  # fmt: skip
     fn = _launch.get_or_compile(
         key,
         lambda arch: build_ucache_kernel(H, T, w_ring, tile_v, softplus_gate, bool(aligned), arch, four_ctas=four_ctas,
-                                         min_ctas=min_ctas, lean_fold=lean_fold),  # fmt: skip
+                                         min_ctas=min_ctas),  # fmt: skip
     )
     fn(
         q,
