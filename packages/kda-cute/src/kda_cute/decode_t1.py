@@ -36,11 +36,11 @@ import torch
 from cutlass import Float32, Int64, const_expr
 
 from kda_core import knobs
-from kda_core.contracts import HEAD_DIM, L2NORM_EPS, GateMode
+from kda_core.contracts import HEAD_DIM, GateMode
 from kda_core.errors import fail
 from kda_core.validation import validate_decode_t1, validate_packed_decode_t1
 
-from . import _launch
+from . import _lane_math, _launch
 
 __all__ = ["DecodeT1Config", "select_config", "kda_decode_t1", "kda_decode_t1_packed", "KDADecodeT1",
            "KDADecodeT1Packed"]
@@ -321,41 +321,14 @@ class KDADecodeT1:
                 beta = 1.0 / (1.0 + cute.math.exp(-beta))
 
             decay = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
-            if const_expr(self.gate == GateMode.PRECOMPUTED):
-                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                    decay[c] = cute.math.exp(gf[c])
-            else:
+            rate = Float32(0.0)
+            if const_expr(self.gate != GateMode.PRECOMPUTED):
                 rate = cute.math.exp(a_log)
-                if const_expr(self.has_dt_bias):
+                if const_expr(self.has_dt_bias):  # added up front: all 8 adds issue before the first exp
                     for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
                         gf[c] = gf[c] + bias_raw[c]
-                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                    x = gf[c]
-                    if const_expr(self.gate == GateMode.LOWER_BOUND):
-                        g_log = lower_bound / (1.0 + cute.math.exp(-(rate * x)))
-                    else:
-                        # softplus(x) = max(x, 0) + log1p(exp(-|x|)): no overflow, and equal to x
-                        # in fp32 beyond 20 (the reference's threshold).
-                        softplus = cute.math.max(x, 0.0) + cute.math.log1p(cute.math.exp(-cute.math.abs(x)))
-                        g_log = -rate * softplus
-                    decay[c] = cute.math.exp(g_log)
-
-            q_scale = scale
-            k_scale = Float32(1.0)
-            if const_expr(self.use_qk_l2norm):
-                k_ss = Float32(0.0)
-                q_ss = Float32(0.0)
-                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                    k_ss = k_ss + kf[c] * kf[c]
-                    q_ss = q_ss + qf[c] * qf[c]
-                k_scale = cute.math.rsqrt(half_warp_sum(k_ss) + L2NORM_EPS)
-                q_scale = scale * cute.math.rsqrt(half_warp_sum(q_ss) + L2NORM_EPS)
-            kq = Float32(0.0)
-            for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                kf[c] = kf[c] * k_scale
-                qf[c] = qf[c] * q_scale
-                kq = kq + kf[c] * qf[c]
-            kq = half_warp_sum(kq)
+            _lane_math.gate_decay(decay, gf, gf, rate, lower_bound, self.gate, False)
+            kq = _lane_math.normalize_qk(kf, qf, scale, self.use_qk_l2norm, half_warp_sum)
 
             # ---- stream the rows: S' = a S; p, S'q^; u; S_new; o -------------------------------
             s_new = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)

@@ -41,10 +41,10 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
-from kda_core.contracts import GENERIC_HEAD_DIMS, L2NORM_EPS, GateMode, gate_mode
+from kda_core.contracts import GENERIC_HEAD_DIMS, GateMode, gate_mode
 from kda_core.errors import fail
 
-from . import _launch
+from . import _lane_math, _launch
 
 __all__ = [
     "RecurrentConfig",
@@ -474,39 +474,11 @@ class KDARecurrent:
         if const_expr(self.gate != GateMode.PRECOMPUTED and self.has_dt_bias):
             # dt_bias is re-read per chunk (an L1/L2 hit) rather than held in 8 registers across the token loop
             self.load_lane_f32(cute.local_tile(mDtBias, (self.head_dim,), (h,)), lane, bias)
-        for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-            x = gf[c]
-            if const_expr(self.gate == GateMode.PRECOMPUTED):
-                decay[c] = cute.math.exp(x)
-            else:
-                if const_expr(self.has_dt_bias):
-                    x = x + bias[c]
-                if const_expr(self.gate == GateMode.LOWER_BOUND):
-                    decay[c] = cute.math.exp(lower_bound / (1.0 + cute.math.exp(-(rate * x))))
-                else:
-                    # softplus(x) = max(x, 0) + log1p(exp(-|x|)): no overflow, and equal to x in fp32 beyond 20
-                    # (the reference's threshold).
-                    softplus = cute.math.max(x, Float32(0.0)) + cute.math.log1p(cute.math.exp(-cute.math.abs(x)))
-                    decay[c] = cute.math.exp(-rate * softplus)
+        _lane_math.gate_decay(decay, gf, bias, rate, lower_bound, self.gate, self.has_dt_bias)
         beta = Float32(rbeta[0])
         if const_expr(self.beta_is_logit):
             beta = 1.0 / (1.0 + cute.math.exp(-beta))
-        q_scale = scale
-        k_scale = Float32(1.0)
-        if const_expr(self.use_qk_l2norm):
-            k_ss = Float32(0.0)
-            q_ss = Float32(0.0)
-            for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                k_ss = k_ss + kf[c] * kf[c]
-                q_ss = q_ss + qf[c] * qf[c]
-            k_scale = cute.math.rsqrt(self.row_sum(k_ss) + L2NORM_EPS)
-            q_scale = scale * cute.math.rsqrt(self.row_sum(q_ss) + L2NORM_EPS)
-        kq = Float32(0.0)
-        for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-            kf[c] = kf[c] * k_scale
-            qf[c] = qf[c] * q_scale
-            kq = kq + kf[c] * qf[c]
-        kq = self.row_sum(kq)
+        kq = _lane_math.normalize_qk(kf, qf, scale, self.use_qk_l2norm, self.row_sum)
         if group < n_left:
             cute.autovec_copy(kf, cute.local_tile(sK[buf, group, None], (CHANNELS_PER_LANE,), (lane,)))
             cute.autovec_copy(qf, cute.local_tile(sQ[buf, group, None], (CHANNELS_PER_LANE,), (lane,)))
