@@ -402,6 +402,14 @@ class UcacheVerifyFlush:
         ctas = _FORCE_MIN_BLOCKS or min(self.min_ctas or table.get(self.tile_v, 0), self.ctas_by_smem())
         return dict(min_blocks_per_mp=ctas, preferred_smem_carveout=100) if ctas else {}
 
+    @cute.jit
+    def store_dots(self, sXY: cute.Tensor, acc: cute.Tensor, warp, q4, g4):
+        """sXY[v, s] <- the warp's 2T dot products of phase 2c/2d, from the m16n8 accumulator fragment of its 16 rows
+        (n-tile nt: rows warp*16 + nt*8 + ..; at T=4 only the first 8 columns exist)."""
+        for nt in cutlass.range_constexpr(2):
+            for i in cutlass.range_constexpr(4 if 2 * self.t_draft > 8 else 2):
+                sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
+
     # ------------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(
@@ -869,9 +877,7 @@ class UcacheVerifyFlush:
                     for i in cutlass.range_constexpr(4):
                         acc[4 * nt + i] = d[i]
             if const_expr(not self.four_ctas):
-                for nt in cutlass.range_constexpr(2):
-                    for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
-                        sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
+                self.store_dots(sXY, acc, warp, q4, g4)
             if is_flush:
                 # S_commit = S0 * bdec + U^T WK in fp32 registers, one rounding to bf16. Fold on MMA: M = the
                 # warp's 16 rows, K = ring rows, N = channels. n-tile nt, column n stands for channel
@@ -966,14 +972,10 @@ class UcacheVerifyFlush:
                             for i in cutlass.range_constexpr(4):
                                 acc[4 * nt + i] = d[i]
                 if const_expr(not self.four_ctas):
-                    for nt in cutlass.range_constexpr(2):
-                        for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
-                            sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
+                    self.store_dots(sXY, acc, warp, q4, g4)
             if const_expr(self.four_ctas):
                 # sXY shares sXb / sXu, whose last reads (phases 2b, 2c) ended at the sync above
-                for nt in cutlass.range_constexpr(2):
-                    for i in cutlass.range_constexpr(4 if 2 * T > 8 else 2):
-                        sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)] = acc[4 * nt + i]
+                self.store_dots(sXY, acc, warp, q4, g4)
             cute.arch.sync_threads()
 
             # ---- phase 3: k^ appends (V tile 0, threads past the tile), the triangular solve (one row each) -
