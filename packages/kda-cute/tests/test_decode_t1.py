@@ -183,25 +183,6 @@ def test_packed_entry_with_inactive_slots_and_a_given_output(make_case):
     _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
 
 
-def test_packed_cuda_graph_replay_follows_changed_rows_and_indices(make_case):
-    case = make_case(16, 12, n_slots=40, row_pad=8, seed=37)
-    out = torch.empty(16, 1, 12, 128, dtype=torch.bfloat16, device="cuda")
-    _decode_packed(case, output=out)  # load the module before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _decode_packed(case, output=out)
-    for step in range(3):
-        fresh = make_case(16, 12, n_slots=40, row_pad=8, seed=200 + step)
-        case.mixed_qkv.copy_(fresh.mixed_qkv)
-        case.raw_gate.copy_(fresh.raw_gate)
-        case.raw_beta.copy_(fresh.raw_beta)
-        case.slots.copy_(fresh.slots)
-        ref_out, ref_pool = case.oracle()
-        graph.replay()
-        torch.cuda.synchronize()
-        _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
-
-
 def _shifted(t, shift=1):
     """Same values in a buffer offset by ``shift`` elements: the data pointer loses 16-byte alignment."""
     buf = torch.empty(t.numel() + shift, dtype=t.dtype, device=t.device)
@@ -236,15 +217,18 @@ def test_odd_row_strides_and_padded_pool_match_oracle(make_case):
     _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
 
 
-def test_cuda_graph_replay_follows_changed_inputs_and_indices(make_case):
-    case = make_case(16, 12, n_slots=40, seed=17)
+# (entry, packed-row padding, seed of the captured case, first seed of the replayed ones)
+@pytest.mark.parametrize("entry, row_pad, seed, fresh_seed", [("unpacked", 0, 17, 100), ("packed", 8, 37, 200)])
+def test_cuda_graph_replay_follows_changed_inputs_and_indices(entry, row_pad, seed, fresh_seed, make_case):
+    decode = _decode_packed if entry == "packed" else _decode
+    case = make_case(16, 12, n_slots=40, row_pad=row_pad, seed=seed)
     out = torch.empty(16, 1, 12, 128, dtype=torch.bfloat16, device="cuda")
-    _decode(case, output=out)  # load the module before capture
+    decode(case, output=out)  # load the module before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _decode(case, output=out)
+        decode(case, output=out)
     for step in range(3):
-        fresh = make_case(16, 12, n_slots=40, seed=100 + step)
+        fresh = make_case(16, 12, n_slots=40, row_pad=row_pad, seed=fresh_seed + step)
         case.mixed_qkv.copy_(fresh.mixed_qkv)
         case.raw_gate.copy_(fresh.raw_gate)
         case.raw_beta.copy_(fresh.raw_beta)
