@@ -551,7 +551,7 @@ class KDADecodeT1Packed(KDADecodeT1):
 
 def _compile(key, arch):
     (state_dt, g_dt, beta_dt, gate, beta_is_logit, l2norm, has_dt_bias, tile_v, aligned, smem_stage, rows_in_flight,
-     cache_hint, packed, bulk_ring) = key
+     cache_hint, bulk_ring, packed) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     B, N, H = _launch.sym_size(), _launch.sym_size(), _launch.sym_size()
@@ -610,7 +610,7 @@ _EXTRA_OPTIONS = ""  # tests set "--keep-ptx --dump-dir D" through compile_varia
 
 
 def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk_l2norm, has_dt_bias, tile_v, aligned,
-                smem_stage=False, rows_in_flight=0, cache_hint="stream", packed=False, bulk_ring=0):
+                smem_stage=False, rows_in_flight=0, cache_hint="stream", bulk_ring=0, packed=False):
     """Every code-generation parameter of one variant, in the order ``_compile`` reads them.
 
     ``packed``: the compiled function takes the packed GEMM rows (:class:`KDADecodeT1Packed`) instead of five views.
@@ -628,8 +628,8 @@ def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk
     if bulk_ring:
         smem_stage, rows_in_flight, cache_hint = False, 0, "stream"
     return (state_dtype, g_dtype, beta_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm), bool(has_dt_bias),
-            int(tile_v), bool(aligned), bool(smem_stage), int(rows_in_flight), str(cache_hint), bool(packed),
-            int(bulk_ring))
+            int(tile_v), bool(aligned), bool(smem_stage), int(rows_in_flight), str(cache_hint), int(bulk_ring),
+            bool(packed))
 
 
 def compile_variant(key, arch: str, extra_options: str = ""):
@@ -739,8 +739,8 @@ def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype):
         key = variant_key(state_dtype=call.state_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=call.gate_mode,
                           beta_is_logit=call.beta_is_logit, use_qk_l2norm=l2norm, has_dt_bias=gated,
                           tile_v=cfg.tile_v, aligned=call.aligned, smem_stage=cfg.smem_stage,
-                          rows_in_flight=cfg.rows_in_flight, cache_hint=cfg.cache_hint, packed=packed,
-                          bulk_ring=cfg.bulk_ring)
+                          rows_in_flight=cfg.rows_in_flight, cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring,
+                          packed=packed)
         compiled = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(x.device))
         # The positional tvm_ffi.Function under the DSL's kwargs wrapper (same arguments, a few us less per call);
         # the compiled object rides along so that the module outlives any cache clearing.
