@@ -44,6 +44,9 @@ def parse_args(argv=None):
                         "several make a sweep")
     p.add_argument("--cache-hint", choices=["auto", "stream", "global"], nargs="+", default=["auto"],
                    help="cache operators of the state's loads/stores (auto = the schedule's); several make a sweep")
+    p.add_argument("--bulk-ring", type=int, nargs="+", default=[-1],
+                   help="bulk-ring depth in 8-row chunks (-1 = the schedule's, 0 = off, 2-16; only the aligned "
+                        "tile-128 variant has one, elsewhere it reads as 0); several make a sweep")
     p.add_argument("--cold-l2", action="store_true", help="flush the L2 (256 MiB write) before every iteration")
     p.add_argument("--no-fla", action="store_true", help="skip FLA (e.g. fla-core missing)")
     p.add_argument("--eager-calls", type=int, default=200, help="calls for the eager wall-time figure (0 = skip)")
@@ -139,7 +142,7 @@ def main(argv=None):
     flush = _timing.L2Flusher() if args.cold_l2 else None
     records = []
     H = args.heads
-    sweep = list(itertools.product(args.tile_v, args.stage, args.rows_in_flight, args.cache_hint))
+    sweep = list(itertools.product(args.tile_v, args.stage, args.rows_in_flight, args.cache_hint, args.bulk_ring))
     total = len(args.batch_size) * len(args.state_dtype) * len(sweep)
     from kda_cute import decode_t1
     done = 0
@@ -154,11 +157,12 @@ def main(argv=None):
                 fla_call, _ = fla_fn(x, H, fla_pool)
             baselines = {}
             for point in sweep:
-                tile_v, stage, rows_in_flight, cache_hint = point
+                tile_v, stage, rows_in_flight, cache_hint, bulk_ring = point
                 os.environ["KDA_DECODE_TILE_V"] = str(tile_v)
                 decode_t1._FORCE_SMEM_STAGE = {"auto": None, "regs": False, "smem": True}[stage]
                 decode_t1._FORCE_ROWS_IN_FLIGHT = None if rows_in_flight < 0 else rows_in_flight
                 decode_t1._FORCE_CACHE_HINT = None if cache_hint == "auto" else cache_hint
+                decode_t1._FORCE_BULK_RING = None if bulk_ring < 0 else bulk_ring
                 cfg = decode_t1.select_config(B, H, DTYPES[dtype_name], True)
                 try:
                     s_err, o_err, fla_err = check_correctness(x, H, B, with_fla)
@@ -186,7 +190,7 @@ def main(argv=None):
                            smem_stage=cfg.smem_stage, tile_v_forced=tile_v, stage_forced=stage,
                            rows_in_flight=decode_t1.rows_in_flight_for(cfg.tile_v, DTYPES[dtype_name].itemsize,
                                                                        cfg.rows_in_flight),
-                           cache_hint=cfg.cache_hint,
+                           cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring, bulk_ring_forced=bulk_ring,
                            cold_l2=args.cold_l2, timer=timers,
                            ours_us=times["ours"], fla_us=times.get("fla"), copy_us=times["copy"],
                            state_bytes=state_bytes,
@@ -210,7 +214,8 @@ def main(argv=None):
                 fla_txt = f"fla {rec['fla_us']:8.2f} us ({rec['ours_over_fla']:.2f}x)  " if rec["fla_us"] else ""
                 eager = f"  eager {rec['ours_eager_call_us']:.1f} us" if "ours_eager_call_us" in rec else ""
                 tile_txt = (f"{cfg.tile_v:3d}{'s' if cfg.smem_stage else 'r'}"
-                            f"{'' if cfg.smem_stage else rec['rows_in_flight']} {cfg.cache_hint:6s}")
+                            f"{'' if cfg.smem_stage else rec['rows_in_flight']} {cfg.cache_hint:6s}"
+                            f"{f' bulk{cfg.bulk_ring}' if cfg.bulk_ring else ''}")
                 print(f"[{done}/{total}] {dtype_name} B={B:5d} tile={tile_txt}  ours {rec['ours_us']:8.2f} us "
                       f"({rec['ours_TBps']:.2f} TB/s, {100 * rec['frac_of_copy']:.0f}% of copy)  {fla_txt}"
                       f"copy {rec['copy_us']:8.2f} us{eager}", flush=True)
@@ -218,6 +223,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
     os.environ.pop("KDA_DECODE_TILE_V", None)
     decode_t1._FORCE_SMEM_STAGE = decode_t1._FORCE_ROWS_IN_FLIGHT = decode_t1._FORCE_CACHE_HINT = None
+    decode_t1._FORCE_BULK_RING = None
     if args.json:
         _timing.write_json(args.json, records)
     if args.plot:

@@ -48,6 +48,14 @@ def _variants():
                  dict(tile_v=32, smem_stage=True), dict(tile_v=128, rows_in_flight=16, cache_hint="global"),
                  dict(tile_v=8, aligned=False)):
         out.append({**base, **flag, "packed": True})
+    # Bulk ring (aligned tile 128 only): both pool dtypes at three depths (fp32 16 is capped at 11 by shared memory),
+    # every gate, and the packed wrapper around it.
+    for sd, ring in itertools.product((torch.bfloat16, torch.float32), (2, 8, 16)):
+        out.append({**base, "state_dtype": sd, "tile_v": 128, "bulk_ring": ring})
+    for gate in GateMode:
+        out.append({**base, "gate": gate, "tile_v": 128, "bulk_ring": 4})
+    for sd in (torch.bfloat16, torch.float32):
+        out.append({**base, "state_dtype": sd, "tile_v": 128, "bulk_ring": 4, "packed": True})
     return out
 
 
@@ -56,6 +64,7 @@ def _ident(v):
             f"{'-smem' if v.get('smem_stage') else ''}"
             f"{'-rif%d' % v['rows_in_flight'] if v.get('rows_in_flight') else ''}"
             f"{'-' + v['cache_hint'] if v.get('cache_hint', 'stream') != 'stream' else ''}"
+            f"{'-bulk%d' % v['bulk_ring'] if v.get('bulk_ring') else ''}"
             f"{'' if v['beta_is_logit'] else '-sigbeta'}{'' if v['use_qk_l2norm'] else '-nonorm'}"
             f"{'' if v['has_dt_bias'] else '-nobias'}-g{str(v['g_dtype'])[6:]}-b{str(v['beta_dtype'])[6:]}"
             f"{'-packed' if v.get('packed') else ''}")
@@ -100,3 +109,30 @@ def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, smem_sta
     assert all(int(s) == 0 and int(ld) == 0 for s, ld in spills), report
     stack = re.findall(r"(\d+) bytes stack frame", report)
     assert all(int(x) == 0 for x in stack), report
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("bulk_ring, packed", [(2, False), (4, False), (8, False), (16, False), (8, True)],
+                         ids=["ring2", "ring4", "ring8", "ring16", "ring8-packed"])
+def test_bulk_ring_variant_does_not_spill(bulk_ring, packed, state_dtype, arch, tmp_path, ptxas):
+    """The bulk ring keeps no state row in registers: it must fit well under the register path's 126 (measured 64-72
+    on both archs), with no spill and no stack frame."""
+    from kda_core.contracts import GateMode
+    from kda_cute import decode_t1
+
+    key = decode_t1.variant_key(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
+                                gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
+                                tile_v=128, aligned=True, bulk_ring=bulk_ring, packed=packed)
+    assert key[-2] == decode_t1.bulk_ring_for(128, state_dtype.itemsize, True, bulk_ring) > 0
+    decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    ptx = sorted(tmp_path.glob("*.ptx"))
+    assert ptx, "no PTX kept"
+    text = ptx[0].read_text()
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in text
+    assert "cp.async.bulk.global.shared::cta" in text and "fence.proxy.async.shared::cta" in text
+    registers, spills = ptxas.registers_and_spills(ptx[0], arch)
+    assert spills == 0 and registers <= 96, (registers, spills)
+    report = ptxas.report(ptx[0], arch)
+    assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes stack frame", report)), report

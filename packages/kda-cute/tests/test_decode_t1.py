@@ -294,3 +294,128 @@ def test_given_output_is_written_and_returned_without_allocation(make_case):
     out = torch.zeros(3, 1, 12, 128, dtype=torch.bfloat16, device="cuda")
     assert _decode(case, output=out) is out
     assert torch.count_nonzero(out) > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bulk ring (DecodeT1Config.bulk_ring, _FORCE_BULK_RING): the aligned tile-128 state streamed through a shared-memory
+# ring by 1-D bulk copies. Same math and rounding as the register path, so the two agree bit for bit; inactive rows
+# must issue no bulk copy (their pool rows and every row not addressed stay bitwise untouched).
+BULK_RINGS = (2, 4, 8, 16)
+INT_MIN = -2147483648
+
+
+def _bulk_slots(B, n_slots, seed):
+    """B distinct pool rows out of n_slots, with -1, n_slots and INT_MIN at rows 1, B-2, B-1 when B >= 5."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(n_slots, generator=gen)[:B].tolist()
+    inactive = []
+    if B >= 5:
+        inactive = [1, B - 2, B - 1]
+        for row, bad in zip(inactive, (-1, n_slots, INT_MIN)):
+            slots[row] = bad
+    return slots, inactive
+
+
+def _register_path_then_bulk_ring(case, ring, monkeypatch, decode=None):
+    """(output, pool after) of the tile-128 register path and of the bulk ring, each from the caller's pool (left
+    unchanged)."""
+    from kda_cute import decode_t1
+
+    decode = decode or _decode
+    B, H = case.slots.shape[0], case.q.shape[2]
+    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
+    start = case.pool.clone()
+    results = []
+    for depth in (0, ring):
+        monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", depth)
+        cfg = decode_t1.select_config(B, H, case.pool.dtype, True)
+        assert cfg.bulk_ring == decode_t1.bulk_ring_for(128, case.pool.element_size(), True, depth)
+        case.pool.copy_(start)
+        out = decode(case, output=torch.full((B, 1, H, 128), 7.0, dtype=torch.bfloat16, device="cuda"))
+        results.append((out, case.pool.clone()))
+    case.pool.copy_(start)  # the caller's pool is left as it was
+    return results
+
+
+@pytest.mark.parametrize("B", [1, 5, 37, 300])
+@pytest.mark.parametrize("ring", BULK_RINGS)
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_bulk_ring_is_bitwise_the_register_path_and_leaves_unaddressed_rows_untouched(B, ring, state_dtype,
+                                                                                      monkeypatch, make_case):
+    n_slots = B + 7
+    slots, inactive = _bulk_slots(B, n_slots, seed=B + ring)
+    case = make_case(B, 12, state_dtype=state_dtype, n_slots=n_slots, slots=slots, seed=B * 16 + ring)
+    before = case.pool.clone()
+    ref_out, ref_pool = case.oracle()
+    (out_regs, pool_regs), (out_bulk, pool_bulk) = _register_path_then_bulk_ring(case, ring, monkeypatch)
+    assert torch.equal(out_bulk, out_regs)
+    assert torch.equal(pool_bulk, pool_regs)
+    if inactive:
+        assert torch.count_nonzero(out_bulk[torch.tensor(inactive, device="cuda")]) == 0
+    untouched = sorted(set(range(n_slots)) - {s for s in slots if 0 <= s < n_slots})
+    assert torch.equal(pool_bulk[untouched], before[untouched])
+    _assert_matches_oracle(case, out_bulk, pool_bulk, ref_out, ref_pool)
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus", "precomputed"])
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_bulk_ring_every_gate_on_a_padded_pool_is_bitwise_the_register_path(gate, state_dtype, monkeypatch,
+                                                                           make_case):
+    g_dtype = torch.float32 if gate == "precomputed" else torch.bfloat16
+    case = make_case(9, 12, state_dtype=state_dtype, gate=gate, g_dtype=g_dtype, pool_row_pad=8, seed=41)
+    assert case.pool.stride(0) == 12 * 128 * 128 + 8  # chunk addresses off a padded slot stride
+    ref_out, ref_pool = case.oracle()
+    (out_regs, pool_regs), (out_bulk, pool_bulk) = _register_path_then_bulk_ring(case, 4, monkeypatch)
+    assert torch.equal(out_bulk, out_regs)
+    assert torch.equal(pool_bulk, pool_regs)
+    _assert_matches_oracle(case, out_bulk, pool_bulk, ref_out, ref_pool)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_bulk_ring_packed_entry_is_bitwise_the_unpacked_entry(state_dtype, monkeypatch, make_case):
+    case = make_case(37, 12, state_dtype=state_dtype, row_pad=24, seed=43)
+    (out_u, pool_u), (out_bulk_u, pool_bulk_u) = _register_path_then_bulk_ring(case, 8, monkeypatch)
+    (_, _), (out_bulk_p, pool_bulk_p) = _register_path_then_bulk_ring(case, 8, monkeypatch, decode=_decode_packed)
+    assert torch.equal(out_bulk_p, out_bulk_u) and torch.equal(out_bulk_p, out_u)
+    assert torch.equal(pool_bulk_p, pool_bulk_u) and torch.equal(pool_bulk_p, pool_u)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_bulk_ring_all_inactive_batch_is_a_bitwise_noop_on_the_pool(state_dtype, monkeypatch, make_case):
+    from kda_cute import decode_t1
+
+    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
+    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 8)
+    case = make_case(4, 12, state_dtype=state_dtype, n_slots=5, slots=[-1, 5, INT_MIN, 2147483647])
+    before = case.pool.clone()
+    out = _decode(case)
+    assert torch.equal(case.pool, before)
+    assert torch.count_nonzero(out) == 0
+
+
+def test_bulk_ring_cuda_graph_replay_follows_changed_inputs_and_indices(monkeypatch, make_case):
+    from kda_cute import decode_t1
+
+    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
+    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 4)
+    case = make_case(16, 12, n_slots=40, seed=47)
+    out = torch.empty(16, 1, 12, 128, dtype=torch.bfloat16, device="cuda")
+    _decode_packed(case, output=out)  # load the module before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _decode_packed(case, output=out)
+    for step in range(3):
+        slots, inactive = _bulk_slots(16, 40, seed=300 + step)
+        fresh = make_case(16, 12, n_slots=40, slots=slots, seed=300 + step)
+        case.mixed_qkv.copy_(fresh.mixed_qkv)
+        case.raw_gate.copy_(fresh.raw_gate)
+        case.raw_beta.copy_(fresh.raw_beta)
+        case.slots.copy_(fresh.slots)
+        before = case.pool.clone()
+        ref_out, ref_pool = case.oracle()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.count_nonzero(out[torch.tensor(inactive, device="cuda")]) == 0
+        untouched = sorted(set(range(40)) - {s for s in slots if 0 <= s < 40})
+        assert torch.equal(case.pool[untouched], before[untouched])
+        _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)

@@ -70,6 +70,37 @@ def test_sweep_hooks_override_the_schedule(monkeypatch):
     assert (forced.tile_v, forced.rows_in_flight, forced.cache_hint) == (default.tile_v, 16, "global")
 
 
+def test_bulk_ring_key_exists_only_for_the_aligned_tile_128_variant_and_replaces_the_other_staging():
+    assert _key(bulk_ring=4) != _key() and _key(bulk_ring=4) != _key(bulk_ring=8)
+    assert _key(tile_v=64, bulk_ring=4) == _key(tile_v=64)
+    assert _key(aligned=False, bulk_ring=4) == _key(aligned=False)
+    assert _key(bulk_ring=4, rows_in_flight=16, cache_hint="global", smem_stage=True) == _key(bulk_ring=4)
+    fp32 = torch.float32
+    assert _key(state_dtype=fp32, bulk_ring=16) == _key(state_dtype=fp32, bulk_ring=11)  # 48 KB of shared memory
+    assert _key(bulk_ring=16) != _key(bulk_ring=11)  # bf16 chunks are half the size
+    for bad in (1, 17, -2):
+        with pytest.raises(KDAError, match="^bulk_ring: expected"):
+            _key(bulk_ring=bad)
+
+
+def test_bulk_ring_hook_reaches_only_the_aligned_tile_128_schedule(monkeypatch):
+    from kda_cute import decode_t1
+
+    assert decode_t1.select_config(512, 12, torch.bfloat16, True).bulk_ring == 0  # off unless forced
+    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 8)
+    cfg = decode_t1.select_config(512, 12, torch.bfloat16, True)
+    assert (cfg.tile_v, cfg.bulk_ring, cfg.smem_stage, cfg.rows_in_flight) == (128, 8, False, 0)
+    cfg = decode_t1.select_config(512, 12, torch.float32, True)  # the table's 16 rows / ld.cg row, replaced
+    assert (cfg.tile_v, cfg.bulk_ring, cfg.rows_in_flight, cfg.cache_hint) == (128, 8, 0, "stream")
+    assert decode_t1.select_config(1, 12, torch.bfloat16, True).bulk_ring == 0  # the schedule's tile 16
+    assert decode_t1.select_config(512, 12, torch.bfloat16, False).bulk_ring == 0  # unaligned
+    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
+    assert decode_t1.select_config(1, 12, torch.bfloat16, True).bulk_ring == 8
+    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 1)
+    with pytest.raises(KDAError, match="^bulk_ring: expected"):
+        decode_t1.select_config(1, 12, torch.bfloat16, True)
+
+
 def test_schedule_rows_from_the_tuning_sweep():
     from kda_cute.decode_t1 import DecodeT1Config, select_config
 
@@ -266,3 +297,19 @@ def test_an_empty_batch_launches_nothing_and_returns_an_empty_output(host_path, 
     out = _packed_call(case)
     assert out.shape == (0, 1, 12, 128)
     assert host_path == []
+
+
+def test_a_changed_bulk_ring_hook_is_honoured_on_the_next_call(host_path, make_case, monkeypatch):
+    from kda_cute import decode_t1
+
+    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
+    case = make_case(3, 12, device="cpu")
+    launched = []
+    for ring in (None, 4, 8, 4):
+        monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", ring)
+        _packed_call(case)
+        (fn,) = [fn for fn in host_path if fn.calls]
+        launched.append(fn.key[-2])  # the key's bulk_ring, just before packed
+        fn.calls.clear()
+    assert launched == [0, 4, 8, 4]
+    assert len(host_path) == 3  # a value seen before reuses its launch

@@ -22,7 +22,8 @@ The state's loads and stores carry a cache hint: streaming (.cs, the state is to
 default, ld.cg / st.wb where the schedule says so (the fp32 large-batch row, measured).
 
 Variants (compile-time): pool dtype x gate mode x beta logit x l2norm x dt_bias present x g/beta
-dtypes x tile_v x alignment x staging x rows in flight x cache hint. Batch, pool rows and the head count are
+dtypes x tile_v x alignment x staging x rows in flight x cache hint x bulk ring (1-D bulk copies through a
+shared-memory ring, aligned tile 128 only; off by default, not yet measured). Batch, pool rows and the head count are
 runtime values (the head count only enters the grid and the index math), so one compiled function serves every B
 and every H.
 """
@@ -56,6 +57,10 @@ ROW_REGS_IN_FLIGHT = 32  # default register budget for raw state rows in flight 
 # Cache operators of the state's loads / stores: "stream" = ld.cs / st.cs (evict-first), "global" = ld.cg (L2
 # only) / st.wb. (The plain ld.ca / st.wb measured no better than these on the H200 and was dropped.)
 CACHE_HINTS = ("stream", "global")
+# Bulk ring (``bulk_ring``): the state streams global -> shared -> global in chunks of BULK_CHUNK_ROWS rows (the rows
+# the CTA touches per step: 2 KB bf16 / 4 KB fp32, contiguous) by 1-D cp.async.bulk, issued by one thread.
+BULK_CHUNK_ROWS = ROW_GROUPS
+BULK_RING_MAX = 16  # = the tile-128 state's chunks
 
 
 @dataclass(frozen=True)
@@ -66,12 +71,18 @@ class DecodeT1Config:
     the thread that copied them (no barrier), so every row of the tile is in flight without holding registers;
     otherwise each thread keeps ``rows_in_flight`` rows in registers (0 = as many as ``ROW_REGS_IN_FLIGHT``
     registers hold). cp.async needs the aligned variant. ``cache_hint``: one of ``CACHE_HINTS``.
+
+    ``bulk_ring`` (0 = off): ring depth, in chunks of ``BULK_CHUNK_ROWS`` rows, of a shared-memory ring that one thread
+    fills with 1-D bulk loads (cp.async.bulk + mbarrier) and drains with bulk stores; the threads update each chunk in
+    place in shared memory. Only the aligned tile-128 variant (see :func:`bulk_ring_for`); it replaces the other
+    staging options. Prepared, not measured yet (README, "Bulk ring").
     """
 
     tile_v: int
     smem_stage: bool = False
     rows_in_flight: int = 0
     cache_hint: str = "stream"
+    bulk_ring: int = 0
 
 
 # Schedule table, keyed on the number of (sequence, head) states in the call, B*H, and the pool dtype.
@@ -104,6 +115,7 @@ _FORCE_SMEM_STAGE: bool | None = None
 _FORCE_ROWS_IN_FLIGHT: int | None = None
 _FORCE_CACHE_HINT: str | None = None
 _FORCE_MIN_BLOCKS: int = 0  # resident-CTA floor handed to ptxas (caps registers); the sweep clears the caches
+_FORCE_BULK_RING: int | None = None  # bulk-ring depth (0 = off); ignored (0) where bulk_ring_for says so
 
 
 def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool) -> DecodeT1Config:
@@ -125,7 +137,25 @@ def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool) -> De
         overrides["rows_in_flight"] = _FORCE_ROWS_IN_FLIGHT
     if _FORCE_CACHE_HINT is not None:
         overrides["cache_hint"] = _FORCE_CACHE_HINT
+    ring = bulk_ring_for(tile_v, state_dtype.itemsize, aligned,
+                         cfg.bulk_ring if _FORCE_BULK_RING is None else _FORCE_BULK_RING)
+    if ring:  # the ring replaces the other staging options
+        overrides.update(bulk_ring=ring, smem_stage=False, rows_in_flight=0, cache_hint="stream")
+    else:
+        overrides["bulk_ring"] = 0
     return dataclasses.replace(cfg, **overrides)
+
+
+def bulk_ring_for(tile_v: int, state_bytes: int, aligned: bool, requested: int) -> int:
+    """Effective bulk-ring depth (0 = off). ``requested`` must be 0 or in [2, ``BULK_RING_MAX``] (the ring refills
+    the previous chunk's slot, so one slot cannot work). Only the aligned (16-byte) tile-128 variant of a bf16 / fp32
+    pool has one; the depth is capped at the default 48 KB of dynamic shared memory (fp32: 11 chunks)."""
+    if requested and not 2 <= requested <= BULK_RING_MAX:
+        fail("bulk_ring", f"0 or an integer in [2, {BULK_RING_MAX}]", requested)
+    if not requested or tile_v != HEAD_DIM or not aligned or state_bytes not in (2, 4):
+        return 0
+    chunk_bytes = BULK_CHUNK_ROWS * HEAD_DIM * state_bytes
+    return min(requested, (SMEM_STAGE_MAX_BYTES - 1024) // chunk_bytes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -167,6 +197,7 @@ class KDADecodeT1:
         smem_stage: bool = False,
         rows_in_flight: int = 0,
         cache_hint: str = "stream",
+        bulk_ring: int = 0,
     ):
         self.state_dtype = state_dtype
         self.gate = gate
@@ -180,6 +211,9 @@ class KDADecodeT1:
         self.rows_in_flight = rows_in_flight_for(tile_v, state_dtype.width // 8, rows_in_flight)
         self.load_hints = dict(load_cache_mode=_LOAD_MODES[cache_hint])
         self.store_hints = dict(store_cache_mode=_STORE_MODES[cache_hint])
+        self.bulk_ring = bulk_ring_for(tile_v, state_dtype.width // 8, aligned, bulk_ring)
+        if self.bulk_ring:
+            self.smem_stage = False
 
     def _copy_bits(self, dtype, n: int) -> int:
         return min(n * dtype.width, 128) if self.aligned else dtype.width
@@ -212,6 +246,10 @@ class KDADecodeT1:
             max_ctas = 6 if self.rows <= 8 else 5
             occupancy = dict(min_blocks_per_mp=min(SMEM_PER_SM_BYTES // tile_bytes, max_ctas),
                              preferred_smem_carveout=100)
+        elif const_expr(self.bulk_ring):
+            # The ring is the bytes in flight: take the largest shared-memory carveout so that the resident CTAs
+            # (128 threads each, few registers: no row is held in registers) are not capped by it.
+            occupancy = dict(min_blocks_per_mp=_FORCE_MIN_BLOCKS, preferred_smem_carveout=100)
         elif const_expr(_FORCE_MIN_BLOCKS):
             occupancy = dict(min_blocks_per_mp=_FORCE_MIN_BLOCKS, preferred_smem_carveout=-1)
         self.kernel(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mSlot, mOut, scale, lower_bound).launch(
@@ -228,6 +266,29 @@ class KDADecodeT1:
         src = cute.local_tile(row, (CHANNELS_PER_LANE,), (lane,))
         cute.copy(atom, cute.logical_divide(src, vec), cute.logical_divide(frag, vec))
         return frag
+
+    @cute.jit
+    def bulk_ring_step(self, j: cutlass.Constexpr, n_chunks: cutlass.Constexpr, s2r_atom, s_new, s_vec, smem_views,
+                       s_slots, g_chunks, full, bulk_load, bulk_store, chunk_bytes: cutlass.Constexpr, tidx):
+        """Chunk ``j`` of the bulk ring after the threads computed their rows of it: write S_new back into the slot,
+        bulk-store the slot, and refill the previous chunk's slot with the chunk ``ring`` past it.
+
+        The refill waits (``wait_group.read 1``) only for the previous chunk's store to have read its slot, which had
+        a whole chunk's compute to do so: the current store is not waited for."""
+        ring = self.bulk_ring
+        slot = j % ring
+        cute.copy(s2r_atom, cute.logical_divide(s_new, (s_vec,)), smem_views[slot])
+        # Generic-proxy writes -> async-proxy reads (the bulk store): fence by every writer, then the CTA barrier.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+        if tidx == 0:
+            cute.copy(bulk_store, s_slots[slot], g_chunks[j])
+            cute.arch.cp_async_bulk_commit_group()
+            if const_expr(j >= 1 and j - 1 + ring < n_chunks):
+                prev = (j - 1) % ring
+                cute.arch.cp_async_bulk_wait_group(1, read=True)
+                cute.arch.mbarrier_arrive_and_expect_tx(full[prev], chunk_bytes)
+                cute.copy(bulk_load, g_chunks[j - 1 + ring], s_slots[prev], mbar_ptr=full[prev])
 
     @cute.jit
     def to_f32(self, frag: cute.Tensor):
@@ -264,6 +325,15 @@ class KDADecodeT1:
             sTile = smem.allocate_tensor(
                 self.state_dtype, cute.make_layout((self.tile_v, HEAD_DIM), stride=(HEAD_DIM, 1)), byte_alignment=16
             )
+        if const_expr(self.bulk_ring):
+            smem = cutlass.memory.SmemAllocator()
+            sRing = smem.allocate_tensor(  # [slot, row of the chunk, channel]
+                self.state_dtype,
+                cute.make_layout((self.bulk_ring, BULK_CHUNK_ROWS, HEAD_DIM),
+                                 stride=(BULK_CHUNK_ROWS * HEAD_DIM, HEAD_DIM, 1)),
+                byte_alignment=128,
+            )
+            sFull = smem.allocate_tensor(Int64, cute.make_layout((self.bulk_ring,)), byte_alignment=8)  # mbarriers
 
         # ---- issue every activation load before the slot is known: the slot -> state chain is the
         # critical path, and these loads (and the gate math below) hide under it ------------------
@@ -308,6 +378,36 @@ class KDADecodeT1:
                                                           (s_vec,)))
                     cute.copy(g2s_atom, row_views[j], smem_views[j])
                 cute.arch.cp_async_commit_group()
+            elif const_expr(self.bulk_ring):
+                # Chunk c = rows [8c, 8c + 8) of the tile, one contiguous run of the state; it lives in ring slot
+                # c % ring and is the (c // ring)-th fill of that slot's mbarrier, so every wait parity is static.
+                chunk_elems = BULK_CHUNK_ROWS * HEAD_DIM
+                chunk_bytes = chunk_elems * sdt.width // 8
+                n_chunks = self.tile_v // BULK_CHUNK_ROWS
+                bulk_load = cute.make_copy_atom(cute.nvgpu.cpasync.CopyBulkG2SOp(), sdt,
+                                                num_bits_per_copy=chunk_elems * sdt.width)
+                bulk_store = cute.make_copy_atom(cute.nvgpu.cpasync.CopyBulkS2GOp(), sdt,
+                                                 num_bits_per_copy=chunk_elems * sdt.width)
+                s2r_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sdt, num_bits_per_copy=s_bits)
+                g_chunks = [cute.make_tensor(gState.iterator + (row0 + c * BULK_CHUNK_ROWS) * HEAD_DIM,
+                                             cute.make_layout((chunk_elems,))) for c in range(n_chunks)]
+                s_slots = [cute.make_tensor(sRing.iterator + r * chunk_elems, cute.make_layout((chunk_elems,)))
+                           for r in range(self.bulk_ring)]
+                full = [sFull.iterator + r for r in range(self.bulk_ring)]
+                smem_views = []  # the thread's 8 channels of its row in every slot
+                for r in cutlass.range_constexpr(self.bulk_ring):
+                    smem_views.append(cute.logical_divide(
+                        cute.local_tile(sRing[r, group, None], (CHANNELS_PER_LANE,), (lane,)), (s_vec,)))
+                # One thread: the mbarriers (arrival count 1: its own arrive.expect_tx), then the first `ring`
+                # chunks. Inactive rows never get here, so they issue no bulk copy.
+                if tidx == 0:
+                    for r in cutlass.range_constexpr(self.bulk_ring):
+                        cute.arch.mbarrier_init(full[r], 1)
+                    cute.arch.mbarrier_init_fence()
+                    for c in cutlass.range_constexpr(self.bulk_ring):
+                        cute.arch.mbarrier_arrive_and_expect_tx(full[c], chunk_bytes)
+                        cute.copy(bulk_load, g_chunks[c], s_slots[c], mbar_ptr=full[c])
+                cute.arch.sync_threads()  # the mbarrier inits are visible before anyone waits on them
             else:
                 for j in cutlass.range_constexpr(self.rows_in_flight):
                     cute.copy(load_atom, row_views[j], cute.logical_divide(row_regs[j], (s_vec,)))
@@ -338,6 +438,10 @@ class KDADecodeT1:
             for j in cutlass.range_constexpr(self.rows):
                 if const_expr(self.smem_stage):
                     cute.copy(s2r_atom, smem_views[j], cute.logical_divide(row_regs[j], (s_vec,)))
+                elif const_expr(self.bulk_ring):
+                    # Row j of this thread is row `group` of chunk j.
+                    cute.arch.mbarrier_wait(full[j % self.bulk_ring], (j // self.bulk_ring) % 2)
+                    cute.copy(s2r_atom, smem_views[j % self.bulk_ring], cute.logical_divide(row_regs[j], (s_vec,)))
                 elif const_expr(j + self.rows_in_flight < self.rows):
                     nxt = j + self.rows_in_flight
                     cute.copy(load_atom, row_views[nxt], cute.logical_divide(row_regs[nxt], (s_vec,)))
@@ -355,9 +459,16 @@ class KDADecodeT1:
                 for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
                     sf[c] = sf[c] + u * kf[c]
                 s_new.store(sf.load().to(sdt))
-                cute.copy(store_atom, cute.logical_divide(s_new, (s_vec,)), row_views[j])
+                if const_expr(self.bulk_ring):
+                    self.bulk_ring_step(j, n_chunks, s2r_atom, s_new, s_vec, smem_views, s_slots, g_chunks, full,
+                                        bulk_load, bulk_store, chunk_bytes, tidx)
+                else:
+                    cute.copy(store_atom, cute.logical_divide(s_new, (s_vec,)), row_views[j])
                 if lane == 0:
                     mOut[b, 0, h, row0 + group + j * ROW_GROUPS] = (sq + u * kq).to(mOut.element_type)
+            if const_expr(self.bulk_ring):
+                if tidx == 0:
+                    cute.arch.cp_async_bulk_wait_group(0)  # every bulk store is complete before the CTA exits
         else:
             if lane == 0:
                 for j in cutlass.range_constexpr(self.rows):
@@ -414,7 +525,7 @@ class KDADecodeT1Packed(KDADecodeT1):
 
 def _compile(key, arch):
     (state_dt, g_dt, beta_dt, gate, beta_is_logit, l2norm, has_dt_bias, tile_v, aligned, smem_stage, rows_in_flight,
-     cache_hint, packed) = key
+     cache_hint, bulk_ring, packed) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     B, N, H = _launch.sym_size(), _launch.sym_size(), _launch.sym_size()
@@ -464,6 +575,7 @@ def _compile(key, arch):
         smem_stage=smem_stage,
         rows_in_flight=rows_in_flight,
         cache_hint=cache_hint,
+        bulk_ring=bulk_ring,
     )
     return cute.compile(kernel, *fake_args, options=_launch.compile_options(arch, _EXTRA_OPTIONS))
 
@@ -472,10 +584,11 @@ _EXTRA_OPTIONS = ""  # tests set "--keep-ptx --dump-dir D" through compile_varia
 
 
 def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk_l2norm, has_dt_bias, tile_v, aligned,
-                smem_stage=False, rows_in_flight=0, cache_hint="stream", packed=False):
+                smem_stage=False, rows_in_flight=0, cache_hint="stream", bulk_ring=0, packed=False):
     """Every code-generation parameter of one variant, in the order ``_compile`` reads them.
 
     ``packed``: the compiled function takes the packed GEMM rows (:class:`KDADecodeT1Packed`) instead of five views.
+    ``bulk_ring``: normalised by :func:`bulk_ring_for`; a ring replaces the other staging fields (normalised away).
     """
     if gate == GateMode.PRECOMPUTED:
         has_dt_bias = False
@@ -485,8 +598,12 @@ def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk
     smem_stage = smem_stage and aligned and tile_v * HEAD_DIM * state_dtype.itemsize <= SMEM_STAGE_MAX_BYTES
     # Normalised to the effective count (the staged path keeps every row in flight in shared memory).
     rows_in_flight = 0 if smem_stage else rows_in_flight_for(tile_v, state_dtype.itemsize, rows_in_flight)
+    bulk_ring = bulk_ring_for(tile_v, state_dtype.itemsize, aligned, bulk_ring)
+    if bulk_ring:
+        smem_stage, rows_in_flight, cache_hint = False, 0, "stream"
     return (state_dtype, g_dtype, beta_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm), bool(has_dt_bias),
-            int(tile_v), bool(aligned), bool(smem_stage), int(rows_in_flight), str(cache_hint), bool(packed))
+            int(tile_v), bool(aligned), bool(smem_stage), int(rows_in_flight), str(cache_hint), int(bulk_ring),
+            bool(packed))
 
 
 def compile_variant(key, arch: str, extra_options: str = ""):
@@ -575,7 +692,7 @@ def kda_decode_t1_packed(
 
 
 # Per-call launch memo. Key: (id of the validated call description, packed, l2norm, device index, the parsed
-# KDA_DECODE_TILE_V, the three sweep hooks). A description (kda-core's DecodeT1Call or RecurrentCall) is immutable and
+# KDA_DECODE_TILE_V, the four sweep hooks). A description (kda-core's DecodeT1Call or RecurrentCall) is immutable and
 # remembered by every fact a variant and the schedule depend on (B, H, pool dtype, g / beta dtypes, gate mode,
 # lower bound, beta logit, scale, alignment class), so its identity stands for all of them; the entry holds the
 # description itself, so its id cannot be reused by another object while the entry lives. Value: (description,
@@ -596,7 +713,8 @@ def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype):
         key = variant_key(state_dtype=call.state_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=call.gate_mode,
                           beta_is_logit=call.beta_is_logit, use_qk_l2norm=l2norm, has_dt_bias=gated,
                           tile_v=cfg.tile_v, aligned=call.aligned, smem_stage=cfg.smem_stage,
-                          rows_in_flight=cfg.rows_in_flight, cache_hint=cfg.cache_hint, packed=packed)
+                          rows_in_flight=cfg.rows_in_flight, cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring,
+                          packed=packed)
         compiled = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(x.device))
         # The positional tvm_ffi.Function under the DSL's kwargs wrapper (same arguments, a few us less per call);
         # the compiled object rides along so that the module outlives any cache clearing.
@@ -631,7 +749,7 @@ def _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, l2nor
     Per call: one memo lookup (the knob read is a dict lookup, see ``kda_core.knobs``) and the FFI call.
     """
     key = (id(call), False, l2norm, q.get_device(), knobs.get("KDA_DECODE_TILE_V"), _FORCE_SMEM_STAGE,
-           _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT)  # the _LAUNCH_MEMO key, spelled out: this is the hot path
+           _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT, _FORCE_BULK_RING)  # the _LAUNCH_MEMO key, spelled out: hot path
     entry = _LAUNCH_MEMO.get(key) or _configure(key, call, False, l2norm, q, g.dtype, beta.dtype)
     fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, q, A_log, dt_bias, output)
     if fn is None:  # B == 0
@@ -643,7 +761,7 @@ def _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, l2nor
 def _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias, l2norm, output):
     """:func:`_run` for a validated packed call: the GEMM rows go to the compiled function as they are."""
     key = (id(call), True, l2norm, mixed_qkv.get_device(), knobs.get("KDA_DECODE_TILE_V"), _FORCE_SMEM_STAGE,
-           _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT)  # as in _run
+           _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT, _FORCE_BULK_RING)  # as in _run
     entry = _LAUNCH_MEMO.get(key) or _configure(key, call, True, l2norm, mixed_qkv, raw_gate.dtype, raw_beta.dtype)
     fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, mixed_qkv, A_log, dt_bias, output)
     if fn is None:  # B == 0
