@@ -42,6 +42,17 @@ for dtype in (torch.bfloat16, torch.float32):
     kda_decode_t1_packed(mixed, gate, beta, pool, slots, num_heads=H, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
     aligned = torch.randn(B, 3 * H * K, device="cuda").bfloat16()
     kda_decode_t1_packed(aligned, gate, beta, pool, slots, num_heads=H, A_log=A_log, dt_bias=dt_bias)
+# The schedule's bulk-ring rows (aligned, > 384 bf16 / > 287 fp32 states): 40 rows, every 5th inactive (-1 / N).
+B = 40
+mixed = torch.randn(B, 3 * H * K, device="cuda").bfloat16()
+gate = torch.randn(B, H * K, device="cuda").bfloat16()
+beta = torch.randn(B, H, device="cuda").bfloat16()
+for dtype in (torch.bfloat16, torch.float32):
+    pool = torch.randn(B + 2, H, K, K, device="cuda").to(dtype)
+    slots = torch.arange(B, dtype=torch.int32, device="cuda").flip(0)
+    slots[::5] = -1
+    slots[1::5] = B + 2
+    kda_decode_t1_packed(mixed, gate, beta, pool, slots, num_heads=H, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
 torch.cuda.synchronize()
 print("memcheck case done")
 PY

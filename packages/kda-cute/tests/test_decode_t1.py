@@ -78,7 +78,7 @@ def test_tuning_variant_matches_oracle_and_leaves_inactive_rows_untouched(state_
 def test_fp32_large_batch_policy_variant_matches_oracle(B, make_case):
     from kda_cute import decode_t1
 
-    assert decode_t1.select_config(B, 12, torch.float32, True).cache_hint == "global"  # the swept winner's row
+    assert decode_t1.select_config(B, 12, torch.float32, True).bulk_ring == 8  # the swept winner's row
     case = make_case(B, 12, state_dtype=torch.float32, seed=B)
     ref_out, ref_pool = case.oracle()
     out = _decode(case)

@@ -63,6 +63,7 @@ def test_variant_key_separates_rows_in_flight_and_cache_hint_and_normalises_the_
 def test_sweep_hooks_override_the_schedule(monkeypatch):
     from kda_cute import decode_t1
 
+    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 0)  # the ring replaces rows in flight and hints
     default = decode_t1.select_config(512, 12, torch.bfloat16, True)
     monkeypatch.setattr(decode_t1, "_FORCE_ROWS_IN_FLIGHT", 16)
     monkeypatch.setattr(decode_t1, "_FORCE_CACHE_HINT", "global")
@@ -86,12 +87,17 @@ def test_bulk_ring_key_exists_only_for_the_aligned_tile_128_variant_and_replaces
 def test_bulk_ring_hook_reaches_only_the_aligned_tile_128_schedule(monkeypatch):
     from kda_cute import decode_t1
 
-    assert decode_t1.select_config(512, 12, torch.bfloat16, True).bulk_ring == 0  # off unless forced
-    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 8)
+    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 0)  # off where the table has it
     cfg = decode_t1.select_config(512, 12, torch.bfloat16, True)
-    assert (cfg.tile_v, cfg.bulk_ring, cfg.smem_stage, cfg.rows_in_flight) == (128, 8, False, 0)
+    assert (cfg.tile_v, cfg.bulk_ring, cfg.rows_in_flight) == (128, 0, 0)
+    cfg = decode_t1.select_config(512, 12, torch.float32, True)  # the rest of the fp32 row: 16 rows, ld.cg
+    assert (cfg.tile_v, cfg.bulk_ring, cfg.rows_in_flight, cfg.cache_hint) == (128, 0, 16, "global")
+    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 4)
+    cfg = decode_t1.select_config(512, 12, torch.bfloat16, True)
+    assert (cfg.tile_v, cfg.bulk_ring, cfg.smem_stage, cfg.rows_in_flight) == (128, 4, False, 0)
     cfg = decode_t1.select_config(512, 12, torch.float32, True)  # the table's 16 rows / ld.cg row, replaced
-    assert (cfg.tile_v, cfg.bulk_ring, cfg.rows_in_flight, cfg.cache_hint) == (128, 8, 0, "stream")
+    assert (cfg.tile_v, cfg.bulk_ring, cfg.rows_in_flight, cfg.cache_hint) == (128, 4, 0, "stream")
+    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 8)
     assert decode_t1.select_config(1, 12, torch.bfloat16, True).bulk_ring == 0  # the schedule's tile 16
     assert decode_t1.select_config(512, 12, torch.bfloat16, False).bulk_ring == 0  # unaligned
     monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
@@ -107,9 +113,15 @@ def test_schedule_rows_from_the_tuning_sweep():
     assert select_config(2, 12, torch.bfloat16, True) == DecodeT1Config(32)  # 24 states: B=2 at H=12
     assert select_config(1, 12, torch.bfloat16, True) == DecodeT1Config(16)
     assert select_config(4, 12, torch.bfloat16, True) == DecodeT1Config(16)
-    assert select_config(512, 12, torch.bfloat16, True) == DecodeT1Config(128)
-    assert select_config(128, 12, torch.float32, True) == DecodeT1Config(64)
-    assert select_config(256, 12, torch.float32, True) == DecodeT1Config(128, rows_in_flight=16, cache_hint="global")
+    assert select_config(32, 12, torch.bfloat16, True) == DecodeT1Config(64)  # 384 states: the last tile-64 row
+    ring = DecodeT1Config(128, bulk_ring=8)  # the bulk ring replaces rows in flight / hint / staging
+    assert select_config(33, 12, torch.bfloat16, True) == ring
+    assert select_config(512, 12, torch.bfloat16, True) == ring
+    assert select_config(512, 12, torch.bfloat16, False) == DecodeT1Config(128)  # unaligned: the register path
+    assert select_config(16, 12, torch.float32, True) == DecodeT1Config(64)
+    assert select_config(24, 12, torch.float32, True) == ring
+    assert select_config(256, 12, torch.float32, True) == ring
+    assert select_config(256, 12, torch.float32, False) == DecodeT1Config(128, rows_in_flight=16, cache_hint="global")
 
 
 def _call(case, **over):

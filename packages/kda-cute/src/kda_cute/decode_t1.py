@@ -75,7 +75,7 @@ class DecodeT1Config:
     ``bulk_ring`` (0 = off): ring depth, in chunks of ``BULK_CHUNK_ROWS`` rows, of a shared-memory ring that one thread
     fills with 1-D bulk loads (cp.async.bulk + mbarrier) and drains with bulk stores; the threads update each chunk in
     place in shared memory. Only the aligned tile-128 variant (see :func:`bulk_ring_for`); it replaces the other
-    staging options. Prepared, not measured yet (README, "Bulk ring").
+    staging options; the table uses it for the large rows of both pool dtypes (README, "Bulk ring").
     """
 
     tile_v: int
@@ -102,12 +102,19 @@ class DecodeT1Config:
 # 109.6, two heads per CTA 117-121). fp32 B=512: tile 128, all 16 rows in flight, ld.cg/st.wb 208.6 us = 91% of
 # the copy (tile 64 / 4 rows / streaming, the previous row: 217.1; 64 / 8 / ld.cg 210.9); B=256 and 1024 were
 # not swept in fp32, so the row starts at 3072 states (B=256 at H=12).
+# Bulk ring, H200 session 4, same method (benchmarks/results/t1_bulk_ring_{h200,depths_h200,fp32_h200,small_bf16_h200}
+# .json; us, register path of the same tile / bulk ring of depth 8, same run): bf16 B=48 10.8 / 10.3, B=64 14.7 /
+# 11.6, B=128 29.1 / 28.3, B=256 56.6 / 56.3, B=512 110.3 / 107.9, B=1024 220.6 / 211.9 (depths 4/6/12 within 1%,
+# 2 and 16 slower); below 384 states it loses (B=32 6.9 / 7.9, B=16 5.3 / 7.1). fp32 against the previous rows:
+# B=32 16.2 (tile 64) / 10.2, B=64 32.7 / 24.9, B=128 61.0 / 54.9, B=256 107.1 / 105.8, B=512 209.8 / 207.8,
+# B=1024 414.5 / 411.2; B=16 8.5 / 8.9 keeps tile 64 (the 192..384 boundary is the midpoint, not measured). The
+# ring needs the aligned variant: unaligned calls fall back to the rest of the row (bulk_ring_for).
 _SCHEDULE = {
     # pool dtype: ((max B*H, config), ...) -- the last row is unbounded
     torch.bfloat16: ((12, DecodeT1Config(16)), (24, DecodeT1Config(32)), (48, DecodeT1Config(16)),
-                     (96, DecodeT1Config(32)), (384, DecodeT1Config(64)), (1 << 62, DecodeT1Config(128))),
-    torch.float32: ((48, DecodeT1Config(16)), (96, DecodeT1Config(32)), (3071, DecodeT1Config(64)),
-                    (1 << 62, DecodeT1Config(128, rows_in_flight=16, cache_hint="global"))),
+                     (96, DecodeT1Config(32)), (384, DecodeT1Config(64)), (1 << 62, DecodeT1Config(128, bulk_ring=8))),
+    torch.float32: ((48, DecodeT1Config(16)), (96, DecodeT1Config(32)), (287, DecodeT1Config(64)),
+                    (1 << 62, DecodeT1Config(128, rows_in_flight=16, cache_hint="global", bulk_ring=8))),
 }
 
 # Benchmarks' sweep hooks (None = the table's choice). Not knobs: serving never sets them.
