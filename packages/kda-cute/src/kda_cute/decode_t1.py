@@ -23,7 +23,7 @@ default, ld.cg / st.wb where the schedule says so (the fp32 large-batch row, mea
 
 Variants (compile-time): pool dtype x gate mode x beta logit x l2norm x dt_bias present x g/beta
 dtypes x tile_v x alignment x staging x rows in flight x cache hint x bulk ring (1-D bulk copies through a
-shared-memory ring, aligned tile 128 only; off by default, not yet measured). Batch, pool rows and the head count are
+shared-memory ring, aligned tile 128 only; the schedule's large rows). Batch, pool rows and the head count are
 runtime values (the head count only enters the grid and the index math), so one compiled function serves every B
 and every H.
 """
