@@ -11,17 +11,10 @@ set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 py=${PYTHON:-python3}
-status=0
 parts=$(mktemp -d)
 exec > >(tee -a "$OUT/bulk.log") 2>&1
 
-run() {  # run NAME SECONDS CMD...: time-boxed, remember a failure, keep going
-  local name=$1 limit=$2; shift 2
-  echo "=== $name (t=${SECONDS}s, limit ${limit}s): $*"
-  timeout "$limit" "$@"
-  local rc=$?
-  [ "$rc" -eq 0 ] || { echo "=== $name FAILED (rc=$rc)"; status=1; }
-}
+source "$(dirname "$0")/timebox.sh"  # run NAME SECONDS CMD..., $status
 
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader || true
 git log -1 --format='commit %H %s' 2>/dev/null || true
