@@ -113,7 +113,12 @@ def check_correctness(x, H, B, with_fla):
     s_err = (x["pool"].float() - ref_pool.float()).abs().max().item()
     o_err = (out.float() - ref_out.float()).abs().max().item()
     o_scale = ref_out.float().abs().max().item()
-    s_tol = 2e-2 if x["pool"].dtype == torch.bfloat16 else 1e-4
+    # The pool grows over a sweep's replays (each point's timing steps it in place), so the bf16 bound scales with
+    # the largest state value: two bf16 ulps there (1/64 of it), at least 2e-2. The fixed 2e-2 tripped once, at B=384
+    # on a variant whose GPU tests are bitwise equal to the register path: 3.1e-2 = one ulp of a value past 4
+    # (benchmarks/results/t1_bulk_evict_confirm_h200.json).
+    s_scale = ref_pool.float().abs().max().item()
+    s_tol = max(2e-2, s_scale / 64) if x["pool"].dtype == torch.bfloat16 else 1e-4 * max(1.0, s_scale)
     if s_err > s_tol or o_err > 2e-2 * o_scale + 1e-3:
         raise SystemExit(f"correctness check failed at B={B}: state err {s_err:.3e}, output err {o_err:.3e}")
     fla_err = None
