@@ -56,6 +56,9 @@ def _variants():
         out.append({**base, "gate": gate, "tile_v": 128, "bulk_ring": 4})
     for sd in (torch.bfloat16, torch.float32):
         out.append({**base, "state_dtype": sd, "tile_v": 128, "bulk_ring": 4, "packed": True})
+    # The smaller tiles' rings (their rows are one contiguous run too; depth capped at the tile's chunks).
+    for sd, tile in itertools.product((torch.bfloat16, torch.float32), (32, 64)):
+        out.append({**base, "state_dtype": sd, "tile_v": tile, "bulk_ring": 8})
     return out
 
 
@@ -114,9 +117,11 @@ def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, smem_sta
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("bulk_ring, packed", [(2, False), (4, False), (8, False), (16, False), (8, True)],
-                         ids=["ring2", "ring4", "ring8", "ring16", "ring8-packed"])
-def test_bulk_ring_variant_does_not_spill(bulk_ring, packed, state_dtype, arch, tmp_path, ptxas):
+@pytest.mark.parametrize("tile_v, bulk_ring, packed",
+                         [(128, 2, False), (128, 4, False), (128, 8, False), (128, 16, False), (128, 8, True),
+                          (64, 8, False), (32, 4, False)],
+                         ids=["ring2", "ring4", "ring8", "ring16", "ring8-packed", "tile64-ring8", "tile32-ring4"])
+def test_bulk_ring_variant_does_not_spill(tile_v, bulk_ring, packed, state_dtype, arch, tmp_path, ptxas):
     """The bulk ring keeps no state row in registers: it must fit well under the register path's 126 (measured 64-72
     on both archs), with no spill and no stack frame."""
     from kda_core.contracts import GateMode
@@ -124,8 +129,8 @@ def test_bulk_ring_variant_does_not_spill(bulk_ring, packed, state_dtype, arch, 
 
     key = decode_t1.variant_key(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
                                 gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
-                                tile_v=128, aligned=True, bulk_ring=bulk_ring, packed=packed)
-    assert key[-2] == decode_t1.bulk_ring_for(128, state_dtype.itemsize, True, bulk_ring) > 0
+                                tile_v=tile_v, aligned=True, bulk_ring=bulk_ring, packed=packed)
+    assert key[-2] == decode_t1.bulk_ring_for(tile_v, state_dtype.itemsize, True, bulk_ring) > 0
     decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
     ptx = sorted(tmp_path.glob("*.ptx"))
     assert ptx, "no PTX kept"

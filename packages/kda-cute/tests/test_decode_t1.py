@@ -316,20 +316,21 @@ def _bulk_slots(B, n_slots, seed):
     return slots, inactive
 
 
-def _register_path_then_bulk_ring(case, ring, monkeypatch, decode=None):
-    """(output, pool after) of the tile-128 register path and of the bulk ring, each from the caller's pool (left
+def _register_path_then_bulk_ring(case, ring, monkeypatch, decode=None, tile_v=128):
+    """(output, pool after) of the register path and of the bulk ring of one tile, each from the caller's pool (left
     unchanged)."""
     from kda_cute import decode_t1
 
     decode = decode or _decode
     B, H = case.slots.shape[0], case.q.shape[2]
-    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
+    monkeypatch.setenv("KDA_DECODE_TILE_V", str(tile_v))
     start = case.pool.clone()
     results = []
     for depth in (0, ring):
         monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", depth)
         cfg = decode_t1.select_config(B, H, case.pool.dtype, True)
-        assert cfg.bulk_ring == decode_t1.bulk_ring_for(128, case.pool.element_size(), True, depth)
+        assert cfg.tile_v == tile_v
+        assert cfg.bulk_ring == decode_t1.bulk_ring_for(tile_v, case.pool.element_size(), True, depth)
         case.pool.copy_(start)
         out = decode(case, output=torch.full((B, 1, H, 128), 7.0, dtype=torch.bfloat16, device="cuda"))
         results.append((out, case.pool.clone()))
@@ -352,6 +353,26 @@ def test_bulk_ring_is_bitwise_the_register_path_and_leaves_unaddressed_rows_unto
     assert torch.equal(pool_bulk, pool_regs)
     if inactive:
         assert torch.count_nonzero(out_bulk[torch.tensor(inactive, device="cuda")]) == 0
+    untouched = sorted(set(range(n_slots)) - {s for s in slots if 0 <= s < n_slots})
+    assert torch.equal(pool_bulk[untouched], before[untouched])
+    _assert_matches_oracle(case, out_bulk, pool_bulk, ref_out, ref_pool)
+
+
+@pytest.mark.parametrize("tile_v, ring", [(64, 4), (64, 8), (32, 2), (32, 4)])
+@pytest.mark.parametrize("B", [5, 300])
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_bulk_ring_smaller_tiles_are_bitwise_the_register_path(tile_v, ring, B, state_dtype, monkeypatch, make_case):
+    """Tiles 64 and 32: several CTAs per (row, head), each streaming its own contiguous rows through its ring."""
+    n_slots = B + 7
+    slots, inactive = _bulk_slots(B, n_slots, seed=B + ring + tile_v)
+    case = make_case(B, 12, state_dtype=state_dtype, n_slots=n_slots, slots=slots, seed=B * 16 + ring + tile_v)
+    before = case.pool.clone()
+    ref_out, ref_pool = case.oracle()
+    (out_regs, pool_regs), (out_bulk, pool_bulk) = _register_path_then_bulk_ring(case, ring, monkeypatch,
+                                                                                tile_v=tile_v)
+    assert torch.equal(out_bulk, out_regs)
+    assert torch.equal(pool_bulk, pool_regs)
+    assert torch.count_nonzero(out_bulk[torch.tensor(inactive, device="cuda")]) == 0
     untouched = sorted(set(range(n_slots)) - {s for s in slots if 0 <= s < n_slots})
     assert torch.equal(pool_bulk[untouched], before[untouched])
     _assert_matches_oracle(case, out_bulk, pool_bulk, ref_out, ref_pool)

@@ -71,9 +71,12 @@ def test_sweep_hooks_override_the_schedule(monkeypatch):
     assert (forced.tile_v, forced.rows_in_flight, forced.cache_hint) == (default.tile_v, 16, "global")
 
 
-def test_bulk_ring_key_exists_only_for_the_aligned_tile_128_variant_and_replaces_the_other_staging():
+def test_bulk_ring_key_exists_only_for_aligned_tiles_of_32_to_128_and_replaces_the_other_staging():
     assert _key(bulk_ring=4) != _key() and _key(bulk_ring=4) != _key(bulk_ring=8)
-    assert _key(tile_v=64, bulk_ring=4) == _key(tile_v=64)
+    assert _key(tile_v=64, bulk_ring=4) != _key(tile_v=64)
+    assert _key(tile_v=64, bulk_ring=16) == _key(tile_v=64, bulk_ring=8)  # capped at the tile's 8 chunks
+    assert _key(tile_v=32, bulk_ring=8) == _key(tile_v=32, bulk_ring=4)
+    assert _key(tile_v=16, bulk_ring=4) == _key(tile_v=16)  # two chunks: nothing to refill
     assert _key(aligned=False, bulk_ring=4) == _key(aligned=False)
     assert _key(bulk_ring=4, rows_in_flight=16, cache_hint="global", smem_stage=True) == _key(bulk_ring=4)
     fp32 = torch.float32

@@ -23,7 +23,7 @@ default, ld.cg / st.wb where the schedule says so (the fp32 large-batch row, mea
 
 Variants (compile-time): pool dtype x gate mode x beta logit x l2norm x dt_bias present x g/beta
 dtypes x tile_v x alignment x staging x rows in flight x cache hint x bulk ring (1-D bulk copies through a
-shared-memory ring, aligned tile 128 only; the schedule's large rows). Batch, pool rows and the head count are
+shared-memory ring, aligned tiles 32-128; the schedule's large rows). Batch, pool rows and the head count are
 runtime values (the head count only enters the grid and the index math), so one compiled function serves every B
 and every H.
 """
@@ -61,6 +61,7 @@ CACHE_HINTS = ("stream", "global")
 # the CTA touches per step: 2 KB bf16 / 4 KB fp32, contiguous) by 1-D cp.async.bulk, issued by one thread.
 BULK_CHUNK_ROWS = ROW_GROUPS
 BULK_RING_MAX = 16  # = the tile-128 state's chunks
+BULK_TILES = (32, 64, 128)  # tiles of at least 4 chunks (a ring of >= 2 with refills)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class DecodeT1Config:
 
     ``bulk_ring`` (0 = off): ring depth, in chunks of ``BULK_CHUNK_ROWS`` rows, of a shared-memory ring that one thread
     fills with 1-D bulk loads (cp.async.bulk + mbarrier) and drains with bulk stores; the threads update each chunk in
-    place in shared memory. Only the aligned tile-128 variant (see :func:`bulk_ring_for`); it replaces the other
+    place in shared memory. Only aligned variants of tile 32-128 (see :func:`bulk_ring_for`); it replaces the other
     staging options; the table uses it for the large rows of both pool dtypes (README, "Bulk ring").
     """
 
@@ -155,14 +156,15 @@ def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool) -> De
 
 def bulk_ring_for(tile_v: int, state_bytes: int, aligned: bool, requested: int) -> int:
     """Effective bulk-ring depth (0 = off). ``requested`` must be 0 or in [2, ``BULK_RING_MAX``] (the ring refills
-    the previous chunk's slot, so one slot cannot work). Only the aligned (16-byte) tile-128 variant of a bf16 / fp32
-    pool has one; the depth is capped at the default 48 KB of dynamic shared memory (fp32: 11 chunks)."""
+    the previous chunk's slot, so one slot cannot work). Only the aligned (16-byte) variants of a bf16 / fp32 pool with
+    a tile in ``BULK_TILES`` have one (a tile's rows are one contiguous run of the state); the depth is capped at the
+    tile's chunks (tile 64: 8, tile 32: 4) and at the default 48 KB of dynamic shared memory (fp32: 11 chunks)."""
     if requested and not 2 <= requested <= BULK_RING_MAX:
         fail("bulk_ring", f"0 or an integer in [2, {BULK_RING_MAX}]", requested)
-    if not requested or tile_v != HEAD_DIM or not aligned or state_bytes not in (2, 4):
+    if not requested or tile_v not in BULK_TILES or not aligned or state_bytes not in (2, 4):
         return 0
     chunk_bytes = BULK_CHUNK_ROWS * HEAD_DIM * state_bytes
-    return min(requested, (SMEM_STAGE_MAX_BYTES - 1024) // chunk_bytes)
+    return min(requested, tile_v // BULK_CHUNK_ROWS, (SMEM_STAGE_MAX_BYTES - 1024) // chunk_bytes)
 
 
 # --------------------------------------------------------------------------------------------------
