@@ -60,6 +60,13 @@ def t1(B, dtype=torch.bfloat16):
     return bp.ours_fn(x, H, out)
 
 
+def copy(B, dtype=torch.bfloat16):
+    """The copy roofline's kernel for the bytes a T=1 step at B moves (the state read and written)."""
+    import _timing
+
+    return _timing.copy_roofline(2 * B * H * 128 * 128 * dtype.itemsize)
+
+
 CASES = {
     "ucache512": lambda: ucache(512, 0),
     "ucache512f": lambda: ucache(512, 100),
@@ -69,6 +76,9 @@ CASES = {
     "generic512": lambda: generic(512),
     "generic8": lambda: generic(8),
     "t1_512": lambda: t1(512),
+    "t1_256": lambda: t1(256),
+    "t1_1024": lambda: t1(1024),
+    "copy_256": lambda: copy(256),
 }
 
 

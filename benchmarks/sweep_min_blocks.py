@@ -33,13 +33,19 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--iterations", type=int, default=50)
     p.add_argument("--json", default=None)
+    p.add_argument("--only", nargs="+", default=None, help="case names of POINTS (plus t1_256, t1_1024) to run")
+    p.add_argument("--floors", type=int, nargs="+", default=None, help="floors to try instead of each case's")
     args = p.parse_args(argv)
     from kda_cute import _launch, decode_t1, recurrent, ucache
 
     mods = dict(decode_t1=decode_t1, recurrent=recurrent, ucache=ucache)
     timer = _timing.KernelTimer()
     records = []
-    for case, mod_name, floors in POINTS:
+    points = POINTS + (("t1_256", "decode_t1", (0, 8)), ("t1_1024", "decode_t1", (0, 8)))
+    for case, mod_name, floors in points:
+        if (args.only is None and case in ("t1_256", "t1_1024")) or (args.only and case not in args.only):
+            continue
+        floors = args.floors or floors
         mod = mods[mod_name]
         fn = ncu_cases.CASES[case]()
         for floor in floors:
