@@ -105,7 +105,7 @@ class DecodeT1Config:
 # not swept in fp32, so the row starts at 3072 states (B=256 at H=12).
 # Bulk ring, H200 session 4, same method (benchmarks/results/t1_bulk_ring_{h200,depths_h200,fp32_h200,small_bf16_h200}
 # .json; us, register path of the same tile / bulk ring of depth 8, same run): bf16 B=48 10.8 / 10.3, B=64 14.7 /
-# 11.6, B=128 29.1 / 28.3, B=256 56.6 / 56.3, B=512 110.3 / 107.9, B=1024 220.6 / 211.9 (depths 4/6/12 within 1%,
+# 11.6, B=128 29.1 / 28.3, B=256 56.6 / 56.3, B=512 110.3 / 107.9, B=1024 220.6 / 211.9 (depths 4/6/12 within 2%,
 # 2 and 16 slower); below 384 states it loses (B=32 6.9 / 7.9, B=16 5.3 / 7.1). fp32 against the previous rows:
 # B=32 16.2 (tile 64) / 10.2, B=64 32.7 / 24.9, B=128 61.0 / 54.9, B=256 107.1 / 105.8, B=512 209.8 / 207.8,
 # B=1024 414.5 / 411.2; B=16 8.5 / 8.9 keeps tile 64 (the 192..384 boundary is the midpoint, not measured). The
