@@ -9,16 +9,8 @@
 # Output: $OUT/tune.log (everything) and $OUT/tune.json ({"profile": ..., "sweep": [...records]}); default
 # OUT=./gpu_out. A failing stage is logged and the later stages still run; the exit status says whether any failed.
 set -uo pipefail
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-py=${PYTHON:-python3}
-parts=$(mktemp -d)
-exec > >(tee -a "$OUT/tune.log") 2>&1
-
-source "$(dirname "$0")/timebox.sh"  # run NAME SECONDS CMD..., $status
-
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader || true
-git log -1 --format='commit %H %s' 2>/dev/null || true
+source "$(dirname "$0")/timebox.sh"  # OUT, py, parts, start_log, run NAME SECONDS CMD..., $status
+start_log tune.log
 
 tests=packages/kda-cute/tests
 run tests 30 "$py" -m pytest -q -ra -m gpu -p no:cacheprovider \

@@ -217,22 +217,31 @@ def test_odd_row_strides_and_padded_pool_match_oracle(make_case):
     _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
 
 
-# (entry, packed-row padding, seed of the captured case, first seed of the replayed ones)
-@pytest.mark.parametrize("entry, row_pad, seed, fresh_seed", [("unpacked", 0, 17, 100), ("packed", 8, 37, 200)])
-def test_cuda_graph_replay_follows_changed_inputs_and_indices(entry, row_pad, seed, fresh_seed, make_case):
-    decode = _decode_packed if entry == "packed" else _decode
-    case = make_case(16, 12, n_slots=40, row_pad=row_pad, seed=seed)
-    out = torch.empty(16, 1, 12, 128, dtype=torch.bfloat16, device="cuda")
-    decode(case, output=out)  # load the module before capture
+def _captured(decode, case, out):
+    """A CUDA graph of one decode call of ``case`` into ``out`` (the module is loaded by an eager call first)."""
+    decode(case, output=out)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         decode(case, output=out)
+    return graph
+
+
+def _load_step(case, fresh):
+    """Copy a fresh step's GEMM rows and slot indices into the captured case's buffers."""
+    case.mixed_qkv.copy_(fresh.mixed_qkv)
+    case.raw_gate.copy_(fresh.raw_gate)
+    case.raw_beta.copy_(fresh.raw_beta)
+    case.slots.copy_(fresh.slots)
+
+
+# (entry, packed-row padding, seed of the captured case, first seed of the replayed ones)
+@pytest.mark.parametrize("entry, row_pad, seed, fresh_seed", [("unpacked", 0, 17, 100), ("packed", 8, 37, 200)])
+def test_cuda_graph_replay_follows_changed_inputs_and_indices(entry, row_pad, seed, fresh_seed, make_case):
+    case = make_case(16, 12, n_slots=40, row_pad=row_pad, seed=seed)
+    out = torch.empty(16, 1, 12, 128, dtype=torch.bfloat16, device="cuda")
+    graph = _captured(_decode_packed if entry == "packed" else _decode, case, out)
     for step in range(3):
-        fresh = make_case(16, 12, n_slots=40, row_pad=row_pad, seed=fresh_seed + step)
-        case.mixed_qkv.copy_(fresh.mixed_qkv)
-        case.raw_gate.copy_(fresh.raw_gate)
-        case.raw_beta.copy_(fresh.raw_beta)
-        case.slots.copy_(fresh.slots)
+        _load_step(case, make_case(16, 12, n_slots=40, row_pad=row_pad, seed=fresh_seed + step))
         ref_out, ref_pool = case.oracle()
         graph.replay()
         torch.cuda.synchronize()
@@ -421,17 +430,10 @@ def test_bulk_ring_cuda_graph_replay_follows_changed_inputs_and_indices(monkeypa
     monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 4)
     case = make_case(16, 12, n_slots=40, seed=47)
     out = torch.empty(16, 1, 12, 128, dtype=torch.bfloat16, device="cuda")
-    _decode_packed(case, output=out)  # load the module before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _decode_packed(case, output=out)
+    graph = _captured(_decode_packed, case, out)
     for step in range(3):
         slots, inactive = _bulk_slots(16, 40, seed=300 + step)
-        fresh = make_case(16, 12, n_slots=40, slots=slots, seed=300 + step)
-        case.mixed_qkv.copy_(fresh.mixed_qkv)
-        case.raw_gate.copy_(fresh.raw_gate)
-        case.raw_beta.copy_(fresh.raw_beta)
-        case.slots.copy_(fresh.slots)
+        _load_step(case, make_case(16, 12, n_slots=40, slots=slots, seed=300 + step))
         before = case.pool.clone()
         ref_out, ref_pool = case.oracle()
         graph.replay()
