@@ -45,8 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--cache-hint", choices=["auto", "stream", "global"], nargs="+", default=["auto"],
                    help="cache operators of the state's loads/stores (auto = the schedule's); several make a sweep")
     p.add_argument("--bulk-ring", type=int, nargs="+", default=[-1],
-                   help="bulk-ring depth in 8-row chunks (-1 = the schedule's, 0 = off, 2-16; only the aligned "
-                        "tile-128 variant has one, elsewhere it reads as 0); several make a sweep")
+                   help="bulk-ring depth in 8-row chunks (-1 = the schedule's, 0 = off, 2-16; only aligned variants of "
+                        "tiles 32-128 have one, elsewhere it reads as 0); several make a sweep")
     p.add_argument("--cold-l2", action="store_true", help="flush the L2 (256 MiB write) before every iteration")
     p.add_argument("--no-fla", action="store_true", help="skip FLA (e.g. fla-core missing)")
     p.add_argument("--eager-calls", type=int, default=200, help="calls for the eager wall-time figure (0 = skip)")

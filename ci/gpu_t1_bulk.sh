@@ -3,7 +3,7 @@
 # inactive slots -1 / N / INT_MIN, rows not addressed untouched, every gate, packed entry, graph replay), then the
 # sweep against the copy roofline in the same process (FLA skipped): bf16 B=256/512/1024 and fp32 B=512 over ring
 # depths 0 (the register path: the table's tile-128 row) / 2 / 4 / 8. Every point is checked against the oracle
-# before it is timed. No H200 run yet: a hang (an mbarrier that never completes) is cut by the stage's timeout.
+# before it is timed. Each stage is time-boxed: a hang (an mbarrier that never completes) costs only that stage.
 # Run from the repository root after `source .gpu*/setup.sh`. Output: $OUT/bulk.log and $OUT/t1_bulk.json (the
 # bench records, `bulk_ring` in each); default OUT=./gpu_out. A failing stage is logged and the later stages still
 # run; the exit status says whether any failed.

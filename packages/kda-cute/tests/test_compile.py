@@ -48,8 +48,8 @@ def _variants():
                  dict(tile_v=32, smem_stage=True), dict(tile_v=128, rows_in_flight=16, cache_hint="global"),
                  dict(tile_v=8, aligned=False)):
         out.append({**base, **flag, "packed": True})
-    # Bulk ring (aligned tile 128 only): both pool dtypes at three depths (fp32 16 is capped at 11 by shared memory),
-    # every gate, and the packed wrapper around it.
+    # Bulk ring (aligned variants), tile 128: both pool dtypes at three depths (fp32 16 is capped at 11 by shared
+    # memory), every gate, and the packed wrapper around it.
     for sd, ring in itertools.product((torch.bfloat16, torch.float32), (2, 8, 16)):
         out.append({**base, "state_dtype": sd, "tile_v": 128, "bulk_ring": ring})
     for gate in GateMode:
