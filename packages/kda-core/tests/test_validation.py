@@ -719,3 +719,143 @@ def test_precomputed_gate_does_not_check_ignored_gate_tensors():
     assert t1(a).gate_mode is GateMode.PRECOMPUTED
     r = _with(rec_args(), use_gate_in_kernel=False, A_log="unused", dt_bias=torch.zeros(2, 2))
     assert rec(r).gate_mode is GateMode.PRECOMPUTED
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Re-validation (the launchers' hot path): the facts of the memo key plus the rules a compiled wrapper cannot check.
+# On CPU tensors the device floor is lowered and the full validators take device_kind="any", as a CUDA call would.
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    import functools
+
+    monkeypatch.setattr(V, "_LAUNCH_DEVICE_MIN", -1)
+    for name in ("validate_decode_t1", "validate_packed_decode_t1"):
+        monkeypatch.setattr(V, name, functools.partial(getattr(V, name), device_kind="any"))
+
+
+def _reval_packed(a):
+    a = dict(a)
+    a.pop("device_kind", None)
+    return V.revalidate_packed_decode_t1(
+        a["mixed_qkv"], a["raw_gate"], a["raw_beta"], a["state_pool"], a["slot_indices"], a["num_heads"],
+        a["A_log"], a["dt_bias"], a.get("lower_bound"), a.get("use_gate_in_kernel", True), a.get("beta_is_logit", True),
+        a.get("scale"), a.get("output"))
+
+
+def _reval_t1(a):
+    return V.revalidate_decode_t1(
+        a["q"], a["k"], a["v"], a["g"], a["beta"], a["state_pool"], a["slot_indices"], a["A_log"], a["dt_bias"],
+        a.get("lower_bound"), a.get("use_gate_in_kernel", True), a.get("beta_is_logit", True), a.get("scale"),
+        a.get("output"))
+
+
+def test_cpu_tensors_miss_the_hot_path_and_get_the_full_validators_device_error():
+    a = packed_args()
+    packed(a)  # described with device_kind="any"; the launch floor still refuses the CPU tensor
+    _raises(lambda: _reval_packed(a), "mixed_qkv", "a CUDA tensor")
+    _raises(lambda: _reval_t1(t1_args()), "q", "a CUDA tensor")
+
+
+def test_revalidation_returns_the_full_validators_description(on_cpu):
+    a = packed_args(B=4, pad=8)
+    assert _reval_packed(a) is packed(a)
+    b = t1_args(B=4)
+    b["output"] = torch.zeros(4, 1, H, D, dtype=BF16)
+    assert _reval_t1(b) is t1(b)
+    # Every fact of the key is read: a changed one is another description, exactly the full validator's.
+    shifted = _with(a, raw_gate=torch.zeros(4 * H * D + 1, dtype=BF16)[1:].view(4, H * D))
+    assert not _reval_packed(shifted).aligned and _reval_packed(shifted) is packed(shifted)
+    assert _reval_packed(_with(a, lower_bound=-2.0)).lower_bound == -2.0
+    assert _reval_packed(_with(a, scale=0.5)).scale == 0.5
+    assert _reval_packed(_with(a, beta_is_logit=False)).beta_is_logit is False
+    assert _reval_packed(_with(a, state_pool=torch.zeros(8, H, D, D))).state_dtype is F32
+    pre = _with(a, use_gate_in_kernel=False, raw_gate=torch.zeros(4, H * D), raw_beta=torch.zeros(4, H))
+    assert _reval_packed(pre) is packed(pre) and _reval_packed(pre).g_dtype is F32
+    shifted_out = _with(b, output=torch.zeros(4 * H * D + 1, dtype=BF16)[1:].view(4, 1, H, D))
+    assert not _reval_t1(shifted_out).aligned and _reval_t1(b).aligned
+
+
+def test_a_described_call_is_not_validated_again(on_cpu, monkeypatch):
+    a, b = packed_args(B=5), t1_args(B=5)
+    first_packed, first_t1 = _reval_packed(a), _reval_t1(b)
+
+    def full(*args, **kw):
+        raise AssertionError("the full validator ran on a described call")
+
+    monkeypatch.setattr(V, "validate_packed_decode_t1", full)
+    monkeypatch.setattr(V, "validate_decode_t1", full)
+    assert _reval_packed(packed_args(B=5)) is first_packed  # new tensors, the same facts
+    assert _reval_t1(t1_args(B=5)) is first_t1
+
+
+# Rules a compiled wrapper cannot check: broken after a good call of the same facts, the full validator names them.
+REVALIDATED_RULES = [
+    ("num_heads", lambda a: a.update(num_heads=7), "num_heads", "a head count"),
+    ("mixed_qkv width", lambda a: a.update(mixed_qkv=torch.zeros(3, 2 * H * D, dtype=BF16)), "mixed_qkv", "shape"),
+    ("mixed_qkv overlap", lambda a: a.update(
+        mixed_qkv=torch.zeros(6 * H * D, dtype=BF16).as_strided((3, 3 * H * D), (H * D, 1))), "mixed_qkv",
+     "row stride >="),
+    ("raw_gate width", lambda a: a.update(raw_gate=torch.zeros(3, H * 64, dtype=BF16)), "raw_gate", "shape"),
+    ("raw_gate overlap", lambda a: a.update(
+        raw_gate=torch.zeros(2 * H * D, dtype=BF16).as_strided((3, H * D), (8, 1))), "raw_gate", "row stride >="),
+    ("pool heads", lambda a: a.update(state_pool=torch.zeros(8, 8, D, D, dtype=BF16)), "state_pool", "shape"),
+    ("pool row stride", lambda a: a.update(state_pool=_padded_rows((8, H, D, D), BF16, H * D * D + 4)),
+     "state_pool", "multiple of"),
+    ("slots contiguous", lambda a: a.update(slot_indices=torch.zeros(6, dtype=I32)[::2]), "slot_indices",
+     "contiguous"),
+    ("dt_bias size", lambda a: a.update(dt_bias=torch.zeros(100)), "dt_bias", "shape"),
+    ("dt_bias 2-D contiguous", lambda a: a.update(dt_bias=torch.zeros(D, H).t()), "dt_bias", "contiguous"),
+    ("dt_bias missing", lambda a: a.update(dt_bias=None), "dt_bias", "fp32 tensor"),
+    ("lower_bound", lambda a: a.update(lower_bound=0.5), "lower_bound", "negative"),
+    ("scale", lambda a: a.update(scale=-1.0), "scale", "positive"),
+    ("flag", lambda a: a.update(beta_is_logit=1), "beta_is_logit", "a bool"),
+    ("not a tensor", lambda a: a.update(raw_gate=[1, 2]), "raw_gate", "a torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize("mutate, argument, fragment", [r[1:] for r in REVALIDATED_RULES],
+                         ids=[r[0] for r in REVALIDATED_RULES])
+def test_revalidation_checks_what_the_wrapper_cannot(on_cpu, mutate, argument, fragment):
+    a = packed_args()
+    _reval_packed(a)  # the good call: its facts are now described
+    mutate(a)
+    _raises(lambda: _reval_packed(a), argument, fragment)
+
+
+def test_an_empty_batch_is_always_fully_validated(on_cpu, monkeypatch):
+    a = packed_args(B=0)
+    assert _reval_packed(a).B == 0
+    calls = []
+    monkeypatch.setattr(V, "validate_packed_decode_t1", lambda *x, **kw: calls.append(1))
+    _reval_packed(a)
+    assert calls == [1]  # no compiled wrapper runs for B == 0, so nothing is left to one
+
+
+def test_recurrent_revalidation_returns_only_t1_eligible_cuda_descriptions(on_cpu):
+    a = rec_args(B=3)
+    args = [a.get(n) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "scale", "initial_state")]
+    args += [False, True, True, -5.0, True, None, a["ssm_state_indices"], None, None]
+    rec(a)
+    assert V.revalidate_recurrent_t1(*args) is None  # described, but on the CPU: not T=1 eligible
+    assert V.revalidate_recurrent_t1(*args[:14], torch.zeros(4, dtype=I32), *args[15:]) is None  # varlen
+    assert V.revalidate_recurrent_t1(*args[:9], True, *args[10:]) is None  # output_final_state
+    assert V.revalidate_recurrent_t1(*args[:3], [1], *args[4:]) is None  # a failing read
+
+
+def test_recurrent_revalidation_finds_a_cuda_description_by_its_facts(on_cpu, monkeypatch):
+    import dataclasses
+
+    a = rec_args(B=3)
+    args = [a.get(n) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "scale", "initial_state")]
+    args += [False, True, True, -5.0, True, None, a["ssm_state_indices"], None, None]
+    call = rec(a)
+    # Store the description a CUDA call with these facts gets (the key's last fact is on_cuda).
+    key = next(k for k, v in V._MEMO.items() if v is call)
+    cuda_call = dataclasses.replace(call, on_cuda=True, t1_eligible=True)
+    monkeypatch.setitem(V._MEMO, (*key[:-1], True), cuda_call)
+    assert V.revalidate_recurrent_t1(*args) is cuda_call
+    assert V.revalidate_recurrent_t1(*args[:10], False, *args[11:]) is None  # another key (no in-kernel norm)
+    bad_slots = torch.zeros(6, dtype=I32)[::2]
+    assert V.revalidate_recurrent_t1(*args[:15], bad_slots, *args[16:]) is None  # a rule the wrapper cannot check

@@ -442,3 +442,68 @@ def test_bulk_ring_cuda_graph_replay_follows_changed_inputs_and_indices(monkeypa
         untouched = sorted(set(range(40)) - {s for s in slots if 0 <= s < 40})
         assert torch.equal(case.pool[untouched], before[untouched])
         _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+# Wrapper-checked rules: after a good call has described its facts, kda-core's re-validation reads only what the
+# compiled TVM-FFI wrapper cannot check and the wrapper checks the rest before launch. One broken argument of each
+# kind the wrapper owns must still get the full validator's KDAError naming it, with nothing written.
+def _unpacked_entry(case, out, **over):
+    from kda_cute import kda_decode_t1
+
+    args = dict(q=case.q, k=case.k, v=case.v, g=case.g, beta=case.beta, state_pool=case.pool,
+                slot_indices=case.slots, **case.kwargs(), output=out)
+    args.update(over)
+    return kda_decode_t1(**args)
+
+
+def _packed_entry(case, out, **over):
+    from kda_cute import kda_decode_t1_packed
+
+    args = dict(mixed_qkv=case.mixed_qkv, raw_gate=case.raw_gate, raw_beta=case.raw_beta, state_pool=case.pool,
+                slot_indices=case.slots, num_heads=case.raw_beta.shape[1], **case.kwargs(), output=out)
+    args.update(over)
+    return kda_decode_t1_packed(**args)
+
+
+WRAPPER_CHECKED = [  # (entry, argument, how to break it)
+    ("unpacked", "q", lambda c: c.q[..., :64]),
+    ("unpacked", "k", lambda c: c.k.float()),
+    ("unpacked", "v", lambda c: c.v[:2]),
+    ("unpacked", "beta", lambda c: c.beta[..., :4]),
+    ("unpacked", "k", lambda c: c.k.cpu()),
+    ("packed", "mixed_qkv", lambda c: c.mixed_qkv.float()),
+    ("packed", "raw_beta", lambda c: c.raw_beta[:, :4]),
+    ("packed", "raw_beta", lambda c: c.raw_beta[:2]),
+    ("packed", "state_pool", lambda c: c.pool.transpose(2, 3)),
+    ("packed", "slot_indices", lambda c: c.slots.long()),
+    ("packed", "slot_indices", lambda c: c.slots[:2]),
+    ("packed", "A_log", lambda c: None),
+    ("packed", "A_log", lambda c: c.A_log.half()),
+    ("packed", "A_log", lambda c: c.A_log[:4]),
+    ("packed", "dt_bias", lambda c: c.dt_bias.half()),
+    ("packed", "output", lambda c: torch.zeros(3, 1, 12, 128, device="cuda")),
+    ("packed", "output", lambda c: torch.zeros(3, 1, 12, 128, dtype=torch.bfloat16, device="cuda")[..., :64]),
+    ("packed", "output", lambda c: torch.zeros(3, 1, 8, 128, dtype=torch.bfloat16, device="cuda")),
+]
+
+
+@pytest.mark.parametrize("entry, argument, bad", WRAPPER_CHECKED,
+                         ids=[f"{e}-{a}-{i}" for i, (e, a, _) in enumerate(WRAPPER_CHECKED)])
+def test_wrapper_checked_argument_after_a_good_call_raises_kdaerror_and_writes_nothing(entry, argument, bad,
+                                                                                        make_case):
+    from kda_core.errors import KDAError
+
+    call = _packed_entry if entry == "packed" else _unpacked_entry
+    case = make_case(3, 12, n_slots=4, slots=[0, 2, 3])
+    out = torch.empty(3, 1, 12, 128, dtype=torch.bfloat16, device="cuda")
+    call(case, out)  # the good call: its facts are now described, so the next one takes the hot path
+    torch.cuda.synchronize()
+    pool_before, out_before = case.pool.clone(), out.clone()
+    broken = bad(case)
+    with pytest.raises(KDAError, match=rf"^{argument}: expected"):
+        if argument == "output":
+            call(case, broken)
+        else:
+            call(case, out, **{argument: broken})
+    torch.cuda.synchronize()
+    assert torch.equal(case.pool, pool_before) and torch.equal(out, out_before)

@@ -194,9 +194,12 @@ class _Compiled:
     def __init__(self, key):
         self.key = key
         self.calls = []
+        self.reject = None  # an exception to raise, as the compiled TVM-FFI wrapper does for an argument it rejects
 
     def __call__(self, *args):
         self.calls.append(args)
+        if self.reject is not None:
+            raise self.reject
 
 
 @pytest.fixture
@@ -328,3 +331,53 @@ def test_a_changed_bulk_ring_hook_is_honoured_on_the_next_call(host_path, make_c
         fn.calls.clear()
     assert launched == [0, 4, 8, 4]
     assert len(host_path) == 3  # a value seen before reuses its launch
+
+
+# The public entries on CPU tensors: the launch device floor lowered and the full validators taking any device, so
+# that the hot path (kda-core's re-validation, then the compiled function) runs as on a GPU.
+
+
+@pytest.fixture
+def entries_on_cpu(host_path, monkeypatch):
+    import functools
+
+    from kda_core import validation
+    from kda_cute import decode_t1
+
+    monkeypatch.setattr(validation, "_LAUNCH_DEVICE_MIN", -1)
+    for name in ("validate_decode_t1", "validate_packed_decode_t1"):
+        full = functools.partial(getattr(validation, name), device_kind="any")
+        monkeypatch.setattr(validation, name, full)
+        monkeypatch.setattr(decode_t1, name, full)
+    return host_path
+
+
+def _packed_entry(case, **over):
+    from kda_cute import kda_decode_t1_packed
+
+    kw = {**case.kwargs(), **over}
+    return kda_decode_t1_packed(case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, case.slots,
+                                num_heads=case.raw_beta.shape[1], **kw)
+
+
+def _unpacked_entry(case, **over):
+    from kda_cute import kda_decode_t1
+
+    kw = {**case.kwargs(), **over}
+    return kda_decode_t1(case.q, case.k, case.v, case.g, case.beta, case.pool, case.slots, **kw)
+
+
+@pytest.mark.parametrize("entry", [_packed_entry, _unpacked_entry], ids=["packed", "unpacked"])
+def test_a_wrapper_rejection_runs_the_full_validator_which_names_the_argument(entries_on_cpu, make_case, entry):
+    case = make_case(3, 12, device="cpu")
+    entry(case)  # described and launched
+    (fn,) = entries_on_cpu
+    fn.reject = ValueError("Mismatched Tensor on argument #3, expected dtype=float32")  # what the wrapper says
+    with pytest.raises(KDAError, match="^A_log: expected"):
+        entry(case, A_log=case.A_log.half())  # a fact only the wrapper checks on the hot path
+    assert len(fn.calls) == 2  # the broken call took the hot path to the wrapper
+    with pytest.raises(ValueError, match="^Mismatched Tensor"):  # a rejection the validator cannot explain
+        entry(case)  # is not swallowed
+    fn.reject = None
+    entry(case)
+    assert len(fn.calls) == 4 and len(entries_on_cpu) == 1

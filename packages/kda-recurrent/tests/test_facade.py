@@ -193,3 +193,44 @@ def test_gpu_t1_call_with_a_given_output_allocates_nothing():
     assert o is out and after == before
     o_ref, _ = recurrent_kda_ref(**ref)
     torch.testing.assert_close(out, o_ref, **tol(BF16))
+
+
+# The facade's hot path: a T=1 call whose facts kda-core described before is re-validated from what the T=1 kernel's
+# compiled wrapper cannot check, and the wrapper checks the rest before launch. A broken argument the wrapper owns
+# still gets the full validator's KDAError (nothing written); a legal call the wrapper refuses takes its full route.
+FACADE_WRAPPER_CHECKED = [
+    ("k", lambda kw: kw["k"].float()),
+    ("v", lambda kw: kw["v"][:2]),
+    ("beta", lambda kw: kw["beta"][..., :4]),
+    ("A_log", lambda kw: kw["A_log"].half()),
+    ("ssm_state_indices", lambda kw: kw["ssm_state_indices"].long()),
+    ("initial_state", lambda kw: kw["initial_state"].transpose(2, 3)),
+    ("output", lambda kw: torch.zeros(kw["v"].shape, device="cuda")),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("argument, bad", FACADE_WRAPPER_CHECKED, ids=[a for a, _ in FACADE_WRAPPER_CHECKED])
+def test_gpu_wrapper_checked_argument_after_a_good_call_raises_kdaerror_and_writes_nothing(argument, bad):
+    from kda_core.errors import KDAError
+
+    kw = make_call("cuda", B=4, N=16)
+    kw["output"] = torch.empty(kw["v"].shape, dtype=BF16, device="cuda")
+    recurrent_kda(**kw)  # described: the next call with these facts takes the hot path
+    torch.cuda.synchronize()
+    pool_before, out_before = kw["initial_state"].clone(), kw["output"].clone()
+    with pytest.raises(KDAError, match=rf"^{argument}: expected"):
+        recurrent_kda(**{**kw, argument: bad(kw)})
+    torch.cuda.synchronize()
+    assert torch.equal(kw["initial_state"], pool_before) and torch.equal(kw["output"], out_before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_a_legal_call_the_t1_wrapper_refuses_takes_its_full_route():
+    kw = make_call("cuda", B=4, N=16)
+    recurrent_kda(**copy_call(kw))  # described as a T=1 pool call
+    spec = {**kw, "ssm_state_indices": kw["ssm_state_indices"].view(4, 1)}  # 2-D slots, T=1: spec decode
+    assert explain(**spec).path is Path.GENERIC
+    check_against_oracle(spec, exact=False)

@@ -350,3 +350,54 @@ FACADE_ARGS = [
     ("use_gate_in_kernel", False), ("lower_bound", None), ("beta_is_logit", False), ("cu_seqlens", None),
     ("ssm_state_indices", None), ("num_accepted_tokens", None), ("output", None),
 ]
+
+
+@pytest.fixture
+def hot_path(kernels, as_if_cuda, monkeypatch):
+    """The facade's re-validation as on a GPU: a call described before comes back without the full validator
+    (counted in ``validations``); ``reject`` makes the T=1 entry raise as its compiled wrapper does."""
+    state = dict(described=None, validations=0, reject=None)
+    full, t1 = facade._validate, kernels.t1
+
+    def validate(*args):
+        state["validations"] += 1
+        state["described"] = full(*args)
+        return state["described"]
+
+    def t1_entry(*args):
+        if state["reject"] is not None:
+            kernels.paths.append("rejected")
+            raise state["reject"]
+        return t1(*args)
+
+    monkeypatch.setattr(facade, "_validate", validate)
+    monkeypatch.setattr(facade, "_revalidate", lambda *args: state["described"])
+    monkeypatch.setattr(facade, "_t1_kernel", t1_entry)
+    return state
+
+
+def test_a_described_t1_call_launches_without_the_full_validator(kernels, hot_path):
+    kw = make_call()
+    assert_matches_oracle(kw)
+    assert_matches_oracle(kw)
+    assert kernels.paths == [Path.T1, Path.T1] and hot_path["validations"] == 1
+
+
+def test_a_wrapper_rejection_on_the_hot_path_gets_the_full_validators_error(kernels, hot_path):
+    kw = make_call()
+    recurrent_kda(**clone_call(kw))
+    hot_path["reject"] = ValueError("Mismatched Tensor on argument #5, expected dtype=float32")
+    with pytest.raises(KDAError, match="^A_log: expected"):
+        recurrent_kda(**{**clone_call(kw), "A_log": kw["A_log"].half()})
+    assert kernels.paths == [Path.T1, "rejected"] and hot_path["validations"] == 2
+    with pytest.raises(ValueError, match="^Mismatched Tensor"):  # the full path launches T=1 again: not swallowed
+        recurrent_kda(**clone_call(kw))
+    assert kernels.paths[2:] == ["rejected", "rejected"]
+
+
+def test_the_kill_switch_holds_on_the_hot_path(kernels, hot_path, monkeypatch):
+    kw = make_call()
+    recurrent_kda(**clone_call(kw))
+    monkeypatch.setenv("KDA_T1_FAST_PATH", "0")
+    assert_matches_oracle(kw)
+    assert kernels.paths == [Path.T1, Path.GENERIC]

@@ -63,6 +63,9 @@ __all__ = [
     "validate_packed_decode_t1",
     "validate_recurrent",
     "validate_ucache",
+    "revalidate_decode_t1",
+    "revalidate_packed_decode_t1",
+    "revalidate_recurrent_t1",
     "debug_checks_enabled",
     "debug_check_slots",
     "debug_check_ucache_cursors",
@@ -631,6 +634,131 @@ def validate_packed_decode_t1(
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Re-validation of a call whose facts were described before: the launchers' hot path
+#
+# A serving loop repeats a few call shapes, and on the H200's host each tensor fact read from Python costs 60-175 ns:
+# the full validators above read about 36 of them per T=1 call (5-7 us). The ``revalidate_*`` functions read only
+#   (a) the facts of the full validator's memo key (B, H, N, the dtypes and flags that pick a kernel variant, the
+#       gate scalars, the alignment bits of every pointer and stride), and
+#   (b) the rules a kernel's compiled TVM-FFI wrapper cannot check: widths tied to H (the packed rows, dt_bias),
+#       row strides that must not overlap (packed rows; pool rows >= one row and a multiple of 8), contiguous slot
+#       indices, and the first tensor on a CUDA device,
+# and return the full validator's description when it has described these facts before; on a new key (or when a
+# read fails: not a tensor, wrong rank) they run the full validator, which remembers the description or raises.
+#
+# The contract with the caller (kda-cute's T=1 launchers, the facade's T=1 path): every other rule of the full
+# validator is checked in C, before launch, by the compiled wrapper the caller then calls with these tensors:
+# each argument is a tensor of the variant's ndim and dtype on a CUDA device, all on one device index; static dims
+# and strides hold (head dims 128, contiguous last dims, the pool's compact inner strides); dims shared between
+# arguments agree (B, H, N); the aligned variant's pointers are 16-byte aligned. When the wrapper rejects an
+# argument (ValueError or TypeError, raised before anything launches) the caller runs the full validator, which
+# raises the KDAError naming it. kda-cute's GPU tests (test_decode_t1.py, "wrapper-checked") pass one broken
+# argument of each such kind after a good call of the same facts and expect that KDAError with the pool untouched.
+
+_REVALIDATE_MISS = (AttributeError, TypeError, IndexError, KeyError)  # a read that fails: the full validator says why
+_LAUNCH_DEVICE_MIN = 0
+"""The lowest device index the re-validators accept for the first tensor (CUDA: >= 0). Only
+``benchmarks/profile_t1_host.py --device cpu`` sets -1, to time the host path on CPU tensors."""
+
+
+def _t1_recheck_tail(B, H, state_pool, slot_indices, dt_bias, lower_bound, use_gate_in_kernel, scale, output, acc):
+    """(b)-rules and key facts shared by the T=1 re-validators after the activations: (N, state dtype, lower bound
+    as remembered, scale, alignment bits, has output), or None when a rule the wrapper cannot check is broken (the
+    full validator then raises it)."""
+    ps = state_pool.shape
+    if B < 1 or ps[1] != H:  # B == 0 launches nothing, so no wrapper would check the rest
+        return None
+    if ps[0] > 1:
+        pst = state_pool.stride()
+        if pst[0] < H * _HEAD_ELEMS or pst[0] % POOL_ROW_STRIDE_MULTIPLE:
+            return None
+    if B > 1 and slot_indices.stride()[0] != 1:
+        return None
+    acc |= state_pool.data_ptr()
+    lb = None
+    if use_gate_in_kernel:
+        ds = dt_bias.shape
+        if ds != (H * HEAD_DIM,) and (ds != (H, HEAD_DIM) or not dt_bias.is_contiguous()):
+            return None
+        acc |= dt_bias.data_ptr()
+        if lower_bound is not None and (type(lower_bound) is not float or not -_INF < lower_bound < 0.0):
+            return None
+        lb = lower_bound
+    if scale is None:
+        scale = _DEFAULT_SCALE[HEAD_DIM]
+    elif type(scale) is not float or not 0.0 < scale < _INF:
+        return None
+    if output is not None:
+        so = output.stride()
+        acc |= output.data_ptr() | ((so[0] if B > 1 else 0) | so[2]) * 2  # H > 1 on the T=1 path
+    return ps[0], state_pool.dtype, lb, scale, acc & 15, output is not None
+
+
+def revalidate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound, use_gate_in_kernel,
+                         beta_is_logit, scale, output) -> DecodeT1Call:
+    """:func:`validate_decode_t1` (device_kind "cuda") for a launcher whose compiled wrapper checks the rest; see the
+    contract above. Positional arguments, in the entry's order."""
+    try:
+        if ((use_gate_in_kernel is True or use_gate_in_kernel is False)
+                and (beta_is_logit is True or beta_is_logit is False) and q.get_device() >= _LAUNCH_DEVICE_MIN):
+            shape = q.shape
+            B = shape[0]
+            H = shape[2]
+            sq, sk, sv, sg = q.stride(), k.stride(), v.stride(), g.stride()
+            g_dtype = g.dtype
+            bf16_steps = ((sq[0] | sk[0] | sv[0]) if B > 1 else 0) | sq[2] | sk[2] | sv[2]  # H > 1 on this path
+            g_steps = (sg[0] if B > 1 else 0) | sg[2]
+            acc = (q.data_ptr() | k.data_ptr() | v.data_ptr() | g.data_ptr() | bf16_steps * 2
+                   | g_steps * (4 if g_dtype is _F32 else 2))
+            tail = _t1_recheck_tail(B, H, state_pool, slot_indices, dt_bias, lower_bound, use_gate_in_kernel, scale,
+                                    output, acc)
+            if tail is not None:
+                N, state_dtype, lb, sc, bits, has_output = tail
+                call = _MEMO.get(("t1", B, H, N, state_dtype, g_dtype, beta.dtype, use_gate_in_kernel, lb,
+                                  beta_is_logit, sc, bits, False, has_output))
+                if call is not None:
+                    return call
+    except _REVALIDATE_MISS:
+        pass
+    return validate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log=A_log, dt_bias=dt_bias,
+                              lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
+                              beta_is_logit=beta_is_logit, scale=scale, output=output)
+
+
+def revalidate_packed_decode_t1(mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, num_heads, A_log, dt_bias,
+                                lower_bound, use_gate_in_kernel, beta_is_logit, scale, output) -> DecodeT1Call:
+    """:func:`validate_packed_decode_t1` (device_kind "cuda") for a launcher whose compiled wrapper checks the rest;
+    see the contract above. Positional arguments, in the entry's order."""
+    H = num_heads
+    try:
+        if (type(H) is int and H in _T1_HEADS and (use_gate_in_kernel is True or use_gate_in_kernel is False)
+                and (beta_is_logit is True or beta_is_logit is False) and mixed_qkv.get_device() >= _LAUNCH_DEVICE_MIN):
+            row = H * HEAD_DIM
+            shape = mixed_qkv.shape
+            B = shape[0]
+            sm, sr = mixed_qkv.stride(), raw_gate.stride()
+            if shape[1] == 3 * row and raw_gate.shape[1] == row and (B < 2 or (sm[0] >= 3 * row and sr[0] >= row)):
+                g_dtype = raw_gate.dtype
+                acc = mixed_qkv.data_ptr() | raw_gate.data_ptr()
+                if B > 1:
+                    acc |= sm[0] * 2 | sr[0] * (4 if g_dtype is _F32 else 2)
+                tail = _t1_recheck_tail(B, H, state_pool, slot_indices, dt_bias, lower_bound, use_gate_in_kernel,
+                                        scale, output, acc)
+                if tail is not None:
+                    N, state_dtype, lb, sc, bits, has_output = tail
+                    call = _MEMO.get(("t1", B, H, N, state_dtype, g_dtype, raw_beta.dtype, use_gate_in_kernel, lb,
+                                      beta_is_logit, sc, bits, True, has_output))
+                    if call is not None:
+                        return call
+    except _REVALIDATE_MISS:
+        pass
+    return validate_packed_decode_t1(mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, num_heads=num_heads,
+                                     A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                     use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit, scale=scale,
+                                     output=output)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Multi-token recurrence (the facade's contract)
 
 
@@ -823,6 +951,42 @@ def validate_recurrent(
             t1_reason=reason or _T1_OK[aligned],
         ))
     return call
+
+
+def revalidate_recurrent_t1(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                            use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
+                            ssm_state_indices, num_accepted_tokens, output) -> RecurrentCall | None:
+    """The remembered :func:`validate_recurrent` description of a T=1-eligible CUDA call whose facts it described
+    before, read as the T=1 re-validators do (see the contract above them), or None: then the caller runs the full
+    validator. Only for a caller that launches the T=1 kernel on the result; any other route needs the full one.
+    """
+    try:
+        if (cu_seqlens is None and num_accepted_tokens is None and output_final_state is False
+                and ssm_state_indices is not None and initial_state is not None
+                and (use_qk_l2norm_in_kernel is True or use_qk_l2norm_in_kernel is False)
+                and (use_gate_in_kernel is True or use_gate_in_kernel is False)
+                and (beta_is_logit is True or beta_is_logit is False) and q.get_device() >= _LAUNCH_DEVICE_MIN):
+            shape = q.shape
+            B, T, H, K = shape
+            act = q.dtype
+            sq, sk, sv, sg = q.stride(), k.stride(), v.stride(), g.stride()
+            g_dtype = g.dtype
+            steps = ((sq[0] | sk[0] | sv[0]) if B > 1 else 0) | sq[2] | sk[2] | sv[2]  # T == 1, H == HV > 1
+            g_steps = (sg[0] if B > 1 else 0) | sg[2]
+            acc = (q.data_ptr() | k.data_ptr() | v.data_ptr() | g.data_ptr() | steps * _ELEM_BYTES[act]
+                   | g_steps * _ELEM_BYTES[g_dtype])
+            tail = _t1_recheck_tail(B, H, initial_state, ssm_state_indices, dt_bias, lower_bound, use_gate_in_kernel,
+                                    scale, output, acc)
+            if tail is not None:
+                N, state_dtype, lb, sc, bits, _ = tail
+                call = _MEMO.get(("recurrent", "pool", B, T, B, H, H, K, N, False, use_gate_in_kernel, lb,
+                                  beta_is_logit, use_qk_l2norm_in_kernel, False, state_dtype, act, g_dtype,
+                                  beta.dtype, sc, bits, True))
+                if call is not None and call.t1_eligible:
+                    return call
+    except _REVALIDATE_MISS + (ValueError,):  # ValueError: q is not 4-D
+        pass
+    return None
 
 
 _T1_OK = {

@@ -39,7 +39,12 @@ from cutlass import Float32, Int64, const_expr
 from kda_core import knobs
 from kda_core.contracts import HEAD_DIM, GateMode
 from kda_core.errors import fail
-from kda_core.validation import validate_decode_t1, validate_packed_decode_t1
+from kda_core.validation import (
+    revalidate_decode_t1,
+    revalidate_packed_decode_t1,
+    validate_decode_t1,
+    validate_packed_decode_t1,
+)
 
 from . import _lane_math, _launch
 
@@ -663,10 +668,15 @@ def kda_decode_t1(
 
         out = kda_decode_t1(q, k, v, g, beta, pool, slots, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
     """
-    call = validate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log=A_log, dt_bias=dt_bias,
-                              lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
-                              beta_is_logit=beta_is_logit, scale=scale, output=output)
-    return _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, use_qk_l2norm_in_kernel, output)
+    call = revalidate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound,
+                                use_gate_in_kernel, beta_is_logit, scale, output)
+    try:
+        return _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, use_qk_l2norm_in_kernel, output)
+    except WRAPPER_REJECTED:  # nothing launched: the full validator names the argument (kda-core's contract)
+        validate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log=A_log, dt_bias=dt_bias,
+                           lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
+                           beta_is_logit=beta_is_logit, scale=scale, output=output)
+        raise
 
 
 def kda_decode_t1_packed(
@@ -691,13 +701,25 @@ def kda_decode_t1_packed(
     mixed_qkv [B, 3*H*128] laid out [q heads | k heads | v heads]; raw_gate [B, H*128]; raw_beta [B, H]; row
     strides may exceed the row. Other arguments as :func:`kda_decode_t1`; returns output [B, 1, H, 128].
     """
-    call = validate_packed_decode_t1(
-        mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, num_heads=num_heads, A_log=A_log, dt_bias=dt_bias,
-        lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit, scale=scale,
-        output=output,
-    )
-    return _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias,
-                       use_qk_l2norm_in_kernel, output)
+    call = revalidate_packed_decode_t1(mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, num_heads, A_log,
+                                       dt_bias, lower_bound, use_gate_in_kernel, beta_is_logit, scale, output)
+    try:
+        return _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias,
+                           use_qk_l2norm_in_kernel, output)
+    except WRAPPER_REJECTED:  # as in kda_decode_t1
+        validate_packed_decode_t1(
+            mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, num_heads=num_heads, A_log=A_log,
+            dt_bias=dt_bias, lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
+            beta_is_logit=beta_is_logit, scale=scale, output=output,
+        )
+        raise
+
+
+# What the compiled TVM-FFI wrapper raises when it rejects an argument (type, ndim, dtype, device, a static or shared
+# dim or stride, the aligned variant's pointer alignment), before anything launches. The entries validate with
+# kda-core's ``revalidate_*`` (the facts the wrapper cannot check) and, on this, run the full validator for the
+# KDAError naming the argument; the facade does the same on its T=1 path.
+WRAPPER_REJECTED = (ValueError, TypeError)
 
 
 # Per-call launch memo. Key: (id of the validated call description, packed, l2norm, device index, the parsed

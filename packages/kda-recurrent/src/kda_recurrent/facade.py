@@ -31,7 +31,7 @@ import torch
 
 from kda_core import knobs
 from kda_core.oracle import recurrent_kda_ref
-from kda_core.validation import validate_recurrent
+from kda_core.validation import revalidate_recurrent_t1, validate_recurrent
 
 __all__ = ["recurrent_kda", "explain", "Path", "Route"]
 
@@ -139,6 +139,10 @@ def _warn_oracle_once(reason: str) -> None:
 # kda-core's validator takes the facade's arguments in the facade's order, so it is called positionally and without
 # a wrapper frame (a keyword call through a wrapper cost ~0.4 us). Tests replace this module attribute.
 _validate = validate_recurrent
+_revalidate = revalidate_recurrent_t1
+# What kda-cute's compiled T=1 wrapper raises when it rejects an argument before launch (decode_t1.WRAPPER_REJECTED,
+# spelled out here so that this module imports no kernel module).
+_WRAPPER_REJECTED = (ValueError, TypeError)
 
 
 def recurrent_kda(
@@ -240,7 +244,22 @@ def recurrent_kda(
 def _run_eager(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens,
                output):
-    """Validate, route, run. Returns (o, final_state) as :func:`recurrent_kda` documents."""
+    """Validate, route, run. Returns (o, final_state) as :func:`recurrent_kda` documents.
+
+    Hot path first: a T=1 call whose facts kda-core has described before is re-validated from the facts the T=1
+    kernel's compiled wrapper cannot check (``revalidate_recurrent_t1``; the wrapper checks the rest before launch)
+    and launched. When the wrapper rejects an argument nothing has run, and the full path below validates (raising
+    the KDAError that names it) and routes the call.
+    """
+    call = _revalidate(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                       use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
+                       ssm_state_indices, num_accepted_tokens, output)
+    if call is not None and knobs.get("KDA_T1_FAST_PATH") and (t1 := _t1()) is not None:
+        try:
+            return (t1(call, q, k, v, g, beta, initial_state, ssm_state_indices, A_log, dt_bias,
+                       use_qk_l2norm_in_kernel, output), initial_state)
+        except _WRAPPER_REJECTED:
+            pass
     call = _validate(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                      use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
                      ssm_state_indices, num_accepted_tokens, output)
