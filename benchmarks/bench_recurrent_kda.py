@@ -125,7 +125,8 @@ def bench_overhead(args, timer, fla_fwd):
     rec["facade_target_met"] = rec["facade_us"] <= 15.0
     rec["route_target_met"] = rec["route_us"] <= 2.0
     print(f"overhead: path={rec['path']} facade {rec['facade_us']:.1f} us (target 15), validate "
-          f"{rec['validate_us']:.1f} us (hot path: revalidate {rec['revalidate_us']:.1f} us), route {rec['route_us']:.2f} us (target 2), T=1 launch "
+          f"{rec['validate_us']:.1f} us (hot path: revalidate {rec['revalidate_us']:.1f} us), route "
+          f"{rec['route_us']:.2f} us (target 2), T=1 launch "
           f"{rec.get('t1_launch_us', float('nan')):.1f} us, FLA eager {rec.get('fla_eager_us', float('nan')):.1f} us")
     return [rec]
 

@@ -3,7 +3,10 @@
 Each row is the wall time per call of many back-to-back calls with one sync at the end, so on a GPU it is the host
 cost whenever it exceeds the ~2.4 us kernel. Rows, then a split of each entry point into its parts:
 
-- validation: kda-core's ``validate_packed_decode_t1`` / ``validate_decode_t1`` / ``validate_recurrent``;
+- validation: kda-core's full validators ``validate_packed_decode_t1`` / ``validate_decode_t1`` /
+  ``validate_recurrent`` (a call shape's first call), and the re-validators the entries call on every later one
+  (``revalidate_packed_decode_t1`` / ``revalidate_decode_t1`` / ``revalidate_recurrent_t1``: the facts the compiled
+  wrapper cannot check); the split below counts the re-validators;
 - facade routing: ``facade._route`` on the validated call (the knob read included);
 - launch glue + compiled call: decode_t1's ``_run_packed`` / ``_run`` on a validated call (launch memo lookup, then
   the compiled function);
@@ -14,9 +17,10 @@ cost whenever it exceeds the ~2.4 us kernel. Rows, then a split of each entry po
   facade, T=1 fast path); ``torch.mul(out=)`` as a yardstick of torch's own per-op cost.
 
 ``--device cpu`` runs without a GPU: the validators take ``device_kind="any"``, the compile step is replaced by a
-Python no-op (so "launch glue" is the memo lookup and argument handling plus one Python call), the public entries'
-validators are wrapped to accept CPU tensors, and the facade sees its validated call marked as a CUDA call. The
-wrappers' own cost is printed as a row; the CPU figures are for comparing host-path changes on one machine, the
+Python no-op (so "launch glue" is the memo lookup and argument handling plus one Python call), the re-validators'
+launch device floor is lowered to accept CPU tensors (``validation._LAUNCH_DEVICE_MIN``), and the facade sees its
+call as a described CUDA call (a stand-in after the real re-validation reads). The stand-in's own cost is printed as
+a row; the CPU figures are for comparing host-path changes on one machine, the
 GPU figures are the ones the targets (issue 3: 12 us packed; issue 4: 15 us facade) are about.
 
     python benchmarks/profile_t1_host.py [--calls 2000] [--heads 12] [--json PATH]   # on the GPU host

@@ -22,6 +22,10 @@ Policies written down here:
   not told apart: neither launches a kernel).
 - Descriptions are immutable and remembered by the facts they are made of, so a repeated call returns the same
   object (see ``_MEMO``).
+- The launchers' hot path re-validates a call whose facts were described before (``revalidate_*``): it reads the
+  facts of the memo key and the rules a kernel's compiled TVM-FFI wrapper cannot check, and leaves the rest to that
+  wrapper, which checks it in C before launch; on a wrapper rejection the caller runs the full validator for the
+  error. The contract is written down above ``revalidate_decode_t1``.
 - fp32 ``g`` / ``beta`` on the T=1 path belong to the precomputed convention (``use_gate_in_kernel=False``: g is a
   log-space decay, often produced in fp32 by a separate gate kernel); the raw-gate convention takes bf16.
 - With ``use_gate_in_kernel=False`` the gate parameters ``A_log``, ``dt_bias`` and ``lower_bound`` are ignored

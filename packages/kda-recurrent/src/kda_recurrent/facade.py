@@ -13,9 +13,11 @@ Routing (decided per call from tensor metadata only, never from tensor values):
 
 :func:`explain` takes the same arguments and returns the path and the reason without running anything.
 
-Host cost: the hot path is one validation (kda-core's description of the call, remembered by its facts), the
-routing rules on that description, and the T=1 kernel's launch-on-a-validated-call entry (``decode_t1._run``,
-called directly: no second validation, no adapter frame). Kernel modules are imported once (on the first CUDA
+Host cost: a T=1 call whose facts kda-core described before takes the hot path: kda-core's re-validation
+(``revalidate_recurrent_t1``, the facts the T=1 kernel's compiled wrapper cannot check; the wrapper checks the rest
+before launch) and the T=1 kernel's launch-on-a-validated-call entry (``decode_t1._run``, called directly). Any other
+call, and a call the wrapper rejects, takes the full path: one validation (the description is remembered by its
+facts), the routing rules on it, and the chosen entry. Kernel modules are imported once (on the first CUDA
 call) and cached here; nothing is allocated when ``output`` is given.
 Under ``torch.compile`` the call goes through the ``kda::recurrent_kda`` custom op (:mod:`kda_recurrent.ops`),
 whose body is this same eager path.
