@@ -698,6 +698,19 @@ def _t1_recheck_tail(B, H, state_pool, slot_indices, dt_bias, lower_bound, use_g
     return ps[0], state_pool.dtype, lb, scale, acc & 15, output is not None
 
 
+def _t1_remembered(B, H, g_dtype, beta_dtype, is_packed, state_pool, slot_indices, dt_bias, lower_bound,
+                   use_gate_in_kernel, beta_is_logit, scale, output, acc):
+    """The T=1 validators' remembered description of these facts (their memo key, spelled as ``_t1_tail`` spells
+    it), or None: a new key, or a rule of :func:`_t1_recheck_tail` broken."""
+    tail = _t1_recheck_tail(B, H, state_pool, slot_indices, dt_bias, lower_bound, use_gate_in_kernel, scale, output,
+                            acc)
+    if tail is None:
+        return None
+    N, state_dtype, lb, sc, bits, has_output = tail
+    return _MEMO.get(("t1", B, H, N, state_dtype, g_dtype, beta_dtype, use_gate_in_kernel, lb, beta_is_logit, sc, bits,
+                      is_packed, has_output))
+
+
 def revalidate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound, use_gate_in_kernel,
                          beta_is_logit, scale, output) -> DecodeT1Call:
     """:func:`validate_decode_t1` (device_kind "cuda") for a launcher whose compiled wrapper checks the rest; see the
@@ -714,14 +727,10 @@ def revalidate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_b
             g_steps = (sg[0] if B > 1 else 0) | sg[2]
             acc = (q.data_ptr() | k.data_ptr() | v.data_ptr() | g.data_ptr() | bf16_steps * 2
                    | g_steps * (4 if g_dtype is _F32 else 2))
-            tail = _t1_recheck_tail(B, H, state_pool, slot_indices, dt_bias, lower_bound, use_gate_in_kernel, scale,
-                                    output, acc)
-            if tail is not None:
-                N, state_dtype, lb, sc, bits, has_output = tail
-                call = _MEMO.get(("t1", B, H, N, state_dtype, g_dtype, beta.dtype, use_gate_in_kernel, lb,
-                                  beta_is_logit, sc, bits, False, has_output))
-                if call is not None:
-                    return call
+            call = _t1_remembered(B, H, g_dtype, beta.dtype, False, state_pool, slot_indices, dt_bias, lower_bound,
+                                  use_gate_in_kernel, beta_is_logit, scale, output, acc)
+            if call is not None:
+                return call
     except _REVALIDATE_MISS:
         pass
     return validate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log=A_log, dt_bias=dt_bias,
@@ -746,14 +755,10 @@ def revalidate_packed_decode_t1(mixed_qkv, raw_gate, raw_beta, state_pool, slot_
                 acc = mixed_qkv.data_ptr() | raw_gate.data_ptr()
                 if B > 1:
                     acc |= sm[0] * 2 | sr[0] * (4 if g_dtype is _F32 else 2)
-                tail = _t1_recheck_tail(B, H, state_pool, slot_indices, dt_bias, lower_bound, use_gate_in_kernel,
-                                        scale, output, acc)
-                if tail is not None:
-                    N, state_dtype, lb, sc, bits, has_output = tail
-                    call = _MEMO.get(("t1", B, H, N, state_dtype, g_dtype, raw_beta.dtype, use_gate_in_kernel, lb,
-                                      beta_is_logit, sc, bits, True, has_output))
-                    if call is not None:
-                        return call
+                call = _t1_remembered(B, H, g_dtype, raw_beta.dtype, True, state_pool, slot_indices, dt_bias,
+                                      lower_bound, use_gate_in_kernel, beta_is_logit, scale, output, acc)
+                if call is not None:
+                    return call
     except _REVALIDATE_MISS:
         pass
     return validate_packed_decode_t1(mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, num_heads=num_heads,
