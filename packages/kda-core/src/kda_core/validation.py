@@ -70,6 +70,7 @@ __all__ = [
     "revalidate_decode_t1",
     "revalidate_packed_decode_t1",
     "revalidate_recurrent_t1",
+    "WRAPPER_REJECTED",
     "debug_checks_enabled",
     "debug_check_slots",
     "debug_check_ucache_cursors",
@@ -660,6 +661,9 @@ def validate_packed_decode_t1(
 # argument of each such kind after a good call of the same facts and expect that KDAError with the pool untouched.
 
 _REVALIDATE_MISS = (AttributeError, TypeError, IndexError, KeyError)  # a read that fails: the full validator says why
+WRAPPER_REJECTED = (ValueError, TypeError)
+"""What a compiled TVM-FFI wrapper raises when it rejects an argument, before anything launches: the callers of the
+re-validators catch it and run the full validator."""
 _LAUNCH_DEVICE_MIN = 0
 """The lowest device index the re-validators accept for the first tensor (CUDA: >= 0). Only
 ``benchmarks/profile_t1_host.py --device cpu`` sets -1, to time the host path on CPU tensors."""
@@ -698,6 +702,16 @@ def _t1_recheck_tail(B, H, state_pool, slot_indices, dt_bias, lower_bound, use_g
     return ps[0], state_pool.dtype, lb, scale, acc & 15, output is not None
 
 
+def _t1_activation_bits(q, k, v, g, B, g_dtype):
+    """Alignment bits of the T=1 activations q, k, v (bf16) and g: their pointers and the byte strides of the dims
+    a row steps over (batch when B > 1, heads: H > 1 on the T=1 path)."""
+    sq, sk, sv, sg = q.stride(), k.stride(), v.stride(), g.stride()
+    bf16_steps = ((sq[0] | sk[0] | sv[0]) if B > 1 else 0) | sq[2] | sk[2] | sv[2]
+    g_steps = (sg[0] if B > 1 else 0) | sg[2]
+    return (q.data_ptr() | k.data_ptr() | v.data_ptr() | g.data_ptr() | bf16_steps * 2
+            | g_steps * (4 if g_dtype is _F32 else 2))
+
+
 def _t1_remembered(B, H, g_dtype, beta_dtype, is_packed, state_pool, slot_indices, dt_bias, lower_bound,
                    use_gate_in_kernel, beta_is_logit, scale, output, acc):
     """The T=1 validators' remembered description of these facts (their memo key, spelled as ``_t1_tail`` spells
@@ -720,15 +734,10 @@ def revalidate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_b
                 and (beta_is_logit is True or beta_is_logit is False) and q.get_device() >= _LAUNCH_DEVICE_MIN):
             shape = q.shape
             B = shape[0]
-            H = shape[2]
-            sq, sk, sv, sg = q.stride(), k.stride(), v.stride(), g.stride()
             g_dtype = g.dtype
-            bf16_steps = ((sq[0] | sk[0] | sv[0]) if B > 1 else 0) | sq[2] | sk[2] | sv[2]  # H > 1 on this path
-            g_steps = (sg[0] if B > 1 else 0) | sg[2]
-            acc = (q.data_ptr() | k.data_ptr() | v.data_ptr() | g.data_ptr() | bf16_steps * 2
-                   | g_steps * (4 if g_dtype is _F32 else 2))
-            call = _t1_remembered(B, H, g_dtype, beta.dtype, False, state_pool, slot_indices, dt_bias, lower_bound,
-                                  use_gate_in_kernel, beta_is_logit, scale, output, acc)
+            call = _t1_remembered(B, shape[2], g_dtype, beta.dtype, False, state_pool, slot_indices, dt_bias,
+                                  lower_bound, use_gate_in_kernel, beta_is_logit, scale, output,
+                                  _t1_activation_bits(q, k, v, g, B, g_dtype))
             if call is not None:
                 return call
     except _REVALIDATE_MISS:
@@ -975,21 +984,15 @@ def revalidate_recurrent_t1(q, k, v, g, beta, A_log, dt_bias, scale, initial_sta
                 and (use_qk_l2norm_in_kernel is True or use_qk_l2norm_in_kernel is False)
                 and (use_gate_in_kernel is True or use_gate_in_kernel is False)
                 and (beta_is_logit is True or beta_is_logit is False) and q.get_device() >= _LAUNCH_DEVICE_MIN):
-            shape = q.shape
-            B, T, H, K = shape
-            act = q.dtype
-            sq, sk, sv, sg = q.stride(), k.stride(), v.stride(), g.stride()
+            B, T, H, K = q.shape
             g_dtype = g.dtype
-            steps = ((sq[0] | sk[0] | sv[0]) if B > 1 else 0) | sq[2] | sk[2] | sv[2]  # T == 1, H == HV > 1
-            g_steps = (sg[0] if B > 1 else 0) | sg[2]
-            acc = (q.data_ptr() | k.data_ptr() | v.data_ptr() | g.data_ptr() | steps * _ELEM_BYTES[act]
-                   | g_steps * _ELEM_BYTES[g_dtype])
+            # The bits as the T=1 path has them (T == 1, H == HV, bf16 q/k/v): only such a description is returned.
             tail = _t1_recheck_tail(B, H, initial_state, ssm_state_indices, dt_bias, lower_bound, use_gate_in_kernel,
-                                    scale, output, acc)
+                                    scale, output, _t1_activation_bits(q, k, v, g, B, g_dtype))
             if tail is not None:
                 N, state_dtype, lb, sc, bits, _ = tail
                 call = _MEMO.get(("recurrent", "pool", B, T, B, H, H, K, N, False, use_gate_in_kernel, lb,
-                                  beta_is_logit, use_qk_l2norm_in_kernel, False, state_dtype, act, g_dtype,
+                                  beta_is_logit, use_qk_l2norm_in_kernel, False, state_dtype, q.dtype, g_dtype,
                                   beta.dtype, sc, bits, True))
                 if call is not None and call.t1_eligible:
                     return call

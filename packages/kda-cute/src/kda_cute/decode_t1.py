@@ -40,6 +40,7 @@ from kda_core import knobs
 from kda_core.contracts import HEAD_DIM, GateMode
 from kda_core.errors import fail
 from kda_core.validation import (
+    WRAPPER_REJECTED,
     revalidate_decode_t1,
     revalidate_packed_decode_t1,
     validate_decode_t1,
@@ -672,7 +673,8 @@ def kda_decode_t1(
                                 use_gate_in_kernel, beta_is_logit, scale, output)
     try:
         return _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, use_qk_l2norm_in_kernel, output)
-    except WRAPPER_REJECTED:  # nothing launched: the full validator names the argument (kda-core's contract)
+    except WRAPPER_REJECTED:  # the compiled wrapper refused an argument, nothing launched (kda-core's contract):
+        # the full validator names it
         validate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log=A_log, dt_bias=dt_bias,
                            lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
                            beta_is_logit=beta_is_logit, scale=scale, output=output)
@@ -713,13 +715,6 @@ def kda_decode_t1_packed(
             beta_is_logit=beta_is_logit, scale=scale, output=output,
         )
         raise
-
-
-# What the compiled TVM-FFI wrapper raises when it rejects an argument (type, ndim, dtype, device, a static or shared
-# dim or stride, the aligned variant's pointer alignment), before anything launches. The entries validate with
-# kda-core's ``revalidate_*`` (the facts the wrapper cannot check) and, on this, run the full validator for the
-# KDAError naming the argument; the facade does the same on its T=1 path.
-WRAPPER_REJECTED = (ValueError, TypeError)
 
 
 # Per-call launch memo. Key: (id of the validated call description, packed, l2norm, device index, the parsed

@@ -33,7 +33,7 @@ import torch
 
 from kda_core import knobs
 from kda_core.oracle import recurrent_kda_ref
-from kda_core.validation import revalidate_recurrent_t1, validate_recurrent
+from kda_core.validation import WRAPPER_REJECTED, revalidate_recurrent_t1, validate_recurrent
 
 __all__ = ["recurrent_kda", "explain", "Path", "Route"]
 
@@ -142,9 +142,6 @@ def _warn_oracle_once(reason: str) -> None:
 # a wrapper frame (a keyword call through a wrapper cost ~0.4 us). Tests replace this module attribute.
 _validate = validate_recurrent
 _revalidate = revalidate_recurrent_t1
-# What kda-cute's compiled T=1 wrapper raises when it rejects an argument before launch (decode_t1.WRAPPER_REJECTED,
-# spelled out here so that this module imports no kernel module).
-_WRAPPER_REJECTED = (ValueError, TypeError)
 
 
 def recurrent_kda(
@@ -260,7 +257,7 @@ def _run_eager(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_fi
         try:
             return (t1(call, q, k, v, g, beta, initial_state, ssm_state_indices, A_log, dt_bias,
                        use_qk_l2norm_in_kernel, output), initial_state)
-        except _WRAPPER_REJECTED:
+        except WRAPPER_REJECTED:  # the T=1 wrapper refused an argument before launch
             pass
     call = _validate(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                      use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
