@@ -8,7 +8,10 @@ and in-place kernels, CUDA-graph replay, CUPTI:
 - ``piece``: elements one program owns (16384 = a whole bf16 state; 4096 = a quarter of one);
 - ``iters``: how many loads the program runs over its piece, one after the other (piece / iters in flight);
 - ``order``: ``perm`` (the slots a random permutation, as in the benchmarks) or ``linear`` (slot b = b);
-- ``warps``: warps per program.
+- ``warps``: warps per program;
+- ``state*``: one whole state per step, optionally with the activation rows and output row the T=1 kernel also
+  moves (``_io``), items in (head, sequence) order (``_hmajor``), or a persistent grid of N programs per SM walking
+  the items (``_persistN``).
 
     python benchmarks/diag_block_stream.py --batch-size 256 512 --json out.json
 """
@@ -44,6 +47,29 @@ def _block_inplace(ptr, perm, mask, H: tl.constexpr, PIECE: tl.constexpr, ITERS:
     for i in tl.static_range(ITERS):
         p = ptr + base + i * step + offs
         x = tl.load(p)
+        tl.store(p, x ^ mask)
+
+
+@triton.jit
+def _state_inplace(ptr, perm, acts, out, mask, B, n_items, H: tl.constexpr, IO: tl.constexpr, HMAJOR: tl.constexpr):
+    """One whole state per step, items pid, pid + grid, ... (grid = n_items: one item per program). ``IO``: also
+    read the item's q, k, v, g rows (acts [B, 4 * H * 128]) and write its output row (out [B, H, 128]), the bytes
+    the T=1 kernel moves besides the state. ``HMAJOR``: items in (head, sequence) order instead of (sequence, head)."""
+    offs = tl.arange(0, 16384)
+    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        if HMAJOR:
+            b = item % B
+            h = item // B
+        else:
+            b = item // H
+            h = item % H
+        slot = tl.load(perm + b).to(tl.int64)
+        p = ptr + (slot * H + h) * 16384 + offs
+        x = tl.load(p)
+        if IO:
+            rows = tl.arange(0, 4)[:, None] * (H * 128) + tl.arange(0, 128)[None, :]  # q, k, v, g of the item
+            a = tl.load(acts + b.to(tl.int64) * (4 * H * 128) + h * 128 + rows)
+            tl.store(out + (b.to(tl.int64) * H + h) * 128 + tl.arange(0, 128), (tl.sum(a, axis=0) ^ mask).to(tl.int16))
         tl.store(p, x ^ mask)
 
 
@@ -87,6 +113,26 @@ def main(argv=None):
                 print(f"  {name:32s} {us:8.2f} us  {100 * copy / us:5.1f}% of copy", flush=True)
                 records.append(dict(B=B, heads=H, variant=name, piece=piece, iters=iters, warps=warps, order=order,
                                     us=us, copy_us=copy, pct_copy=100 * copy / us, gpu=_timing.gpu_name()))
+        acts = torch.randn(B, 4 * H * 128, device="cuda").to(torch.int16)
+        out = torch.empty(B, H, 128, device="cuda", dtype=torch.int16)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        for io, hmajor, per_sm in [(False, False, 0), (True, False, 0), (False, True, 0), (True, True, 0),
+                                   (False, False, 4), (False, False, 8), (True, False, 8)]:
+            for order, perm in orders.items():
+                grid = (B * H if not per_sm else per_sm * sms,)
+
+                def fn(pool=pool, perm=perm, acts=acts, out=out, io=io, hmajor=hmajor, grid=grid, B=B):
+                    _state_inplace[grid](pool, perm, acts, out, 0, B, B * H, H=H, IO=io, HMAJOR=hmajor, num_warps=4)
+
+                fn()
+                us = _timing.median(timer.time(_timing.graph_of(fn), iterations=args.iterations, warmup=5))
+                name = (f"state{'_io' if io else ''}{'_hmajor' if hmajor else ''}"
+                        f"{f'_persist{per_sm}' if per_sm else ''}_{order}")
+                print(f"  {name:32s} {us:8.2f} us  {100 * copy / us:5.1f}% of copy", flush=True)
+                records.append(dict(B=B, heads=H, variant=name, io=io, hmajor=hmajor, persist_per_sm=per_sm,
+                                    order=order, us=us, copy_us=copy, pct_copy=100 * copy / us,
+                                    gpu=_timing.gpu_name()))
+        acts = out = None
         pool = src = None
         torch.cuda.empty_cache()
     if args.json:
