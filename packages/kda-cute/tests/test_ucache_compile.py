@@ -57,6 +57,19 @@ def test_four_ctas_main_config_fits_its_register_budget_without_spills(min_ctas,
     assert registers <= budget and spills == 0, f"{registers} registers, {spills} bytes of spill traffic"
 
 
+@pytest.mark.parametrize("four_ctas", [True, False], ids=["four_ctas", "r2"])
+def test_four_ctas_prefetches_the_checkpoint_rows_into_l2(four_ctas, tmp_path):
+    # Round 8: the four_ctas layout loads its checkpoint rows after the triangles / phase 2b, so every thread asks
+    # for its rows' L2 lines at the phase-1 barrier (one prefetch.global.L2 each); the round-2 layout loads the rows
+    # into registers before the preamble and needs none.
+    from kda_cute.ucache import build_ucache_kernel
+
+    build_ucache_kernel(12, 8, 16, 128, False, True, "sm_90a", f"--keep-ptx --dump-dir {tmp_path}",
+                        four_ctas=four_ctas)  # fmt: skip
+    (ptx,) = list(tmp_path.glob("*.ptx"))
+    assert ptx.read_text().count("prefetch.global.L2") == (1 if four_ctas else 0)
+
+
 @pytest.mark.parametrize("config", [(12, 8, 16, 64, False, True), (96, 4, 32, 128, True, False),
                                     (8, 8, 32, 128, False, True)], ids=["T8-w16-tv64", "T4-w32-tv128", "T8-w32-tv128"])
 def test_smem_estimate_matches_the_compiled_launch(config):

@@ -160,12 +160,14 @@ def _lane_sums(vals, bits, first_level: int = 0):
     return cur[0]
 
 
-TRI_GROUP = 1
-"""Triangle entries reduced together by :func:`_lane_sums` after their :func:`_pair_sum` (1: each entry's pair is
-one value, then 4 plain butterfly levels: 10 instructions per entry, was 20). Groups of 2 or 4 save 1.5 to 3 more
-per entry, but compiled for sm_90a (80 registers at tile 128) ptxas then spilled a prefetched checkpoint chunk right
-after its load in some configurations (the spill store waits for the DRAM load), and the whole-kernel estimate did
-not improve."""
+TRI_GROUP = 8
+"""Triangle entries reduced together by :func:`_lane_sums` after their :func:`_pair_sum`: 8 = all of a column's
+entries (at most T - 1 = 7) in one transposing butterfly, 4 levels deep whatever their number (a group of 1 is 4
+plain levels per entry, 10 instructions each). Groups used to make ptxas spill a checkpoint chunk prefetched before
+the triangles into registers; the four_ctas layout loads those rows after the triangles and no group size spills at
+64 or 80 registers (sm_90a, T=8 w16 tile 128). H200, session 6, T=8 w16 H=12, us at 0 / 100% folds, groups of 1 /
+8 in one run (benchmarks/results/ucache_r8_tri_group_h200.json): B=64 17.70 / 17.25 and 25.3 / 24.5; B=128 34.1 /
+33.4 and 51.2 / 50.9; B=512 125.1 / 121.6 and 194.8-195.0 / 193.0."""
 
 
 PAIR_ROW = HEAD_DIM + 4
@@ -758,6 +760,16 @@ class UcacheVerifyFlush:
                             ch = 4 * c4 + e
                             cute.autovec_copy(quad, sWK[ch, _fold_group(ch, row_set // 4, row_set % 4, KPAD), None])
             cute.arch.sync_threads()
+            if const_expr(self.four_ctas):
+                # Start the checkpoint rows' DRAM reads now, into L2: the triangle warps (0 .. T/2 - 1) load their rows
+                # only after the triangles, the others after phase 2b, so the rows' latency hides under that work
+                # without holding registers (a register prefetch here spills: 48 bytes at 80 registers, 208 at 64).
+                # Quad position q asks for the 128-byte line q % 2 of the warp row pair's row q // 2. H200, session 6
+                # (benchmarks/results/ucache_r8_l2_rows_h200.json, T=8 w16 H=12, us at 0 / 100% folds, none /
+                # triangle warps / every warp): B=64 17.4 / 17.4 / 17.5 and 24.7 / 24.8 / 24.9; B=128 33.6 / 32.5 /
+                # 32.0 and 51.2 / 50.0 / 48.8; B=512 122.2 / 117.2 / 115.4-115.7 and 194.1 / 185.3 / 181.2-181.5.
+                row_line = gPool[v0 + warp * 16 + g4 + 8 * (q4 // 2), None]
+                cute.arch.prefetch((row_line.iterator + 64 * (q4 % 2)).llvm_ptr, cache_level="L2")
 
             # ---- phase 2a: the T x T triangles and the norms (warps 0 .. T/2 - 1) -------------------------
             # Column r of both triangles is one warp's job (columns r and T-1-r share a warp: equal work); a lane
