@@ -72,6 +72,7 @@ CASES = {
     "ucache512f": lambda: ucache(512, 100),
     "ucache512t64": lambda: ucache(512, 0, 64),
     "ucache64": lambda: ucache(64, 0),
+    "ucache128": lambda: ucache(128, 0),
     "generic64": lambda: generic(64),
     "generic512": lambda: generic(512),
     "generic8": lambda: generic(8),

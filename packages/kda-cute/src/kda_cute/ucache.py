@@ -160,16 +160,6 @@ def _lane_sums(vals, bits, first_level: int = 0):
     return cur[0]
 
 
-TRI_GROUP = 8
-"""Triangle entries reduced together by :func:`_lane_sums` after their :func:`_pair_sum`: 8 = all of a column's
-entries (at most T - 1 = 7) in one transposing butterfly, 4 levels deep whatever their number (a group of 1 is 4
-plain levels per entry, 10 instructions each). Groups used to make ptxas spill a checkpoint chunk prefetched before
-the triangles into registers; the four_ctas layout loads those rows after the triangles and no group size spills at
-64 or 80 registers (sm_90a, T=8 w16 tile 128). H200, session 6, T=8 w16 H=12, us at 0 / 100% folds, groups of 1 /
-8 in one run (benchmarks/results/ucache_r8_tri_group_h200.json): B=64 17.70 / 17.25 and 25.3 / 24.5; B=128 34.1 /
-33.4 and 51.2 / 50.9; B=512 125.1 / 121.6 and 194.8-195.0 / 193.0."""
-
-
 PAIR_ROW = HEAD_DIM + 4
 """Words per row of a bf16-pair operand packed along channels (64 pairs x (hi, lo), + 4): the 16-byte fragment
 reads of a quarter warp (rows r, r + 1 at 4 quad positions 8 words apart) then hit 32 banks."""
@@ -778,55 +768,87 @@ class UcacheVerifyFlush:
             # exp, and no overflow whatever the gate: every g_log <= 0, so cum_s - cum_r <= 0 for s >= r and every
             # factor (and the product) is <= 1 (a ratio exp(cum_s) / exp(cum_r) would overflow for strong decay).
             # The diagonal also gives the norms of k_r and q_r. Entries stay raw (un-normalised k, q): the solve
-            # applies 1/|k| and scale/|q|. The lanes' partial sums are reduced a few values at a time by one
-            # transposing butterfly (_lane_sums: value i lands on lane i, which stores it), not value by value.
-            for r in cutlass.range_constexpr(T):
-                if warp == min(r, T - 1 - r):
+            # applies 1/|k| and scale/|q|. A warp's partial sums (both columns' entries and diagonals) are reduced by
+            # one transposing butterfly (_lane_sums: value i lands on lane i, which stores it), not value by value.
+            # Session 7 (H200, T=8 w16 H=12, us at 0 / 100% folds, two alternations each, one column per pass with
+            # one butterfly per column (round 8) / both columns in one pass, benchmarks/results/ucache_r9_tri_pair_h200
+            # .json): B=64 17.47-17.52 / 16.93-16.99 and 24.83-24.86 / 24.29-24.32; B=128 31.77-31.81 / 31.62-31.82
+            # and 48.62-48.77 / 49.23-49.25; B=512 115.39-115.52 / 114.56-114.72 and 180.89-181.46 / 181.69-181.77.
+            for wt in cutlass.range_constexpr(T // 2):
+                if warp == wt:
+                    # This warp's two columns r1 = wt (T-1-wt entries below the diagonal) and r2 = T-1-wt (wt
+                    # entries) are computed together: rows s past both share their loads, the two running products
+                    # are independent chains, and all T-1 entries plus the two diagonals' six values (|k_r|^2,
+                    # |q_r|^2, k_r . q_r) go through one transposing butterfly.
                     bits = [(lane & (1 << b)) != 0 for b in range(5)]
                     odd = lane % 2
-                    w = cute.make_rmem_tensor((4,), Float32)
-                    q_r = cute.make_rmem_tensor((4,), Float32)
-                    cute.autovec_copy(sK4[r, lane, None], w)
-                    cute.autovec_copy(sQ4[r, lane, None], q_r)
-                    kk = w[0] * w[0]
-                    qq = q_r[0] * q_r[0]
-                    kq = w[0] * q_r[0]
-                    for e in cutlass.range_constexpr(1, 4):
-                        kk = kk + w[e] * w[e]
-                        qq = qq + q_r[e] * q_r[e]
-                        kq = kq + w[e] * q_r[e]
-                    # lane 0: |k_r|^2 -> 1/|k_r|; lane 1: |q_r|^2 -> scale/|q_r|; lane 2: k_r . q_r = Aq[r, r]
-                    tot = _lane_sums([kk, qq, kq], bits)
-                    inv = cute.math.rsqrt(tot + Float32(L2NORM_EPS), fastmath=True)
-                    if lane < 2:
-                        sInv[r + odd * T] = inv * Float32(cutlass.select_(bits[0], scale, Float32(1.0)))
-                    if lane == 2:
-                        sAq[r, r] = tot
-                    # Entries (s, r), s > r, TRI_GROUP at a time. Each lane computes the pair (A, Aq) of an entry as
-                    # (kept, sent) for the first butterfly level: odd lanes read k_s and q_s from swapped planes.
-                    group = []
-                    for s in cutlass.range_constexpr(r + 1, T):
+                    cols = (wt, T - 1 - wt)
+                    ws = []
+                    diag = []
+                    for r in cols:
+                        w = cute.make_rmem_tensor((4,), Float32)
+                        q_r = cute.make_rmem_tensor((4,), Float32)
+                        cute.autovec_copy(sK4[r, lane, None], w)
+                        cute.autovec_copy(sQ4[r, lane, None], q_r)
+                        kk = w[0] * w[0]
+                        qq = q_r[0] * q_r[0]
+                        kq = w[0] * q_r[0]
+                        for e in cutlass.range_constexpr(1, 4):
+                            kk = kk + w[e] * w[e]
+                            qq = qq + q_r[e] * q_r[e]
+                            kq = kq + w[e] * q_r[e]
+                        ws.append(w)
+                        diag.extend([kk, qq, kq])
+                    # Entries (s, r), s > r: each lane computes the pair (A, Aq) of an entry as (kept, sent) for
+                    # the first butterfly level (odd lanes read k_s and q_s from swapped planes).
+                    entry = {}
+                    for s in cutlass.range_constexpr(cols[0] + 1, T):
                         dec = cute.make_rmem_tensor((4,), Float32)
                         x_kept = cute.make_rmem_tensor((4,), Float32)
                         x_sent = cute.make_rmem_tensor((4,), Float32)
                         cute.autovec_copy(sDec4[s, lane, None], dec)
                         cute.autovec_copy(sKQ4[odd, s, lane, None], x_kept)
                         cute.autovec_copy(sKQ4[1 - odd, s, lane, None], x_sent)
-                        for e in cutlass.range_constexpr(4):
-                            w[e] = w[e] * dec[e]
-                        kept = w[0] * x_kept[0]
-                        sent = w[0] * x_sent[0]
-                        for e in cutlass.range_constexpr(1, 4):
-                            kept = kept + w[e] * x_kept[e]
-                            sent = sent + w[e] * x_sent[e]
-                        group.append(_pair_sum(kept, sent))
-                        if const_expr(len(group) == TRI_GROUP or s == T - 1):
-                            # lane 2i + p holds entry (s_first + i, r) of A (p = 0) or Aq (p = 1)
-                            tot = _lane_sums(group, bits, first_level=1)
-                            s_first = s + 1 - len(group)
-                            if lane < 2 * len(group):
-                                sTri[odd * (T * T) + (s_first + lane // 2) * T + r] = tot
-                            group = []
+                        for ci in cutlass.range_constexpr(2):
+                            if const_expr(s > cols[ci]):
+                                w = ws[ci]
+                                for e in cutlass.range_constexpr(4):
+                                    w[e] = w[e] * dec[e]
+                                kept = w[0] * x_kept[0]
+                                sent = w[0] * x_sent[0]
+                                for e in cutlass.range_constexpr(1, 4):
+                                    kept = kept + w[e] * x_kept[e]
+                                    sent = sent + w[e] * x_sent[e]
+                                entry[(ci, s)] = _pair_sum(kept, sent)
+                    # entries of column r1 (s = r1+1 .. T-1), then of column r2, then the diagonals as pairs
+                    # (|k_r1|^2, |q_r1|^2), (k_r1 . q_r1, |k_r2|^2), (|q_r2|^2, k_r2 . q_r2) at level 0
+                    vals = [entry[(ci, s)] for ci in range(2) for s in range(cols[ci] + 1, T)]
+                    for j in cutlass.range_constexpr(3):
+                        a, b = diag[2 * j], diag[2 * j + 1]
+                        kept = Float32(cutlass.select_(bits[0], b, a))
+                        sent = Float32(cutlass.select_(bits[0], a, b))
+                        vals.append(_pair_sum(kept, sent))
+                    # lane 2i + p ends with entry i's A (p = 0) or Aq (p = 1); lanes 2(T-1) .. 2(T-1)+5 with the
+                    # diagonal values in the order above
+                    tot = _lane_sums(vals, bits, first_level=1)
+                    n1 = T - 1 - wt
+                    ent = lane // 2
+                    if lane < 2 * (T - 1):
+                        in1 = ent < n1
+                        s_row = Int32(cutlass.select_(in1, wt + 1 + ent, ent + 1))
+                        r_col = Int32(cutlass.select_(in1, Int32(wt), Int32(T - 1 - wt)))
+                        sTri[odd * (T * T) + s_row * T + r_col] = tot
+                    if lane >= 2 * (T - 1) and lane < 2 * (T - 1) + 6:
+                        d = lane - 2 * (T - 1)
+                        r_col = Int32(cutlass.select_(d >= 3, Int32(T - 1 - wt), Int32(wt)))
+                        kind = d % 3
+                        inv = cute.math.rsqrt(tot + Float32(L2NORM_EPS), fastmath=True)
+                        if kind == 0:
+                            sInv[r_col] = inv
+                        if kind == 1:
+                            sInv[T + r_col] = inv * scale
+                        if kind == 2:
+                            sAq[r_col, r_col] = tot
 
             # ---- phase 2b: M = wk x (MMA; one 8-ring-row tile per warp, on warps past the triangles' ones) -------
             # A verify row never needs S_commit: S_commit x_s = S0 (bdec * x_s) + sum_j u_j (wk_j . x_s) (DESIGN
