@@ -119,6 +119,23 @@ def _prmt(a: Int32, b: Int32, selector: int) -> Int32:
     )
 
 
+def _ld_volatile(ptr, dtype):
+    """One 32-bit global load (``Int32`` or ``Float32``) issued where it is written (``ld.volatile``). ptxas sinks an
+    ordinary load below the first branch whose other side does not use it: the cursors, loaded with the slot, were
+    issued only after the branch on the slot, one DRAM round trip later (SASS, H200 ncu, session 7)."""
+    fp = dtype is Float32
+    res = llvm.inline_asm(
+        ir_types.f32() if fp else ir_types.i32(),
+        [ptr.toint().ir_value()],
+        f"ld.volatile.global.{'f32' if fp else 'b32'} $0, [$1];",
+        "=f,l" if fp else "=r,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return dtype(res)
+
+
 def _row_chunks(tensor: cute.Tensor, row, width: int) -> cute.Tensor:
     """Row ``row`` of a 2-D tensor as (width, n) chunks: ``[None, i]`` is the i-th run of ``width`` elements, whose
     alignment the copy can see (16-byte accesses when the tensor allows them)."""
@@ -500,18 +517,24 @@ class UcacheVerifyFlush:
         pool_rows = mPool.shape[0]
         active = (slot >= 0) & (slot < pool_rows)
         # Loads that do not depend on the slot are issued with it, before the branch on it (every index is in
-        # bounds for an inactive row too): the cursors, and the gate phase's draft inputs. Their latency then
-        # overlaps the slot's instead of following it.
-        hist_in = mHist[bi]
-        base_in = mBase[bi]
+        # bounds for an inactive row too), so that their latency overlaps the slot's instead of following it: the
+        # cursors, the gate phase's draft inputs and constants, the v tile and beta. ptxas sinks a load below that
+        # branch when only the active side uses it, so each one is either volatile (the cursors, A_log, dt_bias: kept
+        # in registers) or stored to shared memory right here (k, q, the raw gate in sDec's slots, v, beta): the
+        # stores wait for the loads, which arrive with the slot.
+        hist_in = _ld_volatile(mHist.iterator + bi, Int32)
+        base_in = _ld_volatile(mBase.iterator + bi, Int32)
         gQ = mQ[bi, None, h, None]
         gK = mK[bi, None, h, None]
         gGate = mG[bi, None, h, None]
+        gV = mV[bi, None, h, None]
         grp = 0
         c = tidx
         if const_expr(NG > 1):
             grp = lane // LG
             c = warp * LG + lane % LG
+        a_log_in = _ld_volatile(mALog.iterator + h, Float32)
+        dt_in = _ld_volatile(mDtBias.iterator + h * K + c, Float32)
         k_raw = cute.make_rmem_tensor((TPT,), Float32)
         q_raw = cute.make_rmem_tensor((TPT,), Float32)
         gate_in = cute.make_rmem_tensor((TPT,), Float32)
@@ -520,6 +543,23 @@ class UcacheVerifyFlush:
             k_raw[i] = gK[t, c].to(Float32)
             q_raw[i] = gQ[t, c].to(Float32)
             gate_in[i] = gGate[t, c].to(Float32)
+        v_in = cute.make_rmem_tensor((T * TV // NT,), mV.element_type)
+        for it in cutlass.range_constexpr(T * TV // NT):
+            task = tidx + it * NT
+            v_in[it] = gV[task // TV, v0 + task % TV]
+        beta_in = Float32(0.0)
+        if tidx < T:
+            beta_in = mBeta[bi, tidx, h].to(Float32)
+        for i in cutlass.range_constexpr(TPT):
+            t = grp * TPT + i
+            sK[t, c] = k_raw[i]
+            sQ[t, c] = q_raw[i]
+            sDec[t, c] = gate_in[i]  # the raw gate; phase 1a reads it back and writes the decay in its place
+        for it in cutlass.range_constexpr(T * TV // NT):
+            task = tidx + it * NT
+            sVin[task // TV, task % TV] = v_in[it]
+        if tidx < T:
+            sBeta[tidx] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-beta_in, fastmath=True))
         if active:
             # Clamp the cursors: a malformed hist_len / cache_base must never index past the shared-memory
             # tiles or the 32-slot ring (legal values are checked by the caller, under KDA_DEBUG_VALIDATE).
@@ -620,8 +660,8 @@ class UcacheVerifyFlush:
             # Thread (token group grp, channel c) owns TPT consecutive draft tokens of one key channel, so the
             # running sum cum_t of the gate stays in registers (one shuffle passes it between token groups).
             # k and q stay raw: their norms come out of the triangle phase and are applied in the solve.
-            rate = cute.math.exp(mALog[h].to(Float32), fastmath=True)
-            dt_c = mDtBias[h * K + c].to(Float32)
+            rate = cute.math.exp(a_log_in, fastmath=True)
+            dt_c = dt_in
             g_last = Float32(0.0)
             if P > 0:
                 g_last = gGR[last_row, c]
@@ -629,7 +669,7 @@ class UcacheVerifyFlush:
             part = Float32(0.0)
             for i in cutlass.range_constexpr(TPT):
                 t = grp * TPT + i
-                x = gate_in[i] + dt_c
+                x = sDec[t, c] + dt_c
                 g_log = Float32(0.0)
                 if const_expr(self.softplus_gate):
                     sp = x
@@ -640,8 +680,6 @@ class UcacheVerifyFlush:
                     # lower_bound * sigmoid(rate * x); 1 + exp(..) >= 1, so the approximate reciprocal is exact
                     # to an ulp and an overflowed exp gives 0, as a division would.
                     g_log = lower_bound * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-rate * x, fastmath=True))
-                sK[t, c] = k_raw[i]
-                sQ[t, c] = q_raw[i]
                 sDec[t, c] = cute.math.exp(g_log, fastmath=True)
                 g_logs[i] = g_log
                 part = part + g_log
@@ -669,8 +707,8 @@ class UcacheVerifyFlush:
                         g_new = g_new + g_last
                     gGR[(base + P + t) & RING, c] = g_new
                 decay = cute.math.exp(cum, fastmath=True)
-                kx = decay * k_raw[i]
-                qx = decay * q_raw[i]
+                kx = decay * sK[t, c]
+                qx = decay * sQ[t, c]
                 # Even lanes pack (kx_c, kx_c+1) into column t, odd lanes (qx_c-1, qx_c) into column T + t:
                 # one shuffle gives each lane its partner's half.
                 recv = cute.arch.shuffle_sync_bfly(Float32(cutlass.select_(even, qx, kx)), offset=1)
@@ -710,16 +748,6 @@ class UcacheVerifyFlush:
                         packed[2 * e] = _prmt(halves[0][e], halves[1][e], 0x5410)
                         packed[2 * e + 1] = _prmt(halves[0][e], halves[1][e], 0x7632)
                     cute.autovec_copy(packed, cute.zipped_divide(sUp[jp, None], (CHUNK,))[None, r8])
-            gV = mV[bi, None, h, None]
-            for it in cutlass.range_constexpr(T * TV // NT):
-                task = tidx + it * NT
-                t = task // TV
-                r = task % TV
-                sVin[t, r] = gV[t, v0 + r]
-            if tidx < T:
-                sBeta[tidx] = Float32(1.0) / (
-                    Float32(1.0) + cute.math.exp(-mBeta[bi, tidx, h].to(Float32), fastmath=True)
-                )
             for it in cutlass.range_constexpr(len(wk_loaded)):
                 task = wk_task(it)
                 if task < wk_tasks:
