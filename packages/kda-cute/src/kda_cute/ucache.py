@@ -661,7 +661,6 @@ class UcacheVerifyFlush:
             # running sum cum_t of the gate stays in registers (one shuffle passes it between token groups).
             # k and q stay raw: their norms come out of the triangle phase and are applied in the solve.
             rate = cute.math.exp(a_log_in, fastmath=True)
-            dt_c = dt_in
             g_last = Float32(0.0)
             if P > 0:
                 g_last = gGR[last_row, c]
@@ -669,7 +668,7 @@ class UcacheVerifyFlush:
             part = Float32(0.0)
             for i in cutlass.range_constexpr(TPT):
                 t = grp * TPT + i
-                x = sDec[t, c] + dt_c
+                x = sDec[t, c] + dt_in
                 g_log = Float32(0.0)
                 if const_expr(self.softplus_gate):
                     sp = x
@@ -730,7 +729,7 @@ class UcacheVerifyFlush:
                         sXu[task // (8 * (K // 4)), task // (K // 4) % 8, task % (K // 4), 2 * odd + 1] = Int32(0)
                         sXb[task // (8 * (K // 4)), task // (K // 4) % 8, task % (K // 4), 2 * odd + 1] = Int32(0)
 
-            # ---- phase 1b: ring rows (u, replay vectors wk), v tile, beta ------------------------------
+            # ---- phase 1b: ring rows (u, replay vectors wk); the v tile and beta were parked at entry ------
             # Only the live rows j < P are loaded: stale rows never enter an arithmetic op. The four_ctas variant
             # issued these loads before phase 1a (ring_loads above), so their latency hid under the gate math.
             if const_expr(not self.four_ctas):
