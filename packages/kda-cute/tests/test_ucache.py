@@ -339,6 +339,14 @@ def test_batch_64_random_is_deterministic():
 # The four_ctas layout (UcacheVerifyFlush, the launcher's default) against the round-2 layout (four_ctas=False): a
 # schedule and shared-memory layout change with the same operations in the same order, so they must agree bit for bit
 # (and with the oracle).
+def assert_bitwise_equal(mine: Step, out: torch.Tensor, other: Step, out_other: torch.Tensor) -> None:
+    """Two kernel builds on copies of one step: the same output, pool and rings, bit for bit (stale NaN rows too)."""
+    assert torch.equal(out, out_other)
+    assert torch.equal(mine.pool, other.pool)
+    for ring in ("k_cache", "u_cache", "g_cache"):
+        assert torch.equal(getattr(mine, ring).nan_to_num(), getattr(other, ring).nan_to_num()), ring
+
+
 FOUR_CTAS_STEPS = {
     "empty-T4": lambda: make_step(8, 4, 12, hist=0, seed=1),
     "full-flush-T8-wrapped": lambda: make_step(8, 8, 12, hist=default_flush_min(8, 16), bases=29, seed=2),
@@ -363,10 +371,7 @@ def test_four_ctas_layout_matches_oracle_and_round2_layout_bitwise(name, tile_v)
     r2 = step.clone()
     out_r2 = run_kernel(r2, tile_v=tile_v, four_ctas=False)
     torch.cuda.synchronize()
-    assert torch.equal(out, out_r2)
-    assert torch.equal(mine.pool, r2.pool)
-    for ring in ("k_cache", "u_cache", "g_cache"):
-        assert torch.equal(getattr(mine, ring).nan_to_num(), getattr(r2, ring).nan_to_num()), ring
+    assert_bitwise_equal(mine, out, r2, out_r2)
 
 
 @pytest.mark.parametrize("name", ["mixed-T8", "full-flush-T8-wrapped", "strong-decay-softplus", "inactive-rows"])
@@ -381,10 +386,7 @@ def test_four_resident_ctas_build_matches_oracle_and_the_small_grid_build_bitwis
     out_small = run_kernel(small, tile_v=128)
     monkeypatch.setattr(ucache, "_FORCE_MIN_BLOCKS", 4)
     mine, _, out, _ = check_against_oracle(step, tile_v=128)
-    assert torch.equal(out, out_small)
-    assert torch.equal(mine.pool, small.pool)
-    for ring in ("k_cache", "u_cache", "g_cache"):
-        assert torch.equal(getattr(mine, ring).nan_to_num(), getattr(small, ring).nan_to_num()), ring
+    assert_bitwise_equal(mine, out, small, out_small)
 
 
 def test_four_ctas_misaligned_pool_matches_oracle():
