@@ -105,6 +105,29 @@ def test_default_cta_floor_by_grid_size():
     assert default_min_ctas(64, 4, 12) == 0  # tile 64 keeps its table entry
 
 
+def test_vector_activation_loads_only_in_the_measured_build(tmp_path):
+    # Round 12: 16-byte loads of the draft inputs and the v tile in the aligned T=8 tile-128 build at 4 CTAs per SM
+    # (64 registers); the 80-register build spilled with them, and T=4, tile 64 and w_ring 32 were not measured.
+    from kda_cute.ucache import UcacheVerifyFlush, build_ucache_kernel
+
+    assert UcacheVerifyFlush(12, 8, 16, 128, False, True, four_ctas=True).vector_activations()
+    assert not UcacheVerifyFlush(12, 8, 16, 128, False, True, four_ctas=True, min_ctas=3).vector_activations()
+    assert not UcacheVerifyFlush(12, 8, 16, 128, False, False, four_ctas=True).vector_activations()
+    assert not UcacheVerifyFlush(12, 4, 16, 128, False, True, four_ctas=True).vector_activations()
+    assert not UcacheVerifyFlush(12, 8, 16, 64, False, True, four_ctas=True).vector_activations()
+    assert not UcacheVerifyFlush(12, 8, 32, 128, False, True, four_ctas=True).vector_activations()
+    counts = []
+    for min_ctas in (0, 3):
+        d = tmp_path / str(min_ctas)
+        d.mkdir()
+        build_ucache_kernel(12, 8, 16, 128, False, True, "sm_90a", f"--keep-ptx --dump-dir {d}", four_ctas=True,
+                            min_ctas=min_ctas)  # fmt: skip
+        (ptx,) = list(d.glob("*.ptx"))
+        counts.append(ptx.read_text().count("st.shared.v4.b32"))
+    # every k, q, gate run is two 16-byte fp32 stores and every v run one: 3 * 2 + 1 more than the scalar build's
+    assert counts[0] >= counts[1] + 7, counts
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cursor_restart_kernel_compiles(arch):
     from kda_cute.ucache import build_restart_kernel

@@ -411,6 +411,18 @@ class UcacheVerifyFlush:
         ctas = _FORCE_MIN_BLOCKS or min(self.min_ctas or table.get(self.tile_v, 0), self.ctas_by_smem())
         return dict(min_blocks_per_mp=ctas, preferred_smem_carveout=100) if ctas else {}
 
+    def vector_activations(self) -> bool:
+        """Park the draft inputs and the v tile with 16-byte loads (8-channel runs, a CTA barrier after them) instead
+        of each gate thread's 2-byte scalars: fewer instructions before the slot branch (kda-core's aligned class
+        covers the activations). Only the build it was measured on and does not spill in: aligned, T=8, tile 128, 4
+        resident CTAs (64 registers). H200, session 7 (benchmarks/results/ucache_r12_vec_act_h200.json, T=8 w16 H=12,
+        us at 0 / 100% folds, two alternations, scalar / vector in every aligned build): B=512 114.1-114.7 /
+        109.7-109.8 and 180.6-180.9 / 175.6-176.1; B=128 31.06-31.10 / 30.72-30.77 and 47.42 / 48.29-48.32; B=64
+        (3 CTAs, 80 registers, where ptxas spilled 12 bytes with it) 16.10-16.19 / 16.86-16.93 and 23.33-23.39 /
+        24.74-24.80."""
+        floor = self.occupancy().get("min_blocks_per_mp", 0)
+        return self.aligned and self.four_ctas and self.t_draft == 8 and self.tile_v == 128 and floor >= 4
+
     @cute.jit
     def store_dots(self, sXY: cute.Tensor, acc: cute.Tensor, warp, q4, g4):
         """sXY[v, s] <- the warp's 2T dot products of phase 2c/2d, from the m16n8 accumulator fragment of its 16 rows
@@ -535,29 +547,59 @@ class UcacheVerifyFlush:
             c = warp * LG + lane % LG
         a_log_in = _ld_volatile(mALog.iterator + h, Float32)
         dt_in = _ld_volatile(mDtBias.iterator + h * K + c, Float32)
-        k_raw = cute.make_rmem_tensor((TPT,), Float32)
-        q_raw = cute.make_rmem_tensor((TPT,), Float32)
-        gate_in = cute.make_rmem_tensor((TPT,), Float32)
-        for i in cutlass.range_constexpr(TPT):
-            t = grp * TPT + i
-            k_raw[i] = gK[t, c].to(Float32)
-            q_raw[i] = gQ[t, c].to(Float32)
-            gate_in[i] = gGate[t, c].to(Float32)
-        v_in = cute.make_rmem_tensor((T * TV // NT,), mV.element_type)
-        for it in cutlass.range_constexpr(T * TV // NT):
-            task = tidx + it * NT
-            v_in[it] = gV[task // TV, v0 + task % TV]
         beta_in = Float32(0.0)
-        if tidx < T:
-            beta_in = mBeta[bi, tidx, h].to(Float32)
-        for i in cutlass.range_constexpr(TPT):
-            t = grp * TPT + i
-            sK[t, c] = k_raw[i]
-            sQ[t, c] = q_raw[i]
-            sDec[t, c] = gate_in[i]  # the raw gate; phase 1a reads it back and writes the decay in its place
-        for it in cutlass.range_constexpr(T * TV // NT):
-            task = tidx + it * NT
-            sVin[task // TV, task % TV] = v_in[it]
+        if const_expr(self.vector_activations()):
+            if tidx < T:
+                beta_in = mBeta[bi, tidx, h].to(Float32)
+            # 16-byte loads of 8-channel runs: k, q, g run (t, c8) on thread (t, c8) (T * 16 of them), the v tile's
+            # runs on the threads from NT/2 on, each stored right after its load (k, q and the raw gate as fp32).
+            runs = T * (K // CHUNK)
+            v_runs = T * (TV // CHUNK)
+            for it in cutlass.range_constexpr((runs + NT - 1) // NT):
+                task = tidx + it * NT
+                if task < runs:
+                    trio = [cute.make_rmem_tensor((CHUNK,), mK.element_type) for _ in range(3)]
+                    for gX, frag in zip((gK, gQ, gGate), trio):
+                        cute.autovec_copy(_row_chunks(gX, task // (K // CHUNK), CHUNK)[None, task % (K // CHUNK)], frag)
+                    for dst, frag in zip((sK, sQ, sDec), trio):
+                        wide = cute.make_rmem_tensor((CHUNK,), Float32)
+                        wide.store(frag.load().to(Float32))
+                        dst_runs = cute.zipped_divide(dst[task // (K // CHUNK), None], (CHUNK,))
+                        cute.autovec_copy(wide, dst_runs[None, task % (K // CHUNK)])
+            for it in cutlass.range_constexpr((v_runs + NT - 1) // NT):
+                task = (tidx + NT // 2) % NT + it * NT
+                if task < v_runs:
+                    frag = cute.make_rmem_tensor((CHUNK,), mV.element_type)
+                    run = tile * (TV // CHUNK) + task % (TV // CHUNK)
+                    cute.autovec_copy(_row_chunks(gV, task // (TV // CHUNK), CHUNK)[None, run], frag)
+                    v_dst = cute.zipped_divide(sVin[task // (TV // CHUNK), None], (CHUNK,))
+                    cute.autovec_copy(frag, v_dst[None, task % (TV // CHUNK)])
+            # phase 1a's threads read other threads' runs
+            cute.arch.sync_threads()
+            t = grp * TPT  # (the scalar path leaves `t` defined here; the DSL wants it typed before the branch)
+        else:
+            k_raw = cute.make_rmem_tensor((TPT,), Float32)
+            q_raw = cute.make_rmem_tensor((TPT,), Float32)
+            gate_in = cute.make_rmem_tensor((TPT,), Float32)
+            for i in cutlass.range_constexpr(TPT):
+                t = grp * TPT + i
+                k_raw[i] = gK[t, c].to(Float32)
+                q_raw[i] = gQ[t, c].to(Float32)
+                gate_in[i] = gGate[t, c].to(Float32)
+            v_in = cute.make_rmem_tensor((T * TV // NT,), mV.element_type)
+            for it in cutlass.range_constexpr(T * TV // NT):
+                task = tidx + it * NT
+                v_in[it] = gV[task // TV, v0 + task % TV]
+            if tidx < T:
+                beta_in = mBeta[bi, tidx, h].to(Float32)
+            for i in cutlass.range_constexpr(TPT):
+                t = grp * TPT + i
+                sK[t, c] = k_raw[i]
+                sQ[t, c] = q_raw[i]
+                sDec[t, c] = gate_in[i]  # the raw gate; phase 1a reads it back and writes the decay in its place
+            for it in cutlass.range_constexpr(T * TV // NT):
+                task = tidx + it * NT
+                sVin[task // TV, task % TV] = v_in[it]
         if tidx < T:
             sBeta[tidx] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-beta_in, fastmath=True))
         if active:
@@ -1091,8 +1133,11 @@ def _fakes(cfg: UcacheVerifyFlush):
     B = _launch.sym_size()
     N = _launch.sym_size()
     H, T, K = cfg.heads, cfg.t_draft, HEAD_DIM
-    act = lambda dt: _launch.fake_tensor(dt, (B, T, H, K), (None, None, None, 1), align_bytes=dt.width // 8)  # noqa: E731
     align = lambda dt: 16 if cfg.aligned else dt.width // 8  # noqa: E731
+    # kda-core's aligned class covers q, k, v, g and the output too; only the build that reads 8-channel runs of them
+    # (UcacheVerifyFlush.vector_activations) declares it
+    act_align = lambda dt: 16 if cfg.vector_activations() else dt.width // 8  # noqa: E731
+    act = lambda dt: _launch.fake_tensor(dt, (B, T, H, K), (None, None, None, 1), align_bytes=act_align(dt))  # noqa: E731
     ring = lambda dt: _launch.fake_tensor(  # noqa: E731
         dt, (N, H, RING_SLOTS, K), (None, RING_SLOTS * K, K, 1), align_bytes=align(dt)
     )
