@@ -71,7 +71,8 @@ def test_four_ctas_prefetches_the_checkpoint_rows_into_l2(four_ctas, tmp_path):
 
 
 @pytest.mark.parametrize("config", [(12, 8, 16, 64, False, True), (96, 4, 32, 128, True, False),
-                                    (8, 8, 32, 128, False, True)], ids=["T8-w16-tv64", "T4-w32-tv128", "T8-w32-tv128"])
+                                    (8, 8, 32, 128, False, True), (12, 8, 16, 128, False, True)],
+                         ids=["T8-w16-tv64", "T4-w32-tv128", "T8-w32-tv128", "T8-w16-tv128"])  # fmt: skip
 def test_smem_estimate_matches_the_compiled_launch(config):
     # The launcher caps the resident-CTA floor (hence the register budget) by UcacheVerifyFlush.ctas_by_smem: its
     # byte count must be the dynamic shared memory the compiled launch asks for (a constant of the host code).
@@ -116,6 +117,9 @@ def test_vector_activation_loads_only_in_the_measured_build(tmp_path):
     assert not UcacheVerifyFlush(12, 4, 16, 128, False, True, four_ctas=True).vector_activations()
     assert not UcacheVerifyFlush(12, 8, 16, 64, False, True, four_ctas=True).vector_activations()
     assert not UcacheVerifyFlush(12, 8, 32, 128, False, True, four_ctas=True).vector_activations()
+    # the same build pads the rows of sK, sQ, sDec (KQ_PAD); the 80-register build spilled with the padding
+    assert UcacheVerifyFlush(12, 8, 16, 128, False, True, four_ctas=True).kq_row() == 132
+    assert UcacheVerifyFlush(12, 8, 16, 128, False, True, four_ctas=True, min_ctas=3).kq_row() == 128
     counts = []
     for min_ctas in (0, 3):
         d = tmp_path / str(min_ctas)

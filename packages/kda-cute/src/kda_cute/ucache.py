@@ -59,6 +59,9 @@ CHUNK = 8
 CHUNKS_PER_THREAD = HEAD_DIM // (ROW_THREADS * CHUNK)  # 4
 L2NORM_EPS = 1e-6
 MMA_K = 16
+KQ_PAD = 4
+"""Words past each row of the raw k, q and gate tiles in shared memory in the vector-activation build
+(:meth:`UcacheVerifyFlush.kq_row`): rows 4 apart (the gate phase's two token groups at T=8) start 16 banks apart."""
 """K extent of one m16n8k16 MMA; HEAD_DIM // MMA_K = 8 steps cover a state row."""
 
 
@@ -380,10 +383,14 @@ class UcacheVerifyFlush:
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA: the kernel's allocations, in its order (each a multiple of 16 bytes).
         test_ucache_compile checks it against the size the compiled launch asks for."""
-        T, K, TV, KPAD = self.t_draft, HEAD_DIM, self.tile_v, self.kpad
+        return self._smem_bytes(self.kq_row())
+
+    def _smem_bytes(self, KQ_ROW: int) -> int:
+        T, TV, KPAD = self.t_draft, self.tile_v, self.kpad
+        K = HEAD_DIM
         words = (
-            2 * T * K,  # sKQ
-            T * K,  # sDec
+            (2 * T - 1) * KQ_ROW + K,  # sKQ (the last row's padding is not allocated)
+            (T - 1) * KQ_ROW + K,  # sDec
             16 * PAIR_ROW,  # sXb
             16 * PAIR_ROW,  # sXu
             (KPAD // 2 - 1) * (TV + 8) + TV,  # sUp
@@ -401,7 +408,8 @@ class UcacheVerifyFlush:
 
     def ctas_by_smem(self) -> int:
         """CTAs per SM that shared memory allows (largest carveout, the per-CTA reserve, 128-byte granules)."""
-        per_cta = -(-(self.smem_bytes() + CTA_SMEM_RESERVED) // 128) * 128
+        # (with the padded rows whichever build: the residency decides which build pads, so not the other way round)
+        per_cta = -(-(self._smem_bytes(HEAD_DIM + KQ_PAD) + CTA_SMEM_RESERVED) // 128) * 128
         return SM_SMEM_BYTES // per_cta
 
     def occupancy(self) -> dict:
@@ -422,6 +430,13 @@ class UcacheVerifyFlush:
         24.74-24.80."""
         floor = self.occupancy().get("min_blocks_per_mp", 0)
         return self.aligned and self.four_ctas and self.t_draft == 8 and self.tile_v == 128 and floor >= 4
+
+    def kq_row(self, padded: bool | None = None) -> int:
+        """Row stride (words) of sK, sQ, sDec: padded by KQ_PAD in the vector-activation build (the 80-register build
+        spilled 8 bytes with the padding, so it keeps 128)."""
+        if padded is None:
+            padded = self.vector_activations()
+        return HEAD_DIM + (KQ_PAD if padded else 0)
 
     @cute.jit
     def store_dots(self, sXY: cute.Tensor, acc: cute.Tensor, warp, q4, g4):
@@ -475,13 +490,21 @@ class UcacheVerifyFlush:
 
         smem = cutlass.memory.SmemAllocator()
         row_major = lambda rows, cols: cute.make_layout((rows, cols), stride=(cols, 1))  # noqa: E731
-        quads = lambda rows: cute.make_layout((rows, K // 4, 4), stride=(K, 4, 1))  # noqa: E731
+        # rows of sK, sQ, sDec: KQ_ROW words (padded in the vector-activation build, see KQ_PAD)
+        KQ_ROW = self.kq_row()
+        quads = lambda rows: cute.make_layout((rows, K // 4, 4), stride=(KQ_ROW, 4, 1))  # noqa: E731
         # raw k (plane 0, normalised in the solve) and raw q (plane 1) as one block: a lane can pick its plane
-        sKQ = smem.allocate_tensor(Float32, cute.make_layout((2, T, K), stride=(T * K, K, 1)), byte_alignment=16)
+        sKQ = smem.allocate_tensor(
+            Float32, cute.make_layout((2, T, K), stride=(T * KQ_ROW, KQ_ROW, 1)), byte_alignment=16
+        )
         sK = sKQ[0, None, None]
         sQ = sKQ[1, None, None]
-        sDec = smem.allocate_tensor(Float32, row_major(T, K), byte_alignment=16)  # per-token decay exp(g_log)
-        sKQ4 = cute.make_tensor(sKQ.iterator, cute.make_layout((2, T, K // 4, 4), stride=(T * K, K, 4, 1)))
+        sDec = smem.allocate_tensor(  # per-token decay exp(g_log)
+            Float32, cute.make_layout((T, K), stride=(KQ_ROW, 1)), byte_alignment=16
+        )
+        sKQ4 = cute.make_tensor(
+            sKQ.iterator, cute.make_layout((2, T, K // 4, 4), stride=(T * KQ_ROW, KQ_ROW, 4, 1))
+        )
         sK4 = cute.make_tensor(sK.iterator, quads(T))
         sQ4 = cute.make_tensor(sQ.iterator, quads(T))
         sDec4 = cute.make_tensor(sDec.iterator, quads(T))
