@@ -256,7 +256,10 @@ rather than 3 (80 registers). H200, T=8 w16 H=12, CUDA-graph replay, us at 0 / 1
 (benchmarks/results/ucache_r3_variants_h200.json, ucache_r4_h200.json): B=8 3 CTAs 5.76 / 6.91, 4 CTAs 5.89 / 7.14;
 B=64 18.0 / 25.3 vs 19.0 / 28.2; B=128 36.1 / 50.0 vs 34.2 / 51.3; B=256 69.3 / 96.4 vs 65.1 / 100.1; B=512 133.7 /
 188.4 vs 125.4 / 195.3. Below B=128 at H=12 the 80-register build wins at both fold rates; from there the two split
-the fold rates (their means are within 0.6%), and 4 CTAs win the no-fold steps."""
+the fold rates (their means are within 0.6%), and 4 CTAs win the no-fold steps. Re-measured after the 4-CTA build's
+rounds 12 and 15 (session 8, benchmarks/results/ucache_r15_min_blocks_h200.json, us, 3 / 4 CTAs at 0 / 100% folds):
+B=64 16.3 / 17.3-17.5 and 23.4 / 26.8, B=96 24.3 / 24.9-25.1 and 35.4 / 38.0-38.1, B=128 31.7 / 30.3-30.4 and
+46.3-46.4 / 47.4: the same split."""
 SM_SMEM_BYTES = 228 * 1024
 """Shared memory of one SM with the largest carveout on sm_90a and sm_100a (H100/H200, B200)."""
 CTA_SMEM_RESERVED = 1024
