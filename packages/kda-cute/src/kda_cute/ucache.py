@@ -411,7 +411,8 @@ class UcacheVerifyFlush:
 
     def ctas_by_smem(self) -> int:
         """CTAs per SM that shared memory allows (largest carveout, the per-CTA reserve, 128-byte granules)."""
-        # (with the padded rows whichever build: the residency decides which build pads, so not the other way round)
+        # Every build is counted with padded rows: the residency decides which build pads, not the reverse. Where a
+        # build does not pad this overcounts by 384 bytes, which changes no residency of the tested configurations.
         per_cta = -(-(self._smem_bytes(HEAD_DIM + KQ_PAD) + CTA_SMEM_RESERVED) // 128) * 128
         return SM_SMEM_BYTES // per_cta
 
@@ -434,12 +435,12 @@ class UcacheVerifyFlush:
         floor = self.occupancy().get("min_blocks_per_mp", 0)
         return self.aligned and self.four_ctas and self.t_draft == 8 and self.tile_v == 128 and floor >= 4
 
-    def kq_row(self, padded: bool | None = None) -> int:
-        """Row stride (words) of sK, sQ, sDec: padded by KQ_PAD in the vector-activation build (the 80-register build
-        spilled 8 bytes with the padding, so it keeps 128)."""
-        if padded is None:
-            padded = self.vector_activations()
-        return HEAD_DIM + (KQ_PAD if padded else 0)
+    def kq_row(self) -> int:
+        """Row stride (words) of sK, sQ, sDec: padded by KQ_PAD in the vector-activation build. H200, session 8
+        (benchmarks/results/ucache_r15_row_pad_h200.json, us at 0% folds, two alternations, 128 / 132): B=128
+        30.08-30.14 / 29.68-29.82, B=512 109.84-110.05 / 108.11-108.26. The 80-register build keeps 128: 4 words made
+        ptxas spill 8 bytes there, and 12 (no spill) was slower (ucache_r17_row_pad_3cta_h200.json)."""
+        return HEAD_DIM + (KQ_PAD if self.vector_activations() else 0)
 
     @cute.jit
     def store_dots(self, sXY: cute.Tensor, acc: cute.Tensor, warp, q4, g4):
