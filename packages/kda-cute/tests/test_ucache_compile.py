@@ -117,7 +117,8 @@ def test_vector_activation_loads_only_in_the_measured_build(tmp_path):
     assert not UcacheVerifyFlush(12, 4, 16, 128, False, True, four_ctas=True).vector_activations()
     assert not UcacheVerifyFlush(12, 8, 16, 64, False, True, four_ctas=True).vector_activations()
     assert not UcacheVerifyFlush(12, 8, 32, 128, False, True, four_ctas=True).vector_activations()
-    # the same build pads the rows of sK, sQ, sDec (KQ_PAD); the 80-register build spilled with the padding
+    # the same build pads the rows of sK, sQ, sDec (KQ_PAD); the 80-register build keeps 128-word rows (4 words of
+    # padding spilled there, 12 did not but were slower: rounds 15 and 17)
     assert UcacheVerifyFlush(12, 8, 16, 128, False, True, four_ctas=True).kq_row() == 132
     assert UcacheVerifyFlush(12, 8, 16, 128, False, True, four_ctas=True, min_ctas=3).kq_row() == 128
     counts = []
