@@ -435,6 +435,16 @@ class UcacheVerifyFlush:
         floor = self.occupancy().get("min_blocks_per_mp", 0)
         return self.aligned and self.four_ctas and self.t_draft == 8 and self.tile_v == 128 and floor >= 4
 
+    def vector_v(self) -> bool:
+        """The 80-register build (aligned, T=8, tile 128, 3 resident CTAs: the grids under FOUR_CTAS_FROM_STATES)
+        keeps the draft inputs' scalar loads but reads the v tile as 16-byte runs. H200, session 9
+        (benchmarks/results/ucache_r19_vec_v_h200.json, T=8 w16 H=12, two alternations, us at 0 / 100% folds, scalar /
+        16-byte v): B=64 16.22-16.35 / 16.06-16.16 and 23.50-23.55 / 23.36-23.45, B=96 23.81-23.90 / 23.39-23.42 and
+        35.66 / 35.49-35.58, B=8 and B=32 within 0.5%. The tile-64 build (B=1) read 4.26 / 4.32 and 4.86 / 4.99 with
+        it, so it keeps the scalars."""
+        floor = self.occupancy().get("min_blocks_per_mp", 0)
+        return self.aligned and self.four_ctas and self.t_draft == 8 and self.tile_v == 128 and floor == 3
+
     def kq_row(self) -> int:
         """Row stride (words) of sK, sQ, sDec: padded by KQ_PAD in the vector-activation build. H200, session 8
         (benchmarks/results/ucache_r15_row_pad_h200.json, us at 0% folds, two alternations, 128 / 132): B=128
@@ -613,10 +623,22 @@ class UcacheVerifyFlush:
                 k_raw[i] = gK[t, c].to(Float32)
                 q_raw[i] = gQ[t, c].to(Float32)
                 gate_in[i] = gGate[t, c].to(Float32)
-            v_in = cute.make_rmem_tensor((T * TV // NT,), mV.element_type)
-            for it in cutlass.range_constexpr(T * TV // NT):
-                task = tidx + it * NT
-                v_in[it] = gV[task // TV, v0 + task % TV]
+            v_runs = T * (TV // CHUNK)
+            vector_v = const_expr(self.vector_v())
+            if const_expr(vector_v):
+                # 16-byte runs of 8 rows of the v tile on the threads from NT/2 on, as in the vector-activation build
+                # (the draft inputs stay scalar here: they spilled at 80 registers, see vector_activations)
+                v_frags = [cute.make_rmem_tensor((CHUNK,), mV.element_type) for _ in range((v_runs + NT - 1) // NT)]
+                for it in cutlass.range_constexpr((v_runs + NT - 1) // NT):
+                    task = (tidx + NT // 2) % NT + it * NT
+                    if task < v_runs:
+                        run = tile * (TV // CHUNK) + task % (TV // CHUNK)
+                        cute.autovec_copy(_row_chunks(gV, task // (TV // CHUNK), CHUNK)[None, run], v_frags[it])
+            else:
+                v_in = cute.make_rmem_tensor((T * TV // NT,), mV.element_type)
+                for it in cutlass.range_constexpr(T * TV // NT):
+                    task = tidx + it * NT
+                    v_in[it] = gV[task // TV, v0 + task % TV]
             if tidx < T:
                 beta_in = mBeta[bi, tidx, h].to(Float32)
             for i in cutlass.range_constexpr(TPT):
@@ -624,9 +646,16 @@ class UcacheVerifyFlush:
                 sK[t, c] = k_raw[i]
                 sQ[t, c] = q_raw[i]
                 sDec[t, c] = gate_in[i]  # the raw gate; phase 1a reads it back and writes the decay in its place
-            for it in cutlass.range_constexpr(T * TV // NT):
-                task = tidx + it * NT
-                sVin[task // TV, task % TV] = v_in[it]
+            if const_expr(vector_v):
+                for it in cutlass.range_constexpr((v_runs + NT - 1) // NT):
+                    task = (tidx + NT // 2) % NT + it * NT
+                    if task < v_runs:
+                        v_dst = cute.zipped_divide(sVin[task // (TV // CHUNK), None], (CHUNK,))
+                        cute.autovec_copy(v_frags[it], v_dst[None, task % (TV // CHUNK)])
+            else:
+                for it in cutlass.range_constexpr(T * TV // NT):
+                    task = tidx + it * NT
+                    sVin[task // TV, task % TV] = v_in[it]
         if tidx < T:
             sBeta[tidx] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-beta_in, fastmath=True))
         if active:
@@ -1165,6 +1194,9 @@ def _fakes(cfg: UcacheVerifyFlush):
     # (UcacheVerifyFlush.vector_activations) declares it
     act_align = lambda dt: 16 if cfg.vector_activations() else dt.width // 8  # noqa: E731
     act = lambda dt: _launch.fake_tensor(dt, (B, T, H, K), (None, None, None, 1), align_bytes=act_align(dt))  # noqa: E731
+    act_v = lambda dt: _launch.fake_tensor(  # noqa: E731
+        dt, (B, T, H, K), (None, None, None, 1), align_bytes=16 if cfg.vector_v() else act_align(dt)
+    )
     ring = lambda dt: _launch.fake_tensor(  # noqa: E731
         dt, (N, H, RING_SLOTS, K), (None, RING_SLOTS * K, K, 1), align_bytes=align(dt)
     )
@@ -1172,7 +1204,7 @@ def _fakes(cfg: UcacheVerifyFlush):
     return (
         act(bf16),  # q
         act(bf16),  # k
-        act(bf16),  # v
+        act_v(bf16),  # v
         act(bf16),  # g
         _launch.fake_tensor(bf16, (B, T, H), (None, None, None), align_bytes=2),  # beta logits
         vec(f32, H),  # A_log
