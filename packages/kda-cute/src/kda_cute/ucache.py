@@ -59,10 +59,10 @@ CHUNK = 8
 CHUNKS_PER_THREAD = HEAD_DIM // (ROW_THREADS * CHUNK)  # 4
 L2NORM_EPS = 1e-6
 MMA_K = 16
+"""K extent of one m16n8k16 MMA; HEAD_DIM // MMA_K = 8 steps cover a state row."""
 KQ_PAD = 4
 """Words past each row of the raw k, q and gate tiles in shared memory in the vector-activation build
 (:meth:`UcacheVerifyFlush.kq_row`): rows 4 apart (the gate phase's two token groups at T=8) start 16 banks apart."""
-"""K extent of one m16n8k16 MMA; HEAD_DIM // MMA_K = 8 steps cover a state row."""
 
 
 def _split_bf16x2(lo: Float32, hi: Float32):
@@ -453,6 +453,40 @@ class UcacheVerifyFlush:
         return HEAD_DIM + (KQ_PAD if self.vector_activations() else 0)
 
     @cute.jit
+    def load_v_runs(self, gV: cute.Tensor, tile, tidx, sVin=None):
+        """The v tile as 16-byte runs of 8 rows, on the threads from NT/2 on (the threads below carry the draft
+        inputs' runs in the vector-activation build). With ``sVin`` each run is stored right after its load;
+        without, the loads are only issued and :meth:`park_v_runs` stores them later."""
+        TV, NT = self.tile_v, self.threads
+        v_runs = self.t_draft * (TV // CHUNK)
+        frags = [cute.make_rmem_tensor((CHUNK,), gV.element_type) for _ in range((v_runs + NT - 1) // NT)]
+        for it in cutlass.range_constexpr(len(frags)):
+            task = (tidx + NT // 2) % NT + it * NT
+            if task < v_runs:
+                run = tile * (TV // CHUNK) + task % (TV // CHUNK)
+                cute.autovec_copy(_row_chunks(gV, task // (TV // CHUNK), CHUNK)[None, run], frags[it])
+                if const_expr(sVin is not None):
+                    self.park_v_run(frags[it], sVin, task)
+        return frags
+
+    @cute.jit
+    def park_v_run(self, frag, sVin: cute.Tensor, task):
+        """sVin <- run ``task`` of :meth:`load_v_runs`."""
+        TV = self.tile_v
+        v_dst = cute.zipped_divide(sVin[task // (TV // CHUNK), None], (CHUNK,))
+        cute.autovec_copy(frag, v_dst[None, task % (TV // CHUNK)])
+
+    @cute.jit
+    def park_v_runs(self, frags, sVin: cute.Tensor, tidx):
+        """sVin <- the runs :meth:`load_v_runs` issued without ``sVin`` (each thread its own)."""
+        TV, NT = self.tile_v, self.threads
+        v_runs = self.t_draft * (TV // CHUNK)
+        for it in cutlass.range_constexpr(len(frags)):
+            task = (tidx + NT // 2) % NT + it * NT
+            if task < v_runs:
+                self.park_v_run(frags[it], sVin, task)
+
+    @cute.jit
     def store_dots(self, sXY: cute.Tensor, acc: cute.Tensor, warp, q4, g4):
         """sXY[v, s] <- the warp's 2T dot products of phase 2c/2d, from the m16n8 accumulator fragment of its 16 rows
         (n-tile nt: rows warp*16 + nt*8 + ..; at T=4 only the first 8 columns exist)."""
@@ -591,7 +625,6 @@ class UcacheVerifyFlush:
             # 16-byte loads of 8-channel runs: k, q, g run (t, c8) on thread (t, c8) (T * 16 of them), the v tile's
             # runs on the threads from NT/2 on, each stored right after its load (k, q and the raw gate as fp32).
             runs = T * (K // CHUNK)
-            v_runs = T * (TV // CHUNK)
             for it in cutlass.range_constexpr((runs + NT - 1) // NT):
                 task = tidx + it * NT
                 if task < runs:
@@ -603,14 +636,7 @@ class UcacheVerifyFlush:
                         wide.store(frag.load().to(Float32))
                         dst_runs = cute.zipped_divide(dst[task // (K // CHUNK), None], (CHUNK,))
                         cute.autovec_copy(wide, dst_runs[None, task % (K // CHUNK)])
-            for it in cutlass.range_constexpr((v_runs + NT - 1) // NT):
-                task = (tidx + NT // 2) % NT + it * NT
-                if task < v_runs:
-                    frag = cute.make_rmem_tensor((CHUNK,), mV.element_type)
-                    run = tile * (TV // CHUNK) + task % (TV // CHUNK)
-                    cute.autovec_copy(_row_chunks(gV, task // (TV // CHUNK), CHUNK)[None, run], frag)
-                    v_dst = cute.zipped_divide(sVin[task // (TV // CHUNK), None], (CHUNK,))
-                    cute.autovec_copy(frag, v_dst[None, task % (TV // CHUNK)])
+            self.load_v_runs(gV, tile, tidx, sVin)
             # phase 1a's threads read other threads' runs
             cute.arch.sync_threads()
             t = grp * TPT  # (the scalar path leaves `t` defined here; the DSL wants it typed before the branch)
@@ -623,17 +649,11 @@ class UcacheVerifyFlush:
                 k_raw[i] = gK[t, c].to(Float32)
                 q_raw[i] = gQ[t, c].to(Float32)
                 gate_in[i] = gGate[t, c].to(Float32)
-            v_runs = T * (TV // CHUNK)
             vector_v = const_expr(self.vector_v())
             if const_expr(vector_v):
-                # 16-byte runs of 8 rows of the v tile on the threads from NT/2 on, as in the vector-activation build
-                # (the draft inputs stay scalar here: they spilled at 80 registers, see vector_activations)
-                v_frags = [cute.make_rmem_tensor((CHUNK,), mV.element_type) for _ in range((v_runs + NT - 1) // NT)]
-                for it in cutlass.range_constexpr((v_runs + NT - 1) // NT):
-                    task = (tidx + NT // 2) % NT + it * NT
-                    if task < v_runs:
-                        run = tile * (TV // CHUNK) + task % (TV // CHUNK)
-                        cute.autovec_copy(_row_chunks(gV, task // (TV // CHUNK), CHUNK)[None, run], v_frags[it])
+                # the v tile as 16-byte runs, as in the vector-activation build (the draft inputs stay scalar here:
+                # they spilled at 80 registers, see vector_activations); stored after the scalars below
+                v_frags = self.load_v_runs(gV, tile, tidx)
             else:
                 v_in = cute.make_rmem_tensor((T * TV // NT,), mV.element_type)
                 for it in cutlass.range_constexpr(T * TV // NT):
@@ -647,11 +667,8 @@ class UcacheVerifyFlush:
                 sQ[t, c] = q_raw[i]
                 sDec[t, c] = gate_in[i]  # the raw gate; phase 1a reads it back and writes the decay in its place
             if const_expr(vector_v):
-                for it in cutlass.range_constexpr((v_runs + NT - 1) // NT):
-                    task = (tidx + NT // 2) % NT + it * NT
-                    if task < v_runs:
-                        v_dst = cute.zipped_divide(sVin[task // (TV // CHUNK), None], (CHUNK,))
-                        cute.autovec_copy(v_frags[it], v_dst[None, task % (TV // CHUNK)])
+                self.park_v_runs(v_frags, sVin, tidx)
+                task = tidx  # (the other paths leave `task` defined here; the DSL wants it typed before the branch)
             else:
                 for it in cutlass.range_constexpr(T * TV // NT):
                     task = tidx + it * NT
