@@ -48,6 +48,11 @@ def parse_args(argv=None):
                    help="bulk-ring depth in 8-row chunks (-1 = the schedule's, 0 = off, 2-16; only aligned variants of "
                         "tiles 32-128 have one, elsewhere it reads as 0); several make a sweep")
     p.add_argument("--cold-l2", action="store_true", help="flush the L2 (256 MiB write) before every iteration")
+    p.add_argument("--slot-order", choices=["perm", "sorted"], nargs="+", default=["perm"],
+                   help="slot indices: a random permutation of the pool rows (the default) or the same rows in "
+                        "ascending order; several make a sweep")
+    p.add_argument("--pool-factor", type=int, default=1,
+                   help="pool rows = factor x B; the B slots are distinct rows drawn at random (factor 1: all rows)")
     p.add_argument("--no-fla", action="store_true", help="skip FLA (e.g. fla-core missing)")
     p.add_argument("--eager-calls", type=int, default=200, help="calls for the eager wall-time figure (0 = skip)")
     p.add_argument("--json", type=str, default=None)
@@ -55,14 +60,16 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def make_inputs(B, H, state_dtype, seed=0):
+def make_inputs(B, H, state_dtype, seed=0, slot_order="perm", pool_factor=1):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     K = HEAD_DIM
     mixed = torch.randn(B, 3 * H * K, generator=gen, device="cuda").to(torch.bfloat16)
     raw_gate = torch.randn(B, H * K, generator=gen, device="cuda").to(torch.bfloat16)
     raw_beta = torch.randn(B, H, generator=gen, device="cuda").to(torch.bfloat16)
-    pool = (torch.randn(B, H, K, K, generator=gen, device="cuda") * 0.1).to(state_dtype)
-    slots = torch.randperm(B, generator=gen, device="cuda").to(torch.int32)
+    pool = (torch.randn(B * pool_factor, H, K, K, generator=gen, device="cuda") * 0.1).to(state_dtype)
+    slots = torch.randperm(B * pool_factor, generator=gen, device="cuda")[:B].to(torch.int32)
+    if slot_order == "sorted":
+        slots = slots.sort().values
     A_log = torch.log(torch.rand(H, generator=gen, device="cuda") * 15 + 1)
     dt_bias = torch.randn(H * K, generator=gen, device="cuda") * 0.5
     return dict(mixed=mixed, raw_gate=raw_gate, raw_beta=raw_beta, pool=pool, slots=slots, A_log=A_log,
@@ -148,13 +155,13 @@ def main(argv=None):
     records = []
     H = args.heads
     sweep = list(itertools.product(args.tile_v, args.stage, args.rows_in_flight, args.cache_hint, args.bulk_ring))
-    total = len(args.batch_size) * len(args.state_dtype) * len(sweep)
+    total = len(args.batch_size) * len(args.slot_order) * len(args.state_dtype) * len(sweep)
     from kda_cute import decode_t1
     done = 0
     for dtype_name in args.state_dtype:
-        for B in args.batch_size:
-            x = make_inputs(B, H, DTYPES[dtype_name], seed=B)
-            state_bytes = 2 * x["pool"].numel() * x["pool"].element_size()  # read + write
+        for B, slot_order in itertools.product(args.batch_size, args.slot_order):
+            x = make_inputs(B, H, DTYPES[dtype_name], seed=B, slot_order=slot_order, pool_factor=args.pool_factor)
+            state_bytes = 2 * B * x["pool"][0].numel() * x["pool"].element_size()  # the B states, read + write
             copy_call = _timing.copy_roofline(state_bytes)
             fla_call = None
             if with_fla:
@@ -191,7 +198,8 @@ def main(argv=None):
                     timers[name] = timer.last_backend
                 baselines.update({name: t for name, t in times.items() if name != "ours"})
                 times.update(baselines)
-                rec = dict(B=B, heads=H, state_dtype=dtype_name, mode=args.mode, tile_v=cfg.tile_v,
+                rec = dict(B=B, heads=H, state_dtype=dtype_name, mode=args.mode, slot_order=slot_order,
+                           pool_factor=args.pool_factor, tile_v=cfg.tile_v,
                            smem_stage=cfg.smem_stage, tile_v_forced=tile_v, stage_forced=stage,
                            rows_in_flight=decode_t1.rows_in_flight_for(cfg.tile_v, DTYPES[dtype_name].itemsize,
                                                                        cfg.rows_in_flight),
@@ -221,7 +229,8 @@ def main(argv=None):
                 tile_txt = (f"{cfg.tile_v:3d}{'s' if cfg.smem_stage else 'r'}"
                             f"{'' if cfg.smem_stage else rec['rows_in_flight']} {cfg.cache_hint:6s}"
                             f"{f' bulk{cfg.bulk_ring}' if cfg.bulk_ring else ''}")
-                print(f"[{done}/{total}] {dtype_name} B={B:5d} tile={tile_txt}  ours {rec['ours_us']:8.2f} us "
+                print(f"[{done}/{total}] {dtype_name} B={B:5d} {slot_order:6s} tile={tile_txt}  "
+                      f"ours {rec['ours_us']:8.2f} us "
                       f"({rec['ours_TBps']:.2f} TB/s, {100 * rec['frac_of_copy']:.0f}% of copy)  {fla_txt}"
                       f"copy {rec['copy_us']:8.2f} us{eager}", flush=True)
             del x
