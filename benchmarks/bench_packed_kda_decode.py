@@ -47,12 +47,16 @@ def parse_args(argv=None):
     p.add_argument("--bulk-ring", type=int, nargs="+", default=[-1],
                    help="bulk-ring depth in 8-row chunks (-1 = the schedule's, 0 = off, 2-16; only aligned variants of "
                         "tiles 32-128 have one, elsewhere it reads as 0); several make a sweep")
+    p.add_argument("--slot-major", choices=["auto", "on", "off"], nargs="+", default=["auto"],
+                   help="slot-major grid (auto = the schedule's; on only takes where slot_major_for allows); several "
+                        "make a sweep")
     p.add_argument("--cold-l2", action="store_true", help="flush the L2 (256 MiB write) before every iteration")
     p.add_argument("--slot-order", choices=["perm", "sorted"], nargs="+", default=["perm"],
                    help="slot indices: a random permutation of the pool rows (the default) or the same rows in "
                         "ascending order; several make a sweep")
-    p.add_argument("--pool-factor", type=int, default=1,
-                   help="pool rows = factor x B; the B slots are distinct rows drawn at random (factor 1: all rows)")
+    p.add_argument("--pool-factor", type=float, default=1.0,
+                   help="pool rows = round(factor x B), factor >= 1; the B slots are distinct rows drawn at random "
+                        "(factor 1: all rows)")
     p.add_argument("--no-fla", action="store_true", help="skip FLA (e.g. fla-core missing)")
     p.add_argument("--eager-calls", type=int, default=200, help="calls for the eager wall-time figure (0 = skip)")
     p.add_argument("--json", type=str, default=None)
@@ -66,8 +70,9 @@ def make_inputs(B, H, state_dtype, seed=0, slot_order="perm", pool_factor=1):
     mixed = torch.randn(B, 3 * H * K, generator=gen, device="cuda").to(torch.bfloat16)
     raw_gate = torch.randn(B, H * K, generator=gen, device="cuda").to(torch.bfloat16)
     raw_beta = torch.randn(B, H, generator=gen, device="cuda").to(torch.bfloat16)
-    pool = (torch.randn(B * pool_factor, H, K, K, generator=gen, device="cuda") * 0.1).to(state_dtype)
-    slots = torch.randperm(B * pool_factor, generator=gen, device="cuda")[:B].to(torch.int32)
+    rows = max(B, round(B * pool_factor))
+    pool = (torch.randn(rows, H, K, K, generator=gen, device="cuda") * 0.1).to(state_dtype)
+    slots = torch.randperm(rows, generator=gen, device="cuda")[:B].to(torch.int32)
     if slot_order == "sorted":
         slots = slots.sort().values
     A_log = torch.log(torch.rand(H, generator=gen, device="cuda") * 15 + 1)
@@ -154,7 +159,8 @@ def main(argv=None):
     flush = _timing.L2Flusher() if args.cold_l2 else None
     records = []
     H = args.heads
-    sweep = list(itertools.product(args.tile_v, args.stage, args.rows_in_flight, args.cache_hint, args.bulk_ring))
+    sweep = list(itertools.product(args.tile_v, args.stage, args.rows_in_flight, args.cache_hint, args.bulk_ring,
+                                   args.slot_major))
     total = len(args.batch_size) * len(args.slot_order) * len(args.state_dtype) * len(sweep)
     from kda_cute import decode_t1
     done = 0
@@ -169,13 +175,14 @@ def main(argv=None):
                 fla_call, _ = fla_fn(x, H, fla_pool)
             baselines = {}
             for point in sweep:
-                tile_v, stage, rows_in_flight, cache_hint, bulk_ring = point
+                tile_v, stage, rows_in_flight, cache_hint, bulk_ring, slot_major = point
                 os.environ["KDA_DECODE_TILE_V"] = str(tile_v)
                 decode_t1._FORCE_SMEM_STAGE = {"auto": None, "regs": False, "smem": True}[stage]
                 decode_t1._FORCE_ROWS_IN_FLIGHT = None if rows_in_flight < 0 else rows_in_flight
                 decode_t1._FORCE_CACHE_HINT = None if cache_hint == "auto" else cache_hint
                 decode_t1._FORCE_BULK_RING = None if bulk_ring < 0 else bulk_ring
-                cfg = decode_t1.select_config(B, H, DTYPES[dtype_name], True)
+                decode_t1._FORCE_SLOT_MAJOR = {"auto": None, "on": True, "off": False}[slot_major]
+                cfg = decode_t1.select_config(B, H, DTYPES[dtype_name], True, x["pool"].shape[0])
                 try:
                     s_err, o_err, fla_err = check_correctness(x, H, B, with_fla)
                 except SystemExit as err:  # a variant that fails the check is reported, not timed; the sweep goes on
@@ -204,6 +211,7 @@ def main(argv=None):
                            rows_in_flight=decode_t1.rows_in_flight_for(cfg.tile_v, DTYPES[dtype_name].itemsize,
                                                                        cfg.rows_in_flight),
                            cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring, bulk_ring_forced=bulk_ring,
+                           slot_major=cfg.slot_major, slot_major_forced=slot_major,
                            cold_l2=args.cold_l2, timer=timers,
                            ours_us=times["ours"], fla_us=times.get("fla"), copy_us=times["copy"],
                            state_bytes=state_bytes,
@@ -228,7 +236,8 @@ def main(argv=None):
                 eager = f"  eager {rec['ours_eager_call_us']:.1f} us" if "ours_eager_call_us" in rec else ""
                 tile_txt = (f"{cfg.tile_v:3d}{'s' if cfg.smem_stage else 'r'}"
                             f"{'' if cfg.smem_stage else rec['rows_in_flight']} {cfg.cache_hint:6s}"
-                            f"{f' bulk{cfg.bulk_ring}' if cfg.bulk_ring else ''}")
+                            f"{f' bulk{cfg.bulk_ring}' if cfg.bulk_ring else ''}"
+                            f"{' slotmajor' if cfg.slot_major else ''}")
                 print(f"[{done}/{total}] {dtype_name} B={B:5d} {slot_order:6s} tile={tile_txt}  "
                       f"ours {rec['ours_us']:8.2f} us "
                       f"({rec['ours_TBps']:.2f} TB/s, {100 * rec['frac_of_copy']:.0f}% of copy)  {fla_txt}"
@@ -237,7 +246,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
     os.environ.pop("KDA_DECODE_TILE_V", None)
     decode_t1._FORCE_SMEM_STAGE = decode_t1._FORCE_ROWS_IN_FLIGHT = decode_t1._FORCE_CACHE_HINT = None
-    decode_t1._FORCE_BULK_RING = None
+    decode_t1._FORCE_BULK_RING = decode_t1._FORCE_SLOT_MAJOR = None
     if args.json:
         _timing.write_json(args.json, records)
     if args.plot:

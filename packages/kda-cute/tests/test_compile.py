@@ -56,6 +56,10 @@ def _variants():
         out.append({**base, "gate": gate, "tile_v": 128, "bulk_ring": 4})
     for sd in (torch.bfloat16, torch.float32):
         out.append({**base, "state_dtype": sd, "tile_v": 128, "bulk_ring": 4, "packed": True})
+    # The slot-major grid (tile 128, aligned): around the ring (both pool dtypes, packed or not) and the register path.
+    for sd, packed in itertools.product((torch.bfloat16, torch.float32), (False, True)):
+        out.append({**base, "state_dtype": sd, "tile_v": 128, "bulk_ring": 8, "slot_major": True, "packed": packed})
+    out.append({**base, "tile_v": 128, "slot_major": True})
     # The smaller tiles' rings (their rows are one contiguous run too; depth capped at the tile's chunks).
     for sd, tile in itertools.product((torch.bfloat16, torch.float32), (32, 64)):
         out.append({**base, "state_dtype": sd, "tile_v": tile, "bulk_ring": 8})
@@ -68,6 +72,7 @@ def _ident(v):
             f"{'-rif%d' % v['rows_in_flight'] if v.get('rows_in_flight') else ''}"
             f"{'-' + v['cache_hint'] if v.get('cache_hint', 'stream') != 'stream' else ''}"
             f"{'-bulk%d' % v['bulk_ring'] if v.get('bulk_ring') else ''}"
+            f"{'-slotmajor' if v.get('slot_major') else ''}"
             f"{'' if v['beta_is_logit'] else '-sigbeta'}{'' if v['use_qk_l2norm'] else '-nonorm'}"
             f"{'' if v['has_dt_bias'] else '-nobias'}-g{str(v['g_dtype'])[6:]}-b{str(v['beta_dtype'])[6:]}"
             f"{'-packed' if v.get('packed') else ''}")
@@ -130,7 +135,7 @@ def test_bulk_ring_variant_does_not_spill(tile_v, bulk_ring, packed, state_dtype
     key = decode_t1.variant_key(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
                                 gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
                                 tile_v=tile_v, aligned=True, bulk_ring=bulk_ring, packed=packed)
-    assert key[-2] == decode_t1.bulk_ring_for(tile_v, state_dtype.itemsize, True, bulk_ring) > 0
+    assert key[-3] == decode_t1.bulk_ring_for(tile_v, state_dtype.itemsize, True, bulk_ring) > 0
     decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
     ptx = sorted(tmp_path.glob("*.ptx"))
     assert ptx, "no PTX kept"
@@ -141,3 +146,44 @@ def test_bulk_ring_variant_does_not_spill(tile_v, bulk_ring, packed, state_dtype
     assert spills == 0 and registers <= 96, (registers, spills)
     report = ptxas.report(ptx[0], arch)
     assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes stack frame", report)), report
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("bulk_ring, packed", [(8, False), (8, True), (0, False)],
+                         ids=["ring8", "ring8-packed", "regs"])
+def test_slot_major_variant_does_not_spill(bulk_ring, packed, state_dtype, arch, tmp_path, ptxas):
+    """The slot-major grid adds the slot scan (8 loads per thread in flight, warp redux, one CTA barrier) and the zero
+    stores of the rows it answers for: still no spill and no stack frame, and the bulk ring stays under 96
+    registers. Its PTX has the scan's redux and the CTA-uniform loop over the batch (absent without it)."""
+    from kda_core.contracts import GateMode
+    from kda_cute import decode_t1
+
+    kwargs = dict(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16, gate=GateMode.SOFTPLUS,
+                  beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True, tile_v=128, aligned=True,
+                  bulk_ring=bulk_ring, packed=packed)
+    key = decode_t1.variant_key(**kwargs, slot_major=True)
+    assert key[-2] is True
+    assert decode_t1.variant_key(**kwargs)[-2] is False
+    decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    ptx = sorted(tmp_path.glob("*.ptx"))
+    assert ptx, "no PTX kept"
+    text = ptx[0].read_text()
+    assert "redux.sync.min.s32" in text and "redux.sync.max.s32" in text
+    registers, spills = ptxas.registers_and_spills(ptx[0], arch)
+    assert spills == 0 and (registers <= 96 or not bulk_ring), (registers, spills)
+    report = ptxas.report(ptx[0], arch)
+    assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes stack frame", report)), report
+
+
+def test_slot_major_normalised_to_its_static_conditions():
+    """slot_major only exists for tile 128 in the aligned class (the key says so, and the policy never asks else)."""
+    from kda_core.contracts import GateMode
+    from kda_cute import decode_t1
+
+    base = dict(state_dtype=torch.bfloat16, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
+                gate=GateMode.LOWER_BOUND, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True, slot_major=True)
+    assert decode_t1.variant_key(**base, tile_v=128, aligned=True)[-2] is True
+    assert decode_t1.variant_key(**base, tile_v=64, aligned=True)[-2] is False
+    assert decode_t1.variant_key(**base, tile_v=128, aligned=False)[-2] is False

@@ -327,11 +327,12 @@ def _bulk_slots(B, n_slots, seed):
 
 def _register_path_then_bulk_ring(case, ring, monkeypatch, decode=None, tile_v=128):
     """(output, pool after) of the register path and of the bulk ring of one tile, each from the caller's pool (left
-    unchanged)."""
+    unchanged); both on the batch-major grid (the slot-major one has its own tests below)."""
     from kda_cute import decode_t1
 
     decode = decode or _decode
     B, H = case.slots.shape[0], case.q.shape[2]
+    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", False)
     monkeypatch.setenv("KDA_DECODE_TILE_V", str(tile_v))
     start = case.pool.clone()
     results = []
@@ -441,6 +442,143 @@ def test_bulk_ring_cuda_graph_replay_follows_changed_inputs_and_indices(monkeypa
         assert torch.count_nonzero(out[torch.tensor(inactive, device="cuda")]) == 0
         untouched = sorted(set(range(40)) - {s for s in slots if 0 <= s < 40})
         assert torch.equal(case.pool[untouched], before[untouched])
+        _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Slot-major grid (DecodeT1Config.slot_major, _FORCE_SLOT_MAJOR): CTA z of a head streams pool row z for the first
+# batch row naming it, CTAs past the pool rows give zero output to the rows whose slot is outside [0, N). Same per-row
+# math as the batch-major grid, so the two agree bit for bit on distinct slots.
+def _batch_major_then_slot_major(case, ring, monkeypatch, decode=None):
+    """(output, pool after) of the batch-major and the slot-major grid (tile 128, bulk ring ``ring`` or the register
+    path at 0), each from the caller's pool (left unchanged). Outputs start as 7.0 so unwritten rows show."""
+    from kda_cute import decode_t1
+
+    decode = decode or _decode
+    B, H, N = case.slots.shape[0], case.q.shape[2], case.pool.shape[0]
+    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
+    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", ring)
+    start = case.pool.clone()
+    results = []
+    for slot_major in (False, True):
+        monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", slot_major)
+        assert decode_t1.select_config(B, H, case.pool.dtype, True, N).slot_major is slot_major
+        case.pool.copy_(start)
+        out = decode(case, output=torch.full((B, 1, H, 128), 7.0, dtype=torch.bfloat16, device="cuda"))
+        results.append((out, case.pool.clone()))
+    case.pool.copy_(start)
+    return results
+
+
+# (B, pool rows): one pass of the slot scan and two (B > 1024), pools larger and smaller than the batch
+SLOT_MAJOR_SHAPES = [(1, 3), (5, 12), (37, 44), (300, 300), (40, 16), (1100, 1107)]
+
+
+@pytest.mark.parametrize("B, n_slots", SLOT_MAJOR_SHAPES, ids=[f"B{b}-N{n}" for b, n in SLOT_MAJOR_SHAPES])
+@pytest.mark.parametrize("ring", [8, 0], ids=["ring8", "regs"])
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_slot_major_is_bitwise_the_batch_major_grid_and_leaves_unaddressed_rows_untouched(B, n_slots, ring,
+                                                                                         state_dtype, monkeypatch,
+                                                                                         make_case):
+    if B > n_slots:  # more rows than pool rows: the first n_slots rows take distinct slots, the rest -1 / N / INT_MIN
+        gen = torch.Generator().manual_seed(B)
+        slots = torch.randperm(n_slots, generator=gen).tolist() + [(-1, n_slots, INT_MIN)[i % 3]
+                                                                  for i in range(B - n_slots)]
+        inactive = list(range(n_slots, B))
+    else:
+        slots, inactive = _bulk_slots(B, n_slots, seed=B + ring)
+    case = make_case(B, 12, state_dtype=state_dtype, n_slots=n_slots, slots=slots, seed=B * 16 + ring)
+    before = case.pool.clone()
+    ref_out, ref_pool = case.oracle()
+    (out_batch, pool_batch), (out_slot, pool_slot) = _batch_major_then_slot_major(case, ring, monkeypatch)
+    assert torch.equal(out_slot, out_batch)
+    assert torch.equal(pool_slot, pool_batch)
+    if inactive:
+        assert torch.count_nonzero(out_slot[torch.tensor(inactive, device="cuda")]) == 0
+    untouched = sorted(set(range(n_slots)) - {s for s in slots if 0 <= s < n_slots})
+    assert torch.equal(pool_slot[untouched], before[untouched])
+    _assert_matches_oracle(case, out_slot, pool_slot, ref_out, ref_pool)
+
+
+@pytest.mark.parametrize("B", [6, 1030])
+def test_slot_major_duplicate_slots_update_the_first_row_and_zero_the_others(B, monkeypatch, make_case):
+    """A caller error, with a defined answer on this grid: the first batch row naming a slot streams it, later rows
+    naming the same slot get zero output (as if inactive); every other row is unaffected."""
+    from kda_cute import decode_t1
+
+    n_slots = B + 4
+    gen = torch.Generator().manual_seed(B)
+    slots = torch.randperm(n_slots, generator=gen)[:B].tolist()
+    dupes = {2: slots[0], 4: slots[0], B - 1: slots[1]}  # rows 2 and 4 repeat row 0's slot, the last row row 1's
+    for row, slot in dupes.items():
+        slots[row] = slot
+    case = make_case(B, 12, n_slots=n_slots, slots=slots, seed=53)
+    expected_slots = case.slots.clone()
+    expected_slots[list(dupes)] = -1
+    reference = make_case(B, 12, n_slots=n_slots, slots=expected_slots.tolist(), seed=53)
+    ref_out, ref_pool = reference.oracle(pool=case.pool)
+    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
+    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", True)
+    out = _decode(case, output=torch.full((B, 1, 12, 128), 7.0, dtype=torch.bfloat16, device="cuda"))
+    assert torch.count_nonzero(out[list(dupes)]) == 0
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_slot_major_packed_entry_is_bitwise_the_unpacked_entry(state_dtype, monkeypatch, make_case):
+    case = make_case(37, 12, state_dtype=state_dtype, n_slots=40, row_pad=24, seed=59)
+    (out_u, pool_u), (out_su, pool_su) = _batch_major_then_slot_major(case, 8, monkeypatch)
+    (_, _), (out_sp, pool_sp) = _batch_major_then_slot_major(case, 8, monkeypatch, decode=_decode_packed)
+    assert torch.equal(out_sp, out_su) and torch.equal(out_sp, out_u)
+    assert torch.equal(pool_sp, pool_su) and torch.equal(pool_sp, pool_u)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_slot_major_all_inactive_batch_is_a_bitwise_noop_on_the_pool(state_dtype, monkeypatch, make_case):
+    from kda_cute import decode_t1
+
+    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
+    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", True)
+    case = make_case(4, 12, state_dtype=state_dtype, n_slots=5, slots=[-1, 5, INT_MIN, 2147483647])
+    before = case.pool.clone()
+    out = _decode(case, output=torch.full((4, 1, 12, 128), 7.0, dtype=torch.bfloat16, device="cuda"))
+    assert torch.equal(case.pool, before)
+    assert torch.count_nonzero(out) == 0
+
+
+def test_slot_major_cuda_graph_replay_follows_changed_inputs_and_indices(monkeypatch, make_case):
+    """The rows' order and the inactive rows change between replays; the grid (pool rows + the row CTAs) does not."""
+    from kda_cute import decode_t1
+
+    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
+    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", True)
+    case = make_case(40, 12, n_slots=44, seed=61)
+    out = torch.empty(40, 1, 12, 128, dtype=torch.bfloat16, device="cuda")
+    graph = _captured(_decode_packed, case, out)
+    for step in range(3):
+        slots, inactive = _bulk_slots(40, 44, seed=400 + step)
+        _load_step(case, make_case(40, 12, n_slots=44, slots=slots, seed=400 + step))
+        out.fill_(7.0)
+        before = case.pool.clone()
+        ref_out, ref_pool = case.oracle()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.count_nonzero(out[torch.tensor(inactive, device="cuda")]) == 0
+        untouched = sorted(set(range(44)) - {s for s in slots if 0 <= s < 44})
+        assert torch.equal(case.pool[untouched], before[untouched])
+        _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+def test_schedule_takes_slot_major_where_the_pool_is_at_most_the_policy_factor_of_the_batch(make_case):
+    """The policy end to end: a dense pool (N = B) runs slot-major, a pool of 2B rows the batch-major grid; both
+    match the oracle."""
+    from kda_cute import decode_t1
+
+    for n_slots, expected in ((512, True), (1024, False)):
+        assert decode_t1.select_config(512, 12, torch.bfloat16, True, n_slots).slot_major is expected
+        case = make_case(512, 12, n_slots=n_slots, seed=n_slots)
+        ref_out, ref_pool = case.oracle()
+        out = _decode(case)
         _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
 
 

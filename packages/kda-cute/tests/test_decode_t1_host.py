@@ -327,7 +327,7 @@ def test_a_changed_bulk_ring_hook_is_honoured_on_the_next_call(host_path, make_c
         monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", ring)
         _packed_call(case)
         (fn,) = [fn for fn in host_path if fn.calls]
-        launched.append(fn.key[-2])  # the key's bulk_ring, just before packed
+        launched.append(fn.key[-3])  # the key's bulk_ring, before slot_major and packed
         fn.calls.clear()
     assert launched == [0, 4, 8, 4]
     assert len(host_path) == 3  # a value seen before reuses its launch
@@ -381,3 +381,29 @@ def test_a_wrapper_rejection_runs_the_full_validator_which_names_the_argument(en
     fn.reject = None
     entry(case)
     assert len(fn.calls) == 4 and len(entries_on_cpu) == 1
+
+
+def test_slot_major_grid_is_taken_by_the_bulk_ring_rows_on_a_pool_of_at_most_the_policy_factor_of_the_batch():
+    from kda_cute import decode_t1
+
+    factor = decode_t1.SLOT_MAJOR_MAX_POOL_PER_ROW
+    assert decode_t1.select_config(512, 12, torch.bfloat16, True, 512).slot_major
+    assert decode_t1.select_config(512, 12, torch.bfloat16, True, int(512 * factor)).slot_major
+    assert not decode_t1.select_config(512, 12, torch.bfloat16, True, int(512 * factor) + 1).slot_major
+    assert decode_t1.select_config(512, 12, torch.float32, True, 400).slot_major
+    assert not decode_t1.select_config(512, 12, torch.bfloat16, True).slot_major  # pool rows unknown
+    assert not decode_t1.select_config(512, 12, torch.bfloat16, False, 512).slot_major  # unaligned: no ring either
+    assert not decode_t1.select_config(8, 12, torch.bfloat16, True, 8).slot_major  # the small-batch rows: no ring
+
+
+def test_slot_major_hook_and_its_static_conditions(monkeypatch):
+    from kda_cute import decode_t1
+
+    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", True)
+    assert not decode_t1.select_config(8, 12, torch.bfloat16, True, 8).slot_major  # tile 32 from the table
+    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
+    assert decode_t1.select_config(8, 12, torch.bfloat16, True, 8).slot_major
+    assert decode_t1.select_config(8, 12, torch.bfloat16, True, 100).slot_major  # forced whatever the pool factor
+    assert not decode_t1.select_config(8, 12, torch.bfloat16, True, decode_t1.GRID_Z_MAX).slot_major  # grid limit
+    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", False)
+    assert not decode_t1.select_config(512, 12, torch.bfloat16, True, 512).slot_major

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int64, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 
 from kda_core import knobs
 from kda_core.contracts import HEAD_DIM, GateMode
@@ -83,6 +83,10 @@ class DecodeT1Config:
     fills with 1-D bulk loads (cp.async.bulk + mbarrier) and drains with bulk stores; the threads update each chunk in
     place in shared memory. Only aligned variants of tile 32-128 (see :func:`bulk_ring_for`); it replaces the other
     staging options; the table uses it for the large rows of both pool dtypes (README, "Bulk ring").
+
+    ``slot_major``: the grid walks the pool's rows instead of the batch's (README, "Slot-major grid"): CTA z of a head
+    streams pool row z for the batch row that names it, so the state is visited in address order whatever the order
+    of ``slot_indices``; tile 128, aligned only (see :func:`slot_major_for`).
     """
 
     tile_v: int
@@ -90,6 +94,7 @@ class DecodeT1Config:
     rows_in_flight: int = 0
     cache_hint: str = "stream"
     bulk_ring: int = 0
+    slot_major: bool = False
 
 
 # Schedule table, keyed on the number of (sequence, head) states in the call, B*H, and the pool dtype.
@@ -130,10 +135,30 @@ _FORCE_ROWS_IN_FLIGHT: int | None = None
 _FORCE_CACHE_HINT: str | None = None
 _FORCE_MIN_BLOCKS: int = 0  # resident-CTA floor handed to ptxas (caps registers); the sweep clears the caches
 _FORCE_BULK_RING: int | None = None  # bulk-ring depth (0 = off); ignored (0) where bulk_ring_for says so
+_FORCE_SLOT_MAJOR: bool | None = None  # slot-major grid on / off; ignored (off) where slot_major_for says so
+
+# Slot-major grid (README, "Slot-major grid"): taken by the bulk-ring rows when the pool has at most this many rows
+# per batch row, since every pool row gets a CTA (the rows no batch row names exit after the scan). H200, session 10,
+# H=12, CUDA graphs, permuted slots, us batch-major / slot-major (benchmarks/results/t1_slot_major_h200.json): pool of
+# B rows, bf16 B=256 56.03 / 56.27, B=512 107.20 / 105.90, B=1024 212.06 / 206.43, fp32 B=256 106.29 / 104.74, B=512
+# 208.53 / 204.51; 1.25 B rows: B=256 56.48 / 56.51, B=512 107.97 / 107.06; 1.5 B: 56.38 / 56.35, 108.19 / 107.70;
+# 2 B: 56.35 / 57.17, 108.56 / 109.07 (the idle CTAs cost more than the order gains).
+SLOT_MAJOR_MAX_POOL_PER_ROW = 1.25
+GRID_Z_MAX = 65535  # CUDA's limit on gridDim.z
+SCAN_UNROLL = 8  # slot indices each thread of a slot-major CTA loads at once (1024 rows per pass of the CTA)
 
 
-def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool) -> DecodeT1Config:
-    """Pure schedule policy; ``KDA_DECODE_TILE_V`` (if non-zero) forces the tile."""
+def slot_major_for(tile_v: int, aligned: bool, B: int, N: int | None, requested: bool) -> bool:
+    """Whether a slot-major grid may run: requested, tile 128 (a CTA owns its head's whole state row and output row),
+    the aligned variant (16-byte zero stores of the rows it answers for) and a grid of N + ceil(B / 128) CTAs per
+    head within CUDA's gridDim.z."""
+    return bool(requested and tile_v == HEAD_DIM and aligned and N is not None
+                and N + -(-B // THREADS) <= GRID_Z_MAX)
+
+
+def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool, N: int | None = None) -> DecodeT1Config:
+    """Pure schedule policy; ``KDA_DECODE_TILE_V`` (if non-zero) forces the tile. ``N``: pool rows (None: the
+    slot-major grid is not considered)."""
     states = B * H
     cfg = next(c for limit, c in _SCHEDULE[state_dtype] if states <= limit)
     tile_v, smem_stage = cfg.tile_v, cfg.smem_stage
@@ -157,6 +182,9 @@ def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool) -> De
         overrides.update(bulk_ring=ring, smem_stage=False, rows_in_flight=0, cache_hint="stream")
     else:
         overrides["bulk_ring"] = 0
+    wanted = (bool(ring) and N is not None and N <= SLOT_MAJOR_MAX_POOL_PER_ROW * B if _FORCE_SLOT_MAJOR is None
+              else _FORCE_SLOT_MAJOR)
+    overrides["slot_major"] = slot_major_for(tile_v, aligned, B, N, wanted)
     return dataclasses.replace(cfg, **overrides)
 
 
@@ -213,6 +241,7 @@ class KDADecodeT1:
         rows_in_flight: int = 0,
         cache_hint: str = "stream",
         bulk_ring: int = 0,
+        slot_major: bool = False,
     ):
         self.state_dtype = state_dtype
         self.gate = gate
@@ -229,6 +258,7 @@ class KDADecodeT1:
         self.bulk_ring = bulk_ring_for(tile_v, state_dtype.width // 8, aligned, bulk_ring)
         if self.bulk_ring:
             self.smem_stage = False
+        self.slot_major = slot_major and tile_v == HEAD_DIM and aligned  # slot_major_for's static part
 
     def _copy_bits(self, dtype, n: int) -> int:
         return min(n * dtype.width, 128) if self.aligned else dtype.width
@@ -267,8 +297,11 @@ class KDADecodeT1:
             occupancy = dict(min_blocks_per_mp=_FORCE_MIN_BLOCKS, preferred_smem_carveout=100)
         elif const_expr(_FORCE_MIN_BLOCKS):
             occupancy = dict(min_blocks_per_mp=_FORCE_MIN_BLOCKS, preferred_smem_carveout=-1)
+        # Slot-major: one CTA per pool row and head, then ceil(B / 128) per head that answer for the batch rows whose
+        # slot is outside [0, N) (zero output); else one per batch row and head.
+        rows = cute.size(mState, mode=[0]) + (B + THREADS - 1) // THREADS if const_expr(self.slot_major) else B
         self.kernel(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mSlot, mOut, scale, lower_bound).launch(
-            grid=[HEAD_DIM // self.tile_v, H, B], block=[THREADS, 1, 1], stream=stream, **occupancy
+            grid=[HEAD_DIM // self.tile_v, H, rows], block=[THREADS, 1, 1], stream=stream, **occupancy
         )
 
     @cute.jit
@@ -306,6 +339,66 @@ class KDADecodeT1:
                 cute.copy(bulk_load, g_chunks[j - 1 + ring], s_slots[prev], mbar_ptr=full[prev])
 
     @cute.jit
+    def find_row(self, mSlot: cute.Tensor, z, B, tidx, sScan: cute.Tensor):
+        """(first, last): the smallest and the largest batch row whose slot is ``z`` (B and -1 when none), the same in
+        every thread. Each thread loads ``SCAN_UNROLL`` slots per pass (clamped to row B - 1, so every load is in
+        bounds and none waits on a branch), then a warp ``redux`` and a CTA barrier."""
+        first = B
+        last = Int32(-1)
+        for o in cutlass.range((B + THREADS * SCAN_UNROLL - 1) // (THREADS * SCAN_UNROLL)):
+            found = [mSlot[cutlass.min(o * THREADS * SCAN_UNROLL + i * THREADS + tidx, B - 1)]
+                     for i in range(SCAN_UNROLL)]
+            for i in cutlass.range_constexpr(SCAN_UNROLL):
+                row = o * THREADS * SCAN_UNROLL + i * THREADS + tidx
+                hit = (row < B) & (found[i] == z)
+                first = cutlass.min(first, cutlass.select_(hit, row, B))
+                last = cutlass.max(last, cutlass.select_(hit, row, Int32(-1)))
+        first = cute.arch.warp_redux_sync(first, "min")
+        last = cute.arch.warp_redux_sync(last, "max")
+        warp = tidx // 32
+        if tidx % 32 == 0:
+            sScan[0, warp] = first
+            sScan[1, warp] = last
+        cute.arch.sync_threads()
+        for w in cutlass.range_constexpr(1, THREADS // 32):
+            first = cutlass.min(first, sScan[0, w])
+            last = cutlass.max(last, sScan[1, w])
+        first = cutlass.min(first, sScan[0, 0])
+        last = cutlass.max(last, sScan[1, 0])
+        return first, last
+
+    @cute.jit
+    def zero_output_row(self, mOut: cute.Tensor, row, h):
+        """Output row (``row``, head ``h``) <- 0 by one thread: 16 stores of 16 bytes (aligned variant)."""
+        frag = cute.make_rmem_tensor((CHANNELS_PER_LANE,), mOut.element_type)
+        frag.fill(0.0)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mOut.element_type,
+                                   num_bits_per_copy=CHANNELS_PER_LANE * mOut.element_type.width)
+        for c in cutlass.range_constexpr(HALF_WARP):
+            dst = cute.local_tile(mOut[row, 0, h, None], (CHANNELS_PER_LANE,), (c,))
+            cute.copy(atom, cute.logical_divide(frag, (CHANNELS_PER_LANE,)),
+                      cute.logical_divide(dst, (CHANNELS_PER_LANE,)))
+
+    @cute.jit
+    def answer_other_rows(self, mSlot: cute.Tensor, mOut: cute.Tensor, z, h, n_slots, first, last, tidx):
+        """Slot-major grid: the zero outputs that no pool-row CTA writes, one batch row per thread. A pool-row CTA
+        whose slot several batch rows name (a caller error) streams the state for the first of them and gives the
+        others zero output; the CTAs past the pool rows give zero output to the batch rows whose slot is outside
+        [0, N), 128 rows each."""
+        B = cute.size(mOut, mode=[0])
+        if (z < n_slots) & (last != first):
+            for o in cutlass.range((B + THREADS - 1) // THREADS):
+                row = o * THREADS + tidx
+                if (row < B) & (row != first):
+                    if mSlot[cutlass.min(row, B - 1)] == z:
+                        self.zero_output_row(mOut, row, h)
+        if z >= n_slots:
+            row = (z - n_slots) * THREADS + tidx
+            found = mSlot[cutlass.min(row, B - 1)]
+            if (row < B) & ((found < 0) | (found >= n_slots)):
+                self.zero_output_row(mOut, row, h)
+
+    @cute.jit
     def to_f32(self, frag: cute.Tensor):
         out = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
         out.store(frag.load().to(Float32))
@@ -328,20 +421,32 @@ class KDADecodeT1:
         lower_bound: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        v_tile, h, b = cute.arch.block_idx()
+        v_tile, h, z = cute.arch.block_idx()
         lane = tidx % HALF_WARP
         group = tidx // HALF_WARP
         n_slots = cute.size(mState, mode=[0])
-        slot = mSlot[b]
-        active = (slot >= 0) & (slot < n_slots)
+        if const_expr(self.smem_stage or self.bulk_ring or self.slot_major):
+            smem = cutlass.memory.SmemAllocator()
+        if const_expr(self.slot_major):
+            # CTA z streams pool row z (z < N) for the first batch row naming it; the CTAs past the pool rows have no
+            # state (active is False there even if a row names slot z >= N: that row is inactive).
+            sScan = smem.allocate_tensor(Int32, cute.make_layout((2, THREADS // 32), stride=(THREADS // 32, 1)),
+                                         byte_alignment=16)
+            B = cute.size(mQ, mode=[0])
+            first, last = self.find_row(mSlot, z, B, tidx, sScan)
+            active = (first < B) & (z < n_slots)
+            b = cutlass.min(first, B - 1)  # a CTA without a row loads row B - 1's activations and ignores them
+            slot = z
+        else:
+            b = z
+            slot = mSlot[b]
+            active = (slot >= 0) & (slot < n_slots)
         row0 = v_tile * self.tile_v
         if const_expr(self.smem_stage):
-            smem = cutlass.memory.SmemAllocator()
             sTile = smem.allocate_tensor(
                 self.state_dtype, cute.make_layout((self.tile_v, HEAD_DIM), stride=(HEAD_DIM, 1)), byte_alignment=16
             )
         if const_expr(self.bulk_ring):
-            smem = cutlass.memory.SmemAllocator()
             sRing = smem.allocate_tensor(  # [slot, row of the chunk, channel]
                 self.state_dtype,
                 cute.make_layout((self.bulk_ring, BULK_CHUNK_ROWS, HEAD_DIM),
@@ -485,9 +590,12 @@ class KDADecodeT1:
                 if tidx == 0:
                     cute.arch.cp_async_bulk_wait_group(0)  # every bulk store is complete before the CTA exits
         else:
-            if lane == 0:
-                for j in cutlass.range_constexpr(self.rows):
-                    mOut[b, 0, h, row0 + group + j * ROW_GROUPS] = Float32(0.0).to(mOut.element_type)
+            if const_expr(not self.slot_major):  # slot-major: answer_other_rows gives the zero outputs
+                if lane == 0:
+                    for j in cutlass.range_constexpr(self.rows):
+                        mOut[b, 0, h, row0 + group + j * ROW_GROUPS] = Float32(0.0).to(mOut.element_type)
+        if const_expr(self.slot_major):
+            self.answer_other_rows(mSlot, mOut, z, h, n_slots, first, last, tidx)
 
 
 class KDADecodeT1Packed(KDADecodeT1):
@@ -540,7 +648,7 @@ class KDADecodeT1Packed(KDADecodeT1):
 
 def _compile(key, arch):
     (state_dt, g_dt, beta_dt, gate, beta_is_logit, l2norm, has_dt_bias, tile_v, aligned, smem_stage, rows_in_flight,
-     cache_hint, bulk_ring, packed) = key
+     cache_hint, bulk_ring, slot_major, packed) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     B, N, H = _launch.sym_size(), _launch.sym_size(), _launch.sym_size()
@@ -591,6 +699,7 @@ def _compile(key, arch):
         rows_in_flight=rows_in_flight,
         cache_hint=cache_hint,
         bulk_ring=bulk_ring,
+        slot_major=slot_major,
     )
     return cute.compile(kernel, *fake_args, options=_launch.compile_options(arch, _EXTRA_OPTIONS))
 
@@ -599,11 +708,12 @@ _EXTRA_OPTIONS = ""  # tests set "--keep-ptx --dump-dir D" through compile_varia
 
 
 def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk_l2norm, has_dt_bias, tile_v, aligned,
-                smem_stage=False, rows_in_flight=0, cache_hint="stream", bulk_ring=0, packed=False):
+                smem_stage=False, rows_in_flight=0, cache_hint="stream", bulk_ring=0, slot_major=False, packed=False):
     """Every code-generation parameter of one variant, in the order ``_compile`` reads them.
 
     ``packed``: the compiled function takes the packed GEMM rows (:class:`KDADecodeT1Packed`) instead of five views.
     ``bulk_ring``: normalised by :func:`bulk_ring_for`; a ring replaces the other staging fields (normalised away).
+    ``slot_major``: normalised to its static conditions (tile 128, aligned).
     """
     if gate == GateMode.PRECOMPUTED:
         has_dt_bias = False
@@ -616,9 +726,10 @@ def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk
     bulk_ring = bulk_ring_for(tile_v, state_dtype.itemsize, aligned, bulk_ring)
     if bulk_ring:
         smem_stage, rows_in_flight, cache_hint = False, 0, "stream"
+    slot_major = bool(slot_major and tile_v == HEAD_DIM and aligned)
     return (state_dtype, g_dtype, beta_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm), bool(has_dt_bias),
             int(tile_v), bool(aligned), bool(smem_stage), int(rows_in_flight), str(cache_hint), int(bulk_ring),
-            bool(packed))
+            slot_major, bool(packed))
 
 
 def compile_variant(key, arch: str, extra_options: str = ""):
@@ -718,9 +829,9 @@ def kda_decode_t1_packed(
 
 
 # Per-call launch memo. Key: (id of the validated call description, packed, l2norm, device index, the parsed
-# KDA_DECODE_TILE_V, the four sweep hooks). A description (kda-core's DecodeT1Call or RecurrentCall) is immutable and
-# remembered by every fact a variant and the schedule depend on (B, H, pool dtype, g / beta dtypes, gate mode,
-# lower bound, beta logit, scale, alignment class), so its identity stands for all of them; the entry holds the
+# KDA_DECODE_TILE_V, the five sweep hooks). A description (kda-core's DecodeT1Call or RecurrentCall) is immutable and
+# remembered by every fact a variant and the schedule depend on (B, H, pool rows, pool dtype, g / beta dtypes, gate
+# mode, lower bound, beta logit, scale, alignment class), so its identity stands for all of them; the entry holds the
 # description itself, so its id cannot be reused by another object while the entry lives. Value: (description,
 # compiled function or None when B == 0, scale, lower bound as the kernel's float, gate in kernel, B, H, owner of the
 # compiled module).
@@ -734,13 +845,13 @@ def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype):
     gated = call.gate_mode is not GateMode.PRECOMPUTED
     fn = compiled = None
     if call.B > 0:
-        cfg = select_config(call.B, call.H, call.state_dtype, call.aligned)
+        cfg = select_config(call.B, call.H, call.state_dtype, call.aligned, call.N)
         # dt_bias is required with the gate in the kernel (kda-core), ignored without it.
         key = variant_key(state_dtype=call.state_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=call.gate_mode,
                           beta_is_logit=call.beta_is_logit, use_qk_l2norm=l2norm, has_dt_bias=gated,
                           tile_v=cfg.tile_v, aligned=call.aligned, smem_stage=cfg.smem_stage,
                           rows_in_flight=cfg.rows_in_flight, cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring,
-                          packed=packed)
+                          slot_major=cfg.slot_major, packed=packed)
         compiled = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(x.device))
         # The positional tvm_ffi.Function under the DSL's kwargs wrapper (same arguments, a few us less per call);
         # the compiled object rides along so that the module outlives any cache clearing.
@@ -775,7 +886,8 @@ def _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, l2nor
     Per call: one memo lookup (the knob read is a dict lookup, see ``kda_core.knobs``) and the FFI call.
     """
     key = (id(call), False, l2norm, q.get_device(), knobs.get("KDA_DECODE_TILE_V"), _FORCE_SMEM_STAGE,
-           _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT, _FORCE_BULK_RING)  # the _LAUNCH_MEMO key, spelled out: hot path
+           _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT, _FORCE_BULK_RING,
+           _FORCE_SLOT_MAJOR)  # the _LAUNCH_MEMO key, spelled out: hot path
     entry = _LAUNCH_MEMO.get(key) or _configure(key, call, False, l2norm, q, g.dtype, beta.dtype)
     fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, q, A_log, dt_bias, output)
     if fn is None:  # B == 0
@@ -787,7 +899,7 @@ def _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, l2nor
 def _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias, l2norm, output):
     """:func:`_run` for a validated packed call: the GEMM rows go to the compiled function as they are."""
     key = (id(call), True, l2norm, mixed_qkv.get_device(), knobs.get("KDA_DECODE_TILE_V"), _FORCE_SMEM_STAGE,
-           _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT, _FORCE_BULK_RING)  # as in _run
+           _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT, _FORCE_BULK_RING, _FORCE_SLOT_MAJOR)  # as in _run
     entry = _LAUNCH_MEMO.get(key) or _configure(key, call, True, l2norm, mixed_qkv, raw_gate.dtype, raw_beta.dtype)
     fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, mixed_qkv, A_log, dt_bias, output)
     if fn is None:  # B == 0
