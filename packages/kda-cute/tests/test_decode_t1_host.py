@@ -383,17 +383,23 @@ def test_a_wrapper_rejection_runs_the_full_validator_which_names_the_argument(en
     assert len(fn.calls) == 4 and len(entries_on_cpu) == 1
 
 
-def test_slot_major_grid_is_taken_by_the_bulk_ring_rows_on_a_pool_of_at_most_the_policy_factor_of_the_batch():
+def test_slot_major_grid_is_taken_by_the_large_ring_rows_on_a_pool_of_at_most_the_policy_factor_of_the_batch():
     from kda_cute import decode_t1
 
     factor = decode_t1.SLOT_MAJOR_MAX_POOL_PER_ROW
     assert decode_t1.select_config(512, 12, torch.bfloat16, True, 512).slot_major
     assert decode_t1.select_config(512, 12, torch.bfloat16, True, int(512 * factor)).slot_major
     assert not decode_t1.select_config(512, 12, torch.bfloat16, True, int(512 * factor) + 1).slot_major
-    assert decode_t1.select_config(512, 12, torch.float32, True, 400).slot_major
+    assert decode_t1.select_config(512, 12, torch.float32, True, 600).slot_major
     assert not decode_t1.select_config(512, 12, torch.bfloat16, True).slot_major  # pool rows unknown
     assert not decode_t1.select_config(512, 12, torch.bfloat16, False, 512).slot_major  # unaligned: no ring either
     assert not decode_t1.select_config(8, 12, torch.bfloat16, True, 8).slot_major  # the small-batch rows: no ring
+    # The ring rows below the measured crossover (the scan's fixed cost outweighs the order there)
+    assert decode_t1.select_config(256, 12, torch.bfloat16, True, 256).bulk_ring
+    assert not decode_t1.select_config(256, 12, torch.bfloat16, True, 256).slot_major
+    assert decode_t1.select_config(320, 12, torch.bfloat16, True, 320).slot_major
+    assert not decode_t1.select_config(128, 12, torch.float32, True, 128).slot_major
+    assert decode_t1.select_config(256, 12, torch.float32, True, 256).slot_major
 
 
 def test_slot_major_hook_and_its_static_conditions(monkeypatch):

@@ -137,12 +137,18 @@ _FORCE_MIN_BLOCKS: int = 0  # resident-CTA floor handed to ptxas (caps registers
 _FORCE_BULK_RING: int | None = None  # bulk-ring depth (0 = off); ignored (0) where bulk_ring_for says so
 _FORCE_SLOT_MAJOR: bool | None = None  # slot-major grid on / off; ignored (off) where slot_major_for says so
 
-# Slot-major grid (README, "Slot-major grid"): taken by the bulk-ring rows when the pool has at most this many rows
-# per batch row, since every pool row gets a CTA (the rows no batch row names exit after the scan). H200, session 10,
-# H=12, CUDA graphs, permuted slots, us batch-major / slot-major (benchmarks/results/t1_slot_major_h200.json): pool of
-# B rows, bf16 B=256 56.03 / 56.27, B=512 107.20 / 105.90, B=1024 212.06 / 206.43, fp32 B=256 106.29 / 104.74, B=512
-# 208.53 / 204.51; 1.25 B rows: B=256 56.48 / 56.51, B=512 107.97 / 107.06; 1.5 B: 56.38 / 56.35, 108.19 / 107.70;
-# 2 B: 56.35 / 57.17, 108.56 / 109.07 (the idle CTAs cost more than the order gains).
+# Slot-major grid (README, "Slot-major grid"): taken by the bulk-ring rows from SLOT_MAJOR_MIN_STATES (B*H) states on,
+# when the pool has at most SLOT_MAJOR_MAX_POOL_PER_ROW rows per batch row (every pool row gets a CTA; the rows no
+# batch row names exit after the scan). The scan costs ~1.3 us once per call (the first wave waits for it), the
+# address order gains ~1.1% of the time per state, so it pays from ~300 sequences at H=12. H200, session 10, H=12,
+# CUDA graphs, permuted slots, us batch-major / slot-major, two runs each (benchmarks/results/t1_slot_major_{h200,
+# ab_h200,band_h200}.json): dense pool bf16 B=48 10.21-10.22 / 11.55-11.58, B=64 11.58 / 12.83-12.86, B=128
+# 28.16-28.30 / 28.50-28.53, B=256 55.76-56.03 / 56.03-56.40, B=320 69.14-69.20 / 68.64-68.80, B=384 81.62-81.74 /
+# 80.51-80.75, B=448 94.78-94.90 / 92.86-92.96, B=512 107.20-107.25 / 105.79-105.90, B=1024 212.06-212.13 /
+# 206.03-206.43; fp32 B=32 10.21-10.27 / 11.26-11.27, B=64 25.15-25.28 / 24.83-25.60, B=128 54.82-55.07 /
+# 54.67-54.90, B=256 106.29-106.37 / 104.74-105.14, B=512 208.18-208.53 / 204.38-204.51. Pool of 1.25 B rows:
+# B=512 107.97 / 107.06; 1.5 B: 108.19 / 107.70; 2 B: 108.56 / 109.07 (the idle CTAs cost more than the order gains).
+SLOT_MAJOR_MIN_STATES = {torch.bfloat16: 3840, torch.float32: 3072}
 SLOT_MAJOR_MAX_POOL_PER_ROW = 1.25
 GRID_Z_MAX = 65535  # CUDA's limit on gridDim.z
 SCAN_UNROLL = 8  # slot indices each thread of a slot-major CTA loads at once (1024 rows per pass of the CTA)
@@ -182,8 +188,8 @@ def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool, N: in
         overrides.update(bulk_ring=ring, smem_stage=False, rows_in_flight=0, cache_hint="stream")
     else:
         overrides["bulk_ring"] = 0
-    wanted = (bool(ring) and N is not None and N <= SLOT_MAJOR_MAX_POOL_PER_ROW * B if _FORCE_SLOT_MAJOR is None
-              else _FORCE_SLOT_MAJOR)
+    wanted = (bool(ring) and states >= SLOT_MAJOR_MIN_STATES[state_dtype] and N is not None
+              and N <= SLOT_MAJOR_MAX_POOL_PER_ROW * B) if _FORCE_SLOT_MAJOR is None else _FORCE_SLOT_MAJOR
     overrides["slot_major"] = slot_major_for(tile_v, aligned, B, N, wanted)
     return dataclasses.replace(cfg, **overrides)
 
