@@ -779,7 +779,9 @@ def kda_decode_t1(
         use_gate_in_kernel: False means ``g`` is already log-space (A_log, dt_bias, lower_bound are ignored).
         scale: query scale, default 128 ** -0.5. output: [B, 1, H, 128] bf16, allocated when None.
 
-    Duplicate active slots in one call are a caller error (two CTAs would race on one state).
+    Duplicate active slots in one call are a caller error (on the batch-major grid two CTAs race on one state; on
+    the slot-major grid, see :class:`DecodeT1Config`, the first row naming a slot updates it and the others get zero
+    output).
     No host sync, no allocation when ``output`` is given; safe under CUDA-graph capture.
 
     Example::
