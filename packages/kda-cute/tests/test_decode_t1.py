@@ -348,6 +348,20 @@ def _register_path_then_bulk_ring(case, ring, monkeypatch, decode=None, tile_v=1
     return results
 
 
+def _assert_same_step(case, baseline, candidate, slots, inactive, before, ref_out, ref_pool):
+    """``candidate`` (output, pool) is bitwise ``baseline``, gives zero output on the ``inactive`` rows, leaves the pool
+    rows no active slot names bitwise ``before``, and matches the oracle's (``ref_out``, ``ref_pool``)."""
+    (out_base, pool_base), (out, pool) = baseline, candidate
+    assert torch.equal(out, out_base)
+    assert torch.equal(pool, pool_base)
+    if inactive:
+        assert torch.count_nonzero(out[torch.tensor(inactive, device="cuda")]) == 0
+    n_slots = pool.shape[0]
+    untouched = sorted(set(range(n_slots)) - {s for s in slots if 0 <= s < n_slots})
+    assert torch.equal(pool[untouched], before[untouched])
+    _assert_matches_oracle(case, out, pool, ref_out, ref_pool)
+
+
 @pytest.mark.parametrize("B", [1, 5, 37, 300])
 @pytest.mark.parametrize("ring", BULK_RINGS)
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -358,14 +372,8 @@ def test_bulk_ring_is_bitwise_the_register_path_and_leaves_unaddressed_rows_unto
     case = make_case(B, 12, state_dtype=state_dtype, n_slots=n_slots, slots=slots, seed=B * 16 + ring)
     before = case.pool.clone()
     ref_out, ref_pool = case.oracle()
-    (out_regs, pool_regs), (out_bulk, pool_bulk) = _register_path_then_bulk_ring(case, ring, monkeypatch)
-    assert torch.equal(out_bulk, out_regs)
-    assert torch.equal(pool_bulk, pool_regs)
-    if inactive:
-        assert torch.count_nonzero(out_bulk[torch.tensor(inactive, device="cuda")]) == 0
-    untouched = sorted(set(range(n_slots)) - {s for s in slots if 0 <= s < n_slots})
-    assert torch.equal(pool_bulk[untouched], before[untouched])
-    _assert_matches_oracle(case, out_bulk, pool_bulk, ref_out, ref_pool)
+    regs, bulk = _register_path_then_bulk_ring(case, ring, monkeypatch)
+    _assert_same_step(case, regs, bulk, slots, inactive, before, ref_out, ref_pool)
 
 
 @pytest.mark.parametrize("tile_v, ring", [(64, 4), (64, 8), (32, 2), (32, 4)])
@@ -378,14 +386,9 @@ def test_bulk_ring_smaller_tiles_are_bitwise_the_register_path(tile_v, ring, B, 
     case = make_case(B, 12, state_dtype=state_dtype, n_slots=n_slots, slots=slots, seed=B * 16 + ring + tile_v)
     before = case.pool.clone()
     ref_out, ref_pool = case.oracle()
-    (out_regs, pool_regs), (out_bulk, pool_bulk) = _register_path_then_bulk_ring(case, ring, monkeypatch,
-                                                                                tile_v=tile_v)
-    assert torch.equal(out_bulk, out_regs)
-    assert torch.equal(pool_bulk, pool_regs)
-    assert torch.count_nonzero(out_bulk[torch.tensor(inactive, device="cuda")]) == 0
-    untouched = sorted(set(range(n_slots)) - {s for s in slots if 0 <= s < n_slots})
-    assert torch.equal(pool_bulk[untouched], before[untouched])
-    _assert_matches_oracle(case, out_bulk, pool_bulk, ref_out, ref_pool)
+    assert inactive
+    regs, bulk = _register_path_then_bulk_ring(case, ring, monkeypatch, tile_v=tile_v)
+    _assert_same_step(case, regs, bulk, slots, inactive, before, ref_out, ref_pool)
 
 
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus", "precomputed"])
@@ -402,45 +405,58 @@ def test_bulk_ring_every_gate_on_a_padded_pool_is_bitwise_the_register_path(gate
     _assert_matches_oracle(case, out_bulk, pool_bulk, ref_out, ref_pool)
 
 
+@pytest.mark.parametrize("grid", ["batch_major", "slot_major"])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_bulk_ring_packed_entry_is_bitwise_the_unpacked_entry(state_dtype, monkeypatch, make_case):
-    case = make_case(37, 12, state_dtype=state_dtype, row_pad=24, seed=43)
-    (out_u, pool_u), (out_bulk_u, pool_bulk_u) = _register_path_then_bulk_ring(case, 8, monkeypatch)
-    (_, _), (out_bulk_p, pool_bulk_p) = _register_path_then_bulk_ring(case, 8, monkeypatch, decode=_decode_packed)
-    assert torch.equal(out_bulk_p, out_bulk_u) and torch.equal(out_bulk_p, out_u)
-    assert torch.equal(pool_bulk_p, pool_bulk_u) and torch.equal(pool_bulk_p, pool_u)
+def test_bulk_ring_packed_entry_is_bitwise_the_unpacked_entry(grid, state_dtype, monkeypatch, make_case):
+    """On either grid the packed entry's ring step is bitwise the unpacked entry's, and both are bitwise the
+    reference path's (the register path for the batch-major grid, the batch-major grid for the slot-major one)."""
+    pair = _register_path_then_bulk_ring if grid == "batch_major" else _batch_major_then_slot_major
+    case = make_case(37, 12, state_dtype=state_dtype, n_slots=40, row_pad=24, seed=43)
+    (out_ref, pool_ref), (out_u, pool_u) = pair(case, 8, monkeypatch)
+    (_, _), (out_p, pool_p) = pair(case, 8, monkeypatch, decode=_decode_packed)
+    assert torch.equal(out_p, out_u) and torch.equal(out_p, out_ref)
+    assert torch.equal(pool_p, pool_u) and torch.equal(pool_p, pool_ref)
 
 
+@pytest.mark.parametrize("grid", ["batch_major", "slot_major"])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_bulk_ring_all_inactive_batch_is_a_bitwise_noop_on_the_pool(state_dtype, monkeypatch, make_case):
+def test_bulk_ring_all_inactive_batch_is_a_bitwise_noop_on_the_pool(grid, state_dtype, monkeypatch, make_case):
     from kda_cute import decode_t1
 
     monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
     monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 8)
+    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", grid == "slot_major")
     case = make_case(4, 12, state_dtype=state_dtype, n_slots=5, slots=[-1, 5, INT_MIN, 2147483647])
     before = case.pool.clone()
-    out = _decode(case)
+    out = _decode(case, output=torch.full((4, 1, 12, 128), 7.0, dtype=torch.bfloat16, device="cuda"))
     assert torch.equal(case.pool, before)
     assert torch.count_nonzero(out) == 0
 
 
-def test_bulk_ring_cuda_graph_replay_follows_changed_inputs_and_indices(monkeypatch, make_case):
+# (grid, B, pool rows): the slot-major grid's rows change order and activity between replays, its grid does not
+GRAPH_GRIDS = [("batch_major", 16, 40), ("slot_major", 40, 44)]
+
+
+@pytest.mark.parametrize("grid, B, n_slots", GRAPH_GRIDS, ids=[g for g, _, _ in GRAPH_GRIDS])
+def test_bulk_ring_cuda_graph_replay_follows_changed_inputs_and_indices(grid, B, n_slots, monkeypatch, make_case):
     from kda_cute import decode_t1
 
     monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
     monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 4)
-    case = make_case(16, 12, n_slots=40, seed=47)
-    out = torch.empty(16, 1, 12, 128, dtype=torch.bfloat16, device="cuda")
+    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", grid == "slot_major")
+    case = make_case(B, 12, n_slots=n_slots, seed=47)
+    out = torch.empty(B, 1, 12, 128, dtype=torch.bfloat16, device="cuda")
     graph = _captured(_decode_packed, case, out)
     for step in range(3):
-        slots, inactive = _bulk_slots(16, 40, seed=300 + step)
-        _load_step(case, make_case(16, 12, n_slots=40, slots=slots, seed=300 + step))
+        slots, inactive = _bulk_slots(B, n_slots, seed=300 + step)
+        _load_step(case, make_case(B, 12, n_slots=n_slots, slots=slots, seed=300 + step))
+        out.fill_(7.0)
         before = case.pool.clone()
         ref_out, ref_pool = case.oracle()
         graph.replay()
         torch.cuda.synchronize()
         assert torch.count_nonzero(out[torch.tensor(inactive, device="cuda")]) == 0
-        untouched = sorted(set(range(40)) - {s for s in slots if 0 <= s < 40})
+        untouched = sorted(set(range(n_slots)) - {s for s in slots if 0 <= s < n_slots})
         assert torch.equal(case.pool[untouched], before[untouched])
         _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
 
@@ -490,14 +506,8 @@ def test_slot_major_is_bitwise_the_batch_major_grid_and_leaves_unaddressed_rows_
     case = make_case(B, 12, state_dtype=state_dtype, n_slots=n_slots, slots=slots, seed=B * 16 + ring)
     before = case.pool.clone()
     ref_out, ref_pool = case.oracle()
-    (out_batch, pool_batch), (out_slot, pool_slot) = _batch_major_then_slot_major(case, ring, monkeypatch)
-    assert torch.equal(out_slot, out_batch)
-    assert torch.equal(pool_slot, pool_batch)
-    if inactive:
-        assert torch.count_nonzero(out_slot[torch.tensor(inactive, device="cuda")]) == 0
-    untouched = sorted(set(range(n_slots)) - {s for s in slots if 0 <= s < n_slots})
-    assert torch.equal(pool_slot[untouched], before[untouched])
-    _assert_matches_oracle(case, out_slot, pool_slot, ref_out, ref_pool)
+    batch_major, slot_major = _batch_major_then_slot_major(case, ring, monkeypatch)
+    _assert_same_step(case, batch_major, slot_major, slots, inactive, before, ref_out, ref_pool)
 
 
 @pytest.mark.parametrize("B", [6, 1030])
@@ -522,51 +532,6 @@ def test_slot_major_duplicate_slots_update_the_first_row_and_zero_the_others(B, 
     out = _decode(case, output=torch.full((B, 1, 12, 128), 7.0, dtype=torch.bfloat16, device="cuda"))
     assert torch.count_nonzero(out[list(dupes)]) == 0
     _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
-
-
-@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_slot_major_packed_entry_is_bitwise_the_unpacked_entry(state_dtype, monkeypatch, make_case):
-    case = make_case(37, 12, state_dtype=state_dtype, n_slots=40, row_pad=24, seed=59)
-    (out_u, pool_u), (out_su, pool_su) = _batch_major_then_slot_major(case, 8, monkeypatch)
-    (_, _), (out_sp, pool_sp) = _batch_major_then_slot_major(case, 8, monkeypatch, decode=_decode_packed)
-    assert torch.equal(out_sp, out_su) and torch.equal(out_sp, out_u)
-    assert torch.equal(pool_sp, pool_su) and torch.equal(pool_sp, pool_u)
-
-
-@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_slot_major_all_inactive_batch_is_a_bitwise_noop_on_the_pool(state_dtype, monkeypatch, make_case):
-    from kda_cute import decode_t1
-
-    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
-    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", True)
-    case = make_case(4, 12, state_dtype=state_dtype, n_slots=5, slots=[-1, 5, INT_MIN, 2147483647])
-    before = case.pool.clone()
-    out = _decode(case, output=torch.full((4, 1, 12, 128), 7.0, dtype=torch.bfloat16, device="cuda"))
-    assert torch.equal(case.pool, before)
-    assert torch.count_nonzero(out) == 0
-
-
-def test_slot_major_cuda_graph_replay_follows_changed_inputs_and_indices(monkeypatch, make_case):
-    """The rows' order and the inactive rows change between replays; the grid (pool rows + the row CTAs) does not."""
-    from kda_cute import decode_t1
-
-    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
-    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", True)
-    case = make_case(40, 12, n_slots=44, seed=61)
-    out = torch.empty(40, 1, 12, 128, dtype=torch.bfloat16, device="cuda")
-    graph = _captured(_decode_packed, case, out)
-    for step in range(3):
-        slots, inactive = _bulk_slots(40, 44, seed=400 + step)
-        _load_step(case, make_case(40, 12, n_slots=44, slots=slots, seed=400 + step))
-        out.fill_(7.0)
-        before = case.pool.clone()
-        ref_out, ref_pool = case.oracle()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.count_nonzero(out[torch.tensor(inactive, device="cuda")]) == 0
-        untouched = sorted(set(range(44)) - {s for s in slots if 0 <= s < 44})
-        assert torch.equal(case.pool[untouched], before[untouched])
-        _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
 
 
 def test_schedule_takes_slot_major_where_the_pool_is_at_most_the_policy_factor_of_the_batch(make_case):
