@@ -154,11 +154,16 @@ GRID_Z_MAX = 65535  # CUDA's limit on gridDim.z
 SCAN_UNROLL = 8  # slot indices each thread of a slot-major CTA loads at once (1024 rows per pass of the CTA)
 
 
+def slot_major_compiles(tile_v: int, aligned: bool) -> bool:
+    """The slot-major grid's compile-time conditions: tile 128 (a CTA owns its head's whole state and output row)
+    and the aligned variant (16-byte zero stores of the rows it answers for)."""
+    return tile_v == HEAD_DIM and bool(aligned)
+
+
 def slot_major_for(tile_v: int, aligned: bool, B: int, N: int | None, requested: bool) -> bool:
-    """Whether a slot-major grid may run: requested, tile 128 (a CTA owns its head's whole state row and output row),
-    the aligned variant (16-byte zero stores of the rows it answers for) and a grid of N + ceil(B / 128) CTAs per
-    head within CUDA's gridDim.z."""
-    return bool(requested and tile_v == HEAD_DIM and aligned and N is not None
+    """Whether a slot-major grid may run: requested, :func:`slot_major_compiles`, and a grid of N + ceil(B / 128)
+    CTAs per head within CUDA's gridDim.z."""
+    return bool(requested and slot_major_compiles(tile_v, aligned) and N is not None
                 and N + -(-B // THREADS) <= GRID_Z_MAX)
 
 
@@ -264,7 +269,7 @@ class KDADecodeT1:
         self.bulk_ring = bulk_ring_for(tile_v, state_dtype.width // 8, aligned, bulk_ring)
         if self.bulk_ring:
             self.smem_stage = False
-        self.slot_major = slot_major and tile_v == HEAD_DIM and aligned  # slot_major_for's static part
+        self.slot_major = bool(slot_major) and slot_major_compiles(tile_v, aligned)
 
     def _copy_bits(self, dtype, n: int) -> int:
         return min(n * dtype.width, 128) if self.aligned else dtype.width
@@ -366,11 +371,9 @@ class KDADecodeT1:
             sScan[0, warp] = first
             sScan[1, warp] = last
         cute.arch.sync_threads()
-        for w in cutlass.range_constexpr(1, THREADS // 32):
+        for w in cutlass.range_constexpr(THREADS // 32):  # this warp's own value among them
             first = cutlass.min(first, sScan[0, w])
             last = cutlass.max(last, sScan[1, w])
-        first = cutlass.min(first, sScan[0, 0])
-        last = cutlass.max(last, sScan[1, 0])
         return first, last
 
     @cute.jit
@@ -396,7 +399,7 @@ class KDADecodeT1:
             for o in cutlass.range((B + THREADS - 1) // THREADS):
                 row = o * THREADS + tidx
                 if (row < B) & (row != first):
-                    if mSlot[cutlass.min(row, B - 1)] == z:
+                    if mSlot[row] == z:
                         self.zero_output_row(mOut, row, h)
         if z >= n_slots:
             row = (z - n_slots) * THREADS + tidx
@@ -732,7 +735,7 @@ def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk
     bulk_ring = bulk_ring_for(tile_v, state_dtype.itemsize, aligned, bulk_ring)
     if bulk_ring:
         smem_stage, rows_in_flight, cache_hint = False, 0, "stream"
-    slot_major = bool(slot_major and tile_v == HEAD_DIM and aligned)
+    slot_major = bool(slot_major) and slot_major_compiles(tile_v, aligned)
     return (state_dtype, g_dtype, beta_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm), bool(has_dt_bias),
             int(tile_v), bool(aligned), bool(smem_stage), int(rows_in_flight), str(cache_hint), int(bulk_ring),
             slot_major, bool(packed))
