@@ -195,8 +195,12 @@ def write_json(path, records) -> None:
 
 
 def write_plot(path, records, *, x: str, series: dict[str, str], title: str, ylabel: str, logx=True, logy=True,
-               group: str | None = None) -> None:
-    """Line plot of ``records`` (list of dicts): one line per (series label -> key) and per ``group`` value."""
+               group: str | None = None, shared: tuple[str, ...] = ()) -> None:
+    """Line plot of ``records`` (list of dicts): one line per (series label -> key) and per ``group`` value.
+
+    One colour per group value and one line style per series, so a legend of many lines stays readable; series
+    named in ``shared`` do not depend on the group (e.g. FLA's time against our fold rate) and are drawn once, in
+    black, from the first group that has them."""
     try:
         import matplotlib
 
@@ -205,15 +209,28 @@ def write_plot(path, records, *, x: str, series: dict[str, str], title: str, yla
     except ImportError:
         print(f"[timing] matplotlib missing: no plot written to {path}")
         return
-    groups = sorted({r.get(group) for r in records}, key=str) if group else [None]
+
+    def order(v):
+        return (0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v))
+
+    groups = sorted({r.get(group) for r in records}, key=order) if group else [None]
+    colours = plt.get_cmap("tab10").colors
+    styles = ("-", "--", ":", "-.")
     fig, ax = plt.subplots(figsize=(8, 5))
-    for gval in groups:
+    drawn = set()
+    for gi, gval in enumerate(groups):
         rows = sorted((r for r in records if group is None or r.get(group) == gval), key=lambda r: r[x])
-        for label, key in series.items():
+        for si, (label, key) in enumerate(series.items()):
             pts = [(r[x], r[key]) for r in rows if r.get(key) is not None]
-            if pts:
-                suffix = f" ({group}={gval})" if group else ""
-                ax.plot(*zip(*pts), marker="o", label=label + suffix)
+            if not pts or label in drawn:
+                continue
+            if label in shared:
+                drawn.add(label)
+                ax.plot(*zip(*pts), marker="s", color="black", linestyle=styles[si % len(styles)], label=label)
+                continue
+            suffix = f" ({group}={gval})" if group else ""
+            ax.plot(*zip(*pts), marker="o", markersize=4, color=colours[gi % len(colours)],
+                    linestyle=styles[si % len(styles)], label=label + suffix)
     if logx:
         ax.set_xscale("log", base=2)
     if logy:

@@ -267,7 +267,7 @@ def main(argv=None):
         _timing.write_plot(args.plot, records, x="B", series={"ours": "ours_us", "FLA per-token": "fla_spec_us",
                                                                "copy": "copy_us"},
                            title=f"KDA ucache verify+flush, T={T}, w_ring={w_ring}, H={H}, {_timing.gpu_name()}",
-                           ylabel="us (CUDA-graph replay)", group="fold_pct")
+                           ylabel="us (CUDA-graph replay)", group="fold_pct", shared=("FLA per-token",))
     return records
 
 
