@@ -40,6 +40,7 @@ from kda_core.contracts import default_flush_min, max_hist_len
 from kda_cute import ucache
 spec = importlib.util.spec_from_file_location("tu", "packages/kda-cute/tests/test_ucache.py")
 tu = importlib.util.module_from_spec(spec)
+sys.modules["tu"] = tu  # the module's dataclass looks itself up there
 spec.loader.exec_module(tu)
 quick = "quick" in sys.argv
 cases = {
