@@ -29,7 +29,7 @@ esac
 
 # compute-sanitizer over small steps that reach every build and every bounds path (inactive and out-of-range
 # slots, a padded and offset pool, a misaligned pool, T=4 and w_ring 32, the softplus gate with the fallback vote,
-# the 4-CTA build, the cursor restart kernel): memcheck on all of them, racecheck (shared memory) on three builds.
+# the 4-CTA build, the cursor restart kernel), under memcheck and racecheck (shared memory) alike.
 write_sanitizer_case() {
   cat > "$OUT/ucache_sanitizer_case.py" <<'PY'
 import importlib.util
@@ -42,7 +42,6 @@ spec = importlib.util.spec_from_file_location("tu", "packages/kda-cute/tests/tes
 tu = importlib.util.module_from_spec(spec)
 sys.modules["tu"] = tu  # the module's dataclass looks itself up there
 spec.loader.exec_module(tu)
-quick = "quick" in sys.argv
 cases = {
     "inactive-rows-tile64": (lambda: tu.make_step(6, 8, 8, n_slots=10, slots=[-1, 3, 10, -7, 5, 110], hist=9, seed=13), {}),
     "inactive-rows-tile128": (lambda: tu.make_step(6, 8, 8, n_slots=10, slots=[-1, 3, 10, -7, 5, 110], hist=9, seed=13),
@@ -58,8 +57,6 @@ cases = {
     "four-ctas-build": (lambda: tu.make_step(8, 8, 8, seed=3), dict(tile_v=128, min_blocks=4)),
     "restart-cursors": (lambda: tu.make_step(8, 8, 8, seed=4), dict(tile_v=128, restart=True)),
 }
-if quick:
-    cases = {n: cases[n] for n in ("inactive-rows-tile128", "T4-w32", "four-ctas-build")}
 for name, (make, kw) in cases.items():
     kw = dict(kw)
     ucache._FORCE_MIN_BLOCKS = kw.pop("min_blocks", 0)
@@ -80,7 +77,7 @@ esac
 case " $stages " in *" racecheck "*)
   write_sanitizer_case
   run ucache_racecheck compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 1 "$py" \
-      "$OUT/ucache_sanitizer_case.py" quick ;;
+      "$OUT/ucache_sanitizer_case.py" ;;
 esac
 
 bench=benchmarks/bench_kda_ucache_flush.py
