@@ -68,17 +68,13 @@ torch.cuda.synchronize()
 PY
 }
 
-case " $stages " in *" memcheck "*)
-  write_sanitizer_case
-  run ucache_memcheck compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 "$py" \
-      "$OUT/ucache_sanitizer_case.py" ;;
-esac
-
-case " $stages " in *" racecheck "*)
-  write_sanitizer_case
-  run ucache_racecheck compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 1 "$py" \
-      "$OUT/ucache_sanitizer_case.py" ;;
-esac
+for tool in memcheck racecheck; do
+  case " $stages " in *" $tool "*)
+    write_sanitizer_case
+    run "ucache_$tool" compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 1 "$py" \
+        "$OUT/ucache_sanitizer_case.py" ;;
+  esac
+done
 
 bench=benchmarks/bench_kda_ucache_flush.py
 case " $stages " in *" bench "*)
