@@ -5,7 +5,9 @@ fold get P = flush_min, the others P uniform in [0, flush_min) or, with ``--veri
 check the kernel against the kda-core oracle (B <= --check-max-batch), then time on CUDA-graph replay, with the same
 timer: ours (``kda_delta_rule_mtp_ucache_flush``, ``w_ring`` passed explicitly), FLA 0.6.0
 ``fused_recurrent_kda_fwd`` with 2-D ``ssm_state_indices`` [B, T] and ``num_accepted_tokens`` (one state write per
-draft token) for the same T and B, and a device-to-device copy of the bytes our kernel must move.
+draft token) for the same T and B, and a device-to-device copy of the bytes our kernel must move. FLA's state pool is
+bf16 like our checkpoint pool (``fla_spec_us``); ``--fla-state-dtype bf16 fp32`` also times it with fp32 per-token
+states (``fla_spec_fp32_us``: 2x the state bytes, and no bf16 rounding of the state after every draft token).
 
     python benchmarks/bench_kda_ucache_flush.py --t 8 --w-ring 16 --batch-size 1 64 512 --fold-pct 0 100 \
         --json out.json --plot out.png
@@ -57,6 +59,8 @@ def parse_args(argv=None):
                    help="resident-CTA floors asked of ptxas (0 = the kernel's table; sets _FORCE_MIN_BLOCKS)")
     p.add_argument("--cold-l2", action="store_true", help="flush the L2 (256 MiB write) before every iteration")
     p.add_argument("--no-fla", action="store_true", help="skip FLA (e.g. fla-core missing)")
+    p.add_argument("--fla-state-dtype", nargs="+", choices=["bf16", "fp32"], default=["bf16"],
+                   help="dtype(s) of FLA's per-token state pool (bf16: as our checkpoint pool)")
     p.add_argument("--check-max-batch", type=int, default=64, help="oracle check for B up to this (0 = never)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iterations", type=int, default=100)
@@ -130,12 +134,17 @@ def ours_fn(x, w_ring, flush_min, restart, out, tile_v=0):
     return call
 
 
-def fla_spec_fn(x, B, T, H):
+FLA_STATE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+FLA_KEYS = {"bf16": "fla", "fp32": "fla_fp32"}  # timing keys; records: fla_spec_us, fla_spec_fp32_us
+
+
+def fla_spec_fn(x, B, T, H, state_dtype="bf16"):
     """FLA's per-token checkpoints: read slot idx[b, accepted-1], write a state after every draft token."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     gen = torch.Generator(device="cuda").manual_seed(B)
-    pool = (torch.randn(B * T, H, HEAD_DIM, HEAD_DIM, generator=gen, device="cuda") * 0.1).bfloat16()
+    pool = (torch.randn(B * T, H, HEAD_DIM, HEAD_DIM, generator=gen, device="cuda") * 0.1).to(
+        FLA_STATE_DTYPES[state_dtype])
     idx = torch.randperm(B * T, generator=gen, device="cuda").to(torch.int32).view(B, T)
     accepted = torch.randint(1, T + 1, (B,), generator=gen, device="cuda").to(torch.int32)
     out = torch.empty_like(x["v"])
@@ -214,7 +223,7 @@ def main(argv=None):
     total = len(args.batch_size) * len(args.fold_pct) * len(schedules)
     done = 0
     for B in args.batch_size:
-        fla_us = None
+        fla_us = {}  # timing key -> us, once per B
         for fold_pct in args.fold_pct:
             for tile_v, variant, min_blocks in schedules:
                 ucache._FORCE_FOUR_CTAS = {"default": None, "r2": False, "four_ctas": True}[variant]
@@ -228,33 +237,40 @@ def main(argv=None):
                 out = torch.empty_like(x["v"])
                 calls = {"ours": ours_fn(x, w_ring, flush_min, bool(args.restart_hist_on_flush), out, tile_v),
                          "copy": _timing.copy_roofline(nbytes)}
-                if with_fla and fla_us is None:  # FLA's cost does not depend on our fold rate: once per B
+                for dtype in args.fla_state_dtype if with_fla and not fla_us else ():
+                    # FLA's cost does not depend on our fold rate: once per B
                     try:
-                        fla_call = fla_spec_fn(x, B, T, H)
+                        fla_call = fla_spec_fn(x, B, T, H, dtype)
                         fla_call()  # a failing FLA build must not cost the rest of the sweep
-                        calls["fla"] = fla_call
+                        calls[FLA_KEYS[dtype]] = fla_call
                     except Exception as err:
-                        print(f"FLA spec decode failed ({type(err).__name__}: {err}); timing ours and the copy only")
+                        print(f"FLA spec decode ({dtype} states) failed ({type(err).__name__}: {err}); "
+                              "timing ours and the copy only")
                         with_fla = False
+                        break
                 graphs = {name: _timing.graph_of(fn) for name, fn in calls.items()}
                 times = {name: _timing.median(timer.time(fn, iterations=args.iterations, warmup=args.warmup,
                                                          flush=flush))
                          for name, fn in graphs.items()}
-                fla_us = times.get("fla", fla_us)
+                fla_us = fla_us or {k: v for k, v in times.items() if k.startswith("fla")}
                 rec = dict(B=B, T=T, H=H, w_ring=w_ring, flush_min=flush_min, fold_pct=fold_pct, tile_v=used_tile,
                            tile_v_forced=tile_v, variant=variant, min_blocks_forced=min_blocks,
                            mean_hist_len=float(x["hist_len"].float().mean()), verify_hist=args.verify_hist,
                            restart_hist_on_flush=bool(args.restart_hist_on_flush), cold_l2=args.cold_l2,
-                           timer=timer.backend, ours_us=times["ours"], fla_spec_us=fla_us, copy_us=times["copy"],
-                           moved_bytes=nbytes, ours_TBps=nbytes / times["ours"] / 1e6,
+                           timer=timer.backend, ours_us=times["ours"], fla_spec_us=fla_us.get("fla"),
+                           copy_us=times["copy"], moved_bytes=nbytes, ours_TBps=nbytes / times["ours"] / 1e6,
                            copy_TBps=nbytes / times["copy"] / 1e6, gpu=_timing.gpu_name())  # fmt: skip
                 if check is not None:
                     rec["check_out_err"], rec["check_state_err"] = check
-                if fla_us:
-                    rec["speedup_vs_fla"] = fla_us / times["ours"]
+                if "fla" in fla_us:
+                    rec["speedup_vs_fla"] = fla_us["fla"] / times["ours"]
+                if "fla_fp32" in fla_us:
+                    rec["fla_spec_fp32_us"] = fla_us["fla_fp32"]
+                    rec["speedup_vs_fla_fp32"] = fla_us["fla_fp32"] / times["ours"]
                 records.append(rec)
                 done += 1
-                fla_txt = f"fla {fla_us:8.2f} us ({rec['speedup_vs_fla']:.1f}x)  " if fla_us else ""
+                fla_txt = "".join(f"{k.replace('_', ' ')} {v:8.2f} us ({v / times['ours']:.1f}x)  "
+                                  for k, v in fla_us.items())
                 print(f"[{done}/{total}] T={T} w={w_ring} B={B:4d} fold={fold_pct:3d}% tile {used_tile:3d} "
                       f"{variant}{f' min-blocks {min_blocks}' if min_blocks else ''}  "
                       f"ours {times['ours']:8.2f} us "
@@ -264,10 +280,10 @@ def main(argv=None):
     if args.json:
         _timing.write_json(args.json, records)
     if args.plot:
-        _timing.write_plot(args.plot, records, x="B", series={"ours": "ours_us", "FLA per-token": "fla_spec_us",
-                                                               "copy": "copy_us"},
+        fla = {"FLA per-token, bf16 states": "fla_spec_us", "FLA per-token, fp32 states": "fla_spec_fp32_us"}
+        _timing.write_plot(args.plot, records, x="B", series={"ours": "ours_us", "copy": "copy_us", **fla},
                            title=f"KDA ucache verify+flush, T={T}, w_ring={w_ring}, H={H}, {_timing.gpu_name()}",
-                           ylabel="us (CUDA-graph replay)", group="fold_pct", shared=("FLA per-token",))
+                           ylabel="us (CUDA-graph replay)", group="fold_pct", shared=tuple(fla))
     return records
 
 
