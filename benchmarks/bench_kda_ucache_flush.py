@@ -59,7 +59,7 @@ def parse_args(argv=None):
                    help="resident-CTA floors asked of ptxas (0 = the kernel's table; sets _FORCE_MIN_BLOCKS)")
     p.add_argument("--cold-l2", action="store_true", help="flush the L2 (256 MiB write) before every iteration")
     p.add_argument("--no-fla", action="store_true", help="skip FLA (e.g. fla-core missing)")
-    p.add_argument("--fla-state-dtype", nargs="+", choices=["bf16", "fp32"], default=["bf16"],
+    p.add_argument("--fla-state-dtype", nargs="+", choices=list(FLA_STATES), default=["bf16"],
                    help="dtype(s) of FLA's per-token state pool (bf16: as our checkpoint pool)")
     p.add_argument("--check-max-batch", type=int, default=64, help="oracle check for B up to this (0 = never)")
     p.add_argument("--warmup", type=int, default=10)
@@ -134,8 +134,11 @@ def ours_fn(x, w_ring, flush_min, restart, out, tile_v=0):
     return call
 
 
-FLA_STATE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-FLA_KEYS = {"bf16": "fla", "fp32": "fla_fp32"}  # timing keys; records: fla_spec_us, fla_spec_fp32_us
+# --fla-state-dtype -> (FLA's state pool dtype, the record's time field, its speedup field)
+FLA_STATES = {
+    "bf16": (torch.bfloat16, "fla_spec_us", "speedup_vs_fla"),
+    "fp32": (torch.float32, "fla_spec_fp32_us", "speedup_vs_fla_fp32"),
+}
 
 
 def fla_spec_fn(x, B, T, H, state_dtype="bf16"):
@@ -144,7 +147,7 @@ def fla_spec_fn(x, B, T, H, state_dtype="bf16"):
 
     gen = torch.Generator(device="cuda").manual_seed(B)
     pool = (torch.randn(B * T, H, HEAD_DIM, HEAD_DIM, generator=gen, device="cuda") * 0.1).to(
-        FLA_STATE_DTYPES[state_dtype])
+        FLA_STATES[state_dtype][0])
     idx = torch.randperm(B * T, generator=gen, device="cuda").to(torch.int32).view(B, T)
     accepted = torch.randint(1, T + 1, (B,), generator=gen, device="cuda").to(torch.int32)
     out = torch.empty_like(x["v"])
@@ -223,7 +226,7 @@ def main(argv=None):
     total = len(args.batch_size) * len(args.fold_pct) * len(schedules)
     done = 0
     for B in args.batch_size:
-        fla_us = {}  # timing key -> us, once per B
+        fla_us = {}  # --fla-state-dtype -> us, once per B
         for fold_pct in args.fold_pct:
             for tile_v, variant, min_blocks in schedules:
                 ucache._FORCE_FOUR_CTAS = {"default": None, "r2": False, "four_ctas": True}[variant]
@@ -242,35 +245,32 @@ def main(argv=None):
                     try:
                         fla_call = fla_spec_fn(x, B, T, H, dtype)
                         fla_call()  # a failing FLA build must not cost the rest of the sweep
-                        calls[FLA_KEYS[dtype]] = fla_call
+                        calls[f"fla {dtype}"] = fla_call
                     except Exception as err:
                         print(f"FLA spec decode ({dtype} states) failed ({type(err).__name__}: {err}); "
-                              "timing ours and the copy only")
+                              "no further FLA timing")
                         with_fla = False
                         break
                 graphs = {name: _timing.graph_of(fn) for name, fn in calls.items()}
                 times = {name: _timing.median(timer.time(fn, iterations=args.iterations, warmup=args.warmup,
                                                          flush=flush))
                          for name, fn in graphs.items()}
-                fla_us = fla_us or {k: v for k, v in times.items() if k.startswith("fla")}
+                fla_us = fla_us or {k.split()[1]: v for k, v in times.items() if k.startswith("fla ")}
                 rec = dict(B=B, T=T, H=H, w_ring=w_ring, flush_min=flush_min, fold_pct=fold_pct, tile_v=used_tile,
                            tile_v_forced=tile_v, variant=variant, min_blocks_forced=min_blocks,
                            mean_hist_len=float(x["hist_len"].float().mean()), verify_hist=args.verify_hist,
                            restart_hist_on_flush=bool(args.restart_hist_on_flush), cold_l2=args.cold_l2,
-                           timer=timer.backend, ours_us=times["ours"], fla_spec_us=fla_us.get("fla"),
+                           timer=timer.backend, ours_us=times["ours"], fla_spec_us=None,
                            copy_us=times["copy"], moved_bytes=nbytes, ours_TBps=nbytes / times["ours"] / 1e6,
                            copy_TBps=nbytes / times["copy"] / 1e6, gpu=_timing.gpu_name())  # fmt: skip
                 if check is not None:
                     rec["check_out_err"], rec["check_state_err"] = check
-                if "fla" in fla_us:
-                    rec["speedup_vs_fla"] = fla_us["fla"] / times["ours"]
-                if "fla_fp32" in fla_us:
-                    rec["fla_spec_fp32_us"] = fla_us["fla_fp32"]
-                    rec["speedup_vs_fla_fp32"] = fla_us["fla_fp32"] / times["ours"]
+                for dtype, us in fla_us.items():
+                    _, us_field, speedup_field = FLA_STATES[dtype]
+                    rec[us_field], rec[speedup_field] = us, us / times["ours"]
                 records.append(rec)
                 done += 1
-                fla_txt = "".join(f"{k.replace('_', ' ')} {v:8.2f} us ({v / times['ours']:.1f}x)  "
-                                  for k, v in fla_us.items())
+                fla_txt = "".join(f"fla {k} {v:8.2f} us ({v / times['ours']:.1f}x)  " for k, v in fla_us.items())
                 print(f"[{done}/{total}] T={T} w={w_ring} B={B:4d} fold={fold_pct:3d}% tile {used_tile:3d} "
                       f"{variant}{f' min-blocks {min_blocks}' if min_blocks else ''}  "
                       f"ours {times['ours']:8.2f} us "
