@@ -5,9 +5,12 @@ fold get P = flush_min, the others P uniform in [0, flush_min) or, with ``--veri
 check the kernel against the kda-core oracle (B <= --check-max-batch), then time on CUDA-graph replay, with the same
 timer: ours (``kda_delta_rule_mtp_ucache_flush``, ``w_ring`` passed explicitly), FLA 0.6.0
 ``fused_recurrent_kda_fwd`` with 2-D ``ssm_state_indices`` [B, T] and ``num_accepted_tokens`` (one state write per
-draft token) for the same T and B, and a device-to-device copy of the bytes our kernel must move. FLA's state pool is
-bf16 like our checkpoint pool (``fla_spec_us``); ``--fla-state-dtype bf16 fp32`` also times it with fp32 per-token
-states (``fla_spec_fp32_us``: 2x the state bytes, and no bf16 rounding of the state after every draft token).
+draft token) for the same T and B, and a device-to-device copy of the bytes our kernel must move. ``--fla-form`` picks
+FLA's call forms (``FLA_FORMS``); the default ``bf16`` is our pool's form, V-first [.., V, K] bf16 states with [B, T]
+inputs (``fla_spec_us``); ``fp32`` the same with fp32 per-token states (``fla_spec_fp32_us``: 2x the state bytes);
+``kfirst`` FLA's default state layout [.., K, V] (bf16) with flattened inputs and ``cu_seqlens`` as vLLM passes them
+(``fla_spec_kfirst_us``): the form whose times match DESIGN §7's FLA anchors (169 / 1410 us at T=8, B=64 / 512; 90 /
+740 at T=4) within 1% on the H200 (``benchmarks/fla_spec_forms.py``, ``results/fla_spec_forms_h200.json``).
 
     python benchmarks/bench_kda_ucache_flush.py --t 8 --w-ring 16 --batch-size 1 64 512 --fold-pct 0 100 \
         --json out.json --plot out.png
@@ -59,8 +62,8 @@ def parse_args(argv=None):
                    help="resident-CTA floors asked of ptxas (0 = the kernel's table; sets _FORCE_MIN_BLOCKS)")
     p.add_argument("--cold-l2", action="store_true", help="flush the L2 (256 MiB write) before every iteration")
     p.add_argument("--no-fla", action="store_true", help="skip FLA (e.g. fla-core missing)")
-    p.add_argument("--fla-state-dtype", nargs="+", choices=list(FLA_STATES), default=["bf16"],
-                   help="dtype(s) of FLA's per-token state pool (bf16: as our checkpoint pool)")
+    p.add_argument("--fla-form", nargs="+", choices=list(FLA_FORMS), default=["bf16"],
+                   help="FLA's call forms (FLA_FORMS; bf16: our checkpoint pool's layout and dtype)")
     p.add_argument("--check-max-batch", type=int, default=64, help="oracle check for B up to this (0 = never)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iterations", type=int, default=100)
@@ -134,28 +137,35 @@ def ours_fn(x, w_ring, flush_min, restart, out, tile_v=0):
     return call
 
 
-# --fla-state-dtype -> (FLA's state pool dtype, the record's time field, its speedup field)
-FLA_STATES = {
-    "bf16": (torch.bfloat16, "fla_spec_us", "speedup_vs_fla"),
-    "fp32": (torch.float32, "fla_spec_fp32_us", "speedup_vs_fla_fp32"),
+# --fla-form -> (FLA's state pool dtype, V-first states, flattened inputs with cu_seqlens, the record's time field,
+# its speedup field). kfirst is FLA 0.6.0's default state layout; fla_spec_forms.py times all eight combinations.
+FLA_FORMS = {
+    "bf16": (torch.bfloat16, True, False, "fla_spec_us", "speedup_vs_fla"),
+    "fp32": (torch.float32, True, False, "fla_spec_fp32_us", "speedup_vs_fla_fp32"),
+    "kfirst": (torch.bfloat16, False, True, "fla_spec_kfirst_us", "speedup_vs_fla_kfirst"),
 }
 
 
-def fla_spec_fn(x, B, T, H, state_dtype="bf16"):
+def fla_spec_fn(x, B, T, H, form="bf16"):
     """FLA's per-token checkpoints: read slot idx[b, accepted-1], write a state after every draft token."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
+    dtype, v_first, varlen = FLA_FORMS[form][:3]
     gen = torch.Generator(device="cuda").manual_seed(B)
-    pool = (torch.randn(B * T, H, HEAD_DIM, HEAD_DIM, generator=gen, device="cuda") * 0.1).to(
-        FLA_STATES[state_dtype][0])
+    pool = (torch.randn(B * T, H, HEAD_DIM, HEAD_DIM, generator=gen, device="cuda") * 0.1).to(dtype)
     idx = torch.randperm(B * T, generator=gen, device="cuda").to(torch.int32).view(B, T)
     accepted = torch.randint(1, T + 1, (B,), generator=gen, device="cuda").to(torch.int32)
-    out = torch.empty_like(x["v"])
+    q, k, v, g, b = x["q"], x["k"], x["v"], x["g"], x["b"]
+    cu = None
+    if varlen:
+        q, k, v, g, b = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, b))
+        cu = torch.arange(0, B * T + 1, T, device="cuda", dtype=torch.long)
+    out = torch.empty_like(v)
 
     def call():
         fused_recurrent_kda_fwd(
-            x["q"], x["k"], x["v"], x["g"], x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"], initial_state=pool,
-            inplace_final_state=True, state_v_first=True, ssm_state_indices=idx, num_accepted_tokens=accepted,
+            q, k, v, g, b, A_log=x["A_log"], dt_bias=x["dt_bias"], initial_state=pool, inplace_final_state=True,
+            state_v_first=v_first, cu_seqlens=cu, ssm_state_indices=idx, num_accepted_tokens=accepted,
             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
             lower_bound=LOWER_BOUND, out=out,
         )  # fmt: skip
@@ -226,7 +236,7 @@ def main(argv=None):
     total = len(args.batch_size) * len(args.fold_pct) * len(schedules)
     done = 0
     for B in args.batch_size:
-        fla_us = {}  # --fla-state-dtype -> us, once per B
+        fla_us = {}  # --fla-form -> us, once per B
         for fold_pct in args.fold_pct:
             for tile_v, variant, min_blocks in schedules:
                 ucache._FORCE_FOUR_CTAS = {"default": None, "r2": False, "four_ctas": True}[variant]
@@ -240,14 +250,14 @@ def main(argv=None):
                 out = torch.empty_like(x["v"])
                 calls = {"ours": ours_fn(x, w_ring, flush_min, bool(args.restart_hist_on_flush), out, tile_v),
                          "copy": _timing.copy_roofline(nbytes)}
-                for dtype in args.fla_state_dtype if with_fla and not fla_us else ():
+                for form in args.fla_form if with_fla and not fla_us else ():
                     # FLA's cost does not depend on our fold rate: once per B
                     try:
-                        fla_call = fla_spec_fn(x, B, T, H, dtype)
+                        fla_call = fla_spec_fn(x, B, T, H, form)
                         fla_call()  # a failing FLA build must not cost the rest of the sweep
-                        calls[f"fla {dtype}"] = fla_call
+                        calls[f"fla {form}"] = fla_call
                     except Exception as err:
-                        print(f"FLA spec decode ({dtype} states) failed ({type(err).__name__}: {err}); "
+                        print(f"FLA spec decode ({form}) failed ({type(err).__name__}: {err}); "
                               "no further FLA timing")
                         with_fla = False
                         break
@@ -265,8 +275,8 @@ def main(argv=None):
                            copy_TBps=nbytes / times["copy"] / 1e6, gpu=_timing.gpu_name())  # fmt: skip
                 if check is not None:
                     rec["check_out_err"], rec["check_state_err"] = check
-                for dtype, us in fla_us.items():
-                    _, us_field, speedup_field = FLA_STATES[dtype]
+                for form, us in fla_us.items():
+                    us_field, speedup_field = FLA_FORMS[form][3:]
                     rec[us_field], rec[speedup_field] = us, us / times["ours"]
                 records.append(rec)
                 done += 1
@@ -280,7 +290,8 @@ def main(argv=None):
     if args.json:
         _timing.write_json(args.json, records)
     if args.plot:
-        fla = {"FLA per-token, bf16 states": "fla_spec_us", "FLA per-token, fp32 states": "fla_spec_fp32_us"}
+        fla = {"FLA per-token, bf16 states": "fla_spec_us", "FLA per-token, fp32 states": "fla_spec_fp32_us",
+               "FLA per-token, K-first bf16 (FLA's default layout)": "fla_spec_kfirst_us"}
         _timing.write_plot(args.plot, records, x="B", series={"ours": "ours_us", "copy": "copy_us", **fla},
                            title=f"KDA ucache verify+flush, T={T}, w_ring={w_ring}, H={H}, {_timing.gpu_name()}",
                            ylabel="us (CUDA-graph replay)", group="fold_pct", shared=tuple(fla))

@@ -3,7 +3,8 @@
 # T=4 and w_ring 32 on fewer points). Run from the repository root after `source .gpu*/setup.sh` (wheels +
 # PYTHONPATH). Everything is tee'd to $OUT/log; JSON and PNG go to $OUT (default ./gpu_out).
 # Stages: UCACHE_STAGES="tests bench sweep more" (the default); "memcheck" and "racecheck" run compute-sanitizer over
-# small steps (below). UCACHE_BENCH_ARGS adds flags to the main run.
+# small steps (below). UCACHE_BENCH_ARGS adds flags to the main run. Every benchmark run times FLA in the three call
+# forms of the benchmark's FLA_FORMS (our pool's V-first bf16 states, fp32 states, FLA's default K-first layout).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -77,8 +78,9 @@ for tool in memcheck racecheck; do
 done
 
 bench=benchmarks/bench_kda_ucache_flush.py
+forms="--fla-form bf16 fp32 kfirst"
 case " $stages " in *" bench "*)
-  run ucache_bench_t8_w16 "$py" $bench --t 8 --w-ring 16 ${UCACHE_BENCH_ARGS:-} --json "$OUT/ucache_t8_w16.json" \
+  run ucache_bench_t8_w16 "$py" $bench --t 8 --w-ring 16 $forms ${UCACHE_BENCH_ARGS:-} --json "$OUT/ucache_t8_w16.json" \
       --plot "$OUT/ucache_t8_w16.png" ;;
 esac
 
@@ -89,9 +91,9 @@ esac
 
 case " $stages " in *" more "*)
   run ucache_bench_t4_w16 "$py" $bench --t 4 --w-ring 16 --batch-size 1 64 512 --fold-pct 0 100 \
-      --check-max-batch 8 --json "$OUT/ucache_t4_w16.json"
+      --check-max-batch 8 $forms --json "$OUT/ucache_t4_w16.json"
   run ucache_bench_t8_w32 "$py" $bench --t 8 --w-ring 32 --batch-size 1 64 512 --fold-pct 0 100 \
-      --check-max-batch 8 --json "$OUT/ucache_t8_w32.json" ;;
+      --check-max-batch 8 $forms --json "$OUT/ucache_t8_w32.json" ;;
 esac
 
 exit $status
