@@ -8,7 +8,7 @@ timer: ours (``kda_delta_rule_mtp_ucache_flush``, ``w_ring`` passed explicitly),
 draft token) for the same T and B, and a device-to-device copy of the bytes our kernel must move. ``--fla-form`` picks
 FLA's call forms (``FLA_FORMS``); the default ``bf16`` is our pool's form, V-first [.., V, K] bf16 states with [B, T]
 inputs (``fla_spec_us``); ``fp32`` the same with fp32 per-token states (``fla_spec_fp32_us``: 2x the state bytes);
-``kfirst`` FLA's default state layout [.., K, V] (bf16) with flattened inputs and ``cu_seqlens`` as vLLM passes them
+``kfirst`` FLA's default state layout [.., K, V] (bf16), inputs flattened with ``cu_seqlens`` as vLLM passes them
 (``fla_spec_kfirst_us``): the form whose times match DESIGN §7's FLA anchors (169 / 1410 us at T=8, B=64 / 512; 90 /
 740 at T=4) within 1% on the H200 (``benchmarks/fla_spec_forms.py``, ``results/fla_spec_forms_h200.json``).
 
@@ -138,7 +138,7 @@ def ours_fn(x, w_ring, flush_min, restart, out, tile_v=0):
 
 
 # --fla-form -> (FLA's state pool dtype, V-first states, flattened inputs with cu_seqlens, the record's time field,
-# its speedup field). kfirst is FLA 0.6.0's default state layout; fla_spec_forms.py times all eight combinations.
+# its speedup field). kfirst is FLA 0.6.0's default state layout; fla_spec_forms.py times all sixteen forms.
 FLA_FORMS = {
     "bf16": (torch.bfloat16, True, False, "fla_spec_us", "speedup_vs_fla"),
     "fp32": (torch.float32, True, False, "fla_spec_fp32_us", "speedup_vs_fla_fp32"),
