@@ -148,29 +148,11 @@ FLA_FORMS = {
 
 def fla_spec_fn(x, B, T, H, form="bf16"):
     """FLA's per-token checkpoints: read slot idx[b, accepted-1], write a state after every draft token."""
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    from fla_spec_forms import fla_spec_call
 
     dtype, v_first, varlen = FLA_FORMS[form][:3]
     gen = torch.Generator(device="cuda").manual_seed(B)
-    pool = (torch.randn(B * T, H, HEAD_DIM, HEAD_DIM, generator=gen, device="cuda") * 0.1).to(dtype)
-    idx = torch.randperm(B * T, generator=gen, device="cuda").to(torch.int32).view(B, T)
-    accepted = torch.randint(1, T + 1, (B,), generator=gen, device="cuda").to(torch.int32)
-    q, k, v, g, b = x["q"], x["k"], x["v"], x["g"], x["b"]
-    cu = None
-    if varlen:
-        q, k, v, g, b = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, b))
-        cu = torch.arange(0, B * T + 1, T, device="cuda", dtype=torch.long)
-    out = torch.empty_like(v)
-
-    def call():
-        fused_recurrent_kda_fwd(
-            q, k, v, g, b, A_log=x["A_log"], dt_bias=x["dt_bias"], initial_state=pool, inplace_final_state=True,
-            state_v_first=v_first, cu_seqlens=cu, ssm_state_indices=idx, num_accepted_tokens=accepted,
-            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-            lower_bound=LOWER_BOUND, out=out,
-        )  # fmt: skip
-
-    return call
+    return fla_spec_call(x, B, T, H, gen, dtype, v_first, varlen, lower_bound=LOWER_BOUND)
 
 
 def moved_bytes(x, T, flush_min):

@@ -51,10 +51,42 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def make_call(B, T, H, layout, state, v_first, gate, seed=0):
+def fla_spec_call(x, B, T, H, gen, state_dtype, v_first, varlen, gate="kernel", lower_bound=LOWER_BOUND):
+    """One FLA per-token-checkpoint spec-decode call on the draft inputs ``x`` (q, k, v, g, b as [B, T, ..], A_log,
+    dt_bias): a pool of B*T ``state_dtype`` states, permuted slots idx[b, t] and accepted counts drawn from ``gen``
+    (in that order). The benchmark's FLA_FORMS and this script's sixteen forms both build their calls here."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     from fla.ops.kda.gate import fused_kda_gate
 
+    pool = (torch.randn(B * T, H, HEAD_DIM, HEAD_DIM, generator=gen, device="cuda") * 0.1).to(state_dtype)
+    idx = torch.randperm(B * T, generator=gen, device="cuda").to(torch.int32).view(B, T)
+    accepted = torch.randint(1, T + 1, (B,), generator=gen, device="cuda").to(torch.int32)
+    q, k, v, g, b = x["q"], x["k"], x["v"], x["g"], x["b"]
+    A_log, dt_bias = x["A_log"], x["dt_bias"]
+    cu = None
+    if varlen:
+        q, k, v, g, b = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, b))
+        cu = torch.arange(0, B * T + 1, T, device="cuda", dtype=torch.long)
+    out = torch.empty_like(v)
+    in_kernel = gate == "kernel"
+
+    def call():
+        gk, bk = g, b
+        if not in_kernel:
+            gk = fused_kda_gate(g, A_log, dt_bias, lower_bound=lower_bound, output_dtype=torch.float32)
+            bk = b.float().sigmoid()
+        fused_recurrent_kda_fwd(
+            q, k, v, gk, bk, A_log=A_log if in_kernel else None, dt_bias=dt_bias if in_kernel else None,
+            initial_state=pool, inplace_final_state=True, state_v_first=v_first, cu_seqlens=cu,
+            ssm_state_indices=idx, num_accepted_tokens=accepted, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=in_kernel, use_beta_sigmoid_in_kernel=in_kernel,
+            lower_bound=lower_bound if in_kernel else None, out=out,
+        )  # fmt: skip
+
+    return call
+
+
+def make_call(B, T, H, layout, state, v_first, gate, seed=0):
     K = HEAD_DIM
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
@@ -62,34 +94,9 @@ def make_call(B, T, H, layout, state, v_first, gate, seed=0):
         return torch.randn(*shape, generator=gen, device="cuda") * scale
 
     q, k, v, g = (randn(B, T, H, K).bfloat16() for _ in range(4))
-    beta = randn(B, T, H).bfloat16()
-    A_log = torch.log(torch.rand(H, generator=gen, device="cuda") * 15 + 1)
-    dt_bias = randn(H * K, scale=0.5)
-    pool = (randn(B * T, H, K, K) * 0.1).to(STATES[state])
-    idx = torch.randperm(B * T, generator=gen, device="cuda").to(torch.int32).view(B, T)
-    accepted = torch.randint(1, T + 1, (B,), generator=gen, device="cuda").to(torch.int32)
-    cu = None
-    if layout == "varlen":
-        q, k, v, g = (x.reshape(1, B * T, H, K) for x in (q, k, v, g))
-        beta = beta.reshape(1, B * T, H)
-        cu = torch.arange(0, B * T + 1, T, device="cuda", dtype=torch.long)
-    out = torch.empty_like(v)
-
-    def call():
-        gk, bk = g, beta
-        if gate == "outside":
-            gk = fused_kda_gate(g, A_log, dt_bias, lower_bound=LOWER_BOUND, output_dtype=torch.float32)
-            bk = beta.float().sigmoid()
-        fused_recurrent_kda_fwd(
-            q, k, v, gk, bk, A_log=A_log if gate == "kernel" else None,
-            dt_bias=dt_bias if gate == "kernel" else None, initial_state=pool, inplace_final_state=True,
-            state_v_first=bool(v_first), cu_seqlens=cu, ssm_state_indices=idx, num_accepted_tokens=accepted,
-            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=gate == "kernel",
-            use_beta_sigmoid_in_kernel=gate == "kernel", lower_bound=LOWER_BOUND if gate == "kernel" else None,
-            out=out,
-        )  # fmt: skip
-
-    return call
+    x = dict(q=q, k=k, v=v, g=g, b=randn(B, T, H).bfloat16(),
+             A_log=torch.log(torch.rand(H, generator=gen, device="cuda") * 15 + 1), dt_bias=randn(H * K, scale=0.5))
+    return fla_spec_call(x, B, T, H, gen, STATES[state], bool(v_first), layout == "varlen", gate)
 
 
 def main(argv=None):
