@@ -32,7 +32,7 @@ def ucache(B, fold, tile_v=0):
 def generic(B, T=8, tile_v=0):
     import sweep_recurrent_tiles as sw
 
-    from kda_cute import recurrent as R
+    from kda_cute import generic as R
 
     x = sw.inputs(B, T, H, seed=1)
     out = torch.empty(B, T, H, 128, dtype=torch.bfloat16, device="cuda")

@@ -3,7 +3,7 @@ ptxas cap the registers per thread) and timed on CUDA-graph replay (CUPTI), agai
 
     python benchmarks/sweep_min_blocks.py --json out.json
 
-The floor is a sweep hook (``_FORCE_MIN_BLOCKS`` in decode_t1 / recurrent / ucache), not a knob: it is not part of
+The floor is a sweep hook (``_FORCE_MIN_BLOCKS`` in decode_t1 / generic / ucache), not a knob: it is not part of
 the compile key, so the compile caches are cleared between values.
 """
 
@@ -19,8 +19,8 @@ import ncu_cases  # noqa: E402
 
 # (case name in ncu_cases.CASES, module whose hook applies, floors to try)
 POINTS = (
-    ("generic64", "recurrent", (0, 4, 5)),
-    ("generic512", "recurrent", (0, 4, 5)),
+    ("generic64", "generic", (0, 4, 5)),
+    ("generic512", "generic", (0, 4, 5)),
     ("ucache64", "ucache", (0, 3)),
     ("ucache512", "ucache", (0, 3)),
     ("ucache512f", "ucache", (0, 3)),
@@ -38,9 +38,9 @@ def main(argv=None):
     p.add_argument("--only", nargs="+", default=None, help="case names of POINTS or EXTRA_POINTS to run")
     p.add_argument("--floors", type=int, nargs="+", default=None, help="floors to try instead of each case's")
     args = p.parse_args(argv)
-    from kda_cute import _launch, decode_t1, recurrent, ucache
+    from kda_cute import _launch, decode_t1, generic, ucache
 
-    mods = dict(decode_t1=decode_t1, recurrent=recurrent, ucache=ucache)
+    mods = dict(decode_t1=decode_t1, generic=generic, ucache=ucache)
     timer = _timing.KernelTimer()
     records = []
     points = POINTS if args.only is None else [p for p in POINTS + EXTRA_POINTS if p[0] in args.only]

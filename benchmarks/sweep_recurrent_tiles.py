@@ -1,4 +1,4 @@
-"""Tile sweep of the generic recurrent kernel (kda_cute.recurrent) for its schedule table, with FLA in the same run.
+"""Tile sweep of the generic recurrent kernel (kda_cute.generic) for its schedule table, with FLA in the same run.
 
 Spec decode with per-token checkpoints (2-D slots + num_accepted_tokens, bf16 pool, H=HV=12, K=128), CUDA-graph
 replay, CUPTI kernel time (``_timing.KernelTimer``). For every (T, B): each legal tile, FLA 0.6.0
@@ -85,7 +85,7 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
-    from kda_cute import recurrent as R
+    from kda_cute import generic as R
 
     fla = None
     if not args.no_fla:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Generic recurrent kernel (kda_cute.recurrent) on the GPU host: its GPU tests, a compute-sanitizer memcheck of a
+# Generic recurrent kernel (kda_cute.generic) on the GPU host: its GPU tests, a compute-sanitizer memcheck of a
 # small spec-decode + varlen case, then a timing run against FLA (fused_recurrent_kda_fwd, state_v_first) in the
 # same process: spec decode with per-token checkpoints (T = 4, 8) and short prefill chunks (T = 16, 64), plus a tile
 # sweep for the schedule table. Run from the repository root after `source .gpu*/setup.sh`.
@@ -18,14 +18,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 
 case " $stages " in *" tests "*)
   echo "=== generic tests"
-  "$py" -m pytest -q -ra -p no:cacheprovider --durations=5 packages/kda-cute/tests/test_recurrent.py || status=1 ;;
+  "$py" -m pytest -q -ra -p no:cacheprovider --durations=5 packages/kda-cute/tests/test_generic.py || status=1 ;;
 esac
 
 case " $stages " in *" memcheck "*)
   echo "=== generic memcheck"
   cat > "$OUT/generic_memcheck_case.py" <<'PY'
 import torch
-from kda_cute.recurrent import kda_recurrent_fwd
+from kda_cute.generic import kda_recurrent_fwd
 H, K = 4, 128
 for dtype in (torch.bfloat16, torch.float32):
     B, T = 3, 4

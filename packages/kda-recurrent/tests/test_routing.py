@@ -217,12 +217,12 @@ def test_without_kda_cute_cuda_calls_run_the_oracle_with_one_warning(kernels, as
 
 def test_a_missing_generic_kernel_does_not_hide_the_t1_kernel(kernels, as_if_cuda, monkeypatch):
     monkeypatch.setattr(facade, "_generic_kernel", None)
-    monkeypatch.setattr(facade, "_missing", {"generic": "ImportError: kda_cute.recurrent"})
+    monkeypatch.setattr(facade, "_missing", {"generic": "ImportError: kda_cute.generic"})
     monkeypatch.setattr(facade, "_warned", True)
     recurrent_kda(**make_call())
     recurrent_kda(**make_call(T=2, mode="dense"))
     assert kernels.paths == [Path.T1]
-    assert "kda_cute.recurrent" in explain(**make_call(T=2, mode="dense")).reason
+    assert "kda_cute.generic" in explain(**make_call(T=2, mode="dense")).reason
 
 
 def test_kernel_modules_are_imported_once_not_per_call(kernels, as_if_cuda, monkeypatch):

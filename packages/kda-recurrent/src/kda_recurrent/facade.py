@@ -42,7 +42,7 @@ class Path(str, enum.Enum):
     """Where a call runs."""
 
     T1 = "t1_decode"  # kda_cute.decode_t1.kda_decode_t1: the fast T=1 pool-update kernel
-    GENERIC = "generic"  # kda_cute.recurrent.kda_recurrent_fwd: every other shape of call
+    GENERIC = "generic"  # kda_cute.generic.kda_recurrent_fwd: every other shape of call
     ORACLE = "oracle"  # kda_core.oracle.recurrent_kda_ref: CPU tensors, or CUDA without kda-cute
 
 
@@ -81,7 +81,7 @@ def _load(name: str):
         if name == "t1":
             fn = _t1_entry()
         else:
-            from kda_cute.recurrent import kda_recurrent_fwd as fn
+            from kda_cute.generic import kda_recurrent_fwd as fn
     except ImportError as err:  # kda-cute not installed, or its DSL libraries missing
         fn = None
         _missing[name] = f"{type(err).__name__}: {err}"

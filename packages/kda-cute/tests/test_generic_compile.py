@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kda_core.contracts import GateMode
-from kda_cute import recurrent as R
+from kda_cute import generic as R
 
 ARCHS = ("sm_90a", "sm_100a")
 

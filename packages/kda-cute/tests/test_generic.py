@@ -1,4 +1,4 @@
-"""Generic recurrent kernel (kda_cute.recurrent) against kda-core's oracle on the GPU, one behaviour per test.
+"""Generic recurrent kernel (kda_cute.generic) against kda-core's oracle on the GPU, one behaviour per test.
 
 Every expected value comes from ``kda_core.oracle.recurrent_kda_ref`` run on clones of the same inputs.
 """
@@ -60,7 +60,7 @@ def make_pool(N, HV, K=128, dtype=torch.bfloat16, *, seed=1, row_pad=0):
 def run_both(inputs, **state_kw):
     """(kernel (o, final), oracle (o, final)); pools are cloned so that each side updates its own copy."""
     from kda_core.oracle import recurrent_kda_ref
-    from kda_cute.recurrent import kda_recurrent_fwd
+    from kda_cute.generic import kda_recurrent_fwd
 
     def args(clone):
         kw = dict(state_kw)
@@ -184,10 +184,10 @@ def test_batch_sizes_across_the_schedule_table_match_oracle(B):
 
 @pytest.mark.parametrize("K, tile_v", [(128, t) for t in (8, 16, 32, 64)] + [(64, t) for t in (16, 32, 64)])
 def test_every_tile_matches_oracle_in_spec_decode(K, tile_v, monkeypatch):
-    from kda_cute import recurrent
+    from kda_cute import generic
 
-    assert tile_v in recurrent.tile_v_choices(K)
-    monkeypatch.setattr(recurrent, "select_config", lambda n_states, head_dim: recurrent.RecurrentConfig(tile_v))
+    assert tile_v in generic.tile_v_choices(K)
+    monkeypatch.setattr(generic, "select_config", lambda n_states, head_dim: generic.RecurrentConfig(tile_v))
     B, T, H, N = 3, 4, 4, 16
     inputs = make_inputs(B, T, H, K=K, seed=tile_v + K)
     pool = make_pool(N, H, K=K)
@@ -256,7 +256,7 @@ def test_varlen_pool_call_matches_oracle(pool_dtype):
 def test_varlen_tokens_outside_every_sequence_get_zero_output():
     cu = torch.tensor([2, 4, 6], dtype=torch.int32, device=DEV)  # tokens 0, 1 and 6.. belong to no sequence
     inputs = make_inputs(1, 9, 4, seed=33)
-    from kda_cute.recurrent import kda_recurrent_fwd
+    from kda_cute.generic import kda_recurrent_fwd
 
     out = torch.full((1, 9, 4, 128), 7.0, dtype=torch.bfloat16, device=DEV)
     kda_recurrent_fwd(**inputs, cu_seqlens=cu, output=out)
@@ -339,7 +339,7 @@ def test_inactive_rows_give_zero_output_and_leave_pool_bitwise_untouched(pool_dt
     before = pool.clone()
     slots = torch.tensor([3, -1, 10, 7, -2147483648, 2147483647], dtype=torch.int32, device=DEV)
     from kda_core.oracle import recurrent_kda_ref
-    from kda_cute.recurrent import kda_recurrent_fwd
+    from kda_cute.generic import kda_recurrent_fwd
 
     ref_o, ref_pool = recurrent_kda_ref(**inputs, initial_state=pool.clone(), ssm_state_indices=slots)
     out = torch.full((B, T, H, 128), 7.0, dtype=torch.bfloat16, device=DEV)
@@ -358,7 +358,7 @@ def test_only_inactive_rows_is_a_bitwise_no_op_on_the_pool():
     pool = make_pool(5, 4)
     before = pool.clone()
     slots = torch.tensor([-1, 5, 99], dtype=torch.int32, device=DEV)
-    from kda_cute.recurrent import kda_recurrent_fwd
+    from kda_cute.generic import kda_recurrent_fwd
 
     o, _ = kda_recurrent_fwd(**inputs, initial_state=pool, ssm_state_indices=slots)
     torch.cuda.synchronize()
@@ -404,7 +404,7 @@ def test_slot_offsets_past_4gb_use_64_bit_math():
     pool[:128].zero_()
     inputs = make_inputs(1, 3, HV, seed=70)
     from kda_core.oracle import recurrent_kda_ref
-    from kda_cute.recurrent import kda_recurrent_fwd
+    from kda_cute.generic import kda_recurrent_fwd
 
     small = pool[last:last + 1].clone()
     ref_o, _ = recurrent_kda_ref(**inputs, initial_state=small, ssm_state_indices=torch.zeros(1, dtype=torch.int32,
@@ -425,7 +425,7 @@ def test_slot_offsets_past_4gb_use_64_bit_math():
 
 def test_batch_and_token_counts_do_not_recompile():
     from kda_cute import _launch
-    from kda_cute.recurrent import kda_recurrent_fwd
+    from kda_cute.generic import kda_recurrent_fwd
 
     for B, T in ((2, 3), (3, 5)):  # both within the schedule table's first row: one tile, one variant
         inputs = make_inputs(B, T, 4, seed=B)
@@ -436,7 +436,7 @@ def test_batch_and_token_counts_do_not_recompile():
 
 
 def test_spec_decode_replays_in_a_cuda_graph_bit_for_bit():
-    from kda_cute.recurrent import kda_recurrent_fwd
+    from kda_cute.generic import kda_recurrent_fwd
 
     B, T, H, N = 8, 4, 4, 40
     inputs = make_inputs(B, T, H, seed=80)
@@ -459,7 +459,7 @@ def test_spec_decode_replays_in_a_cuda_graph_bit_for_bit():
 
 
 def test_runs_on_the_callers_current_stream():
-    from kda_cute.recurrent import kda_recurrent_fwd
+    from kda_cute.generic import kda_recurrent_fwd
 
     inputs = make_inputs(4, 8, 4, seed=81)
     q_new = inputs["q"].clone()
