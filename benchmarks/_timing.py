@@ -9,14 +9,14 @@
 - ``copy_roofline(nbytes)``: a device-to-device copy moving ``nbytes`` in total (half read, half written): the
   bandwidth ceiling of a kernel that streams the same bytes, measured in the same process.
 - ``eager_wall_us(fn)``: host wall time per call of back-to-back eager calls (the launcher's host cost).
-- ``median``, ``write_json``, ``write_plot`` (matplotlib optional: skipped with a message when missing),
-  ``gpu_name``.
+- ``median``, ``gpu_name``.
+
+Output (JSON with provenance, PNG) is ``_baseline``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -186,61 +186,3 @@ def eager_wall_us(fn: Callable[[], object], calls: int = 200, warmup: int = 20, 
         torch.cuda.synchronize()
         per_round.append((time.perf_counter() - t0) / calls * 1e6)
     return median(per_round)
-
-
-def write_json(path, records) -> None:
-    with open(path, "w") as fh:
-        json.dump(records, fh, indent=1)
-    print(f"[timing] wrote {path} ({len(records)} records)")
-
-
-def write_plot(path, records, *, x: str, series: dict[str, str], title: str, ylabel: str, logx=True, logy=True,
-               group: str | None = None, shared: tuple[str, ...] = ()) -> None:
-    """Line plot of ``records`` (list of dicts): one line per (series label -> key) and per ``group`` value.
-
-    One colour per group value and one line style per series, so a legend of many lines stays readable; series
-    named in ``shared`` do not depend on the group (e.g. FLA's time against our fold rate) and are drawn once, in
-    black, from the first group that has them."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"[timing] matplotlib missing: no plot written to {path}")
-        return
-
-    def order(v):
-        return (0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v))
-
-    groups = sorted({r.get(group) for r in records}, key=order) if group else [None]
-    colours = plt.get_cmap("tab10").colors
-    styles = ("-", "--", ":", "-.")
-    fig, ax = plt.subplots(figsize=(8, 5))
-    drawn = set()
-    for gi, gval in enumerate(groups):
-        rows = sorted((r for r in records if group is None or r.get(group) == gval), key=lambda r: r[x])
-        for si, (label, key) in enumerate(series.items()):
-            pts = [(r[x], r[key]) for r in rows if r.get(key) is not None]
-            if not pts or label in drawn:
-                continue
-            if label in shared:
-                drawn.add(label)
-                ax.plot(*zip(*pts), marker="s", color="black", linestyle=styles[si % len(styles)], label=label)
-                continue
-            suffix = f" ({group}={gval})" if group else ""
-            ax.plot(*zip(*pts), marker="o", markersize=4, color=colours[gi % len(colours)],
-                    linestyle=styles[si % len(styles)], label=label + suffix)
-    if logx:
-        ax.set_xscale("log", base=2)
-    if logy:
-        ax.set_yscale("log")
-    ax.set_xlabel(x)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"[timing] wrote {path}")

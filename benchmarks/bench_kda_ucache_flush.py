@@ -1,25 +1,33 @@
-"""Benchmark the ucache verify+flush kernel against FLA's per-token-checkpoint spec decode, in one process.
+"""The ucache verify+flush kernel against FLA's per-token-checkpoint spec decode and the copy roofline, in one process.
 
-For each batch size and fold rate: build a pool, rings whose live windows hold P rows per request (rows picked to
-fold get P = flush_min, the others P uniform in [0, flush_min) or, with ``--verify-hist max``, flush_min - 1),
-check the kernel against the kda-core oracle (B <= --check-max-batch), then time on CUDA-graph replay, with the same
-timer: ours (``kda_delta_rule_mtp_ucache_flush``, ``w_ring`` passed explicitly), FLA 0.6.0
+For each (T, w_ring), batch size and fold rate: build a pool and rings whose live windows hold P rows per request
+(rows picked to fold get P = flush_min, the others P uniform in [0, flush_min) or, with ``--verify-hist max``,
+flush_min - 1), check the kernel against the kda-core oracle (B <= ``--check-max-batch``), then time on CUDA-graph
+replay, with the same timer: ours (``kda_delta_rule_mtp_ucache_flush``, ``w_ring`` passed explicitly), FLA
 ``fused_recurrent_kda_fwd`` with 2-D ``ssm_state_indices`` [B, T] and ``num_accepted_tokens`` (one state write per
-draft token) for the same T and B, and a device-to-device copy of the bytes our kernel must move. ``--fla-form`` picks
-FLA's call forms (``FLA_FORMS``); the default ``bf16`` is our pool's form, V-first [.., V, K] bf16 states with [B, T]
-inputs (``fla_spec_us``); ``fp32`` the same with fp32 per-token states (``fla_spec_fp32_us``: 2x the state bytes);
-``kfirst`` FLA's default state layout [.., K, V] (bf16), inputs flattened with ``cu_seqlens`` as vLLM passes them
-(``fla_spec_kfirst_us``): the form whose times match DESIGN §7's FLA anchors (169 / 1410 us at T=8, B=64 / 512; 90 /
-740 at T=4) within 1% on the H200 (``benchmarks/fla_spec_forms.py``, ``results/fla_spec_forms_h200.json``).
+draft token) for the same T and B, and a device-to-device copy of the bytes our kernel must move.
 
+``--fla-form`` picks FLA's call forms (``FLA_FORMS``; FLA's time does not depend on the fold rate, so it is timed
+once per T and B): ``bf16``, our pool's form, V-first [.., V, K] bf16 states with [B, T] inputs (``fla_spec_us``);
+``fp32``, the same with fp32 per-token states (``fla_spec_fp32_us``: 2x the state bytes); ``kfirst``, FLA's default
+state layout [.., K, V] (bf16) with the inputs flattened and ``cu_seqlens``, as vLLM passes them
+(``fla_spec_kfirst_us``): the form whose times matched docs/design.md §7's FLA figures (169 / 1410 us at T=8,
+B=64 / 512; 90 / 740 at T=4) within 1% on the H200.
+
+The defaults are the baseline (T = 8, 4 x w_ring = 16, 32, H=12, B = 1 .. 512, fold rates 0 .. 100%, the three FLA
+forms), written with its provenance to benchmarks/baselines/<gpu>/kda_ucache_flush.{json,png}; about two minutes on
+an H200.
+
+    python benchmarks/bench_kda_ucache_flush.py                                           # the baseline
     python benchmarks/bench_kda_ucache_flush.py --t 8 --w-ring 16 --batch-size 1 64 512 --fold-pct 0 100 \
-        --json out.json --plot out.png
+        --out /tmp/ucache.json
 
-``--variant r2 four_ctas`` times the kernel variants (kda_cute.ucache.UcacheVerifyFlush) one after the other in one
-process, and ``--min-blocks 3 4`` the resident-CTA floor asked of ptxas (0: the kernel's table), e.g.
+Schedule sweeps (FLA off, fewer points): ``--tile-v 64 128`` forces the state rows per CTA, ``--variant r2
+four_ctas`` times the kernel variants (kda_cute.ucache.UcacheVerifyFlush) one after the other, ``--min-blocks 3 4``
+the resident-CTA floor asked of ptxas (0: the kernel's table), e.g.
 
     python benchmarks/bench_kda_ucache_flush.py --t 8 --w-ring 16 --batch-size 8 64 512 --fold-pct 0 100 --no-fla \
-        --variant r2 four_ctas --iterations 50
+        --variant r2 four_ctas --iterations 50 --out /tmp/variants.json
 
 ``--restart-hist-on-flush 1`` adds the one-thread-per-row cursor restart kernel to every timed call (serving stacks
 sharing one cursor set across layers run it once per step instead: the default 0 times the per-layer kernel).
@@ -27,27 +35,29 @@ sharing one cursor set across layers run it once per step instead: the default 0
 
 from __future__ import annotations
 
-import argparse
+import itertools
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _baseline  # noqa: E402  (first: puts the repository's packages on sys.path)
 import _timing  # noqa: E402
 
+NAME = "kda_ucache_flush"
 HEAD_DIM = 128
 RING_SLOTS = 32
 LOWER_BOUND = -5.0
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _baseline.parser(__doc__)
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 512])
     p.add_argument("--fold-pct", type=int, nargs="+", default=[0, 13, 25, 50, 100],
                    help="percent of requests whose ring is folded into the checkpoint this step")
-    p.add_argument("--t", type=int, choices=[4, 8], default=8, help="draft tokens per request")
-    p.add_argument("--w-ring", type=int, choices=[16, 32], default=16)
+    p.add_argument("--t", type=int, nargs="+", choices=[4, 8], default=[8, 4], help="draft tokens per request")
+    p.add_argument("--w-ring", type=int, nargs="+", choices=[16, 32], default=[16, 32])
     p.add_argument("--flush-min", type=int, default=None, help="default: kda_core default_flush_min(T, w_ring)")
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--verify-hist", choices=["uniform", "max"], default="uniform",
@@ -57,18 +67,17 @@ def parse_args(argv=None):
                    help="state rows per CTA (0 = the schedule policy); several values make a sweep")
     p.add_argument("--variant", nargs="+", choices=["default", "r2", "four_ctas"], default=["default"],
                    help="kernel variants to time (default: the launcher's schedule; four_ctas: UcacheVerifyFlush's "
-                        "4-CTA-per-SM layout; r2: the round-2 layout)")
+                        "4-CTA-per-SM layout; r2: the same kernel with four_ctas off)")
     p.add_argument("--min-blocks", type=int, nargs="+", default=[0],
                    help="resident-CTA floors asked of ptxas (0 = the kernel's table; sets _FORCE_MIN_BLOCKS)")
     p.add_argument("--cold-l2", action="store_true", help="flush the L2 (256 MiB write) before every iteration")
     p.add_argument("--no-fla", action="store_true", help="skip FLA (e.g. fla-core missing)")
-    p.add_argument("--fla-form", nargs="+", choices=list(FLA_FORMS), default=["bf16"],
+    p.add_argument("--fla-form", nargs="+", choices=list(FLA_FORMS), default=list(FLA_FORMS),
                    help="FLA's call forms (FLA_FORMS; bf16: our checkpoint pool's layout and dtype)")
     p.add_argument("--check-max-batch", type=int, default=64, help="oracle check for B up to this (0 = never)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iterations", type=int, default=100)
-    p.add_argument("--json", type=str, default=None)
-    p.add_argument("--plot", type=str, default=None)
+    _baseline.add_output_args(p)
     return p.parse_args(argv)
 
 
@@ -138,7 +147,7 @@ def ours_fn(x, w_ring, flush_min, restart, out, tile_v=0):
 
 
 # --fla-form -> (FLA's state pool dtype, V-first states, flattened inputs with cu_seqlens, the record's time field,
-# its speedup field). kfirst is FLA 0.6.0's default state layout; fla_spec_forms.py times all sixteen forms.
+# its speedup field). kfirst is FLA's default state layout.
 FLA_FORMS = {
     "bf16": (torch.bfloat16, True, False, "fla_spec_us", "speedup_vs_fla"),
     "fp32": (torch.float32, True, False, "fla_spec_fp32_us", "speedup_vs_fla_fp32"),
@@ -147,12 +156,32 @@ FLA_FORMS = {
 
 
 def fla_spec_fn(x, B, T, H, form="bf16"):
-    """FLA's per-token checkpoints: read slot idx[b, accepted-1], write a state after every draft token."""
-    from fla_spec_forms import fla_spec_call
+    """FLA's per-token checkpoints on the draft inputs ``x`` in call form ``form``: a pool of B*T states, permuted
+    slots idx[b, t], accepted counts in [1, T]; the call reads slot idx[b, accepted-1] and writes a state after
+    every draft token. Gate, beta's sigmoid and the q/k l2norm run inside FLA's kernel."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-    dtype, v_first, varlen = FLA_FORMS[form][:3]
+    state_dtype, v_first, varlen = FLA_FORMS[form][:3]
     gen = torch.Generator(device="cuda").manual_seed(B)
-    return fla_spec_call(x, B, T, H, gen, dtype, v_first, varlen, lower_bound=LOWER_BOUND)
+    pool = (torch.randn(B * T, H, HEAD_DIM, HEAD_DIM, generator=gen, device="cuda") * 0.1).to(state_dtype)
+    idx = torch.randperm(B * T, generator=gen, device="cuda").to(torch.int32).view(B, T)
+    accepted = torch.randint(1, T + 1, (B,), generator=gen, device="cuda").to(torch.int32)
+    q, k, v, g, b = x["q"], x["k"], x["v"], x["g"], x["b"]
+    cu = None
+    if varlen:
+        q, k, v, g, b = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, b))
+        cu = torch.arange(0, B * T + 1, T, device="cuda", dtype=torch.long)
+    out = torch.empty_like(v)
+
+    def call():
+        fused_recurrent_kda_fwd(
+            q, k, v, g, b, A_log=x["A_log"], dt_bias=x["dt_bias"], initial_state=pool, inplace_final_state=True,
+            state_v_first=v_first, cu_seqlens=cu, ssm_state_indices=idx, num_accepted_tokens=accepted,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+            lower_bound=LOWER_BOUND, out=out,
+        )  # fmt: skip
+
+    return call
 
 
 def moved_bytes(x, T, flush_min):
@@ -193,12 +222,11 @@ def check_correctness(x, T, w_ring, flush_min, tile_v=0):
 
 def main(argv=None):
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU")
+    _baseline.require_cuda(NAME)
+    run = _baseline.Run(NAME, args)
     from kda_core.contracts import default_flush_min
 
-    T, H, w_ring = args.t, args.heads, args.w_ring
-    flush_min = args.flush_min or default_flush_min(T, w_ring)
+    H = args.heads
     with_fla = not args.no_fla
     if with_fla:
         try:
@@ -207,18 +235,21 @@ def main(argv=None):
             print(f"FLA unavailable ({err}); timing ours and the copy only")
             with_fla = False
     timer = _timing.KernelTimer()
+    run.provenance["timer"] = timer.backend
     flush = _timing.L2Flusher() if args.cold_l2 else None
     records = []
-    import itertools
 
     from kda_cute import ucache
     from kda_cute.ucache import default_tile_v
 
     schedules = list(itertools.product(args.tile_v, args.variant, args.min_blocks))
-    total = len(args.batch_size) * len(args.fold_pct) * len(schedules)
+    shapes = list(itertools.product(args.t, args.w_ring))
+    total = len(shapes) * len(args.batch_size) * len(args.fold_pct) * len(schedules)
     done = 0
-    for B in args.batch_size:
-        fla_us = {}  # --fla-form -> us, once per B
+    fla_times = {}  # (T, B) -> {--fla-form: us}: FLA's cost depends on neither our fold rate nor our ring
+    for (T, w_ring), B in itertools.product(shapes, args.batch_size):
+        flush_min = args.flush_min or default_flush_min(T, w_ring)
+        fla_us = fla_times.setdefault((T, B), {})
         for fold_pct in args.fold_pct:
             for tile_v, variant, min_blocks in schedules:
                 ucache._FORCE_FOUR_CTAS = {"default": None, "r2": False, "four_ctas": True}[variant]
@@ -233,7 +264,6 @@ def main(argv=None):
                 calls = {"ours": ours_fn(x, w_ring, flush_min, bool(args.restart_hist_on_flush), out, tile_v),
                          "copy": _timing.copy_roofline(nbytes)}
                 for form in args.fla_form if with_fla and not fla_us else ():
-                    # FLA's cost does not depend on our fold rate: once per B
                     try:
                         fla_call = fla_spec_fn(x, B, T, H, form)
                         fla_call()  # a failing FLA build must not cost the rest of the sweep
@@ -247,36 +277,37 @@ def main(argv=None):
                 times = {name: _timing.median(timer.time(fn, iterations=args.iterations, warmup=args.warmup,
                                                          flush=flush))
                          for name, fn in graphs.items()}
-                fla_us = fla_us or {k.split()[1]: v for k, v in times.items() if k.startswith("fla ")}
+                fla_us.update({k.split()[1]: v for k, v in times.items() if k.startswith("fla ")})
                 rec = dict(B=B, T=T, H=H, w_ring=w_ring, flush_min=flush_min, fold_pct=fold_pct, tile_v=used_tile,
                            tile_v_forced=tile_v, variant=variant, min_blocks_forced=min_blocks,
                            mean_hist_len=float(x["hist_len"].float().mean()), verify_hist=args.verify_hist,
                            restart_hist_on_flush=bool(args.restart_hist_on_flush), cold_l2=args.cold_l2,
-                           timer=timer.backend, ours_us=times["ours"], fla_spec_us=None,
+                           ours_us=times["ours"], fla_spec_us=None,
                            copy_us=times["copy"], moved_bytes=nbytes, ours_TBps=nbytes / times["ours"] / 1e6,
-                           copy_TBps=nbytes / times["copy"] / 1e6, gpu=_timing.gpu_name())  # fmt: skip
+                           copy_TBps=nbytes / times["copy"] / 1e6)  # fmt: skip
                 if check is not None:
                     rec["check_out_err"], rec["check_state_err"] = check
                 for form, us in fla_us.items():
                     us_field, speedup_field = FLA_FORMS[form][3:]
                     rec[us_field], rec[speedup_field] = us, us / times["ours"]
                 records.append(rec)
+                run.checkpoint(records)
                 done += 1
                 fla_txt = "".join(f"fla {k} {v:8.2f} us ({v / times['ours']:.1f}x)  " for k, v in fla_us.items())
-                print(f"[{done}/{total}] T={T} w={w_ring} B={B:4d} fold={fold_pct:3d}% tile {used_tile:3d} "
-                      f"{variant}{f' min-blocks {min_blocks}' if min_blocks else ''}  "
-                      f"ours {times['ours']:8.2f} us "
-                      f"({rec['ours_TBps']:.2f} TB/s)  {fla_txt}copy {times['copy']:8.2f} us", flush=True)
+                _baseline.progress(done, total, f"T={T} w={w_ring} B={B:4d} fold={fold_pct:3d}% tile {used_tile:3d} "
+                                   f"{variant}{f' min-blocks {min_blocks}' if min_blocks else ''}  "
+                                   f"ours {times['ours']:8.2f} us ({rec['ours_TBps']:.2f} TB/s)  {fla_txt}"
+                                   f"copy {times['copy']:8.2f} us")
                 del x, graphs, calls
                 torch.cuda.empty_cache()
-    if args.json:
-        _timing.write_json(args.json, records)
-    if args.plot:
-        fla = {"FLA per-token, bf16 states": "fla_spec_us", "FLA per-token, fp32 states": "fla_spec_fp32_us",
-               "FLA per-token, K-first bf16 (FLA's default layout)": "fla_spec_kfirst_us"}
-        _timing.write_plot(args.plot, records, x="B", series={"ours": "ours_us", "copy": "copy_us", **fla},
-                           title=f"KDA ucache verify+flush, T={T}, w_ring={w_ring}, H={H}, {_timing.gpu_name()}",
-                           ylabel="us (CUDA-graph replay)", group="fold_pct", shared=tuple(fla))
+    run.save(records)
+    fla = {"FLA per-token, bf16 states": "fla_spec_us", "FLA per-token, fp32 states": "fla_spec_fp32_us",
+           "FLA per-token, K-first bf16 (FLA's default layout)": "fla_spec_kfirst_us"}
+    run.plot([dict(records=[r for r in records if (r["T"], r["w_ring"]) == shape], x="B",
+                   series={"ours": "ours_us", "copy roofline": "copy_us", **fla}, group="fold_pct", shared=tuple(fla),
+                   ylabel="kernel time per call (us, CUDA-graph replay)", title=f"T={shape[0]}, w_ring={shape[1]}")
+              for shape in shapes],
+             title=f"KDA ucache verify+flush, H={H}, {_timing.gpu_name()}")
     return records
 
 

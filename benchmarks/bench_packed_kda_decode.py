@@ -1,26 +1,37 @@
-"""Benchmark the packed T=1 KDA decode against FLA's in-place kernel and the copy roofline, in one process.
+"""T=1 decode: the packed entry against FLA's in-place kernel and the copy roofline, in one process.
 
-For each batch size: build packed inputs (rows of one GEMM output) and a state pool, check ours against the
-kda-core oracle (and FLA against ours) on a copy of the pool, then time, with the same timer and in the same
-process: ours (``kda_decode_t1_packed``), FLA 0.6.0 ``fused_recurrent_kda_fwd`` (state_v_first, in place,
-ssm_state_indices) and a device-to-device copy of the same state bytes (read + write).
+For each state dtype and batch size: build packed inputs (rows of one GEMM output) and a state pool, check ours
+against the kda-core oracle (and FLA against ours) on a copy of the pool, then time, with the same timer and in the
+same process: ours (``kda_decode_t1_packed``, output given), FLA ``fused_recurrent_kda_fwd`` (state_v_first, in
+place, ssm_state_indices) and a device-to-device copy of the same state bytes (read + write), the bandwidth ceiling.
+Kernel times are CUDA-graph replays (``--mode direct``: eager launches), warm L2 unless ``--cold-l2``; the eager
+figure (``ours_eager_call_us``, host wall time per back-to-back call) is the entry's host cost at B=1.
 
-    python benchmarks/bench_packed_kda_decode.py --batch-size 1 8 64 512 --mode cuda_graph \
-        --json out.json --plot out.png
+The defaults are the baseline sweep (bf16 and fp32 states, H=12, B = 1 .. 1024), written with its provenance to
+benchmarks/baselines/<gpu>/packed_kda_decode.{json,png}; about a minute on an H200.
+
+    python benchmarks/bench_packed_kda_decode.py                                  # the baseline
+    python benchmarks/bench_packed_kda_decode.py --batch-size 512 --state-dtype bf16 --tile-v 64 128 \
+        --stage regs smem --no-fla --out /tmp/t1_tiles.json                       # a schedule sweep
+
+Each of ``--tile-v``, ``--stage``, ``--rows-in-flight``, ``--cache-hint``, ``--bulk-ring``, ``--slot-major`` and
+``--slot-order`` takes several values: their product is swept at every batch size (FLA and the copy are timed once
+per batch size). A variant that fails the oracle check is recorded with ``check_failed`` and not timed.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _baseline  # noqa: E402  (first: puts the repository's packages on sys.path)
 import _timing  # noqa: E402
+
+NAME = "packed_kda_decode"
 
 HEAD_DIM = 128
 LOWER_BOUND = -5.0
@@ -28,13 +39,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024])
+    p = _baseline.parser(__doc__)
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 512, 1024])
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--mode", choices=["direct", "cuda_graph"], default="cuda_graph")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iterations", type=int, default=100)
-    p.add_argument("--state-dtype", choices=sorted(DTYPES), nargs="+", default=["bf16"])
+    p.add_argument("--state-dtype", choices=sorted(DTYPES), nargs="+", default=["bf16", "fp32"])
     p.add_argument("--tile-v", type=int, nargs="+", default=[0],
                    help="KDA_DECODE_TILE_V values to run (0 = the schedule policy); several make a sweep")
     p.add_argument("--stage", choices=["auto", "regs", "smem"], nargs="+", default=["auto"],
@@ -59,8 +70,7 @@ def parse_args(argv=None):
                         "(factor 1: all rows)")
     p.add_argument("--no-fla", action="store_true", help="skip FLA (e.g. fla-core missing)")
     p.add_argument("--eager-calls", type=int, default=200, help="calls for the eager wall-time figure (0 = skip)")
-    p.add_argument("--json", type=str, default=None)
-    p.add_argument("--plot", type=str, default=None)
+    _baseline.add_output_args(p)
     return p.parse_args(argv)
 
 
@@ -126,9 +136,9 @@ def check_correctness(x, H, B, with_fla):
     o_err = (out.float() - ref_out.float()).abs().max().item()
     o_scale = ref_out.float().abs().max().item()
     # The pool grows over a sweep's replays (each point's timing steps it in place), so the bf16 bound scales with
-    # the largest state value: two bf16 ulps there (1/64 of it), at least 2e-2. The fixed 2e-2 tripped once, at B=384
-    # on a variant whose GPU tests are bitwise equal to the register path: 3.1e-2 = one ulp of a value past 4
-    # (benchmarks/results/t1_bulk_evict_confirm_h200.json).
+    # the largest state value: two bf16 ulps there (1/64 of it), at least 2e-2. A fixed 2e-2 tripped once on the
+    # H200, at B=384 on a variant whose GPU tests are bitwise equal to the register path: 3.1e-2 = one ulp of a
+    # value past 4.
     s_scale = ref_pool.float().abs().max().item()
     s_tol = max(2e-2, s_scale / 64) if x["pool"].dtype == torch.bfloat16 else 1e-4 * max(1.0, s_scale)
     if s_err > s_tol or o_err > 2e-2 * o_scale + 1e-3:
@@ -146,8 +156,9 @@ def check_correctness(x, H, B, with_fla):
 
 def main(argv=None):
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU")
+    _baseline.require_cuda(NAME)
+    run = _baseline.Run(NAME, args)
+    args.json = run.json_path  # None with --no-save
     with_fla = not args.no_fla
     if with_fla:
         try:
@@ -156,6 +167,7 @@ def main(argv=None):
             print(f"FLA unavailable ({err}); timing ours and the copy only")
             with_fla = False
     timer = _timing.KernelTimer()
+    run.provenance["timer"] = timer.backend
     flush = _timing.L2Flusher() if args.cold_l2 else None
     records = []
     H = args.heads
@@ -216,7 +228,7 @@ def main(argv=None):
                            ours_us=times["ours"], fla_us=times.get("fla"), copy_us=times["copy"],
                            state_bytes=state_bytes,
                            ours_TBps=state_bytes / times["ours"] / 1e6, copy_TBps=state_bytes / times["copy"] / 1e6,
-                           gpu=_timing.gpu_name(), check_state_err=s_err, check_out_err=o_err, fla_vs_ours_err=fla_err)
+                           check_state_err=s_err, check_out_err=o_err, fla_vs_ours_err=fla_err)
                 rec["frac_of_copy"] = times["copy"] / times["ours"]
                 if times.get("fla"):
                     rec["ours_over_fla"] = times["ours"] / times["fla"]
@@ -228,9 +240,7 @@ def main(argv=None):
                             rec["fla_eager_call_us"] = _timing.eager_wall_us(fla_call,
                                                                              calls=max(args.eager_calls // 4, 10))
                 records.append(rec)
-                if args.json:  # after every record: a run stopped by a time limit keeps what it measured
-                    with open(args.json, "w") as fh:
-                        json.dump(records, fh, indent=1)
+                run.checkpoint(records)  # after every record: a run stopped by a time limit keeps what it measured
                 done += 1
                 fla_txt = f"fla {rec['fla_us']:8.2f} us ({rec['ours_over_fla']:.2f}x)  " if rec["fla_us"] else ""
                 eager = f"  eager {rec['ours_eager_call_us']:.1f} us" if "ours_eager_call_us" in rec else ""
@@ -238,21 +248,22 @@ def main(argv=None):
                             f"{'' if cfg.smem_stage else rec['rows_in_flight']} {cfg.cache_hint:6s}"
                             f"{f' bulk{cfg.bulk_ring}' if cfg.bulk_ring else ''}"
                             f"{' slotmajor' if cfg.slot_major else ''}")
-                print(f"[{done}/{total}] {dtype_name} B={B:5d} {slot_order:6s} tile={tile_txt}  "
-                      f"ours {rec['ours_us']:8.2f} us "
-                      f"({rec['ours_TBps']:.2f} TB/s, {100 * rec['frac_of_copy']:.0f}% of copy)  {fla_txt}"
-                      f"copy {rec['copy_us']:8.2f} us{eager}", flush=True)
+                _baseline.progress(done, total, f"{dtype_name} B={B:5d} {slot_order:6s} tile={tile_txt}  "
+                                   f"ours {rec['ours_us']:8.2f} us "
+                                   f"({rec['ours_TBps']:.2f} TB/s, {100 * rec['frac_of_copy']:.0f}% of copy)  "
+                                   f"{fla_txt}copy {rec['copy_us']:8.2f} us{eager}")
             del x
             torch.cuda.empty_cache()
     os.environ.pop("KDA_DECODE_TILE_V", None)
     decode_t1._FORCE_SMEM_STAGE = decode_t1._FORCE_ROWS_IN_FLIGHT = decode_t1._FORCE_CACHE_HINT = None
     decode_t1._FORCE_BULK_RING = decode_t1._FORCE_SLOT_MAJOR = None
     if args.json:
-        _timing.write_json(args.json, records)
-    if args.plot:
-        _timing.write_plot(args.plot, records, x="B", series={"ours": "ours_us", "FLA": "fla_us", "copy": "copy_us"},
-                           title=f"T=1 KDA decode, H={H}, {args.mode}, {_timing.gpu_name()}", ylabel="us",
-                           group="state_dtype" if len(args.state_dtype) > 1 else None)
+        run.save(records)
+        timed = [r for r in records if "ours_us" in r]
+        series = {"ours": "ours_us", "FLA": "fla_us", "copy roofline": "copy_us"}
+        run.plot([dict(records=[r for r in timed if r["state_dtype"] == name], x="B", series=series,
+                       title=f"{name} states", ylabel="kernel time per call (us)") for name in args.state_dtype],
+                 title=f"T=1 KDA decode (packed entry), H={H}, {args.mode}, {_timing.gpu_name()}")
     return records
 
 

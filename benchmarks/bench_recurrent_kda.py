@@ -1,25 +1,28 @@
-"""Benchmark the ``recurrent_kda`` facade: host overhead, routing cost, and the generic kernel against FLA.
+"""The ``recurrent_kda`` facade: host overhead, and the generic kernel against FLA (spec decode, prefill chunks).
 
 Three parts, one process, one timer (``_timing.KernelTimer``: CUPTI kernel time when available, else CUDA events):
 
 1. ``overhead``: eager host wall time per call at B=1, T=1 (H=12, bf16 pool, output given) of the whole facade
    call, of its parts (kda-core validation, the routing decision, the T=1 launch on the validated call), and of
-   FLA's eager call for comparison. Targets (issue 4): facade <= 15 us, routing <= 2 us.
+   FLA's eager call for comparison. Targets: facade <= 15 us, routing <= 2 us.
 2. ``spec``: speculative decode with per-token checkpoints (2-D ``ssm_state_indices`` + ``num_accepted_tokens``,
-   bf16 pool), T = 4 and 8: ours (facade -> generic kernel) vs FLA 0.6.0 ``fused_recurrent_kda_fwd`` vs a
-   device-to-device copy of the same state bytes. Target: ours <= 0.8x FLA at B >= 64.
+   bf16 pool), T = 4 and 8: ours (facade -> generic kernel) vs FLA ``fused_recurrent_kda_fwd`` vs a
+   device-to-device copy of the same state bytes (read one checkpoint, write T). Target: ours <= 0.8x FLA at
+   B >= 64.
 3. ``prefill``: short prefill chunks, T = 16 and 64, dense fp32 initial states in, fp32 final states out.
 
 Kernel times are CUDA-graph replays (warm L2 unless ``--cold-l2``). Every configuration is checked first: ours
-against FLA, and against the kda-core oracle where the batch is small. JSON and PNG go to ``--out-dir``.
+against FLA, and against the kda-core oracle where the batch is small (B <= 8).
 
-    python benchmarks/bench_recurrent_kda.py                      # everything, results in benchmarks/results/
-    python benchmarks/bench_recurrent_kda.py --parts spec --spec-batch 64 512 --out-dir /tmp/r
+The defaults are the baseline (H=12; spec B = 1 .. 512, prefill B = 1, 8, 32), written with its provenance to
+benchmarks/baselines/<gpu>/recurrent_kda.{json,png}; about two minutes on an H200.
+
+    python benchmarks/bench_recurrent_kda.py                                            # the baseline
+    python benchmarks/bench_recurrent_kda.py --parts spec --spec-batch 64 512 --out /tmp/spec.json
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
@@ -28,34 +31,31 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _baseline  # noqa: E402  (first: puts the repository's packages on sys.path)
 import _timing  # noqa: E402
 
+NAME = "recurrent_kda"
 K = 128
 LOWER_BOUND = -5.0
 ORACLE_MAX_B = 8  # the oracle loops over tokens in PyTorch: check it only where that is quick
 
 
 def parse_args(argv=None):
-    here = os.path.dirname(os.path.abspath(__file__))
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _baseline.parser(__doc__)
     p.add_argument("--parts", nargs="+", choices=["overhead", "spec", "prefill"],
                    default=["overhead", "spec", "prefill"])
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--spec-t", type=int, nargs="+", default=[4, 8])
-    p.add_argument("--spec-batch", type=int, nargs="+", default=[1, 8, 64, 256, 512])
+    p.add_argument("--spec-batch", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 512])
     p.add_argument("--prefill-t", type=int, nargs="+", default=[16, 64])
     p.add_argument("--prefill-batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--iterations", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--eager-calls", type=int, default=2000)
+    p.add_argument("--eager-calls", type=int, default=2000, help="calls per round of the host-overhead figures")
     p.add_argument("--cold-l2", action="store_true", help="flush the L2 before every timed iteration")
     p.add_argument("--no-fla", action="store_true", help="skip FLA (fla-core missing)")
-    p.add_argument("--out-dir", default=os.path.join(here, "results"))
+    _baseline.add_output_args(p)
     return p.parse_args(argv)
-
-
-def progress(i, n, label):
-    print(f"\r[{i}/{n}] {label:<60}", end="\n" if i == n else "", flush=True)
 
 
 def gate_inputs(H, gen):
@@ -124,10 +124,11 @@ def bench_overhead(args, timer, fla_fwd):
                 lambda: fla_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], **fla_kw), calls=args.eager_calls // 4)
     rec["facade_target_met"] = rec["facade_us"] <= 15.0
     rec["route_target_met"] = rec["route_us"] <= 2.0
-    print(f"overhead: path={rec['path']} facade {rec['facade_us']:.1f} us (target 15), validate "
-          f"{rec['validate_us']:.1f} us (hot path: revalidate {rec['revalidate_us']:.1f} us), route "
-          f"{rec['route_us']:.2f} us (target 2), T=1 launch "
-          f"{rec.get('t1_launch_us', float('nan')):.1f} us, FLA eager {rec.get('fla_eager_us', float('nan')):.1f} us")
+    _baseline.progress(1, 1, f"overhead: path={rec['path']} facade {rec['facade_us']:.1f} us (target 15), "
+                       f"validate {rec['validate_us']:.1f} us (hot path: revalidate {rec['revalidate_us']:.1f} us), "
+                       f"route {rec['route_us']:.2f} us (target 2), T=1 launch "
+                       f"{rec.get('t1_launch_us', float('nan')):.1f} us, "
+                       f"FLA eager {rec.get('fla_eager_us', float('nan')):.1f} us")
     return [rec]
 
 
@@ -173,7 +174,7 @@ def prefill_case(B, T, H, gen):
     return x, h0, kw, fla_kw, state_bytes
 
 
-def bench_kernels(part, args, timer, fla_fwd, flusher):
+def bench_kernels(part, args, timer, fla_fwd, flusher, keep):
     from kda_core.oracle import recurrent_kda_ref
     from kda_recurrent import facade
 
@@ -182,7 +183,6 @@ def bench_kernels(part, args, timer, fla_fwd, flusher):
     configs = [(T, B) for T in ts for B in batches]
     records = []
     for i, (T, B) in enumerate(configs, 1):
-        progress(i, len(configs), f"{part} T={T} B={B}")
         gen = torch.Generator(device="cuda").manual_seed(1000 * T + B)
         build = spec_case if part == "spec" else prefill_case
         x, state, kw, fla_kw, nbytes = build(B, T, H, gen)
@@ -216,12 +216,12 @@ def bench_kernels(part, args, timer, fla_fwd, flusher):
         rec["copy_us"] = time_graph(timer, _timing.copy_roofline(nbytes), args, flusher)
         rec["state_gb_per_s"] = nbytes / rec["ours_us"] / 1e3
         records.append(rec)
+        keep(rec)
         del x, state, work, ours
-    for r in records:
-        ratio = f"{r['ours_over_fla']:.2f}x FLA" if "ours_over_fla" in r else "no FLA"
-        print(f"{part} T={r['T']:>2} B={r['B']:>4}: ours {r['ours_us']:8.1f} us ({ratio}), copy {r['copy_us']:7.1f} "
-              f"us, err vs FLA {r.get('max_err_vs_fla', float('nan')):.2e}, vs oracle "
-              f"{r.get('max_err_vs_oracle', float('nan')):.2e}, path {r['path']}")
+        ratio = f"{rec['ours_over_fla']:.2f}x FLA" if "ours_over_fla" in rec else "no FLA"
+        _baseline.progress(i, len(configs), f"{part} T={T:>2} B={B:>4}: ours {rec['ours_us']:8.1f} us ({ratio}), "
+                           f"copy {rec['copy_us']:7.1f} us, err vs FLA {rec.get('max_err_vs_fla', float('nan')):.2e}, "
+                           f"vs oracle {rec.get('max_err_vs_oracle', float('nan')):.2e}, path {rec['path']}")
     if part == "spec":
         big = [r for r in records if r["B"] >= 64 and r["T"] == 8 and "ours_over_fla" in r]
         if big:
@@ -233,10 +233,8 @@ def bench_kernels(part, args, timer, fla_fwd, flusher):
 
 def main(argv=None):
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_recurrent_kda: needs a CUDA GPU (the facade would run the CPU oracle: nothing to time)")
-        return 2
-    os.makedirs(args.out_dir, exist_ok=True)
+    _baseline.require_cuda(NAME)
+    run = _baseline.Run(NAME, args)
     fla_fwd = None
     if not args.no_fla:
         try:
@@ -244,23 +242,32 @@ def main(argv=None):
         except ImportError as err:
             print(f"FLA not importable ({err}): timing ours and the copy only")
     timer = _timing.KernelTimer()
+    run.provenance["timer"] = timer.backend
     flusher = _timing.L2Flusher() if args.cold_l2 else None
-    meta = dict(gpu=_timing.gpu_name(), timer=timer.backend, cold_l2=args.cold_l2, torch=torch.__version__)
-    print(f"bench_recurrent_kda on {meta['gpu']} (timer: {meta['timer']}, L2 {'cold' if args.cold_l2 else 'warm'})")
-    json_path = os.path.join(args.out_dir, "bench_recurrent_kda.json")
-    records = [dict(meta=meta)]
+    records = []
+
+    def keep(rec):  # after every point: a run cut short keeps what it measured
+        records.append(rec)
+        run.checkpoint(records)
+
+    panels = []
     if "overhead" in args.parts:
-        records += bench_overhead(args, timer, fla_fwd)
-        _timing.write_json(json_path, records)  # after every part: a run cut short keeps what it measured
+        for rec in bench_overhead(args, timer, fla_fwd):
+            keep(rec)
+            bars = {"facade call": "facade_us", "validation (first call)": "validate_us",
+                    "re-validation (hot path)": "revalidate_us", "routing": "route_us",
+                    "T=1 launch (validated)": "t1_launch_us", "FLA eager call": "fla_eager_us"}
+            panels.append(dict(bars={label: rec[key] for label, key in bars.items() if key in rec},
+                               ylabel="host wall time per call (us)", target=15.0,
+                               title=f"overhead: B=1, T=1, path {rec['path']}"))
+    series = {"ours (facade)": "ours_us", "FLA": "fla_us", "copy roofline": "copy_us"}
     for part in ("spec", "prefill"):
         if part in args.parts:
-            part_records = bench_kernels(part, args, timer, fla_fwd, flusher)
-            records += part_records
-            _timing.write_json(json_path, records)
-            series = {"ours (facade)": "ours_us", "FLA 0.6.0": "fla_us", "copy roofline": "copy_us"}
-            _timing.write_plot(os.path.join(args.out_dir, f"bench_recurrent_kda_{part}.png"), part_records, x="B",
-                               series=series, group="T", ylabel="kernel time per call (us)",
-                               title=f"recurrent_kda {part}: H={args.heads}, K=V=128 on {meta['gpu']}")
+            part_records = bench_kernels(part, args, timer, fla_fwd, flusher, keep)
+            panels.append(dict(records=part_records, x="B", series=series, group="T",
+                               ylabel="kernel time per call (us)", title=part))
+    run.save(records)
+    run.plot(panels, title=f"recurrent_kda, H={args.heads}, K=V=128, {_timing.gpu_name()}")
     return 0
 
 

@@ -1,38 +1,44 @@
-"""Host cost of kda-core's metadata-only validation for a T=1 decode call (target: at most 5 µs per call).
+"""Host cost of kda-core's metadata-only validation for a T=1 decode call (target: at most 5 us per call).
 
 Times ``validate_decode_t1``, ``validate_packed_decode_t1``, ``validate_recurrent`` (a T=1 pool call, the facade's
 routing input) and ``validate_ucache`` (T=8) on one set of tensors, in rounds of many calls; a round's mean is one
 sample and the median over rounds is reported. For scale it also times the floor: reading shape, stride, dtype,
 data pointer and device of the same tensors once each, which any metadata check must do.
 
-    python benchmarks/bench_validation.py                      # CPU tensors (the metadata path is the same)
-    python benchmarks/bench_validation.py --device cuda --json out.json
+The defaults are the baseline (CUDA tensors where there is a GPU, B=64, H=12), written with its provenance to
+benchmarks/baselines/<gpu>/validation.{json,png}; a few seconds. Without a GPU it runs on CPU tensors (the metadata
+path is the same) and writes to benchmarks/baselines/cpu/ unless told otherwise.
+
+    python benchmarks/bench_validation.py                              # the baseline
+    python benchmarks/bench_validation.py --device cpu --out /tmp/validation_cpu.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-from kda_core import validation as V
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _baseline  # noqa: E402  (first: puts the repository's packages on sys.path)
 
+NAME = "validation"
 HEAD_DIM = 128
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=["cpu", "cuda", "meta"], default="cpu")
+    p = _baseline.parser(__doc__)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda", "meta"], default="auto",
+                   help="where the tensors live (auto: cuda when there is a GPU, else cpu)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--calls", type=int, default=2000, help="calls per round")
     p.add_argument("--rounds", type=int, default=25)
     p.add_argument("--target-us", type=float, default=5.0)
-    p.add_argument("--json", type=str, default=None)
+    _baseline.add_output_args(p)
     return p.parse_args(argv)
 
 
@@ -61,6 +67,8 @@ def make_tensors(B, H, device):
 
 
 def cases(t, device_kind):
+    from kda_core import validation as V
+
     q, k, v, g, beta, pool, slots, A_log, dt = (t[n] for n in ("q", "k", "v", "g", "beta", "pool", "slots", "A_log",
                                                              "dt_bias"))
     mixed, raw_gate, raw_beta = t["mixed"], t["raw_gate"], t["raw_beta"]
@@ -104,31 +112,31 @@ def time_call(fn, calls, rounds):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda":
+        _baseline.require_cuda(f"{NAME} --device cuda")
+    run = _baseline.Run(NAME, args)
     device_kind = "cuda" if args.device == "cuda" else "any"
     t = make_tensors(args.batch_size, args.heads, args.device)
     all_cases = cases(t, device_kind)
     records = []
-    for i, (name, fn) in enumerate(all_cases.items()):
-        print(f"[{i + 1}/{len(all_cases)}] {name} ...", end=" ", flush=True)
+    for i, (name, fn) in enumerate(all_cases.items(), 1):
         median, low, high = time_call(fn, args.calls, args.rounds)
-        print(f"median {median:.2f} us (rounds {low:.2f}..{high:.2f})")
+        _baseline.progress(i, len(all_cases), f"{name}: median {median:.2f} us (rounds {low:.2f}..{high:.2f})")
         records.append(dict(name=name, median_us=round(median, 3), min_us=round(low, 3), max_us=round(high, 3),
                             B=args.batch_size, heads=args.heads, device=args.device,
                             target_us=None if name.startswith("floor") else args.target_us,
                             within_target=None if name.startswith("floor") else median <= args.target_us))
-    print("\n| call | median µs | target |")
+    print("\n| call | median us | target |")
     print("|---|---|---|")
     for r in records:
         print(f"| {r['name']} | {r['median_us']:.2f} | {'' if r['target_us'] is None else r['target_us']} |")
-    if args.json:
-        meta = dict(python=platform.python_version(), torch=torch.__version__, machine=platform.machine(),
-                    processor=platform.processor() or platform.machine(),
-                    gpu=torch.cuda.get_device_name() if args.device == "cuda" else None)
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, records=records), f, indent=1)
-        print(f"wrote {args.json}")
+    run.save(records)
+    run.plot([dict(bars={r["name"]: r["median_us"] for r in records}, ylabel="host time per call (us, median)",
+                   target=args.target_us, title=f"B={args.batch_size}, H={args.heads}, {args.device} tensors")],
+             title="kda-core validation, host cost per call")
+    return records
 
 
 if __name__ == "__main__":
