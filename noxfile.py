@@ -1,11 +1,33 @@
 """Sessions of the kda monorepo. A plain `nox` runs exactly what CI runs (`bash ci/test.sh`, `.ci/run`).
 
 CPU sessions (CI): lint, core, cute, recurrent, integration, compile, demo.
-GPU-host sessions (never in CI): gpu, bench.
+GPU-host sessions (never in CI; a user with a GPU runs them): gpu, sanitize, bench.
 
 Every CPU session installs with `-c ci/constraints-cpu.txt`, which pins the CPU build of torch that pip finds on
-disk, so no session ever pulls a multi-GB CUDA build. The GPU-host sessions instead reuse the host's CUDA torch
-(a virtualenv with system site packages) and add no constraint: the CPU pin would replace that torch.
+disk, so no session ever pulls a multi-GB CUDA build.
+
+The GPU-host sessions install nothing and need nothing outside this repository: they run in the Python that runs
+nox (`venv_backend="none"`), with the host's own packages (a CUDA build of torch, nvidia-cutlass-dsl,
+apache-tvm-ffi, pytest, hypothesis; fla-core for the FLA comparisons, compute-sanitizer from the CUDA toolkit for
+`sanitize`), and take the kda packages from the repository's sources (`PYTHONPATH=packages/*/src`), so they work on
+a GPU host without a package index. Each is a few plain commands, run the same way without nox, from the
+repository root:
+
+    export PYTHONPATH=$PWD/packages/kda-core/src:$PWD/packages/kda-cute/src:$PWD/packages/kda-recurrent/src
+    # nox -s gpu: every package's GPU-marked tests
+    python -m pytest -m gpu packages/kda-core/tests
+    python -m pytest -m gpu packages/kda-cute/tests
+    python -m pytest -m gpu packages/kda-recurrent/tests
+    # nox -s sanitize: compute-sanitizer memcheck, then racecheck, over the device fuzz tests and the ucache tests
+    # that reach its bounds paths (UCACHE_SANITIZE below)
+    for tool in memcheck racecheck; do
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 KDA_FUZZ_CASES=2 compute-sanitizer --tool $tool --report-api-errors no \
+          --error-exitcode 1 python -m pytest -q -m "gpu and fuzz" packages/kda-cute/tests
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 1 \
+          python -m pytest -q -m gpu packages/kda-cute/tests/test_ucache.py -k "<UCACHE_SANITIZE>"
+    done
+    # nox -s bench: every benchmarks/bench_*.py with its defaults, rewriting benchmarks/baselines/<gpu>/
+    python benchmarks/run_all.py
 
 Each pytest run writes a JUnit file under .nox/junit/; `ci/test.sh` prints their totals (`junit_summary`). A test
 folder that holds test files but collects nothing (pytest exit 5) fails its session; one with no test file says so.
@@ -13,6 +35,9 @@ folder that holds test files but collects nothing (pytest exit 5) fails its sess
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -26,6 +51,21 @@ CUTE_TESTS = PACKAGES / "kda-cute" / "tests"
 COMPILE_ARCHS = ("sm_90a", "sm_100a")
 RUFF = "ruff==0.17.6"  # the version the tree was last linted with; a newer ruff may add rules
 GPU_MARKER = "gpu: needs a CUDA GPU; skips cleanly without one"
+PACKAGE_NAMES = ("kda-core", "kda-cute", "kda-recurrent")
+# The GPU-host sessions' environment: the repository's sources first on the path, nothing installed.
+GPU_HOST_ENV = {
+    "PYTHONPATH": os.pathsep.join([*(str(PACKAGES / name / "src") for name in PACKAGE_NAMES),
+                                   *filter(None, [os.environ.get("PYTHONPATH")])]),
+}
+HOST_PYTEST = (sys.executable, "-m", "pytest")
+SANITIZER_TOOLS = ("memcheck", "racecheck")
+# kda-cute's ucache GPU tests that reach the kernel's bounds paths, one test each (8 tests): out-of-range and
+# inactive slots, a padded pool, a misaligned pool, T=4 with w_ring 32, the softplus gate with strong decay, the
+# 4-CTA build, the cursor restart.
+UCACHE_SANITIZE = (
+    "out_of_range or only_inactive or padded_pool or misaligned_pool_takes or (w_ring_32 and 4-128) "
+    "or (strong_decay and 128) or (four_resident_ctas and mixed-T8) or restart_hist"
+)
 
 nox.options.sessions = ["lint", "core", "cute", "recurrent", "integration", "compile", "demo"]
 nox.options.default_venv_backend = "venv"
@@ -75,12 +115,14 @@ def _pytest(
     label: str,
     env: dict | None = None,
     allow_empty: bool = False,
+    runner: tuple[str, ...] = ("pytest",),
 ) -> int:
     """Run pytest on a test folder (or files); return how many tests it collected and ran (passed, failed, skipped).
 
     Exit 5 (nothing collected) is accepted from pytest only to be judged here: a folder without test files is
     reported as "no tests yet"; test files that collect nothing fail the session, unless ``allow_empty`` (a
-    marker filter such as ``-m gpu`` may leave one package with nothing to run).
+    marker filter such as ``-m gpu`` may leave one package with nothing to run). ``runner`` is the command that
+    runs pytest: the session's own ``pytest``, or the host's (``HOST_PYTEST``), under compute-sanitizer for one.
     """
     targets = target if isinstance(target, list) else [target]
     rel = [str(path.relative_to(ROOT)) for path in targets]
@@ -93,7 +135,7 @@ def _pytest(
     options = [f"--junitxml={junit}", "-o", "junit_family=xunit2"]
     if targets == [ROOT / "tests"]:  # the top-level folder has no pyproject of its own to configure pytest
         options += ["--import-mode=importlib", "-o", f"markers={GPU_MARKER}"]
-    session.run("pytest", *rel, *options, *args, *session.posargs, env=env, success_codes=[0, 5])
+    session.run(*runner, *rel, *options, *args, *session.posargs, env=env, success_codes=[0, 5])
     ran = _junit_counts([junit])["tests"] if junit.exists() else 0
     if ran == 0 and not allow_empty:
         session.error(f"{' '.join(rel)}: holds test files but pytest collected no test (exit 5); see above")
@@ -105,10 +147,11 @@ def _compile_tests() -> list[Path]:
     return sorted(CUTE_TESTS.glob("test*compile*.py"))
 
 
-def _package_tests(session: nox.Session, name: str, *args: str, label: str, allow_empty: bool = False) -> int:
+def _package_tests(session: nox.Session, name: str, *args: str, label: str, allow_empty: bool = False,
+                   **run: object) -> int:
     tests = PACKAGES / name / "tests"
     ignore = [f"--ignore={path.relative_to(ROOT)}" for path in _compile_tests() if path.is_relative_to(tests)]
-    return _pytest(session, tests, *ignore, *args, label=label, allow_empty=allow_empty)
+    return _pytest(session, tests, *ignore, *args, label=label, allow_empty=allow_empty, **run)
 
 
 @nox.session
@@ -180,39 +223,59 @@ def demo(session: nox.Session) -> None:
     session.run("python", "-m", "kda_recurrent.demo", *(session.posargs or ["--steps", "4"]))
 
 
-def _install_gpu_host(session: nox.Session) -> None:
-    # No CPU constraint here: the host's CUDA torch (system site packages) satisfies kda-core's torch requirement.
-    session.install(_package("kda-recurrent", "[cute,test]"))
+def _check_gpu_host(session: nox.Session) -> None:
+    """The host's torch sees a GPU, and the repository's kda packages import with the host's packages."""
     session.run(
-        "python", "-c",
+        sys.executable, "-c",
         "import sys, torch; ok = torch.cuda.is_available(); "
         "print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', ok and torch.cuda.get_device_name()); "
-        "sys.exit(0 if ok else 'this session needs a CUDA GPU and a CUDA build of torch')",
+        "ok or sys.exit('this session needs a CUDA GPU and a CUDA build of torch'); "
+        "import kda_core, kda_cute, kda_recurrent; print('kda packages from', kda_core.__file__.rsplit('/src/')[0])",
+        env=GPU_HOST_ENV,
     )
 
 
-@nox.session(venv_params=["--system-site-packages"])
+@nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
-    """GPU-marked tests (`-m gpu`) of every package, for a GPU host; CI has no GPU."""
-    _install_gpu_host(session)
+    """GPU-marked tests (`-m gpu`) of every package, for a GPU host (the host's Python; see the module docstring)."""
+    _check_gpu_host(session)
     ran = sum(
-        _package_tests(session, name, "-m", "gpu", label=f"gpu-{name}", allow_empty=True)
-        for name in ("kda-core", "kda-cute", "kda-recurrent")
+        _package_tests(session, name, "-m", "gpu", label=f"gpu-{name}", allow_empty=True, env=GPU_HOST_ENV,
+                       runner=HOST_PYTEST)
+        for name in PACKAGE_NAMES
     )
     if ran == 0:
         session.error("no GPU-marked test was collected in any package")
 
 
-@nox.session(venv_params=["--system-site-packages"])
+@nox.session(venv_backend="none")
+def sanitize(session: nox.Session) -> None:
+    """compute-sanitizer memcheck, then racecheck, over kda-cute's device fuzz tests (`-m "gpu and fuzz"`, two
+    cases each: KDA_FUZZ_CASES=2) and the ucache GPU tests that reach its bounds paths (UCACHE_SANITIZE), with
+    PyTorch's caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1) so that an access past a tensor's end is past
+    its allocation. Any sanitizer error fails the session (--error-exitcode 1)."""
+    _check_gpu_host(session)
+    if shutil.which("compute-sanitizer") is None:
+        session.error("compute-sanitizer is not on PATH (it is in the CUDA toolkit's bin/)")
+    env = {**GPU_HOST_ENV, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+    for tool in SANITIZER_TOOLS:
+        runner = ("compute-sanitizer", "--tool", tool, "--report-api-errors", "no", "--error-exitcode", "1",
+                  *HOST_PYTEST)
+        _package_tests(session, "kda-cute", "-q", "-m", "gpu and fuzz", label=f"sanitize-{tool}-fuzz",
+                       env={**env, "KDA_FUZZ_CASES": "2"}, runner=runner)
+        _pytest(session, CUTE_TESTS / "test_ucache.py", "-q", "-m", "gpu", "-k", UCACHE_SANITIZE,
+                label=f"sanitize-{tool}-ucache", env=env, runner=runner)
+
+
+@nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
-    """Benchmarks on a GPU host: `nox -s bench` runs every benchmarks/bench_*.py with its defaults;
-    `nox -s bench -- bench_packed_kda_decode.py --batch-size 64` runs one script with those arguments."""
-    scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
-    if not scripts:
-        session.skip("benchmarks/bench_*.py do not exist yet")
-    _install_gpu_host(session)
-    if session.posargs:
-        session.run("python", str(ROOT / "benchmarks" / session.posargs[0]), *session.posargs[1:])
+    """Benchmarks on a GPU host: `nox -s bench` runs every benchmarks/bench_*.py with its defaults
+    (`python benchmarks/run_all.py`), rewriting the baselines, benchmarks/baselines/<gpu>/<name>.{json,png};
+    `nox -s bench -- --only ucache` passes arguments to run_all.py, `nox -s bench -- bench_packed_kda_decode.py
+    --batch-size 64 --out /tmp/t1.json` runs one script with those arguments."""
+    _check_gpu_host(session)
+    if session.posargs and session.posargs[0].endswith(".py"):
+        script = ROOT / "benchmarks" / Path(session.posargs[0]).name
+        session.run(sys.executable, str(script), *session.posargs[1:])
         return
-    for script in scripts:
-        session.run("python", str(script.relative_to(ROOT)))
+    session.run(sys.executable, str(ROOT / "benchmarks" / "run_all.py"), *session.posargs)
