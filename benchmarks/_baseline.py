@@ -5,7 +5,8 @@ The JSON is ``{"provenance": {...}, "records": [...]}``; the provenance says wha
 - ``commit``: ``git rev-parse HEAD`` of this repository, with ``-dirty`` when a tracked file differs from it
   (changes under ``benchmarks/baselines/`` do not count: a run of every benchmark rewrites them); in a tree without
   ``.git`` the ``KDA_COMMIT`` environment variable, else null;
-- ``command``: the command line, from the repository root (``python benchmarks/bench_x.py ...``);
+- ``command``: the command line, from the repository root (``python benchmarks/bench_x.py ...``), without the
+  output options ``--out`` and ``--no-save``;
 - ``gpu``, ``compute_capability``, ``driver`` (``nvidia-smi``), ``cuda`` (torch's CUDA runtime), ``timer``
   (``cupti`` or ``cuda_event``, see ``_timing.KernelTimer``);
 - ``versions``: ``torch``, ``nvidia-cutlass-dsl``, ``fla-core`` (null when FLA is not installed); ``python``;
@@ -62,10 +63,21 @@ def commit() -> str | None:
     return head + ("-dirty" if changed else "")
 
 
-def command() -> str:
-    script = Path(sys.argv[0]).resolve()
-    first = str(script.relative_to(ROOT)) if script.is_relative_to(ROOT) else sys.argv[0]
-    return shlex.join(["python", first, *sys.argv[1:]])
+def command(argv: list[str] | None = None) -> str:
+    """The command line from the repository root, without the output options (where the files go does not change
+    what they hold, and a baseline written through ``--out`` elsewhere reads the same as one written in place)."""
+    argv = sys.argv if argv is None else argv
+    script = Path(argv[0]).resolve()
+    first = str(script.relative_to(ROOT)) if script.is_relative_to(ROOT) else argv[0]
+    rest, skip = [], False
+    for arg in argv[1:]:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif arg != "--no-save" and not arg.startswith("--out="):
+            rest.append(arg)
+    return shlex.join(["python", first, *rest])
 
 
 def _version(*distributions: str) -> str | None:
