@@ -264,6 +264,9 @@ def main(argv=None):
         run.plot([dict(records=[r for r in timed if r["state_dtype"] == name], x="B", series=series,
                        title=f"{name} states", ylabel="kernel time per call (us)") for name in args.state_dtype],
                  title=f"T=1 KDA decode (packed entry), H={H}, {args.mode}, {_timing.gpu_name()}")
+    failed = [r for r in records if "check_failed" in r]
+    if failed:
+        raise SystemExit(f"{NAME}: {len(failed)} of {len(records)} points failed the oracle check (check_failed)")
     return records
 
 
