@@ -39,6 +39,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T as ir_types
 
 from kda_core.contracts import HEAD_DIM, RING_SLOTS, max_hist_len
+from kda_core.errors import fail
+from kda_core.validation import debug_check_slots, debug_checks_enabled
 
 from . import _launch
 
@@ -52,6 +54,8 @@ __all__ = [
     "default_tile_v",
 ]
 
+GRID_Z_MAX = 65535  # CUDA's limit on gridDim.z (the requests)
+GRID_Y_MAX = 65535  # and on gridDim.y (the heads)
 ROW_THREADS = 4
 """Quad positions sharing a state row pair (lane % 4); each owns HEAD_DIM // ROW_THREADS = 32 key channels."""
 CHUNK = 8
@@ -312,8 +316,10 @@ class UcacheVerifyFlush:
         aligned: bool,
         four_ctas: bool = False,
         min_ctas: int = 0,
+        has_dt_bias: bool = True,
     ):
         self.heads = heads
+        self.has_dt_bias = has_dt_bias  # False: dt_bias absent (zeros), not read
         self.four_ctas = four_ctas
         self.min_ctas = min_ctas  # resident-CTA floor; 0 = the table of the variant
         self.aligned = aligned
@@ -343,7 +349,7 @@ class UcacheVerifyFlush:
         mG: cute.Tensor,
         mBeta: cute.Tensor,
         mALog: cute.Tensor,
-        mDtBias: cute.Tensor,
+        mDtBias,  # [H*K] fp32, or None (dt_bias absent)
         mPool: cute.Tensor,
         mSlot: cute.Tensor,
         mKCache: cute.Tensor,
@@ -504,7 +510,7 @@ class UcacheVerifyFlush:
         mG: cute.Tensor,
         mBeta: cute.Tensor,
         mALog: cute.Tensor,
-        mDtBias: cute.Tensor,
+        mDtBias,  # [H*K] fp32, or None (dt_bias absent)
         mPool: cute.Tensor,
         mSlot: cute.Tensor,
         mKCache: cute.Tensor,
@@ -617,7 +623,9 @@ class UcacheVerifyFlush:
             grp = lane // LG
             c = warp * LG + lane % LG
         a_log_in = _ld_volatile(mALog.iterator + h, Float32)
-        dt_in = _ld_volatile(mDtBias.iterator + h * K + c, Float32)
+        dt_in = Float32(0.0)
+        if const_expr(self.has_dt_bias):
+            dt_in = _ld_volatile(mDtBias.iterator + h * K + c, Float32)
         beta_in = Float32(0.0)
         if const_expr(self.vector_activations()):
             if tidx < T:
@@ -1225,7 +1233,7 @@ def _fakes(cfg: UcacheVerifyFlush):
         act(bf16),  # g
         _launch.fake_tensor(bf16, (B, T, H), (None, None, None), align_bytes=2),  # beta logits
         vec(f32, H),  # A_log
-        vec(f32, H * K),  # dt_bias
+        vec(f32, H * K) if cfg.has_dt_bias else None,  # dt_bias
         _launch.fake_tensor(bf16, (N, H, K, K), (None, K * K, K, 1), align_bytes=align(bf16)),  # pool
         vec(i32, B),  # slot indices
         ring(bf16),  # k_cache
@@ -1248,9 +1256,10 @@ def build_ucache_kernel(
     extra_options: str = "",
     four_ctas: bool = False,
     min_ctas: int = 0,
+    has_dt_bias: bool = True,
 ):
     """Compile one configuration against fake tensors (no GPU needed when CUTE_DSL_ARCH is set)."""
-    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, four_ctas, min_ctas)
+    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, four_ctas, min_ctas, has_dt_bias)
     return cute.compile(
         cfg,
         *_fakes(cfg),
@@ -1263,10 +1272,12 @@ def build_ucache_kernel(
 
 
 class UcacheRestartCursors:
-    """The flush part of the caller's commit, on device: for every active row with hist_len >= flush_min,
-    cache_base = (cache_base + hist_len) & 31 and hist_len = 0. One thread per row; no host sync, so it
-    captures into CUDA graphs. It runs after the verify kernel (same stream): inside that kernel every CTA of a
-    request reads the cursors, so none of them may rewrite them.
+    """The flush part of the caller's commit, on device: for every active row whose clamped history
+    P = clamp(hist_len, 0, max_hist_len) reaches flush_min, cache_base = (cache_base + P) & 31 and hist_len = 0:
+    the P the verify kernel read and folded, so a malformed hist_len moves the ring by the rows actually folded
+    (docs/design.md §5). One thread per row; no host sync, so it captures into CUDA graphs. It runs after the
+    verify kernel (same stream): inside that kernel every CTA of a request reads the cursors, so none of them may
+    rewrite them.
     """
 
     threads = 128
@@ -1279,10 +1290,11 @@ class UcacheRestartCursors:
         mBase: cute.Tensor,
         pool_rows: cutlass.Int32,
         flush_min: cutlass.Int32,
+        max_hist: cutlass.Int32,
         stream,
     ):
         batch = mSlot.shape[0]
-        self.kernel(mSlot, mHist, mBase, pool_rows, flush_min).launch(
+        self.kernel(mSlot, mHist, mBase, pool_rows, flush_min, max_hist).launch(
             grid=[(batch + self.threads - 1) // self.threads, 1, 1], block=[self.threads, 1, 1], stream=stream
         )
 
@@ -1294,6 +1306,7 @@ class UcacheRestartCursors:
         mBase: cute.Tensor,
         pool_rows: cutlass.Int32,
         flush_min: cutlass.Int32,
+        max_hist: cutlass.Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -1301,7 +1314,7 @@ class UcacheRestartCursors:
         if i < mSlot.shape[0]:
             slot = mSlot[i]
             if (slot >= 0) & (slot < pool_rows):
-                P = mHist[i]
+                P = cutlass.min(cutlass.max(mHist[i], cutlass.Int32(0)), max_hist)  # as the verify kernel clamps
                 if P >= flush_min:
                     mBase[i] = (mBase[i] + P) & (RING_SLOTS - 1)
                     mHist[i] = cutlass.Int32(0)
@@ -1318,21 +1331,28 @@ def build_restart_kernel(arch: str):
         vec(),
         i32(1),
         i32(9),
+        i32(16),
         _launch.fake_stream(),
         options=_launch.compile_options(arch),
     )
 
 
-def restart_cursors(slot_indices, hist_len, cache_base, pool_rows: int, flush_min: int) -> None:
-    """Apply the flush part of the commit in place (see :class:`UcacheRestartCursors`)."""
+def restart_cursors(slot_indices, hist_len, cache_base, pool_rows: int, flush_min: int, t_draft: int,
+                    w_ring: int) -> None:
+    """Apply the flush part of the commit in place (see :class:`UcacheRestartCursors`); B == 0 launches nothing."""
+    if slot_indices.shape[0] == 0:
+        return
     fn = _launch.get_or_compile(("kda_ucache_restart_cursors",), build_restart_kernel)
-    fn(slot_indices, hist_len, cache_base, int(pool_rows), int(flush_min))
+    fn(slot_indices, hist_len, cache_base, int(pool_rows), int(flush_min), max_hist_len(t_draft, w_ring))
+
+
+_BATCH_ARGS = (0, 1, 2, 3, 4, 8, 12, 13, 14)  # q, k, v, g, b, slot_indices, hist_len, cache_base, output
 
 
 def ucache_verify_flush(
     A_log: torch.Tensor,
     g: torch.Tensor,
-    dt_bias: torch.Tensor,
+    dt_bias: torch.Tensor | None,
     lower_bound: float | None,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1356,9 +1376,9 @@ def ucache_verify_flush(
 ) -> torch.Tensor:
     """Launch the kernel on the current stream. Arguments are already validated (kda-recurrent does it).
 
-    A_log [H] fp32, dt_bias [H*128] fp32 (contiguous); q, k, v, g [B, T, H, 128] bf16 (last dim contiguous);
-    b [B, T, H] bf16 logits; state_pool [N, H, 128, 128] bf16 (inner dims contiguous, dim-0 stride a multiple
-    of 8); k_cache, u_cache [N, H, 32, 128] bf16 and g_cache fp32 (same rule); slot_indices, hist_len,
+    A_log [H] fp32, dt_bias [H*128] fp32 (contiguous) or None (zeros); q, k, v, g [B, T, H, 128] bf16 (last dim
+    contiguous); b [B, T, H] bf16 logits; state_pool [N, H, 128, 128] bf16 (inner dims contiguous, dim-0 stride a
+    multiple of 8); k_cache, u_cache [N, H, 32, 128] bf16 and g_cache fp32 (same rule); slot_indices, hist_len,
     cache_base [B] int32 contiguous; output [B, T, H, 128] bf16. ``aligned``: every pool/ring pointer and row
     stride is a multiple of 16 bytes (kda_core's validation says so). The kernel only reads the cursors;
     ``restart_hist_on_flush`` then applies the flush part of the commit with a second, one-thread-per-row kernel.
@@ -1366,38 +1386,35 @@ def ucache_verify_flush(
     round-2 schedule, kept for comparison). Its resident-CTA floor follows :func:`default_min_ctas`.
     """
     B, T, H, _ = q.shape
+    if H > GRID_Y_MAX:
+        fail("q", f"at most {GRID_Y_MAX} heads (dim 2) per call (grid y limit)", H)
+    if debug_checks_enabled():  # KDA_DEBUG_VALIDATE: duplicate active slots
+        debug_check_slots(slot_indices.reshape(-1), state_pool.shape[0], argument="slot_indices")
+    if B == 0 or H == 0:  # nothing to launch (a grid dimension would be 0), no cursor to restart
+        return output
     tile_v = tile_v or default_tile_v(B, H)
     softplus_gate = lower_bound is None
     if four_ctas is None:
         four_ctas = True if _FORCE_FOUR_CTAS is None else bool(_FORCE_FOUR_CTAS)
     min_ctas = default_min_ctas(tile_v, B, H) if four_ctas else 0
+    has_dt_bias = dt_bias is not None
     key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned), four_ctas, min_ctas,
-           _FORCE_MIN_BLOCKS)  # fmt: skip
+           has_dt_bias, _FORCE_MIN_BLOCKS)  # fmt: skip
     fn = _launch.get_or_compile(
         key,
         lambda arch: build_ucache_kernel(H, T, w_ring, tile_v, softplus_gate, bool(aligned), arch, four_ctas=four_ctas,
-                                         min_ctas=min_ctas),  # fmt: skip
+                                         min_ctas=min_ctas, has_dt_bias=has_dt_bias),  # fmt: skip
     )
-    fn(
-        q,
-        k,
-        v,
-        g,
-        b,
-        A_log,
-        dt_bias,
-        state_pool,
-        slot_indices,
-        k_cache,
-        u_cache,
-        g_cache,
-        hist_len,
-        cache_base,
-        output,
-        float(scale),
-        float(-5.0 if lower_bound is None else lower_bound),
-        int(flush_min),
-    )
+    args = [q, k, v, g, b, A_log, dt_bias, state_pool, slot_indices, k_cache, u_cache, g_cache, hist_len, cache_base,
+            output, float(scale), float(-5.0 if lower_bound is None else lower_bound), int(flush_min)]
+    if B <= GRID_Z_MAX:
+        fn(*args)
+    else:
+        # The grid puts B on gridDim.z: a larger batch runs as several launches on row views of the batch-indexed
+        # arguments (requests are independent; a view moves the pointers by whole row strides, so the alignment
+        # class is kept).
+        for b0 in range(0, B, GRID_Z_MAX):
+            fn(*[a[b0 : b0 + GRID_Z_MAX] if i in _BATCH_ARGS else a for i, a in enumerate(args)])
     if restart_hist_on_flush:
-        restart_cursors(slot_indices, hist_len, cache_base, state_pool.shape[0], flush_min)
+        restart_cursors(slot_indices, hist_len, cache_base, state_pool.shape[0], flush_min, T, w_ring)
     return output
