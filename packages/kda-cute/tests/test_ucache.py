@@ -1,4 +1,4 @@
-"""GPU tests of the ucache verify+flush kernel against kda-core's oracle (issue 5, item 5).
+"""GPU tests of the ucache verify+flush kernel against kda-core's oracle.
 
 Each test builds one random step (pool, rings with a live window of P rows, cursors), runs the kernel and the
 oracle on separate copies, and compares outputs (fp32 oracle vs bf16 kernel: atol = rtol = 8e-3), the pool
@@ -271,7 +271,7 @@ def test_padded_pool_and_permuted_slots_leave_other_rows_untouched():
 
 
 def test_misaligned_pool_takes_the_element_wide_variant():
-    # pointer 2 bytes past a 16-byte boundary and an odd row stride: legal, never rejected (DESIGN §4)
+    # pointer 2 bytes past a 16-byte boundary and an odd row stride: legal, never rejected (docs/design.md §4)
     step = make_step(8, 8, 12, n_slots=20, pool_row_pad=1, pool_offset=1, hist=9, seed=19)
     assert step.pool.data_ptr() % 16 != 0
     mine, _, _, _ = check_against_oracle(step, aligned=False)
@@ -336,7 +336,7 @@ def test_batch_64_random_is_deterministic():
         assert torch.equal(getattr(first, name).nan_to_num(), getattr(second, name).nan_to_num())
 
 
-# The four_ctas layout (UcacheVerifyFlush, the launcher's default) against the round-2 layout (four_ctas=False): a
+# The four_ctas layout (UcacheVerifyFlush, the launcher's default) against the layout without it (four_ctas=False): a
 # schedule and shared-memory layout change with the same operations in the same order, so they must agree bit for bit
 # (and with the oracle).
 def assert_bitwise_equal(mine: Step, out: torch.Tensor, other: Step, out_other: torch.Tensor) -> None:
@@ -365,13 +365,13 @@ FOUR_CTAS_STEPS = {
 
 @pytest.mark.parametrize("tile_v", [64, 128])
 @pytest.mark.parametrize("name", list(FOUR_CTAS_STEPS))
-def test_four_ctas_layout_matches_oracle_and_round2_layout_bitwise(name, tile_v):
+def test_four_ctas_layout_matches_oracle_and_the_other_layout_bitwise(name, tile_v):
     step = FOUR_CTAS_STEPS[name]()
     mine, _, out, _ = check_against_oracle(step, tile_v=tile_v, four_ctas=True)
-    r2 = step.clone()
-    out_r2 = run_kernel(r2, tile_v=tile_v, four_ctas=False)
+    other = step.clone()
+    out_other = run_kernel(other, tile_v=tile_v, four_ctas=False)
     torch.cuda.synchronize()
-    assert_bitwise_equal(mine, out, r2, out_r2)
+    assert_bitwise_equal(mine, out, other, out_other)
 
 
 @pytest.mark.parametrize("name", ["mixed-T8", "full-flush-T8-wrapped", "strong-decay-softplus", "inactive-rows"])

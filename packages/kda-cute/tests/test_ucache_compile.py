@@ -57,10 +57,10 @@ def test_four_ctas_main_config_fits_its_register_budget_without_spills(min_ctas,
     assert registers <= budget and spills == 0, f"{registers} registers, {spills} bytes of spill traffic"
 
 
-@pytest.mark.parametrize("four_ctas", [True, False], ids=["four_ctas", "r2"])
+@pytest.mark.parametrize("four_ctas", [True, False], ids=["four_ctas", "other"])
 def test_four_ctas_prefetches_the_checkpoint_rows_into_l2(four_ctas, tmp_path):
-    # Round 8: the four_ctas layout loads its checkpoint rows after the triangles / phase 2b, so every thread asks
-    # for its rows' L2 lines at the phase-1 barrier (one prefetch.global.L2 each); the round-2 layout loads the rows
+    # The four_ctas layout loads its checkpoint rows after the triangles / phase 2b, so every thread asks
+    # for its rows' L2 lines at the phase-1 barrier (one prefetch.global.L2 each); the other layout loads the rows
     # into registers before the preamble and needs none.
     from kda_cute.ucache import build_ucache_kernel
 
@@ -107,7 +107,7 @@ def test_default_cta_floor_by_grid_size():
 
 
 def test_vector_activation_loads_only_in_the_measured_build(tmp_path):
-    # Round 12: 16-byte loads of the draft inputs and the v tile in the aligned T=8 tile-128 build at 4 CTAs per SM
+    # 16-byte loads of the draft inputs and the v tile in the aligned T=8 tile-128 build at 4 CTAs per SM
     # (64 registers); the 80-register build spilled with them, and T=4, tile 64 and w_ring 32 were not measured.
     from kda_cute.ucache import UcacheVerifyFlush, build_ucache_kernel
 
@@ -118,7 +118,7 @@ def test_vector_activation_loads_only_in_the_measured_build(tmp_path):
     assert not UcacheVerifyFlush(12, 8, 16, 64, False, True, four_ctas=True).vector_activations()
     assert not UcacheVerifyFlush(12, 8, 32, 128, False, True, four_ctas=True).vector_activations()
     # the same build pads the rows of sK, sQ, sDec (KQ_PAD); the 80-register build keeps 128-word rows (4 words of
-    # padding spilled there, 12 did not but were slower: rounds 15 and 17)
+    # padding spilled there, 12 did not but were slower)
     assert UcacheVerifyFlush(12, 8, 16, 128, False, True, four_ctas=True).kq_row() == 132
     assert UcacheVerifyFlush(12, 8, 16, 128, False, True, four_ctas=True, min_ctas=3).kq_row() == 128
     counts = []
@@ -134,7 +134,7 @@ def test_vector_activation_loads_only_in_the_measured_build(tmp_path):
 
 
 def test_vector_v_tile_only_in_the_80_register_build(tmp_path, monkeypatch):
-    # Session 9: the 80-register build (3 CTAs per SM, T=8 tile 128) reads the v tile as 16-byte runs and keeps the
+    # The 80-register build (3 CTAs per SM, T=8 tile 128) reads the v tile as 16-byte runs and keeps the
     # draft inputs' scalar loads; tile 64 measured slower with it, T=4 and w_ring 32 were not measured.
     from kda_cute.ucache import UcacheVerifyFlush, build_ucache_kernel
 

@@ -1,6 +1,6 @@
 """T=1 KDA decode: one delta-rule step per (sequence, head) on a V-first state pool, in place.
 
-Math: DESIGN §3. Contracts: DESIGN §2 and §4 (slots outside [0, N) are inactive: zero output, pool
+Math: docs/design.md §3. Contracts: docs/design.md §2 and §4 (slots outside [0, N) are inactive: zero output, pool
 neither read nor written; the check runs in the kernel against the pool's row count).
 
 Work split. The state of one (slot, head) is [V=128 rows, K=128 channels], K contiguous. Once the
@@ -116,7 +116,7 @@ class DecodeT1Config:
 # 109.6, two heads per CTA 117-121). fp32 B=512: tile 128, all 16 rows in flight, ld.cg/st.wb 208.6 us = 91% of
 # the copy (tile 64 / 4 rows / streaming, the previous row: 217.1; 64 / 8 / ld.cg 210.9); B=256 and 1024 were
 # not swept in fp32, so the row starts at 3072 states (B=256 at H=12).
-# Bulk ring, H200 session 4, same method (benchmarks/results/t1_bulk_ring_{h200,depths_h200,fp32_h200,small_bf16_h200}
+# Bulk ring, H200, same method (benchmarks/results/t1_bulk_ring_{h200,depths_h200,fp32_h200,small_bf16_h200}
 # .json; us, register path of the same tile / bulk ring of depth 8, same run): bf16 B=48 10.8 / 10.3, B=64 14.7 /
 # 11.6, B=128 29.1 / 28.3, B=256 56.6 / 56.3, B=512 110.3 / 107.9, B=1024 220.6 / 211.9 (depths 4/6/12 within 2%,
 # 2 and 16 slower); below 384 states it loses (B=32 6.9 / 7.9, B=16 5.3 / 7.1). fp32 against the previous rows:
@@ -142,7 +142,7 @@ _FORCE_SLOT_MAJOR: bool | None = None  # slot-major grid on / off; ignored (off)
 # Slot-major grid (README, "Slot-major grid"): taken by the bulk-ring rows from SLOT_MAJOR_MIN_STATES (B*H) states on,
 # when the pool has at most SLOT_MAJOR_MAX_POOL_PER_ROW rows per batch row (every pool row gets a CTA; the rows no
 # batch row names exit after the scan). The scan costs ~1.3 us once per call (the first wave waits for it), the
-# address order gains ~1.1% of the time per state, so it pays from ~300 sequences at H=12. H200, session 10, H=12,
+# address order gains ~1.1% of the time per state, so it pays from ~300 sequences at H=12. H200, H=12,
 # CUDA graphs, permuted slots, us batch-major / slot-major, two runs each (benchmarks/results/t1_slot_major_{h200,
 # ab_h200,band_h200}.json): dense pool bf16 B=48 10.21-10.22 / 11.55-11.58, B=64 11.58 / 12.83-12.86, B=128
 # 28.16-28.30 / 28.50-28.53, B=256 55.76-56.03 / 56.03-56.40, B=320 69.14-69.20 / 68.64-68.80, B=384 81.62-81.74 /

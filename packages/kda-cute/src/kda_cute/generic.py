@@ -1,7 +1,7 @@
-"""Generic KDA recurrence: every call the T=1 fast path does not take (issue 4, item 2).
+"""Generic KDA recurrence: every call the T=1 fast path does not take.
 
-Math: DESIGN §3 (one delta-rule step per token, fp32 throughout). Contracts: DESIGN §2, §4, §5. The spec of
-every mode is :func:`kda_core.oracle.recurrent_kda_ref`; this kernel computes the same thing:
+Math: docs/design.md §3 (one delta-rule step per token, fp32 throughout). Contracts: docs/design.md §2, §4, §5.
+The spec of every mode is :func:`kda_core.oracle.recurrent_kda_ref`; this kernel computes the same thing:
 
 - dense [B, T] tokens, or varlen ``cu_seqlens`` [N+1] (B == 1, offsets read in the kernel and clamped there:
   sequence n owns [clamp(cu[n], 0, T), clamp(cu[n+1], that start, T)), so empty sequences are allowed and no
@@ -68,7 +68,7 @@ class StateMode:
     """Where the recurrent state lives (compile-time)."""
 
     POOL = "pool"  # 1-D slot indices into a pool: read once, final state written back in place
-    SPEC = "spec"  # 2-D slot indices: one checkpoint per token (DESIGN §5, first form)
+    SPEC = "spec"  # 2-D slot indices: one checkpoint per token (docs/design.md §5, first form)
     DENSE = "dense"  # initial_state [N, HV, V, K] or zeros; final fp32 state on request
 
 
@@ -465,7 +465,7 @@ class KDARecurrent:
     def prepare_chunk_token(self, buf, n_left, group, lane, rq, rk, rv, rg, rbeta, mDtBias, h, rate, scale,
                             lower_bound, sK, sQ, sD, sV, sKQ, sBeta):
         """Shared memory [buf, group] <- the prepared vectors of this row group's token: decay a = exp(g_log)
-        (DESIGN §3 steps 1-3), k^ and scale * q^ (step 5), k^.q^, beta, and the tile's v values, stored at
+        (docs/design.md §3 steps 1-3), k^ and scale * q^ (step 5), k^.q^, beta, and the tile's v values, stored at
         ``group' * rows + j`` for tile row ``group' + j * groups`` (each thread then reads its rows contiguously).
         Runs in every row group, also past the sequence's end (warp-uniform shuffles); only real tokens store."""
         kf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)

@@ -1,4 +1,4 @@
-"""ReplaySSM "ucache" verify+flush kernel for KDA speculative decode (DESIGN §5, issue 5).
+"""ReplaySSM "ucache" verify+flush kernel for KDA speculative decode (docs/design.md §5).
 
 One CTA per (V tile, head, request). Two threads per state row: a quad of four threads shares a state row pair (a
 warp covers 16 rows; a thread holds 32 of the 128 key channels of two rows, in four interleaved 16-byte chunks). Per
@@ -14,9 +14,10 @@ warp covers 16 rows; a thread holds 32 of the 128 key channels of two rows, in f
   raw k, q, with exp(cum_s - cum_r) the running product of the per-token decays: never a ratio of exponentials,
   so strong decay (cum down to -40 and beyond) cannot overflow; the diagonal gives the norms of k_s and q_s.
 
-Then every state row v gets its 2T dot products without building the committed state (DESIGN §5, R2):
+Then every state row v gets its 2T dot products without building the committed state (docs/design.md §5, R2):
 ``S_commit[v] x_s = S0[v] (bdec x_s) + sum_{j<P} u_j[v] M[j, s]`` (the bf16 checkpoint is an exact MMA operand),
-and the T drafts follow from the small triangular recurrence (the chunked WY form of DESIGN §3), one row per thread:
+and the T drafts follow from the small triangular recurrence (the chunked WY form of docs/design.md §3), one row per
+thread:
 
     u_s = beta_s (v_s - S_commit kx^_s - sum_{r<s} A^[s, r] u_r),    o_s = S_commit qx^_s + sum_{r<=s} Aq^[s, r] u_r
 
@@ -129,7 +130,7 @@ def _prmt(a: Int32, b: Int32, selector: int) -> Int32:
 def _ld_volatile(ptr, dtype):
     """One 32-bit global load (``Int32`` or ``Float32``) issued where it is written (``ld.volatile``). ptxas sinks an
     ordinary load below the first branch whose other side does not use it: the cursors, loaded with the slot, were
-    issued only after the branch on the slot, one DRAM round trip later (SASS, H200 ncu, session 7)."""
+    issued only after the branch on the slot, one DRAM round trip later (SASS, H200 ncu)."""
     fp = dtype is Float32
     res = llvm.inline_asm(
         ir_types.f32() if fp else ir_types.i32(),
@@ -260,8 +261,8 @@ rather than 3 (80 registers). H200, T=8 w16 H=12, CUDA-graph replay, us at 0 / 1
 (benchmarks/results/ucache_r3_variants_h200.json, ucache_r4_h200.json): B=8 3 CTAs 5.76 / 6.91, 4 CTAs 5.89 / 7.14;
 B=64 18.0 / 25.3 vs 19.0 / 28.2; B=128 36.1 / 50.0 vs 34.2 / 51.3; B=256 69.3 / 96.4 vs 65.1 / 100.1; B=512 133.7 /
 188.4 vs 125.4 / 195.3. Below B=128 at H=12 the 80-register build wins at both fold rates; from there the two split
-the fold rates (their means are within 0.6%), and 4 CTAs win the no-fold steps. Re-measured after the 4-CTA build's
-rounds 12 and 15 (session 8, benchmarks/results/ucache_r15_min_blocks_h200.json, us, 3 / 4 CTAs at 0 / 100% folds):
+the fold rates (their means are within 0.6%), and 4 CTAs win the no-fold steps. Re-measured with the 4-CTA build's
+vector loads and padded rows (benchmarks/results/ucache_r15_min_blocks_h200.json, us, 3 / 4 CTAs at 0 / 100% folds):
 B=64 16.3 / 17.3-17.5 and 23.4 / 26.8, B=96 24.3 / 24.9-25.1 and 35.4 / 38.0-38.1, B=128 31.7 / 30.3-30.4 and
 46.3-46.4 / 47.4: the same split."""
 SM_SMEM_BYTES = 228 * 1024
@@ -285,8 +286,8 @@ def default_tile_v(batch: int, heads: int) -> int:
 
     Every CTA repeats the per-(request, head) preamble (gate, norms, replay vectors, triangles), which costs about
     as many instructions as its share of the state rows: 128-row tiles (256 threads) run it once per (request,
-    head), 64-row tiles twice but give small batches twice the CTAs. Measured on the H200 after the round-2 cuts
-    (T=8 w16 H=12, CUDA-graph replay, benchmarks/results/ucache_tile_sweep_h200.json): tile 128 wins at B=8 (6.53
+    head), 64-row tiles twice but give small batches twice the CTAs. Measured on the H200 (T=8 w16 H=12, CUDA-graph
+    replay, benchmarks/results/ucache_tile_sweep_h200.json): tile 128 wins at B=8 (6.53
     vs 6.96 us at 0% folds, 7.94 vs 8.29 at 100%), B=64 (20.2 vs 27.2) and B=512 (154 vs 207). B=1 (12 states) was
     timed with tile 64 only (5.95 us) and B=32 with tile 64 only (15.2 us): from 96 states (B=8 at H=12) on the
     table takes 128, between the two measured wins; below it keeps 64.
@@ -300,7 +301,7 @@ class UcacheVerifyFlush:
     heads: H == HV; t_draft: T in {4, 8}; w_ring: 16 or 32 (bounds the live rows kept in shared memory);
     tile_v: state rows per CTA; softplus_gate: Kimi-Linear gate (lower_bound None) instead of the lower bound;
     aligned: the pool and rings allow 16-byte accesses (else the same code with element-wide accesses);
-    four_ctas: the round-3 schedule sized for 4 tile-128 CTAs per SM (same math, bit for bit): the 2T dot products
+    four_ctas: the layout sized for 4 tile-128 CTAs per SM (same math, bit for bit): the 2T dot products
     stay in registers across the ring correction, so ``sXY`` is only written after it and shares the bytes of the
     dead x operands (sXb, sXu: -10 KB at tile 128 T=8); the flush fold runs one 8-channel chunk at a time (16
     accumulators live instead of 64); the resident-CTA floor comes from ``MIN_CTAS_PER_SM_FOUR``.
@@ -433,7 +434,7 @@ class UcacheVerifyFlush:
         """Park the draft inputs and the v tile with 16-byte loads (8-channel runs, a CTA barrier after them) instead
         of each gate thread's 2-byte scalars: fewer instructions before the slot branch (kda-core's aligned class
         covers the activations). Only the build it was measured on and does not spill in: aligned, T=8, tile 128, 4
-        resident CTAs (64 registers). H200, session 7 (benchmarks/results/ucache_r12_vec_act_h200.json, T=8 w16 H=12,
+        resident CTAs (64 registers). H200 (benchmarks/results/ucache_r12_vec_act_h200.json, T=8 w16 H=12,
         us at 0 / 100% folds, two alternations, scalar / vector in every aligned build): B=512 114.1-114.7 /
         109.7-109.8 and 180.6-180.9 / 175.6-176.1; B=128 31.06-31.10 / 30.72-30.77 and 47.42 / 48.29-48.32; B=64
         (3 CTAs, 80 registers, where ptxas spilled 12 bytes with it) 16.10-16.19 / 16.86-16.93 and 23.33-23.39 /
@@ -443,7 +444,7 @@ class UcacheVerifyFlush:
 
     def vector_v(self) -> bool:
         """The 80-register build (aligned, T=8, tile 128, 3 resident CTAs: the grids under FOUR_CTAS_FROM_STATES)
-        keeps the draft inputs' scalar loads but reads the v tile as 16-byte runs. H200, session 9
+        keeps the draft inputs' scalar loads but reads the v tile as 16-byte runs. H200
         (benchmarks/results/ucache_r19_vec_v_h200.json, T=8 w16 H=12, two alternations, us at 0 / 100% folds, scalar /
         16-byte v): B=64 16.22-16.35 / 16.06-16.16 and 23.50-23.55 / 23.36-23.45, B=96 23.81-23.90 / 23.39-23.42 and
         35.66 / 35.49-35.58, B=8 and B=32 within 0.6%. The tile-64 build (B=1) read 4.26 / 4.32 and 4.86 / 4.99 with
@@ -452,7 +453,7 @@ class UcacheVerifyFlush:
         return self.aligned and self.four_ctas and self.t_draft == 8 and self.tile_v == 128 and floor == 3
 
     def kq_row(self) -> int:
-        """Row stride (words) of sK, sQ, sDec: padded by KQ_PAD in the vector-activation build. H200, session 8
+        """Row stride (words) of sK, sQ, sDec: padded by KQ_PAD in the vector-activation build. H200
         (benchmarks/results/ucache_r15_row_pad_h200.json, us at 0% folds, two alternations, 128 / 132): B=128
         30.08-30.14 / 29.68-29.82, B=512 109.84-110.05 / 108.11-108.26. The 80-register build keeps 128: 4 words made
         ptxas spill 8 bytes there, and 12 (no spill) was slower (ucache_r17_row_pad_3cta_h200.json)."""
@@ -904,7 +905,7 @@ class UcacheVerifyFlush:
                 # Start the checkpoint rows' DRAM reads now, into L2: the triangle warps (0 .. T/2 - 1) load their rows
                 # only after the triangles, the others after phase 2b, so the rows' latency hides under that work
                 # without holding registers (a register prefetch here spills: 48 bytes at 80 registers, 208 at 64).
-                # Quad position q asks for the 128-byte line q % 2 of the warp row pair's row q // 2. H200, session 6
+                # Quad position q asks for the 128-byte line q % 2 of the warp row pair's row q // 2. H200
                 # (benchmarks/results/ucache_r8_l2_rows_h200.json, T=8 w16 H=12, us at 0 / 100% folds, none /
                 # triangle warps / every warp): B=64 17.4 / 17.4 / 17.5 and 24.7 / 24.8 / 24.9; B=128 33.6 / 32.5 /
                 # 32.0 and 51.2 / 50.0 / 48.8; B=512 122.2 / 117.2 / 115.4-115.7 and 194.1 / 185.3 / 181.2-181.5.
@@ -920,8 +921,8 @@ class UcacheVerifyFlush:
             # The diagonal also gives the norms of k_r and q_r. Entries stay raw (un-normalised k, q): the solve
             # applies 1/|k| and scale/|q|. A warp's partial sums (both columns' entries and diagonals) are reduced by
             # one transposing butterfly (_lane_sums: value i lands on lane i, which stores it), not value by value.
-            # Session 7 (H200, T=8 w16 H=12, us at 0 / 100% folds, two alternations each, one column per pass with
-            # one butterfly per column (round 8) / both columns in one pass, benchmarks/results/ucache_r9_tri_pair_h200
+            # H200, T=8 w16 H=12, us at 0 / 100% folds, two alternations each, one column per pass with
+            # one butterfly per column / both columns in one pass, benchmarks/results/ucache_r9_tri_pair_h200
             # .json): B=64 17.47-17.52 / 16.93-16.99 and 24.83-24.86 / 24.29-24.32; B=128 31.77-31.81 / 31.62-31.82
             # and 48.62-48.77 / 49.23-49.25; B=512 115.39-115.52 / 114.56-114.72 and 180.89-181.46 / 181.69-181.77.
             for wt in cutlass.range_constexpr(T // 2):
@@ -1001,8 +1002,8 @@ class UcacheVerifyFlush:
                             sAq[r_col, r_col] = tot
 
             # ---- phase 2b: M = wk x (MMA; one 8-ring-row tile per warp, on warps past the triangles' ones) -------
-            # A verify row never needs S_commit: S_commit x_s = S0 (bdec * x_s) + sum_j u_j (wk_j . x_s) (DESIGN
-            # section 5, R2). M[j, s] = wk_j . x_s is per (request, head), so it is computed once here (m16 = the 2T
+            # A verify row never needs S_commit: S_commit x_s = S0 (bdec * x_s) + sum_j u_j (wk_j . x_s) (docs/design.md
+            # §5, R2). M[j, s] = wk_j . x_s is per (request, head), so it is computed once here (m16 = the 2T
             # draft vectors, n8 = 8 ring rows, k = channels, hi/lo splits: 3 MMAs per k-step); every state row then
             # adds U M (one MMA per 16 ring rows) to S0 (bdec x), whose A operand is the bf16 checkpoint itself.
             for jt in cutlass.range_constexpr(KPAD // 8):
@@ -1383,7 +1384,7 @@ def ucache_verify_flush(
     stride is a multiple of 16 bytes (kda_core's validation says so). The kernel only reads the cursors;
     ``restart_hist_on_flush`` then applies the flush part of the commit with a second, one-thread-per-row kernel.
     ``four_ctas``: the :class:`UcacheVerifyFlush` variant (None: ``_FORCE_FOUR_CTAS``, else on; False is the
-    round-2 schedule, kept for comparison). Its resident-CTA floor follows :func:`default_min_ctas`.
+    layout without it). Its resident-CTA floor follows :func:`default_min_ctas`.
     """
     B, T, H, _ = q.shape
     if H > GRID_Y_MAX:
