@@ -610,3 +610,56 @@ def test_wrapper_checked_argument_after_a_good_call_raises_kdaerror_and_writes_n
             call(case, out, **{argument: broken})
     torch.cuda.synchronize()
     assert torch.equal(case.pool, pool_before) and torch.equal(out, out_before)
+
+
+# Launch geometry and absent dt_bias.
+
+
+@pytest.mark.parametrize("entry", ["unpacked", "packed"])
+def test_a_batch_past_grid_z_on_the_batch_major_grid_matches_oracle(entry, monkeypatch, make_case):
+    # B > 65535 rows on the batch-major grid (tile 64 is never slot-major) run as two launches; the active rows sit
+    # on both sides of the split, every other row is inactive and must get a zero output.
+    from kda_core.oracle import recurrent_kda_ref
+    from kda_cute import decode_t1, kda_decode_t1_packed
+
+    Z = decode_t1.GRID_Z_MAX
+    B, H = Z + 6, 8
+    monkeypatch.setenv("KDA_DECODE_TILE_V", "64")
+    rows = [0, 1, Z - 2, Z - 1, Z, Z + 1, B - 1]
+    slots = torch.full((B,), -1, dtype=torch.int32)
+    slots[rows] = torch.arange(len(rows), dtype=torch.int32) * 3
+    case = make_case(B, H, n_slots=3 * len(rows), slots=slots, seed=70)
+    ref_pool = case.pool.clone()
+    out = torch.full((B, 1, H, 128), 7.0, dtype=torch.bfloat16, device="cuda")
+    if entry == "packed":
+        kda_decode_t1_packed(case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, case.slots, num_heads=H,
+                             output=out, **case.kwargs())
+    else:
+        _decode(case, output=out)
+    idx = torch.tensor(rows, device="cuda")
+    ref_out, ref_pool = recurrent_kda_ref(
+        case.q[idx], case.k[idx], case.v[idx], case.g[idx], case.beta[idx], A_log=case.A_log, dt_bias=case.dt_bias,
+        initial_state=ref_pool, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=case.lower_bound,
+        beta_is_logit=True, ssm_state_indices=case.slots[idx].long())
+    torch.cuda.synchronize()
+    _assert_matches_oracle(case, out[idx], case.pool, ref_out, ref_pool)
+    inactive = torch.ones(B, dtype=torch.bool, device="cuda")
+    inactive[idx] = False
+    assert torch.count_nonzero(out[inactive]) == 0
+
+
+@pytest.mark.parametrize("entry", ["unpacked", "packed"])
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+def test_an_absent_dt_bias_is_zeros(entry, gate, make_case):
+    from kda_cute import kda_decode_t1_packed
+
+    case = make_case(6, 12, gate=gate, seed=71)
+    kw = {**case.kwargs(), "dt_bias": None}
+    case.dt_bias = torch.zeros(12 * 128, device="cuda")
+    ref_out, ref_pool = case.oracle()
+    if entry == "packed":
+        out = kda_decode_t1_packed(case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, case.slots,
+                                   num_heads=12, **kw)
+    else:
+        out = _decode(case, **kw)
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)

@@ -413,3 +413,81 @@ def test_slot_major_hook_and_its_static_conditions(monkeypatch):
     assert not decode_t1.select_config(8, 12, torch.bfloat16, True, decode_t1.GRID_Z_MAX).slot_major  # grid limit
     monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", False)
     assert not decode_t1.select_config(512, 12, torch.bfloat16, True, 512).slot_major
+
+
+# Launch geometry, absent dt_bias and the debug duplicate check.
+
+
+def _big_call(B, N):
+    """A validated call's description for B rows (kda-core's fields that _configure reads), no tensors."""
+    from types import SimpleNamespace
+
+    from kda_core.contracts import GateMode
+
+    return SimpleNamespace(gate_mode=GateMode.LOWER_BOUND, B=B, H=8, N=N, state_dtype=torch.bfloat16, aligned=True,
+                           beta_is_logit=True, lower_bound=-5.0, scale=1.0)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_a_batch_past_grid_z_on_the_batch_major_grid_runs_as_several_launches(host_path, packed, monkeypatch):
+    from kda_cute import decode_t1
+
+    B = decode_t1.GRID_Z_MAX + 5
+    monkeypatch.setenv("KDA_DECODE_TILE_V", "64")  # tile 64: never the slot-major grid
+    entry = decode_t1._configure(("big", packed), _big_call(B, 4), packed, True, torch.empty(1), torch.bfloat16,
+                                 torch.bfloat16, True)
+    rows = torch.empty(1, 8).expand(B, 8)  # the batch-indexed arguments (row views are all that is taken)
+    batch_args = decode_t1._PACKED_BATCH_ARGS if packed else decode_t1._BATCH_ARGS
+    n_args = 10 if packed else 12
+    args = [rows if i in batch_args else object() for i in range(n_args)]
+    entry[1](*args)
+    (fn,) = host_path
+    assert [len(part[0]) for part in fn.calls] == [decode_t1.GRID_Z_MAX, 5]
+    for part in fn.calls:
+        assert all((part[i].shape[0] <= decode_t1.GRID_Z_MAX) if i in batch_args else (part[i] is args[i])
+                   for i in range(n_args))
+    decode_t1._LAUNCH_MEMO.pop(("big", packed), None)
+
+
+def test_a_large_batch_on_the_slot_major_grid_is_one_launch(host_path):
+    from kda_cute import decode_t1
+
+    B = decode_t1.GRID_Z_MAX + 5
+    entry = decode_t1._configure(("big-slot-major",), _big_call(B, 4), False, True, torch.empty(1), torch.bfloat16,
+                                 torch.bfloat16, True)
+    (fn,) = host_path
+    assert fn.key[-2] is True  # slot_major: grid z = N + ceil(B / 128)
+    assert entry[1] is fn  # the compiled function itself, no split
+    decode_t1._LAUNCH_MEMO.pop(("big-slot-major",), None)
+
+
+def test_an_absent_dt_bias_compiles_the_variant_without_it(host_path, make_case):
+    from kda_core.validation import validate_decode_t1
+    from kda_cute import decode_t1
+
+    case = make_case(3, 12, device="cpu")
+    call = validate_decode_t1(case.q, case.k, case.v, case.g, case.beta, case.pool, case.slots, device_kind="any",
+                              **case.kwargs())
+    has_dt_bias = decode_t1.variant_key.__code__.co_varnames.index("has_dt_bias")
+    for dt_bias in (case.dt_bias, None, case.dt_bias):
+        decode_t1._run(call, case.q, case.k, case.v, case.g, case.beta, case.pool, case.slots, case.A_log, dt_bias,
+                       True, None)
+    assert [fn.key[has_dt_bias] for fn in host_path] == [True, False]  # the third call reuses the first launch
+    assert host_path[1].calls[0][6] is None and len(host_path[0].calls) == 2
+
+
+@pytest.mark.parametrize("entry", ["packed", "unpacked"])
+def test_debug_validate_rejects_duplicate_active_slots_on_the_hot_path(entries_on_cpu, make_case, entry,
+                                                                       monkeypatch):
+    case = make_case(3, 12, slots=[4, 1, 4], device="cpu")
+    run = _packed_entry if entry == "packed" else _unpacked_entry
+    run(case)  # knob off: not checked (a caller error), launched
+    assert sum(len(fn.calls) for fn in entries_on_cpu) == 1
+    monkeypatch.setenv("KDA_DEBUG_VALIDATE", "1")
+    for _ in range(2):  # the remembered call (kda-core's re-validation) is checked too
+        with pytest.raises(KDAError, match="^slot_indices: expected distinct active slots"):
+            run(case)
+    assert sum(len(fn.calls) for fn in entries_on_cpu) == 1
+    case.slots = torch.tensor([4, 1, 99], dtype=torch.int32)  # an inactive row may repeat nothing: fine
+    run(case)
+    assert sum(len(fn.calls) for fn in entries_on_cpu) == 2

@@ -475,3 +475,125 @@ def test_runs_on_the_callers_current_stream():
     stream.synchronize()
     torch.cuda.synchronize()
     assert torch.equal(out, ref_o)
+
+
+# --------------------------------------------------------------------------------------------------
+# malformed device data: cu_seqlens and num_accepted_tokens are bounded in the kernel (docs/design.md §4)
+# --------------------------------------------------------------------------------------------------
+
+
+def clamped_bounds(cu, T_total):
+    """[(bos_n, eos_n)]: bos = clamp(cu[n], 0, T_total), eos = clamp(cu[n + 1], bos, T_total), in Python ints."""
+    values = [int(x) for x in cu.tolist()]
+    out = []
+    for n in range(len(values) - 1):
+        bos = min(max(values[n], 0), T_total)
+        out.append((bos, min(max(values[n + 1], bos), T_total)))
+    return out
+
+
+GUARD = 5  # output rows of sentinel on each side of the output view
+
+
+def guarded_output(T, HV, K=128):
+    """(buffer [1, T + 2 GUARD, HV, K] of 7.0, the output view [1, T, HV, K] in its middle)."""
+    buf = torch.full((1, T + 2 * GUARD, HV, K), 7.0, dtype=torch.bfloat16, device=DEV)
+    return buf, buf[:, GUARD : GUARD + T]
+
+
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("offsets", [
+    [0, 4, 15],  # the last end past the tokens
+    [-3, 4, 10],  # a negative first start
+    [12, 14],  # the first start past the tokens: every token is outside every sequence
+    [0, 4, -2],  # an end before its start: an empty sequence
+    [0, 2**31 - 1],  # 2^31 - 1 tokens claimed
+    [0, 3, 2**31 + 4],  # int64 past 2^31 (truncated to int32 it would be negative)
+    [0, 3, 2**32 + 5],  # int64 whose low 32 bits are 5
+], ids=["end-past", "neg-start", "start-past", "end-before-start", "int32-max", "int64-2^31", "int64-2^32"])
+def test_varlen_malformed_offsets_are_clamped_and_nothing_outside_the_output_is_written(offsets, cu_dtype):
+    if cu_dtype == torch.int32 and max(offsets) >= 2**31:
+        pytest.skip("not representable in int32")
+    T, H, N = 10, 4, 9
+    cu = torch.tensor(offsets, dtype=cu_dtype, device=DEV)
+    bounds = clamped_bounds(cu, T)
+    inputs = make_inputs(1, T, H, seed=60)
+    pool = make_pool(N, H)
+    slots = torch.tensor([2, 7, 5][: len(bounds)], dtype=torch.int32, device=DEV)
+    ref_pool = pool.clone()
+    buf, out = guarded_output(T, H)
+    from kda_core.oracle import recurrent_kda_ref
+    from kda_cute.generic import kda_recurrent_fwd
+
+    kda_recurrent_fwd(**inputs, initial_state=pool, ssm_state_indices=slots, cu_seqlens=cu, output=out)
+    clamped = torch.tensor([bounds[0][0]] + [e for _, e in bounds], dtype=torch.int64, device=DEV)
+    ref_o, ref_pool = recurrent_kda_ref(**inputs, initial_state=ref_pool, ssm_state_indices=slots, cu_seqlens=clamped)
+    torch.cuda.synchronize()
+    assert torch.all(buf[:, :GUARD] == 7.0) and torch.all(buf[:, GUARD + T :] == 7.0)  # nothing written outside
+    assert_output_close(out, ref_o)
+    assert_state_close(pool, ref_pool)
+    covered = set().union(*(range(b, e) for b, e in bounds))
+    outside = [t for t in range(T) if t not in covered]
+    assert torch.count_nonzero(out[:, outside]) == 0
+
+
+def test_varlen_non_monotonic_offsets_keep_every_state_exact():
+    # [0, 6, 3, 10]: sequence 0 owns [0, 6), sequence 1 [6, 6) (its end precedes its start), sequence 2 [3, 10).
+    # Outputs of the overlap are unspecified (but in the output); every state is the recurrence over its tokens.
+    T, H, N = 10, 4, 8
+    cu = torch.tensor([0, 6, 3, 10], dtype=torch.int32, device=DEV)
+    inputs = make_inputs(1, T, H, seed=61)
+    pool = make_pool(N, H, dtype=torch.float32)
+    slots = torch.tensor([1, 4, 6], dtype=torch.int32, device=DEV)
+    ref_pool = pool.clone()
+    buf, out = guarded_output(T, H)
+    from kda_core.oracle import recurrent_kda_ref
+    from kda_cute.generic import kda_recurrent_fwd
+
+    kda_recurrent_fwd(**inputs, initial_state=pool, ssm_state_indices=slots, cu_seqlens=cu, output=out)
+    for n, (bos, eos) in enumerate(clamped_bounds(cu, T)):  # each sequence alone: distinct slots, any order
+        _, ref_pool = recurrent_kda_ref(**inputs, initial_state=ref_pool, ssm_state_indices=slots[n : n + 1],
+                                        cu_seqlens=torch.tensor([bos, eos], dtype=torch.int64, device=DEV))
+    torch.cuda.synchronize()
+    assert torch.all(buf[:, :GUARD] == 7.0) and torch.all(buf[:, GUARD + T :] == 7.0)
+    assert torch.isfinite(out.float()).all()
+    assert_state_close(pool, ref_pool)
+
+
+def test_num_accepted_tokens_is_clamped_before_the_subtraction():
+    # col = max(min(nat, T), 1) - 1: INT_MIN, 0 and negatives read column 0, counts past T the last column.
+    B, T, H, N = 6, 4, 4, 40
+    inputs = make_inputs(B, T, H, seed=62)
+    pool = make_pool(N, H)
+    slots = torch.randperm(N, generator=_gen(62), device=DEV)[: B * T].view(B, T).to(torch.int32)
+    accepted = torch.tensor([-(2**31), 0, -5, T + 3, 2**31 - 1, 2], dtype=torch.int32, device=DEV)
+    from kda_core.oracle import recurrent_kda_ref
+    from kda_cute.generic import kda_recurrent_fwd
+
+    ref_pool = pool.clone()
+    o, _ = kda_recurrent_fwd(**inputs, initial_state=pool, ssm_state_indices=slots, num_accepted_tokens=accepted)
+    in_range = torch.tensor([1, 1, 1, T, T, 2], dtype=torch.int32, device=DEV)  # the columns + 1 the rule reads
+    ref_o, ref_pool = recurrent_kda_ref(**inputs, initial_state=ref_pool, ssm_state_indices=slots,
+                                        num_accepted_tokens=in_range)
+    torch.cuda.synchronize()
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+def test_absent_dt_bias_is_zeros(gate):
+    B, T, H, N = 3, 4, 4, 9
+    inputs = make_inputs(B, T, H, gate=gate, seed=63)
+    pool = make_pool(N, H)
+    slots = torch.tensor([5, 0, 8], dtype=torch.int32, device=DEV)
+    from kda_core.oracle import recurrent_kda_ref
+    from kda_cute.generic import kda_recurrent_fwd
+
+    ref_pool = pool.clone()
+    o, _ = kda_recurrent_fwd(**{**inputs, "dt_bias": None}, initial_state=pool, ssm_state_indices=slots)
+    zeros = torch.zeros(H * 128, device=DEV)
+    ref_o, ref_pool = recurrent_kda_ref(**{**inputs, "dt_bias": zeros}, initial_state=ref_pool,
+                                        ssm_state_indices=slots)
+    torch.cuda.synchronize()
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)

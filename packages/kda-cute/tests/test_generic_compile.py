@@ -225,3 +225,52 @@ def test_host_path_compiles_its_variant_and_passes_every_kernel_argument(mode, m
         assert final.dtype == torch.float32 and args[8] is final
     assert (args[10] is not None) == (mode == "spec")
     assert (args[11] is not None) == (mode == "varlen")
+
+
+def test_varlen_offsets_are_clamped_in_64_bits_before_narrowing(tmp_path):
+    """The int64 cu_seqlens variant clamps each offset to [0, T_total] with 64-bit min / max (an offset past 2^31
+    must clamp, not wrap), and the zero-fill loops run from those clamped values."""
+    variant = {**BASE, "varlen": True, "cu_dtype": torch.int64, "state_mode": R.StateMode.POOL}
+    R.compile_variant(R.variant_key(**variant), "sm_90a", f"--keep-ptx --dump-dir {tmp_path}")
+    (ptx,) = list(tmp_path.glob("*.ptx"))
+    text = ptx.read_text()
+    assert text.count("min.s64") >= 2 and text.count("max.s64") >= 2
+
+
+def test_no_value_head_launches_nothing(monkeypatch):
+    calls = _spy_launches(monkeypatch)
+    q = torch.randn(2, 3, 2, 64)
+    v = torch.randn(2, 3, 0, 64)
+    o, final = R.kda_recurrent_fwd(q, q, v, v, torch.randn(2, 3, 0), output_final_state=True)
+    assert calls == [] and o.shape == (2, 3, 0, 64) and final.shape == (2, 0, 64, 64)
+
+
+def test_more_value_heads_than_grid_y_holds_raises_naming_v(monkeypatch):
+    from kda_core.errors import KDAError
+
+    calls = _spy_launches(monkeypatch)
+    q = torch.empty(1, 1, 1, 64, dtype=torch.bfloat16)
+    v = torch.empty(1, 1, 1, 64, dtype=torch.bfloat16).expand(1, 1, R.MAX_VALUE_HEADS + 1, 64)
+    with pytest.raises(KDAError, match="^v: expected at most 65535 value heads"):
+        R.kda_recurrent_fwd(q, q, v, v, torch.empty(1, 1, R.MAX_VALUE_HEADS + 1))
+    assert calls == []
+
+
+@pytest.mark.parametrize("mode", ["pool", "spec"])
+def test_debug_validate_rejects_duplicate_active_slots_before_launch(mode, monkeypatch):
+    from kda_core.errors import KDAError
+
+    calls = _spy_launches(monkeypatch)
+    B, T, H, K = 2, 2, 2, 64
+    q, v = torch.randn(B, T, H, K).bfloat16(), torch.randn(B, T, H, K).bfloat16()
+    beta = torch.randn(B, T, H).bfloat16()
+    pool = torch.randn(6, H, K, K)
+    slots = torch.tensor([3, 3], dtype=torch.int32) if mode == "pool" else \
+        torch.tensor([[0, 1], [2, 1]], dtype=torch.int32)
+    monkeypatch.setenv("KDA_DEBUG_VALIDATE", "1")
+    with pytest.raises(KDAError, match="^ssm_state_indices: expected distinct active slots"):
+        R.kda_recurrent_fwd(q, q, v, v, beta, initial_state=pool, ssm_state_indices=slots)
+    assert calls == []
+    monkeypatch.setenv("KDA_DEBUG_VALIDATE", "0")  # off: the caller's error reaches the kernel unchecked
+    R.kda_recurrent_fwd(q, q, v, v, beta, initial_state=pool, ssm_state_indices=slots)
+    assert len(calls) == 1

@@ -1,4 +1,4 @@
-"""GPU tests of the ucache verify+flush kernel against kda-core's oracle (issue 5, item 5).
+"""GPU tests of the ucache verify+flush kernel against kda-core's oracle.
 
 Each test builds one random step (pool, rings with a live window of P rows, cursors), runs the kernel and the
 oracle on separate copies, and compares outputs (fp32 oracle vs bf16 kernel: atol = rtol = 8e-3), the pool
@@ -271,7 +271,7 @@ def test_padded_pool_and_permuted_slots_leave_other_rows_untouched():
 
 
 def test_misaligned_pool_takes_the_element_wide_variant():
-    # pointer 2 bytes past a 16-byte boundary and an odd row stride: legal, never rejected (DESIGN §4)
+    # pointer 2 bytes past a 16-byte boundary and an odd row stride: legal, never rejected (docs/design.md §4)
     step = make_step(8, 8, 12, n_slots=20, pool_row_pad=1, pool_offset=1, hist=9, seed=19)
     assert step.pool.data_ptr() % 16 != 0
     mine, _, _, _ = check_against_oracle(step, aligned=False)
@@ -336,7 +336,7 @@ def test_batch_64_random_is_deterministic():
         assert torch.equal(getattr(first, name).nan_to_num(), getattr(second, name).nan_to_num())
 
 
-# The four_ctas layout (UcacheVerifyFlush, the launcher's default) against the round-2 layout (four_ctas=False): a
+# The four_ctas layout (UcacheVerifyFlush, the launcher's default) against the layout without it (four_ctas=False): a
 # schedule and shared-memory layout change with the same operations in the same order, so they must agree bit for bit
 # (and with the oracle).
 def assert_bitwise_equal(mine: Step, out: torch.Tensor, other: Step, out_other: torch.Tensor) -> None:
@@ -365,13 +365,13 @@ FOUR_CTAS_STEPS = {
 
 @pytest.mark.parametrize("tile_v", [64, 128])
 @pytest.mark.parametrize("name", list(FOUR_CTAS_STEPS))
-def test_four_ctas_layout_matches_oracle_and_round2_layout_bitwise(name, tile_v):
+def test_four_ctas_layout_matches_oracle_and_the_other_layout_bitwise(name, tile_v):
     step = FOUR_CTAS_STEPS[name]()
     mine, _, out, _ = check_against_oracle(step, tile_v=tile_v, four_ctas=True)
-    r2 = step.clone()
-    out_r2 = run_kernel(r2, tile_v=tile_v, four_ctas=False)
+    other = step.clone()
+    out_other = run_kernel(other, tile_v=tile_v, four_ctas=False)
     torch.cuda.synchronize()
-    assert_bitwise_equal(mine, out, r2, out_r2)
+    assert_bitwise_equal(mine, out, other, out_other)
 
 
 @pytest.mark.parametrize("name", ["mixed-T8", "full-flush-T8-wrapped", "strong-decay-softplus", "inactive-rows"])
@@ -392,3 +392,77 @@ def test_four_resident_ctas_build_matches_oracle_and_the_small_grid_build_bitwis
 def test_four_ctas_misaligned_pool_matches_oracle():
     step = make_step(8, 8, 12, n_slots=20, pool_row_pad=1, pool_offset=1, hist=9, seed=19)
     check_against_oracle(step, aligned=False, four_ctas=True)
+
+
+# Empty batches, malformed cursors, absent dt_bias, launch geometry.
+
+
+def test_an_empty_batch_returns_at_once():
+    step = make_step(2, 8, 12, seed=40)
+    empty = replace(step, q=step.q[:0], k=step.k[:0], v=step.v[:0], g=step.g[:0], b=step.b[:0], slots=step.slots[:0],
+                    hist_len=step.hist_len[:0], cache_base=step.cache_base[:0])
+    before = step.clone()
+    out = run_kernel(empty, restart=True)
+    torch.cuda.synchronize()
+    assert out.shape == (0, 8, 12, K)
+    assert torch.equal(step.pool, before.pool) and torch.equal(step.u_cache.nan_to_num(), before.u_cache.nan_to_num())
+
+
+@pytest.mark.parametrize("T", [4, 8])
+def test_restart_advances_the_ring_by_the_clamped_history(T):
+    # Malformed hist_len (past the cap, negative): the verify kernel folds P = clamp(hist_len, 0, cap) rows, and
+    # the restart moves cache_base by that same P (docs/design.md §5), never by the raw value.
+    cap = max_hist_len(T, 16)
+    flush_min = default_flush_min(T, 16)
+    raw = torch.tensor([cap + 5, -3, cap, 40, 2**31 - 1, flush_min - 1], dtype=torch.int32)
+    clamped = raw.clamp(0, cap)
+    bases = torch.tensor([3, 30, 17, 0, 9, 28], dtype=torch.int32)
+    step = make_step(6, T, 12, hist=clamped, bases=bases, seed=41)  # live windows of the clamped lengths
+    ref = step.clone()
+    mine = replace(step.clone(), hist_len=raw.cuda())
+    out = run_kernel(mine, restart=True)
+    expected = run_oracle(ref, restart=True)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), expected, **OUT_TOL)
+    torch.testing.assert_close(mine.pool.float(), ref.pool.float(), **STATE_TOL)
+    torch.testing.assert_close(mine.u_cache.float(), ref.u_cache.float(), equal_nan=True, **RING_TOL)
+    flushed = clamped >= flush_min
+    want_base = torch.where(flushed, (bases + clamped) % RING_SLOTS, bases)
+    want_hist = torch.where(flushed, torch.zeros_like(raw), raw)  # a row not flushed keeps its cursors as given
+    assert torch.equal(mine.cache_base.cpu(), want_base) and torch.equal(mine.hist_len.cpu(), want_hist)
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+def test_an_absent_dt_bias_is_zeros(gate):
+    step = make_step(8, 8, 12, gate=gate, seed=42)
+    mine, ref = step.clone(), replace(step.clone(), dt_bias=torch.zeros_like(step.dt_bias))
+    out = run_kernel(replace(mine, dt_bias=None))
+    expected = run_oracle(ref)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), expected, **OUT_TOL)
+    torch.testing.assert_close(mine.pool.float(), ref.pool.float(), **STATE_TOL)
+
+
+def test_a_batch_past_grid_z_matches_oracle_on_both_sides_of_the_split():
+    # B > 65535 requests run as two launches of the verify kernel; the rows around the split and at both ends are
+    # active (empty history: no ring to build for the others), the rest inactive with zero output.
+    from kda_cute.ucache import GRID_Z_MAX
+
+    B, T, H = GRID_Z_MAX + 4, 4, 8
+    rows = [0, GRID_Z_MAX - 2, GRID_Z_MAX - 1, GRID_Z_MAX, GRID_Z_MAX + 1, B - 1]
+    slots = torch.full((B,), -1, dtype=torch.int32)
+    slots[rows] = torch.arange(len(rows), dtype=torch.int32)
+    step = make_step(B, T, H, hist=0, n_slots=len(rows), slots=slots, seed=43)
+    mine = step.clone()
+    out = torch.full((B, T, H, K), 7.0, dtype=torch.bfloat16, device="cuda")
+    run_kernel(mine, output=out)
+    idx = torch.tensor(rows, device="cuda")
+    sub = replace(step.clone(), q=step.q[idx], k=step.k[idx], v=step.v[idx], g=step.g[idx], b=step.b[idx],
+                  slots=step.slots[idx], hist_len=step.hist_len[idx], cache_base=step.cache_base[idx])
+    expected = run_oracle(sub)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out[idx].float(), expected, **OUT_TOL)
+    torch.testing.assert_close(mine.pool.float(), sub.pool.float(), **STATE_TOL)
+    inactive = torch.ones(B, dtype=torch.bool, device="cuda")
+    inactive[idx] = False
+    assert torch.count_nonzero(out[inactive]) == 0

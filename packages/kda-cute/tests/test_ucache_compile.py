@@ -57,10 +57,10 @@ def test_four_ctas_main_config_fits_its_register_budget_without_spills(min_ctas,
     assert registers <= budget and spills == 0, f"{registers} registers, {spills} bytes of spill traffic"
 
 
-@pytest.mark.parametrize("four_ctas", [True, False], ids=["four_ctas", "r2"])
+@pytest.mark.parametrize("four_ctas", [True, False], ids=["four_ctas", "other"])
 def test_four_ctas_prefetches_the_checkpoint_rows_into_l2(four_ctas, tmp_path):
-    # Round 8: the four_ctas layout loads its checkpoint rows after the triangles / phase 2b, so every thread asks
-    # for its rows' L2 lines at the phase-1 barrier (one prefetch.global.L2 each); the round-2 layout loads the rows
+    # The four_ctas layout loads its checkpoint rows after the triangles / phase 2b, so every thread asks
+    # for its rows' L2 lines at the phase-1 barrier (one prefetch.global.L2 each); the other layout loads the rows
     # into registers before the preamble and needs none.
     from kda_cute.ucache import build_ucache_kernel
 
@@ -107,7 +107,7 @@ def test_default_cta_floor_by_grid_size():
 
 
 def test_vector_activation_loads_only_in_the_measured_build(tmp_path):
-    # Round 12: 16-byte loads of the draft inputs and the v tile in the aligned T=8 tile-128 build at 4 CTAs per SM
+    # 16-byte loads of the draft inputs and the v tile in the aligned T=8 tile-128 build at 4 CTAs per SM
     # (64 registers); the 80-register build spilled with them, and T=4, tile 64 and w_ring 32 were not measured.
     from kda_cute.ucache import UcacheVerifyFlush, build_ucache_kernel
 
@@ -118,7 +118,7 @@ def test_vector_activation_loads_only_in_the_measured_build(tmp_path):
     assert not UcacheVerifyFlush(12, 8, 16, 64, False, True, four_ctas=True).vector_activations()
     assert not UcacheVerifyFlush(12, 8, 32, 128, False, True, four_ctas=True).vector_activations()
     # the same build pads the rows of sK, sQ, sDec (KQ_PAD); the 80-register build keeps 128-word rows (4 words of
-    # padding spilled there, 12 did not but were slower: rounds 15 and 17)
+    # padding spilled there, 12 did not but were slower)
     assert UcacheVerifyFlush(12, 8, 16, 128, False, True, four_ctas=True).kq_row() == 132
     assert UcacheVerifyFlush(12, 8, 16, 128, False, True, four_ctas=True, min_ctas=3).kq_row() == 128
     counts = []
@@ -134,7 +134,7 @@ def test_vector_activation_loads_only_in_the_measured_build(tmp_path):
 
 
 def test_vector_v_tile_only_in_the_80_register_build(tmp_path, monkeypatch):
-    # Session 9: the 80-register build (3 CTAs per SM, T=8 tile 128) reads the v tile as 16-byte runs and keeps the
+    # The 80-register build (3 CTAs per SM, T=8 tile 128) reads the v tile as 16-byte runs and keeps the
     # draft inputs' scalar loads; tile 64 measured slower with it, T=4 and w_ring 32 were not measured.
     from kda_cute.ucache import UcacheVerifyFlush, build_ucache_kernel
 
@@ -189,3 +189,102 @@ def test_compile_cache_key_separates_every_code_generation_parameter(monkeypatch
         call(**kwargs)
     assert len(built) == 10  # the last two calls are cache hits
     _launch.clear_cache()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_absent_dt_bias_variant_compiles(arch):
+    from kda_cute.ucache import build_ucache_kernel
+
+    assert build_ucache_kernel(12, 8, 16, 128, False, True, arch, four_ctas=True, has_dt_bias=False) is not None
+
+
+def _recording_launcher(monkeypatch):
+    """Replace both builds by recorders: [(kind, args of each launch)]."""
+    from kda_cute import _launch, ucache
+
+    launches = []
+    monkeypatch.setattr(ucache, "build_ucache_kernel",
+                        lambda *a, **kw: (lambda *args: launches.append(("verify", args, kw))))
+    monkeypatch.setattr(ucache, "build_restart_kernel", lambda arch: (lambda *args: launches.append(("restart", args))))
+    _launch.clear_cache()
+    return launches
+
+
+def _verify_call(B, H=2, T=8, dt_bias=True, restart=True):
+    import torch
+
+    from kda_cute import ucache
+
+    row = lambda *shape: torch.empty(1, *shape, dtype=torch.bfloat16).expand(B, *shape)  # noqa: E731
+    ints = torch.zeros(1, dtype=torch.int32).expand(B)
+    pool, ring = torch.empty(3, H, 128, 128, dtype=torch.bfloat16), torch.empty(3, H, 32, 128)
+    output = row(T, H, 128)
+    return ucache.ucache_verify_flush(
+        torch.zeros(H), row(T, H, 128), torch.zeros(H * 128) if dt_bias else None, -5.0, row(T, H, 128),
+        row(T, H, 128), row(T, H, 128), row(T, H), pool, ints, ring, ring, ring, ints, ints, 9, 16, 1.0, output,
+        restart_hist_on_flush=restart,
+    )  # fmt: skip
+
+
+def test_an_empty_batch_launches_neither_kernel(monkeypatch):
+    from kda_cute import _launch
+
+    launches = _recording_launcher(monkeypatch)
+    out = _verify_call(0)
+    assert launches == [] and out.shape == (0, 8, 2, 128) and _launch.cache_size() == 0
+    _launch.clear_cache()
+
+
+def test_a_batch_past_grid_z_runs_as_several_verify_launches_and_one_restart(monkeypatch):
+    from kda_cute import _launch, ucache
+
+    launches = _recording_launcher(monkeypatch)
+    B = ucache.GRID_Z_MAX + 3
+    _verify_call(B)
+    verify = [args for kind, args, *_ in launches if kind == "verify"]
+    assert [args[0].shape[0] for args in verify] == [ucache.GRID_Z_MAX, 3]
+    for args in verify:
+        for i, a in enumerate(args[:15]):
+            if i in ucache._BATCH_ARGS:
+                assert a.shape[0] == args[0].shape[0], i
+        assert args[7].shape[0] == 3  # the pool is not sliced
+    ((kind, restart),) = [x for x in launches if x[0] == "restart"]
+    assert restart[0].shape[0] == B  # one thread per row on grid x
+    _launch.clear_cache()
+
+
+def test_restart_kernel_gets_the_verify_kernels_history_cap(monkeypatch):
+    from kda_core.contracts import max_hist_len
+    from kda_cute import _launch
+
+    launches = _recording_launcher(monkeypatch)
+    for T in (4, 8):
+        _verify_call(2, T=T)
+    caps = [args[-1] for kind, args, *_ in launches if kind == "restart"]
+    assert caps == [max_hist_len(4, 16), max_hist_len(8, 16)]
+    _launch.clear_cache()
+
+
+def test_an_absent_dt_bias_is_a_separate_build(monkeypatch):
+    from kda_cute import _launch
+
+    launches = _recording_launcher(monkeypatch)
+    for with_bias in (True, False, True):
+        _verify_call(2, dt_bias=with_bias, restart=False)
+    assert [kw["has_dt_bias"] for kind, _, kw in launches] == [True, False, True]
+    assert _launch.cache_size() == 2
+    _launch.clear_cache()
+
+
+def test_more_heads_than_grid_y_holds_raise_naming_q(monkeypatch):
+    import torch
+
+    from kda_core.errors import KDAError
+    from kda_cute import ucache
+
+    launches = _recording_launcher(monkeypatch)
+    q = torch.empty(1, 8, 1, 128).expand(1, 8, ucache.GRID_Y_MAX + 1, 128)
+    with pytest.raises(KDAError, match="^q: expected at most 65535 heads"):
+        ucache.ucache_verify_flush(None, None, None, -5.0, q, None, None, None, None, None, None, None, None, None,
+                                   None, 9, 16, 1.0, None)  # fmt: skip
+    assert launches == []

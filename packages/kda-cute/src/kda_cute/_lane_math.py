@@ -1,4 +1,4 @@
-"""Per-lane math shared by the T=1 decode kernel and the generic recurrent kernel (DESIGN §3 steps 1-5).
+"""Per-lane math shared by the T=1 decode kernel and the generic recurrent kernel (docs/design.md §3 steps 1-5).
 
 Each lane holds ``len(kf)`` consecutive key channels of one token; the lanes that share a state row reduce with the
 caller's butterfly (``row_sum``: 16 lanes in the T=1 kernel, 8 or 16 in the generic one). Traced inline into the

@@ -1,6 +1,6 @@
 """T=1 KDA decode: one delta-rule step per (sequence, head) on a V-first state pool, in place.
 
-Math: DESIGN §3. Contracts: DESIGN §2 and §4 (slots outside [0, N) are inactive: zero output, pool
+Math: docs/design.md §3. Contracts: docs/design.md §2 and §4 (slots outside [0, N) are inactive: zero output, pool
 neither read nor written; the check runs in the kernel against the pool's row count).
 
 Work split. The state of one (slot, head) is [V=128 rows, K=128 channels], K contiguous. Once the
@@ -41,6 +41,8 @@ from kda_core.contracts import HEAD_DIM, GateMode
 from kda_core.errors import fail
 from kda_core.validation import (
     WRAPPER_REJECTED,
+    debug_check_slots,
+    debug_checks_enabled,
     revalidate_decode_t1,
     revalidate_packed_decode_t1,
     validate_decode_t1,
@@ -114,7 +116,7 @@ class DecodeT1Config:
 # 109.6, two heads per CTA 117-121). fp32 B=512: tile 128, all 16 rows in flight, ld.cg/st.wb 208.6 us = 91% of
 # the copy (tile 64 / 4 rows / streaming, the previous row: 217.1; 64 / 8 / ld.cg 210.9); B=256 and 1024 were
 # not swept in fp32, so the row starts at 3072 states (B=256 at H=12).
-# Bulk ring, H200 session 4, same method (benchmarks/results/t1_bulk_ring_{h200,depths_h200,fp32_h200,small_bf16_h200}
+# Bulk ring, H200, same method (benchmarks/results/t1_bulk_ring_{h200,depths_h200,fp32_h200,small_bf16_h200}
 # .json; us, register path of the same tile / bulk ring of depth 8, same run): bf16 B=48 10.8 / 10.3, B=64 14.7 /
 # 11.6, B=128 29.1 / 28.3, B=256 56.6 / 56.3, B=512 110.3 / 107.9, B=1024 220.6 / 211.9 (depths 4/6/12 within 2%,
 # 2 and 16 slower); below 384 states it loses (B=32 6.9 / 7.9, B=16 5.3 / 7.1). fp32 against the previous rows:
@@ -140,7 +142,7 @@ _FORCE_SLOT_MAJOR: bool | None = None  # slot-major grid on / off; ignored (off)
 # Slot-major grid (README, "Slot-major grid"): taken by the bulk-ring rows from SLOT_MAJOR_MIN_STATES (B*H) states on,
 # when the pool has at most SLOT_MAJOR_MAX_POOL_PER_ROW rows per batch row (every pool row gets a CTA; the rows no
 # batch row names exit after the scan). The scan costs ~1.3 us once per call (the first wave waits for it), the
-# address order gains ~1.1% of the time per state, so it pays from ~300 sequences at H=12. H200, session 10, H=12,
+# address order gains ~1.1% of the time per state, so it pays from ~300 sequences at H=12. H200, H=12,
 # CUDA graphs, permuted slots, us batch-major / slot-major, two runs each (benchmarks/results/t1_slot_major_{h200,
 # ab_h200,band_h200}.json): dense pool bf16 B=48 10.21-10.22 / 11.55-11.58, B=64 11.58 / 12.83-12.86, B=128
 # 28.16-28.30 / 28.50-28.53, B=256 55.76-56.03 / 56.03-56.40, B=320 69.14-69.20 / 68.64-68.80, B=384 81.62-81.74 /
@@ -793,6 +795,8 @@ def kda_decode_t1(
     """
     call = revalidate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound,
                                 use_gate_in_kernel, beta_is_logit, scale, output)
+    if debug_checks_enabled():  # KDA_DEBUG_VALIDATE (off: one knob lookup): duplicate active slots
+        debug_check_slots(slot_indices, call.N)
     try:
         return _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, use_qk_l2norm_in_kernel, output)
     except WRAPPER_REJECTED:  # the compiled wrapper refused an argument, nothing launched (kda-core's contract):
@@ -827,6 +831,8 @@ def kda_decode_t1_packed(
     """
     call = revalidate_packed_decode_t1(mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, num_heads, A_log,
                                        dt_bias, lower_bound, use_gate_in_kernel, beta_is_logit, scale, output)
+    if debug_checks_enabled():  # as in kda_decode_t1
+        debug_check_slots(slot_indices, call.N)
     try:
         return _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias,
                            use_qk_l2norm_in_kernel, output)
@@ -840,26 +846,26 @@ def kda_decode_t1_packed(
 
 
 # Per-call launch memo. Key: (id of the validated call description, packed, l2norm, device index, the parsed
-# KDA_DECODE_TILE_V, the five sweep hooks). A description (kda-core's DecodeT1Call or RecurrentCall) is immutable and
-# remembered by every fact a variant and the schedule depend on (B, H, pool rows, pool dtype, g / beta dtypes, gate
-# mode, lower bound, beta logit, scale, alignment class), so its identity stands for all of them; the entry holds the
-# description itself, so its id cannot be reused by another object while the entry lives. Value: (description,
-# compiled function or None when B == 0, scale, lower bound as the kernel's float, gate in kernel, B, H, owner of the
-# compiled module).
+# KDA_DECODE_TILE_V, whether dt_bias is absent, the five sweep hooks). A description (kda-core's DecodeT1Call or
+# RecurrentCall) is immutable and remembered by every fact a variant and the schedule depend on (B, H, pool rows, pool
+# dtype, g / beta dtypes, gate mode, lower bound, beta logit, scale, alignment class), so its identity stands for all
+# of them; the entry holds the description itself, so its id cannot be reused by another object while the entry
+# lives. Value: (description, compiled function (or its batch-split wrapper) or None when B == 0, scale, lower bound
+# as the kernel's float, gate in kernel, B, H, owner of the compiled module).
 _LAUNCH_MEMO: dict[tuple, tuple] = {}
 _LAUNCH_MEMO_MAX = 1024
 
 
-def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype):
+def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bias):
     """Schedule + compiled variant of one validated call; stores its launch memo entry under ``memo_key`` (built
     by the caller, ``_run`` / ``_run_packed``, from the facts listed at ``_LAUNCH_MEMO``)."""
     gated = call.gate_mode is not GateMode.PRECOMPUTED
     fn = compiled = None
-    if call.B > 0:
+    if call.B > 0:  # (H, on grid y, is one of kda-core's HEAD_COUNTS: at least 8, far below the grid's limit)
         cfg = select_config(call.B, call.H, call.state_dtype, call.aligned, call.N)
-        # dt_bias is required with the gate in the kernel (kda-core), ignored without it.
+        # dt_bias is optional with the gate in the kernel (absent = zeros), ignored without it.
         key = variant_key(state_dtype=call.state_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=call.gate_mode,
-                          beta_is_logit=call.beta_is_logit, use_qk_l2norm=l2norm, has_dt_bias=gated,
+                          beta_is_logit=call.beta_is_logit, use_qk_l2norm=l2norm, has_dt_bias=gated and has_dt_bias,
                           tile_v=cfg.tile_v, aligned=call.aligned, smem_stage=cfg.smem_stage,
                           rows_in_flight=cfg.rows_in_flight, cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring,
                           slot_major=cfg.slot_major, packed=packed)
@@ -868,6 +874,8 @@ def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype):
         # the compiled object rides along so that the module outlives any cache clearing.
         raw = getattr(compiled, "__tvm_ffi_object__", None)
         fn = (raw() if raw is not None else None) or compiled
+        if not cfg.slot_major and call.B > GRID_Z_MAX:
+            fn = _batch_split(fn, call.B, _PACKED_BATCH_ARGS if packed else _BATCH_ARGS)
     lower_bound = call.lower_bound
     entry = (call, fn, call.scale, -1.0 if lower_bound is None else float(lower_bound), gated, call.B, call.H,
              compiled)
@@ -875,6 +883,25 @@ def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype):
         _LAUNCH_MEMO.clear()
     _LAUNCH_MEMO[memo_key] = entry
     return entry
+
+
+_BATCH_ARGS = (0, 1, 2, 3, 4, 8, 9)  # q, k, v, g, beta, slot_indices, output of the unpacked function
+_PACKED_BATCH_ARGS = (0, 1, 2, 6, 7)  # mixed_qkv, raw_gate, raw_beta, slot_indices, output of the packed one
+
+
+def _batch_split(fn, B: int, batch_args: tuple):
+    """The batch-major grid puts B on gridDim.z (at most ``GRID_Z_MAX``): a larger batch runs as several launches
+    of at most ``GRID_Z_MAX`` rows each, on views of the batch-indexed arguments (rows are independent; a view's
+    pointer moves by whole row strides, so the alignment class is kept)."""
+
+    def launch_in_parts(*args):
+        for b0 in range(0, B, GRID_Z_MAX):
+            part = list(args)
+            for i in batch_args:
+                part[i] = args[i][b0 : b0 + GRID_Z_MAX]
+            fn(*part)
+
+    return launch_in_parts
 
 
 def _launch_args(entry, x, A_log, dt_bias, output):
@@ -885,7 +912,7 @@ def _launch_args(entry, x, A_log, dt_bias, output):
         output = torch.empty((B, 1, H, HEAD_DIM), dtype=torch.bfloat16, device=x.device)
     if not gated:
         A_log = dt_bias = None
-    elif fn is not None and dt_bias.dim() != 1:
+    elif dt_bias is not None and dt_bias.dim() != 1:
         dt_bias = dt_bias.view(-1)
     return fn, output, A_log, dt_bias, scale, lower_bound
 
@@ -896,10 +923,10 @@ def _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, l2nor
 
     Per call: one memo lookup (the knob read is a dict lookup, see ``kda_core.knobs``) and the FFI call.
     """
-    key = (id(call), False, l2norm, q.get_device(), knobs.get("KDA_DECODE_TILE_V"), _FORCE_SMEM_STAGE,
-           _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT, _FORCE_BULK_RING,
+    key = (id(call), False, l2norm, q.get_device(), knobs.get("KDA_DECODE_TILE_V"), dt_bias is None,
+           _FORCE_SMEM_STAGE, _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT, _FORCE_BULK_RING,
            _FORCE_SLOT_MAJOR)  # the _LAUNCH_MEMO key, spelled out: hot path
-    entry = _LAUNCH_MEMO.get(key) or _configure(key, call, False, l2norm, q, g.dtype, beta.dtype)
+    entry = _LAUNCH_MEMO.get(key) or _configure(key, call, False, l2norm, q, g.dtype, beta.dtype, dt_bias is not None)
     fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, q, A_log, dt_bias, output)
     if fn is None:  # B == 0
         return output
@@ -909,9 +936,11 @@ def _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, l2nor
 
 def _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias, l2norm, output):
     """:func:`_run` for a validated packed call: the GEMM rows go to the compiled function as they are."""
-    key = (id(call), True, l2norm, mixed_qkv.get_device(), knobs.get("KDA_DECODE_TILE_V"), _FORCE_SMEM_STAGE,
-           _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT, _FORCE_BULK_RING, _FORCE_SLOT_MAJOR)  # as in _run
-    entry = _LAUNCH_MEMO.get(key) or _configure(key, call, True, l2norm, mixed_qkv, raw_gate.dtype, raw_beta.dtype)
+    key = (id(call), True, l2norm, mixed_qkv.get_device(), knobs.get("KDA_DECODE_TILE_V"), dt_bias is None,
+           _FORCE_SMEM_STAGE, _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT, _FORCE_BULK_RING,
+           _FORCE_SLOT_MAJOR)  # as in _run
+    entry = _LAUNCH_MEMO.get(key) or _configure(key, call, True, l2norm, mixed_qkv, raw_gate.dtype, raw_beta.dtype,
+                                                dt_bias is not None)
     fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, mixed_qkv, A_log, dt_bias, output)
     if fn is None:  # B == 0
         return output

@@ -1,13 +1,14 @@
-"""Generic KDA recurrence: every call the T=1 fast path does not take (issue 4, item 2).
+"""Generic KDA recurrence: every call the T=1 fast path does not take.
 
-Math: DESIGN §3 (one delta-rule step per token, fp32 throughout). Contracts: DESIGN §2, §4, §5. The spec of
-every mode is :func:`kda_core.oracle.recurrent_kda_ref`; this kernel computes the same thing:
+Math: docs/design.md §3 (one delta-rule step per token, fp32 throughout). Contracts: docs/design.md §2, §4, §5.
+The spec of every mode is :func:`kda_core.oracle.recurrent_kda_ref`; this kernel computes the same thing:
 
-- dense [B, T] tokens, or varlen ``cu_seqlens`` [N+1] (B == 1, offsets read in the kernel, empty sequences
-  allowed);
+- dense [B, T] tokens, or varlen ``cu_seqlens`` [N+1] (B == 1, offsets read in the kernel and clamped there:
+  sequence n owns [clamp(cu[n], 0, T), clamp(cu[n+1], that start, T)), so empty sequences are allowed and no
+  offset reads or writes outside the tensors);
 - state from a pool [P, HV, V, K] (bf16 or fp32, K contiguous, dim-0 stride may be padded) through 1-D slot
   indices [N] (read once, final state written back once), or through 2-D indices [N, T_idx] (spec decode: read
-  slot idx[n, clamp(num_accepted_tokens[n] - 1, 0, T_idx - 1)], state stored after every token t to idx[n, t];
+  slot idx[n, max(min(num_accepted_tokens[n], T_idx), 1) - 1], state stored after every token t to idx[n, t];
   a token whose slot lies outside the pool is skipped: zero output, no write, the state does not absorb it);
   or dense states (initial [N, HV, V, K] of any float dtype, or zeros; final fp32 [N, HV, V, K] on request);
 - a read slot outside [0, P) makes the sequence inactive: zero output, pool neither read nor written. The
@@ -43,6 +44,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from kda_core.contracts import GENERIC_HEAD_DIMS, GateMode, gate_mode
 from kda_core.errors import fail
+from kda_core.validation import debug_check_slots, debug_checks_enabled
 
 from . import _lane_math, _launch
 
@@ -58,6 +60,7 @@ __all__ = [
 
 THREADS = 128
 MAX_SEQUENCES = 65535  # sequences ride on grid z, whose CUDA limit this is
+MAX_VALUE_HEADS = 65535  # value heads ride on grid y, the same limit
 CHANNELS_PER_LANE = 8  # one 16-byte vector of a bf16 row per lane
 
 
@@ -65,7 +68,7 @@ class StateMode:
     """Where the recurrent state lives (compile-time)."""
 
     POOL = "pool"  # 1-D slot indices into a pool: read once, final state written back in place
-    SPEC = "spec"  # 2-D slot indices: one checkpoint per token (DESIGN §5, first form)
+    SPEC = "spec"  # 2-D slot indices: one checkpoint per token (docs/design.md §5, first form)
     DENSE = "dense"  # initial_state [N, HV, V, K] or zeros; final fp32 state on request
 
 
@@ -270,8 +273,14 @@ class KDARecurrent:
 
         # ---- where the sequence's tokens live -------------------------------------------------
         if const_expr(self.varlen):
-            bos = Int32(mCuSeqlens[n])
-            seq_len = Int32(mCuSeqlens[n + 1]) - bos
+            # Sequence n owns tokens [bos, eos): the offsets clamped to [0, T_total] and eos to >= bos, in 64 bits
+            # before narrowing (an int64 offset past 2^31 clamps instead of wrapping), so no token index leaves the
+            # activations or the output whatever the device data (docs/design.md §4).
+            t_total64 = Int64(T_total)
+            bos64 = cutlass.min(cutlass.max(Int64(mCuSeqlens[n]), Int64(0)), t_total64)
+            eos64 = cutlass.min(cutlass.max(Int64(mCuSeqlens[n + 1]), bos64), t_total64)
+            bos = Int32(bos64)
+            seq_len = Int32(eos64 - bos64)
             b_in = Int32(0)
         else:
             bos = Int32(0)
@@ -289,11 +298,8 @@ class KDARecurrent:
                 t_idx = cute.size(mSlots, mode=[1])
                 col = Int32(0)
                 if const_expr(self.has_num_accepted):
-                    col = mNumAccepted[n] - 1
-                    if col < 0:
-                        col = Int32(0)
-                    if col > t_idx - 1:
-                        col = t_idx - 1
+                    # clamp first, subtract after: INT_MIN, 0 and negatives read column 0, counts past T_idx the last
+                    col = cutlass.max(cutlass.min(Int32(mNumAccepted[n]), t_idx), Int32(1)) - 1
                 read_slot = mSlots[n, col]
             active = (read_slot >= 0) & (read_slot < n_slots)
 
@@ -415,14 +421,15 @@ class KDARecurrent:
         if const_expr(self.state_mode == StateMode.DENSE and self.store_final):
             self.store_rows(mFinal[n, hv, None, None], state_rows, row0, lane)
 
-        # ---- varlen: tokens outside every sequence get a zero output (as the reference) ---------------
+        # ---- varlen: tokens before the first sequence's clamped start and from the last one's clamped end get
+        # a zero output (as the reference); both ranges lie in [0, T_total) -----------------------------------
         if const_expr(self.varlen):
             if n == 0:
-                for t in cutlass.range(Int32(mCuSeqlens[0]), unroll=1):
+                for t in cutlass.range(bos, unroll=1):
                     self.zero_out(mOut, t, hv, row0, lane)
             n_seq = cute.size(mCuSeqlens, mode=[0]) - 1
             if n == n_seq - 1:
-                for t in cutlass.range(Int32(mCuSeqlens[n_seq]), T_total, 1, unroll=1):
+                for t in cutlass.range(bos + seq_len, T_total, 1, unroll=1):
                     self.zero_out(mOut, t, hv, row0, lane)
 
     @cute.jit
@@ -458,7 +465,7 @@ class KDARecurrent:
     def prepare_chunk_token(self, buf, n_left, group, lane, rq, rk, rv, rg, rbeta, mDtBias, h, rate, scale,
                             lower_bound, sK, sQ, sD, sV, sKQ, sBeta):
         """Shared memory [buf, group] <- the prepared vectors of this row group's token: decay a = exp(g_log)
-        (DESIGN §3 steps 1-3), k^ and scale * q^ (step 5), k^.q^, beta, and the tile's v values, stored at
+        (docs/design.md §3 steps 1-3), k^ and scale * q^ (step 5), k^.q^, beta, and the tile's v values, stored at
         ``group' * rows + j`` for tile row ``group' + j * groups`` (each thread then reads its rows contiguously).
         Runs in every row group, also past the sequence's end (warp-uniform shuffles); only real tokens store."""
         kf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
@@ -680,8 +687,12 @@ def kda_recurrent_fwd(
         fail("q", f"a head dim K in {GENERIC_HEAD_DIMS}", K)
     varlen = cu_seqlens is not None
     n_seq = cu_seqlens.shape[0] - 1 if varlen else B
+    if n_seq < 0:
+        fail("cu_seqlens", "a 1-D tensor [N_seq + 1] of sequence offsets", tuple(cu_seqlens.shape))
     if n_seq > MAX_SEQUENCES:
         fail("q" if not varlen else "cu_seqlens", f"at most {MAX_SEQUENCES} sequences per call (grid z limit)", n_seq)
+    if HV > MAX_VALUE_HEADS:
+        fail("v", f"at most {MAX_VALUE_HEADS} value heads (dim 2) per call (grid y limit)", HV)
     if ssm_state_indices is None:
         state_mode = StateMode.DENSE
     elif ssm_state_indices.dim() == 1:
@@ -700,8 +711,12 @@ def kda_recurrent_fwd(
     else:
         final_state = initial_state
 
-    if n_seq == 0 or T == 0:
-        # Nothing to launch (a grid dimension would be 0): no token, so no output value and no state change.
+    if state_mode != StateMode.DENSE and debug_checks_enabled():
+        debug_check_slots(ssm_state_indices.reshape(-1), initial_state.shape[0], argument="ssm_state_indices")
+
+    if n_seq == 0 or T == 0 or HV == 0:
+        # Nothing to launch (a grid dimension would be 0): no token or no head, so no output value and no state
+        # change.
         output.zero_()
         if final_state is not None and state_mode == StateMode.DENSE:
             if initial_state is None:

@@ -1,4 +1,4 @@
-"""ReplaySSM "ucache" verify+flush kernel for KDA speculative decode (DESIGN §5, issue 5).
+"""ReplaySSM "ucache" verify+flush kernel for KDA speculative decode (docs/design.md §5).
 
 One CTA per (V tile, head, request). Two threads per state row: a quad of four threads shares a state row pair (a
 warp covers 16 rows; a thread holds 32 of the 128 key channels of two rows, in four interleaved 16-byte chunks). Per
@@ -14,9 +14,10 @@ warp covers 16 rows; a thread holds 32 of the 128 key channels of two rows, in f
   raw k, q, with exp(cum_s - cum_r) the running product of the per-token decays: never a ratio of exponentials,
   so strong decay (cum down to -40 and beyond) cannot overflow; the diagonal gives the norms of k_s and q_s.
 
-Then every state row v gets its 2T dot products without building the committed state (DESIGN §5, R2):
+Then every state row v gets its 2T dot products without building the committed state (docs/design.md §5, R2):
 ``S_commit[v] x_s = S0[v] (bdec x_s) + sum_{j<P} u_j[v] M[j, s]`` (the bf16 checkpoint is an exact MMA operand),
-and the T drafts follow from the small triangular recurrence (the chunked WY form of DESIGN §3), one row per thread:
+and the T drafts follow from the small triangular recurrence (the chunked WY form of docs/design.md §3), one row per
+thread:
 
     u_s = beta_s (v_s - S_commit kx^_s - sum_{r<s} A^[s, r] u_r),    o_s = S_commit qx^_s + sum_{r<=s} Aq^[s, r] u_r
 
@@ -39,6 +40,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T as ir_types
 
 from kda_core.contracts import HEAD_DIM, RING_SLOTS, max_hist_len
+from kda_core.errors import fail
+from kda_core.validation import debug_check_slots, debug_checks_enabled
 
 from . import _launch
 
@@ -52,6 +55,8 @@ __all__ = [
     "default_tile_v",
 ]
 
+GRID_Z_MAX = 65535  # CUDA's limit on gridDim.z (the requests)
+GRID_Y_MAX = 65535  # and on gridDim.y (the heads)
 ROW_THREADS = 4
 """Quad positions sharing a state row pair (lane % 4); each owns HEAD_DIM // ROW_THREADS = 32 key channels."""
 CHUNK = 8
@@ -125,7 +130,7 @@ def _prmt(a: Int32, b: Int32, selector: int) -> Int32:
 def _ld_volatile(ptr, dtype):
     """One 32-bit global load (``Int32`` or ``Float32``) issued where it is written (``ld.volatile``). ptxas sinks an
     ordinary load below the first branch whose other side does not use it: the cursors, loaded with the slot, were
-    issued only after the branch on the slot, one DRAM round trip later (SASS, H200 ncu, session 7)."""
+    issued only after the branch on the slot, one DRAM round trip later (SASS, H200 ncu)."""
     fp = dtype is Float32
     res = llvm.inline_asm(
         ir_types.f32() if fp else ir_types.i32(),
@@ -256,8 +261,8 @@ rather than 3 (80 registers). H200, T=8 w16 H=12, CUDA-graph replay, us at 0 / 1
 (benchmarks/results/ucache_r3_variants_h200.json, ucache_r4_h200.json): B=8 3 CTAs 5.76 / 6.91, 4 CTAs 5.89 / 7.14;
 B=64 18.0 / 25.3 vs 19.0 / 28.2; B=128 36.1 / 50.0 vs 34.2 / 51.3; B=256 69.3 / 96.4 vs 65.1 / 100.1; B=512 133.7 /
 188.4 vs 125.4 / 195.3. Below B=128 at H=12 the 80-register build wins at both fold rates; from there the two split
-the fold rates (their means are within 0.6%), and 4 CTAs win the no-fold steps. Re-measured after the 4-CTA build's
-rounds 12 and 15 (session 8, benchmarks/results/ucache_r15_min_blocks_h200.json, us, 3 / 4 CTAs at 0 / 100% folds):
+the fold rates (their means are within 0.6%), and 4 CTAs win the no-fold steps. Re-measured with the 4-CTA build's
+vector loads and padded rows (benchmarks/results/ucache_r15_min_blocks_h200.json, us, 3 / 4 CTAs at 0 / 100% folds):
 B=64 16.3 / 17.3-17.5 and 23.4 / 26.8, B=96 24.3 / 24.9-25.1 and 35.4 / 38.0-38.1, B=128 31.7 / 30.3-30.4 and
 46.3-46.4 / 47.4: the same split."""
 SM_SMEM_BYTES = 228 * 1024
@@ -281,8 +286,8 @@ def default_tile_v(batch: int, heads: int) -> int:
 
     Every CTA repeats the per-(request, head) preamble (gate, norms, replay vectors, triangles), which costs about
     as many instructions as its share of the state rows: 128-row tiles (256 threads) run it once per (request,
-    head), 64-row tiles twice but give small batches twice the CTAs. Measured on the H200 after the round-2 cuts
-    (T=8 w16 H=12, CUDA-graph replay, benchmarks/results/ucache_tile_sweep_h200.json): tile 128 wins at B=8 (6.53
+    head), 64-row tiles twice but give small batches twice the CTAs. Measured on the H200 (T=8 w16 H=12, CUDA-graph
+    replay, benchmarks/results/ucache_tile_sweep_h200.json): tile 128 wins at B=8 (6.53
     vs 6.96 us at 0% folds, 7.94 vs 8.29 at 100%), B=64 (20.2 vs 27.2) and B=512 (154 vs 207). B=1 (12 states) was
     timed with tile 64 only (5.95 us) and B=32 with tile 64 only (15.2 us): from 96 states (B=8 at H=12) on the
     table takes 128, between the two measured wins; below it keeps 64.
@@ -296,7 +301,7 @@ class UcacheVerifyFlush:
     heads: H == HV; t_draft: T in {4, 8}; w_ring: 16 or 32 (bounds the live rows kept in shared memory);
     tile_v: state rows per CTA; softplus_gate: Kimi-Linear gate (lower_bound None) instead of the lower bound;
     aligned: the pool and rings allow 16-byte accesses (else the same code with element-wide accesses);
-    four_ctas: the round-3 schedule sized for 4 tile-128 CTAs per SM (same math, bit for bit): the 2T dot products
+    four_ctas: the layout sized for 4 tile-128 CTAs per SM (same math, bit for bit): the 2T dot products
     stay in registers across the ring correction, so ``sXY`` is only written after it and shares the bytes of the
     dead x operands (sXb, sXu: -10 KB at tile 128 T=8); the flush fold runs one 8-channel chunk at a time (16
     accumulators live instead of 64); the resident-CTA floor comes from ``MIN_CTAS_PER_SM_FOUR``.
@@ -312,8 +317,10 @@ class UcacheVerifyFlush:
         aligned: bool,
         four_ctas: bool = False,
         min_ctas: int = 0,
+        has_dt_bias: bool = True,
     ):
         self.heads = heads
+        self.has_dt_bias = has_dt_bias  # False: dt_bias absent (zeros), not read
         self.four_ctas = four_ctas
         self.min_ctas = min_ctas  # resident-CTA floor; 0 = the table of the variant
         self.aligned = aligned
@@ -343,7 +350,7 @@ class UcacheVerifyFlush:
         mG: cute.Tensor,
         mBeta: cute.Tensor,
         mALog: cute.Tensor,
-        mDtBias: cute.Tensor,
+        mDtBias,  # [H*K] fp32, or None (dt_bias absent)
         mPool: cute.Tensor,
         mSlot: cute.Tensor,
         mKCache: cute.Tensor,
@@ -427,7 +434,7 @@ class UcacheVerifyFlush:
         """Park the draft inputs and the v tile with 16-byte loads (8-channel runs, a CTA barrier after them) instead
         of each gate thread's 2-byte scalars: fewer instructions before the slot branch (kda-core's aligned class
         covers the activations). Only the build it was measured on and does not spill in: aligned, T=8, tile 128, 4
-        resident CTAs (64 registers). H200, session 7 (benchmarks/results/ucache_r12_vec_act_h200.json, T=8 w16 H=12,
+        resident CTAs (64 registers). H200 (benchmarks/results/ucache_r12_vec_act_h200.json, T=8 w16 H=12,
         us at 0 / 100% folds, two alternations, scalar / vector in every aligned build): B=512 114.1-114.7 /
         109.7-109.8 and 180.6-180.9 / 175.6-176.1; B=128 31.06-31.10 / 30.72-30.77 and 47.42 / 48.29-48.32; B=64
         (3 CTAs, 80 registers, where ptxas spilled 12 bytes with it) 16.10-16.19 / 16.86-16.93 and 23.33-23.39 /
@@ -437,7 +444,7 @@ class UcacheVerifyFlush:
 
     def vector_v(self) -> bool:
         """The 80-register build (aligned, T=8, tile 128, 3 resident CTAs: the grids under FOUR_CTAS_FROM_STATES)
-        keeps the draft inputs' scalar loads but reads the v tile as 16-byte runs. H200, session 9
+        keeps the draft inputs' scalar loads but reads the v tile as 16-byte runs. H200
         (benchmarks/results/ucache_r19_vec_v_h200.json, T=8 w16 H=12, two alternations, us at 0 / 100% folds, scalar /
         16-byte v): B=64 16.22-16.35 / 16.06-16.16 and 23.50-23.55 / 23.36-23.45, B=96 23.81-23.90 / 23.39-23.42 and
         35.66 / 35.49-35.58, B=8 and B=32 within 0.6%. The tile-64 build (B=1) read 4.26 / 4.32 and 4.86 / 4.99 with
@@ -446,7 +453,7 @@ class UcacheVerifyFlush:
         return self.aligned and self.four_ctas and self.t_draft == 8 and self.tile_v == 128 and floor == 3
 
     def kq_row(self) -> int:
-        """Row stride (words) of sK, sQ, sDec: padded by KQ_PAD in the vector-activation build. H200, session 8
+        """Row stride (words) of sK, sQ, sDec: padded by KQ_PAD in the vector-activation build. H200
         (benchmarks/results/ucache_r15_row_pad_h200.json, us at 0% folds, two alternations, 128 / 132): B=128
         30.08-30.14 / 29.68-29.82, B=512 109.84-110.05 / 108.11-108.26. The 80-register build keeps 128: 4 words made
         ptxas spill 8 bytes there, and 12 (no spill) was slower (ucache_r17_row_pad_3cta_h200.json)."""
@@ -504,7 +511,7 @@ class UcacheVerifyFlush:
         mG: cute.Tensor,
         mBeta: cute.Tensor,
         mALog: cute.Tensor,
-        mDtBias: cute.Tensor,
+        mDtBias,  # [H*K] fp32, or None (dt_bias absent)
         mPool: cute.Tensor,
         mSlot: cute.Tensor,
         mKCache: cute.Tensor,
@@ -617,7 +624,9 @@ class UcacheVerifyFlush:
             grp = lane // LG
             c = warp * LG + lane % LG
         a_log_in = _ld_volatile(mALog.iterator + h, Float32)
-        dt_in = _ld_volatile(mDtBias.iterator + h * K + c, Float32)
+        dt_in = Float32(0.0)
+        if const_expr(self.has_dt_bias):
+            dt_in = _ld_volatile(mDtBias.iterator + h * K + c, Float32)
         beta_in = Float32(0.0)
         if const_expr(self.vector_activations()):
             if tidx < T:
@@ -896,7 +905,7 @@ class UcacheVerifyFlush:
                 # Start the checkpoint rows' DRAM reads now, into L2: the triangle warps (0 .. T/2 - 1) load their rows
                 # only after the triangles, the others after phase 2b, so the rows' latency hides under that work
                 # without holding registers (a register prefetch here spills: 48 bytes at 80 registers, 208 at 64).
-                # Quad position q asks for the 128-byte line q % 2 of the warp row pair's row q // 2. H200, session 6
+                # Quad position q asks for the 128-byte line q % 2 of the warp row pair's row q // 2. H200
                 # (benchmarks/results/ucache_r8_l2_rows_h200.json, T=8 w16 H=12, us at 0 / 100% folds, none /
                 # triangle warps / every warp): B=64 17.4 / 17.4 / 17.5 and 24.7 / 24.8 / 24.9; B=128 33.6 / 32.5 /
                 # 32.0 and 51.2 / 50.0 / 48.8; B=512 122.2 / 117.2 / 115.4-115.7 and 194.1 / 185.3 / 181.2-181.5.
@@ -912,8 +921,8 @@ class UcacheVerifyFlush:
             # The diagonal also gives the norms of k_r and q_r. Entries stay raw (un-normalised k, q): the solve
             # applies 1/|k| and scale/|q|. A warp's partial sums (both columns' entries and diagonals) are reduced by
             # one transposing butterfly (_lane_sums: value i lands on lane i, which stores it), not value by value.
-            # Session 7 (H200, T=8 w16 H=12, us at 0 / 100% folds, two alternations each, one column per pass with
-            # one butterfly per column (round 8) / both columns in one pass, benchmarks/results/ucache_r9_tri_pair_h200
+            # H200, T=8 w16 H=12, us at 0 / 100% folds, two alternations each, one column per pass with
+            # one butterfly per column / both columns in one pass, benchmarks/results/ucache_r9_tri_pair_h200
             # .json): B=64 17.47-17.52 / 16.93-16.99 and 24.83-24.86 / 24.29-24.32; B=128 31.77-31.81 / 31.62-31.82
             # and 48.62-48.77 / 49.23-49.25; B=512 115.39-115.52 / 114.56-114.72 and 180.89-181.46 / 181.69-181.77.
             for wt in cutlass.range_constexpr(T // 2):
@@ -993,8 +1002,8 @@ class UcacheVerifyFlush:
                             sAq[r_col, r_col] = tot
 
             # ---- phase 2b: M = wk x (MMA; one 8-ring-row tile per warp, on warps past the triangles' ones) -------
-            # A verify row never needs S_commit: S_commit x_s = S0 (bdec * x_s) + sum_j u_j (wk_j . x_s) (DESIGN
-            # section 5, R2). M[j, s] = wk_j . x_s is per (request, head), so it is computed once here (m16 = the 2T
+            # A verify row never needs S_commit: S_commit x_s = S0 (bdec * x_s) + sum_j u_j (wk_j . x_s) (docs/design.md
+            # §5, R2). M[j, s] = wk_j . x_s is per (request, head), so it is computed once here (m16 = the 2T
             # draft vectors, n8 = 8 ring rows, k = channels, hi/lo splits: 3 MMAs per k-step); every state row then
             # adds U M (one MMA per 16 ring rows) to S0 (bdec x), whose A operand is the bf16 checkpoint itself.
             for jt in cutlass.range_constexpr(KPAD // 8):
@@ -1225,7 +1234,7 @@ def _fakes(cfg: UcacheVerifyFlush):
         act(bf16),  # g
         _launch.fake_tensor(bf16, (B, T, H), (None, None, None), align_bytes=2),  # beta logits
         vec(f32, H),  # A_log
-        vec(f32, H * K),  # dt_bias
+        vec(f32, H * K) if cfg.has_dt_bias else None,  # dt_bias
         _launch.fake_tensor(bf16, (N, H, K, K), (None, K * K, K, 1), align_bytes=align(bf16)),  # pool
         vec(i32, B),  # slot indices
         ring(bf16),  # k_cache
@@ -1248,9 +1257,10 @@ def build_ucache_kernel(
     extra_options: str = "",
     four_ctas: bool = False,
     min_ctas: int = 0,
+    has_dt_bias: bool = True,
 ):
     """Compile one configuration against fake tensors (no GPU needed when CUTE_DSL_ARCH is set)."""
-    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, four_ctas, min_ctas)
+    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, four_ctas, min_ctas, has_dt_bias)
     return cute.compile(
         cfg,
         *_fakes(cfg),
@@ -1263,10 +1273,12 @@ def build_ucache_kernel(
 
 
 class UcacheRestartCursors:
-    """The flush part of the caller's commit, on device: for every active row with hist_len >= flush_min,
-    cache_base = (cache_base + hist_len) & 31 and hist_len = 0. One thread per row; no host sync, so it
-    captures into CUDA graphs. It runs after the verify kernel (same stream): inside that kernel every CTA of a
-    request reads the cursors, so none of them may rewrite them.
+    """The flush part of the caller's commit, on device: for every active row whose clamped history
+    P = clamp(hist_len, 0, max_hist_len) reaches flush_min, cache_base = (cache_base + P) & 31 and hist_len = 0:
+    the P the verify kernel read and folded, so a malformed hist_len moves the ring by the rows actually folded
+    (docs/design.md §5). One thread per row; no host sync, so it captures into CUDA graphs. It runs after the
+    verify kernel (same stream): inside that kernel every CTA of a request reads the cursors, so none of them may
+    rewrite them.
     """
 
     threads = 128
@@ -1279,10 +1291,11 @@ class UcacheRestartCursors:
         mBase: cute.Tensor,
         pool_rows: cutlass.Int32,
         flush_min: cutlass.Int32,
+        max_hist: cutlass.Int32,
         stream,
     ):
         batch = mSlot.shape[0]
-        self.kernel(mSlot, mHist, mBase, pool_rows, flush_min).launch(
+        self.kernel(mSlot, mHist, mBase, pool_rows, flush_min, max_hist).launch(
             grid=[(batch + self.threads - 1) // self.threads, 1, 1], block=[self.threads, 1, 1], stream=stream
         )
 
@@ -1294,6 +1307,7 @@ class UcacheRestartCursors:
         mBase: cute.Tensor,
         pool_rows: cutlass.Int32,
         flush_min: cutlass.Int32,
+        max_hist: cutlass.Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -1301,7 +1315,7 @@ class UcacheRestartCursors:
         if i < mSlot.shape[0]:
             slot = mSlot[i]
             if (slot >= 0) & (slot < pool_rows):
-                P = mHist[i]
+                P = cutlass.min(cutlass.max(mHist[i], cutlass.Int32(0)), max_hist)  # as the verify kernel clamps
                 if P >= flush_min:
                     mBase[i] = (mBase[i] + P) & (RING_SLOTS - 1)
                     mHist[i] = cutlass.Int32(0)
@@ -1318,21 +1332,28 @@ def build_restart_kernel(arch: str):
         vec(),
         i32(1),
         i32(9),
+        i32(16),
         _launch.fake_stream(),
         options=_launch.compile_options(arch),
     )
 
 
-def restart_cursors(slot_indices, hist_len, cache_base, pool_rows: int, flush_min: int) -> None:
-    """Apply the flush part of the commit in place (see :class:`UcacheRestartCursors`)."""
+def restart_cursors(slot_indices, hist_len, cache_base, pool_rows: int, flush_min: int, t_draft: int,
+                    w_ring: int) -> None:
+    """Apply the flush part of the commit in place (see :class:`UcacheRestartCursors`); B == 0 launches nothing."""
+    if slot_indices.shape[0] == 0:
+        return
     fn = _launch.get_or_compile(("kda_ucache_restart_cursors",), build_restart_kernel)
-    fn(slot_indices, hist_len, cache_base, int(pool_rows), int(flush_min))
+    fn(slot_indices, hist_len, cache_base, int(pool_rows), int(flush_min), max_hist_len(t_draft, w_ring))
+
+
+_BATCH_ARGS = (0, 1, 2, 3, 4, 8, 12, 13, 14)  # q, k, v, g, b, slot_indices, hist_len, cache_base, output
 
 
 def ucache_verify_flush(
     A_log: torch.Tensor,
     g: torch.Tensor,
-    dt_bias: torch.Tensor,
+    dt_bias: torch.Tensor | None,
     lower_bound: float | None,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1356,48 +1377,45 @@ def ucache_verify_flush(
 ) -> torch.Tensor:
     """Launch the kernel on the current stream. Arguments are already validated (kda-recurrent does it).
 
-    A_log [H] fp32, dt_bias [H*128] fp32 (contiguous); q, k, v, g [B, T, H, 128] bf16 (last dim contiguous);
-    b [B, T, H] bf16 logits; state_pool [N, H, 128, 128] bf16 (inner dims contiguous, dim-0 stride a multiple
-    of 8); k_cache, u_cache [N, H, 32, 128] bf16 and g_cache fp32 (same rule); slot_indices, hist_len,
+    A_log [H] fp32, dt_bias [H*128] fp32 (contiguous) or None (zeros); q, k, v, g [B, T, H, 128] bf16 (last dim
+    contiguous); b [B, T, H] bf16 logits; state_pool [N, H, 128, 128] bf16 (inner dims contiguous, dim-0 stride a
+    multiple of 8); k_cache, u_cache [N, H, 32, 128] bf16 and g_cache fp32 (same rule); slot_indices, hist_len,
     cache_base [B] int32 contiguous; output [B, T, H, 128] bf16. ``aligned``: every pool/ring pointer and row
     stride is a multiple of 16 bytes (kda_core's validation says so). The kernel only reads the cursors;
     ``restart_hist_on_flush`` then applies the flush part of the commit with a second, one-thread-per-row kernel.
     ``four_ctas``: the :class:`UcacheVerifyFlush` variant (None: ``_FORCE_FOUR_CTAS``, else on; False is the
-    round-2 schedule, kept for comparison). Its resident-CTA floor follows :func:`default_min_ctas`.
+    layout without it). Its resident-CTA floor follows :func:`default_min_ctas`.
     """
     B, T, H, _ = q.shape
+    if H > GRID_Y_MAX:
+        fail("q", f"at most {GRID_Y_MAX} heads (dim 2) per call (grid y limit)", H)
+    if debug_checks_enabled():  # KDA_DEBUG_VALIDATE: duplicate active slots
+        debug_check_slots(slot_indices.reshape(-1), state_pool.shape[0], argument="slot_indices")
+    if B == 0 or H == 0:  # nothing to launch (a grid dimension would be 0), no cursor to restart
+        return output
     tile_v = tile_v or default_tile_v(B, H)
     softplus_gate = lower_bound is None
     if four_ctas is None:
         four_ctas = True if _FORCE_FOUR_CTAS is None else bool(_FORCE_FOUR_CTAS)
     min_ctas = default_min_ctas(tile_v, B, H) if four_ctas else 0
+    has_dt_bias = dt_bias is not None
     key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned), four_ctas, min_ctas,
-           _FORCE_MIN_BLOCKS)  # fmt: skip
+           has_dt_bias, _FORCE_MIN_BLOCKS)  # fmt: skip
     fn = _launch.get_or_compile(
         key,
         lambda arch: build_ucache_kernel(H, T, w_ring, tile_v, softplus_gate, bool(aligned), arch, four_ctas=four_ctas,
-                                         min_ctas=min_ctas),  # fmt: skip
+                                         min_ctas=min_ctas, has_dt_bias=has_dt_bias),  # fmt: skip
     )
-    fn(
-        q,
-        k,
-        v,
-        g,
-        b,
-        A_log,
-        dt_bias,
-        state_pool,
-        slot_indices,
-        k_cache,
-        u_cache,
-        g_cache,
-        hist_len,
-        cache_base,
-        output,
-        float(scale),
-        float(-5.0 if lower_bound is None else lower_bound),
-        int(flush_min),
-    )
+    args = [q, k, v, g, b, A_log, dt_bias, state_pool, slot_indices, k_cache, u_cache, g_cache, hist_len, cache_base,
+            output, float(scale), float(-5.0 if lower_bound is None else lower_bound), int(flush_min)]
+    if B <= GRID_Z_MAX:
+        fn(*args)
+    else:
+        # The grid puts B on gridDim.z: a larger batch runs as several launches on row views of the batch-indexed
+        # arguments (requests are independent; a view moves the pointers by whole row strides, so the alignment
+        # class is kept).
+        for b0 in range(0, B, GRID_Z_MAX):
+            fn(*[a[b0 : b0 + GRID_Z_MAX] if i in _BATCH_ARGS else a for i, a in enumerate(args)])
     if restart_hist_on_flush:
-        restart_cursors(slot_indices, hist_len, cache_base, state_pool.shape[0], flush_min)
+        restart_cursors(slot_indices, hist_len, cache_base, state_pool.shape[0], flush_min, T, w_ring)
     return output
