@@ -27,6 +27,16 @@ class GateMode(enum.Enum):
     PRECOMPUTED = "precomputed"  # g is already the log-space decay
 
 
+class NullSlotPolicy(enum.Enum):
+    """Which slot indices make a row inactive (docs/design.md §4): zero output, pool and caches untouched.
+
+    A compile-time constant of every kernel, chosen by the entry point; kda's own API uses ``OUT_OF_RANGE``.
+    """
+
+    OUT_OF_RANGE = "out_of_range"  # kda, SGLang, FlashInfer: null iff idx < 0 or idx >= N
+    NONPOSITIVE = "nonpositive"  # vLLM (NULL_BLOCK_ID = 0): null iff idx <= 0 or idx >= N; slot 0 never touched
+
+
 def gate_mode(use_gate_in_kernel: bool, lower_bound: float | None) -> GateMode:
     if not use_gate_in_kernel:
         return GateMode.PRECOMPUTED
