@@ -27,8 +27,9 @@ sets ``base = (base + P) & 31, hist_len = 0``. Duplicate active slots are a call
 
 Run on a GPU: ``pytest -m "gpu and fuzz" packages/kda-cute/tests/test_fuzz_device.py``. ``KDA_FUZZ_CASES`` sets
 the seeds per test (default 6). Under compute-sanitizer use fewer, and no caching allocator so that a stray access
-leaves every allocation: ``PYTORCH_NO_CUDA_MEMORY_CACHING=1 KDA_FUZZ_CASES=2 compute-sanitizer --tool memcheck
---error-exitcode 1 python -m pytest -q -m "gpu and fuzz" packages/kda-cute/tests`` (and ``--tool racecheck``).
+leaves every allocation (``nox -s sanitize`` runs exactly this): ``PYTORCH_NO_CUDA_MEMORY_CACHING=1 KDA_FUZZ_CASES=2
+compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python -m pytest -q -m "gpu and fuzz"
+packages/kda-cute/tests``, then the same with ``--tool racecheck``.
 """
 
 from __future__ import annotations
