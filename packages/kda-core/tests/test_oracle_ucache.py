@@ -1,4 +1,4 @@
-"""The ucache replay oracle (DESIGN §5) against the plain recurrence over the same accepted-token stream."""
+"""The ucache replay oracle (docs/design.md §5) against the plain recurrence over the same accepted-token stream."""
 
 from __future__ import annotations
 

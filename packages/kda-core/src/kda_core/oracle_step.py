@@ -15,7 +15,7 @@ __all__ = ["kda_gate_ref", "kda_step_ref"]
 
 
 def kda_gate_ref(g, A_log=None, dt_bias=None, lower_bound=None, use_gate_in_kernel=True, dtype=torch.float32):
-    """Log-space decay g_log [..., HV, K] from the gate input g [..., HV, K] (DESIGN §3 steps 1-2).
+    """Log-space decay g_log [..., HV, K] from the gate input g [..., HV, K] (docs/design.md §3 steps 1-2).
 
     A_log [H] and dt_bias [H*K] (or [H, K]) are per query head; value head hv uses query head hv // (HV // H).
     With ``use_gate_in_kernel=False`` g already is the log-space decay and is returned upcast.
@@ -40,7 +40,7 @@ def _l2norm(x):
 
 
 def kda_step_ref(S, q, k, v, g_log, b, scale, use_qk_l2norm_in_kernel=True):
-    """One delta-rule step on fp states S [..., V, K] (DESIGN §3 steps 5-10).
+    """One delta-rule step on fp states S [..., V, K] (docs/design.md §3 steps 5-10).
 
     q, k, g_log: [..., K]; v: [..., V]; b: [...] (already sigmoided). Returns (S_new, o, u, k_hat).
     """
