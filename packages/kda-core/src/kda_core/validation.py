@@ -77,6 +77,7 @@ __all__ = [
     "debug_checks_enabled",
     "debug_check_slots",
     "debug_check_ucache_cursors",
+    "validate_gate_params",
 ]
 
 _BF16 = torch.bfloat16
@@ -457,6 +458,18 @@ def _check_gate_params(A_log, dt_bias, H: int, K: int, use_gate: bool, dev: int,
     if not dt_bias.is_contiguous():
         fail("dt_bias", "a contiguous tensor", f"strides {dt_bias.stride()}")
     return dt_bias.data_ptr()
+
+
+def validate_gate_params(A_log, dt_bias, lower_bound, heads: int, head_dim: int, *, like,
+                         heads_text: str = "H") -> None:
+    """The in-kernel gate's parameters for ``heads`` heads of ``head_dim`` channels: A_log fp32 [heads], dt_bias
+    fp32 [heads*head_dim] or [heads, head_dim] contiguous or None, on the device of the tensor ``like``, and
+    ``lower_bound`` a finite negative float or None. For callers that index the gate by another head count than the
+    kernels (the FLA adapter: by value head, ``heads_text="HV"``)."""
+    _check_gate_params(A_log, dt_bias, heads, head_dim, True, like.get_device(), heads_text)
+    _check_scalar_args(lower_bound, None, head_dim, True)
+    if like.get_device() < 0:
+        _check_host_kind("q", like, (("A_log", A_log), ("dt_bias", dt_bias)))
 
 
 def _gate_and_scale(use_gate: bool, A_log, dt_bias, lower_bound, scale, H: int, K: int, dev: int):
