@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from numbers import Real
+from operator import mul as _mul
 
 import torch
 
@@ -361,13 +362,13 @@ def _rows(name: str, t, row_shape: tuple, dtypes: tuple, dtype_text: str, what: 
 
 
 def _span(t) -> int:
-    """Bytes from ``t``'s first element to one past its last; 0 when it has no element."""
-    end = 1
-    for n, s in zip(t.shape, t.stride()):
-        if n == 0:
-            return 0
-        end += (n - 1) * s
-    return end * t.element_size()
+    """Bytes from ``t``'s first element to one past its last (sum of (size - 1) * stride, plus one element); 0 when
+    it has no element."""
+    shape = t.shape
+    if 0 in shape:
+        return 0
+    st = t.stride()
+    return (sum(map(_mul, shape, st)) - sum(st) + 1) * t.element_size()
 
 
 def _self_overlapping(shape, stride) -> bool:
@@ -383,7 +384,7 @@ def _self_overlapping(shape, stride) -> bool:
 def _check_written(name: str, t, others) -> None:
     """``t`` (checked for shape, dtype and device) writes each of its elements once and shares no byte with the
     ``others``, (name, tensor or None) pairs; raises naming ``name``."""
-    if _self_overlapping(t.shape, t.stride()):
+    if not t.is_contiguous() and _self_overlapping(t.shape, t.stride()):
         fail(name, "a tensor whose elements do not overlap (sorted by stride, each dimension steps at least the "
                    "span of the dimensions inside it; no stride 0)", f"shape {tuple(t.shape)}, strides {t.stride()}")
     _check_disjoint(name, t, others)
