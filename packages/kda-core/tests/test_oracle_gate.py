@@ -1,4 +1,4 @@
-"""Gate formulas of DESIGN §3 step 2 against values computed by hand with the math module."""
+"""Gate formulas of docs/design.md §3 step 2 against values computed by hand with the math module."""
 
 from __future__ import annotations
 

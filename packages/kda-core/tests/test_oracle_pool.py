@@ -1,4 +1,5 @@
-"""Pool semantics of the token-loop oracle (DESIGN §4, §5): slots, inactive rows, spec decode, varlen, GQA, dtypes.
+"""Pool semantics of the token-loop oracle (docs/design.md §4, §5): slots, inactive rows, spec decode, varlen, GQA,
+dtypes.
 
 Each pool behaviour is checked against the dense form of the same oracle (states passed explicitly), which the WY
 and hand-formula tests pin down independently. Runs over different batch subsets may differ in the last fp32 bit

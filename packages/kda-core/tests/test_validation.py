@@ -250,7 +250,6 @@ T1_RULES = [
     ("A_log required", lambda a: a.update(A_log=None), "A_log", "when use_gate_in_kernel=True"),
     ("A_log fp32", lambda a: a.update(A_log=torch.zeros(H, dtype=BF16)), "A_log", "dtype float32"),
     ("A_log [H]", lambda a: a.update(A_log=torch.zeros(H + 1)), "A_log", "shape [H]"),
-    ("dt_bias required", lambda a: a.update(dt_bias=None), "dt_bias", "when use_gate_in_kernel=True"),
     ("dt_bias shape", lambda a: a.update(dt_bias=torch.zeros(H * 64)), "dt_bias", "[H*K]"),
     ("dt_bias fp32", lambda a: a.update(dt_bias=torch.zeros(H * D, dtype=BF16)), "dt_bias", "dtype float32"),
     ("dt_bias contiguous", lambda a: a.update(dt_bias=torch.zeros(D, H).t()), "dt_bias", "contiguous"),
@@ -807,7 +806,6 @@ REVALIDATED_RULES = [
      "contiguous"),
     ("dt_bias size", lambda a: a.update(dt_bias=torch.zeros(100)), "dt_bias", "shape"),
     ("dt_bias 2-D contiguous", lambda a: a.update(dt_bias=torch.zeros(D, H).t()), "dt_bias", "contiguous"),
-    ("dt_bias missing", lambda a: a.update(dt_bias=None), "dt_bias", "fp32 tensor"),
     ("lower_bound", lambda a: a.update(lower_bound=0.5), "lower_bound", "negative"),
     ("scale", lambda a: a.update(scale=-1.0), "scale", "positive"),
     ("flag", lambda a: a.update(beta_is_logit=1), "beta_is_logit", "a bool"),
@@ -859,3 +857,226 @@ def test_recurrent_revalidation_finds_a_cuda_description_by_its_facts(on_cpu, mo
     assert V.revalidate_recurrent_t1(*args[:10], False, *args[11:]) is None  # another key (no in-kernel norm)
     bad_slots = torch.zeros(6, dtype=I32)[::2]
     assert V.revalidate_recurrent_t1(*args[:15], bad_slots, *args[16:]) is None  # a rule the wrapper cannot check
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a kernel writes aliases nothing (metadata: data pointers, sizes, strides)
+
+
+def _t1_out(B=3):
+    return torch.zeros(B, 1, H, D, dtype=BF16)
+
+
+T1_ALIASED_OUTPUTS = [
+    # (case, builder of args with an output, the argument the output overlaps or None for self-overlap)
+    ("a pool row", lambda a: a.update(output=a["state_pool"][2].reshape(-1)[: 3 * H * D].view(3, 1, H, D)),
+     "state_pool"),
+    ("q itself", lambda a: a.update(output=a["q"]), "q"),
+    ("part of v", lambda a: a.update(v=(buf := torch.zeros(4, 1, H, D, dtype=BF16))[:3], output=buf[1:]), "v"),
+    ("beta's bytes", lambda a: a.update(output=(buf := torch.zeros(3 * H * D, dtype=BF16)).view(3, 1, H, D),
+                                        beta=buf[: 3 * H].view(3, 1, H)), "beta"),
+    ("the slot indices", lambda a: a.update(output=(buf := torch.zeros(3 * H * D, dtype=BF16)).view(3, 1, H, D),
+                                            slot_indices=buf.view(torch.int32)[:3]), "slot_indices"),
+    ("dt_bias", lambda a: a.update(output=(buf := torch.zeros(3 * H * D * 2, dtype=BF16)).view(3, 1, H, 2 * D)[..., :D],
+                                   dt_bias=buf.view(F32)[: H * D]), "dt_bias"),
+    ("a batch stride of 0", lambda a: a.update(output=torch.zeros(1, 1, H, D, dtype=BF16).expand(3, 1, H, D)), None),
+    ("rows overlapping", lambda a: a.update(output=torch.zeros(4 * H * D, dtype=BF16).as_strided(
+        (3, 1, H, D), (D, D, D, 1))), None),
+]
+
+
+@pytest.mark.parametrize("case, build, other", T1_ALIASED_OUTPUTS, ids=[c[0] for c in T1_ALIASED_OUTPUTS])
+def test_t1_refuses_an_output_that_aliases(case, build, other):
+    a = t1_args()
+    build(a)
+    _raises(lambda: t1(a), "output", "shares no byte with " + other if other else "do not overlap")
+
+
+@pytest.mark.parametrize("case, build, other", T1_ALIASED_OUTPUTS, ids=[c[0] for c in T1_ALIASED_OUTPUTS])
+def test_t1_revalidation_refuses_an_output_that_aliases(on_cpu, case, build, other):
+    a = t1_args()
+    legal = dict(a, output=_t1_out())
+    t1(legal)  # the facts described before, with an output of its own
+    build(a)
+    _raises(lambda: _reval_t1(a), "output", "shares no byte with " + other if other else "do not overlap")
+
+
+def test_t1_accepts_outputs_whose_rows_are_padded_or_heads_major():
+    t1(dict(t1_args(), output=torch.zeros(3, 1, H, D + 8, dtype=BF16)[..., :D]))
+    t1(dict(t1_args(), output=torch.zeros(H, 3, 1, D, dtype=BF16).permute(1, 2, 0, 3)))
+
+
+def test_t1_revalidation_finds_a_call_with_a_legal_output(on_cpu):
+    a = dict(t1_args(), output=_t1_out())
+    assert _reval_t1(a) is t1(a)
+
+
+@pytest.mark.parametrize("case, build, other", [
+    ("mixed_qkv", lambda a: a.update(output=a["mixed_qkv"][:, : H * D].unsqueeze(1).unflatten(2, (H, D))),
+     "mixed_qkv"),
+    ("a pool row", lambda a: a.update(output=a["state_pool"][1].reshape(-1)[: 3 * H * D].view(3, 1, H, D)),
+     "state_pool"),
+    ("raw_beta", lambda a: a.update(output=(buf := torch.zeros(3 * H * D, dtype=BF16)).view(3, 1, H, D),
+                                    raw_beta=buf[: 3 * H].view(3, H)), "raw_beta"),
+    ("a batch stride of 0", lambda a: a.update(output=torch.zeros(1, 1, H, D, dtype=BF16).expand(3, 1, H, D)), None),
+])
+def test_packed_t1_and_its_revalidation_refuse_an_output_that_aliases(on_cpu, case, build, other):
+    a = packed_args()
+    packed(dict(a, output=_t1_out()))
+    build(a)
+    fragment = "shares no byte with " + other if other else "do not overlap"
+    _raises(lambda: packed(a), "output", fragment)
+    _raises(lambda: _reval_packed(a), "output", fragment)
+
+
+@pytest.mark.parametrize("case, build, other", [
+    ("a pool row", lambda a: a.update(output=a["initial_state"][3].reshape(-1)[: 2 * H * D].view(2, 1, H, D)),
+     "initial_state"),
+    ("q itself", lambda a: a.update(output=a["q"]), "q"),
+    ("the slot indices", lambda a: a.update(output=(buf := torch.zeros(2 * H * D, dtype=BF16)).view(2, 1, H, D),
+                                            ssm_state_indices=buf.view(torch.int32)[:2]), "ssm_state_indices"),
+    ("a batch stride of 0", lambda a: a.update(output=torch.zeros(1, 1, H, D, dtype=BF16).expand(2, 1, H, D)), None),
+    ("tokens overlapping", lambda a: a.update(
+        q=torch.zeros(2, 3, H, D, dtype=BF16), k=torch.zeros(2, 3, H, D, dtype=BF16),
+        v=torch.zeros(2, 3, H, D, dtype=BF16), g=torch.zeros(2, 3, H, D, dtype=BF16),
+        beta=torch.zeros(2, 3, H, dtype=BF16), initial_state=None, ssm_state_indices=None,
+        output=torch.zeros(2, 1, H, D, dtype=BF16).expand(2, 3, H, D)), None),
+])
+def test_recurrent_refuses_an_output_that_aliases(case, build, other):
+    a = rec_args()
+    build(a)
+    _raises(lambda: rec(a), "output", "shares no byte with " + other if other else "do not overlap")
+
+
+def test_recurrent_t1_revalidation_refuses_an_output_over_a_pool_row(on_cpu, monkeypatch):
+    import dataclasses
+
+    a = dict(rec_args(B=3), output=_t1_out())
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "scale", "initial_state")
+    args = [a.get(n) for n in names] + [False, True, True, -5.0, True, None, a["ssm_state_indices"], None]
+    call = rec(a)
+    key = next(k for k, v in V._MEMO.items() if v is call)
+    monkeypatch.setitem(V._MEMO, (*key[:-1], True), dataclasses.replace(call, on_cuda=True, t1_eligible=True))
+    assert V.revalidate_recurrent_t1(*args, a["output"]) is not None
+    row = a["initial_state"][5].reshape(-1)[: 3 * H * D].view(3, 1, H, D)
+    assert V.revalidate_recurrent_t1(*args, row) is None  # the full validator then raises naming output
+
+
+@pytest.mark.parametrize("case, build, other", [
+    ("a ring", lambda a: a.update(output=a["u_cache"][1].reshape(-1)[: 2 * 8 * H * D].view(2, 8, H, D)), "u_cache"),
+    ("the g ring", lambda a: a.update(output=a["g_cache"][0].reshape(-1).view(BF16)[: 2 * 8 * H * D].view(
+        2, 8, H, D)), "g_cache"),
+    ("the pool", lambda a: a.update(output=a["initial_state_source"][4].reshape(-1)[: 2 * 8 * H * D].view(
+        2, 8, H, D)), "initial_state_source"),
+    ("q itself", lambda a: a.update(output=a["q"]), "q"),
+    ("a token stride of 0", lambda a: a.update(output=torch.zeros(2, 1, H, D, dtype=BF16).expand(2, 8, H, D)), None),
+])
+def test_ucache_refuses_an_output_that_aliases(case, build, other):
+    a = uc_args()
+    build(a)
+    _raises(lambda: uc(a), "output", "shares no byte with " + other if other else "do not overlap")
+
+
+@pytest.mark.parametrize("later, earlier", [
+    ("hist_len", "initial_state_indices"), ("cache_base", "initial_state_indices"), ("cache_base", "hist_len"),
+])
+def test_ucache_refuses_cursors_that_alias_each_other(later, earlier):
+    a = uc_args()
+    a[later] = a[earlier]
+    _raises(lambda: uc(a), later, "shares no byte with " + earlier)
+
+
+def test_ucache_refuses_a_cursor_inside_the_pool():
+    a = uc_args()
+    a["hist_len"] = a["initial_state_source"].view(-1).view(torch.int32)[:2]
+    _raises(lambda: uc(a), "hist_len", "shares no byte with initial_state_source")
+
+
+def test_ucache_refuses_slot_indices_inside_a_ring():
+    a = uc_args()
+    a["initial_state_indices"] = torch.zeros(2, dtype=I32)
+    a["cache_base"] = a["k_cache"].view(-1).view(torch.int32)[4:6]
+    _raises(lambda: uc(a), "cache_base", "shares no byte with k_cache")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Empty head counts, cpu versus meta, optional dt_bias
+
+
+def test_recurrent_refuses_zero_value_heads():
+    a = rec_args(mode="dense")
+    a.update(v=torch.zeros(2, 1, 0, D, dtype=BF16), g=torch.zeros(2, 1, 0, D, dtype=BF16),
+             beta=torch.zeros(2, 1, 0, dtype=BF16))
+    _raises(lambda: rec(a), "v", "HV (dim 2) >= 1")
+
+
+def test_recurrent_refuses_zero_query_heads():
+    a = rec_args(mode="dense")
+    a.update(q=torch.zeros(2, 1, 0, D, dtype=BF16), k=torch.zeros(2, 1, 0, D, dtype=BF16))
+    _raises(lambda: rec(a), "q", "H (dim 2) >= 1")
+
+
+def test_recurrent_refuses_a_zero_head_dim():
+    a = rec_args(mode="dense", K=D)
+    a.update(q=torch.zeros(2, 1, H, 0, dtype=BF16))
+    _raises(lambda: rec(a), "q", "head dim")
+
+
+@pytest.mark.parametrize("name", ["initial_state", "ssm_state_indices", "v"])
+def test_recurrent_tells_a_meta_tensor_from_a_cpu_call(name):
+    a = rec_args()
+    a[name] = a[name].to("meta")
+    _raises(lambda: rec(a), name, "the device of q")
+
+
+def test_t1_tells_a_meta_pool_from_a_cpu_call():
+    a = t1_args()
+    a["state_pool"] = a["state_pool"].to("meta")
+    _raises(lambda: t1(a), "state_pool", "the device of q")
+
+
+def test_ucache_tells_a_meta_cursor_from_a_cpu_call():
+    a = uc_args()
+    a["hist_len"] = a["hist_len"].to("meta")
+    _raises(lambda: uc(a), "hist_len", "the device of q")
+
+
+def test_dt_bias_is_optional_with_the_gate_in_the_kernel():
+    assert not t1(dict(t1_args(), dt_bias=None)).has_dt_bias
+    assert t1(t1_args()).has_dt_bias
+    assert not packed(dict(packed_args(), dt_bias=None)).has_dt_bias
+    assert not rec(dict(rec_args(), dt_bias=None)).has_dt_bias
+    uc(dict(uc_args(), dt_bias=None))
+
+
+def test_t1_revalidation_tells_a_call_without_dt_bias_from_one_with_it(on_cpu):
+    a = t1_args()
+    without = dict(a, dt_bias=None)
+    assert _reval_t1(without) is t1(without)
+    assert _reval_t1(a) is t1(a)
+    assert t1(a) is not t1(without)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Duplicate active slots (the debug value check)
+
+
+def test_debug_slot_check_refuses_a_slot_two_rows_share():
+    _raises(lambda: V.debug_check_slots(torch.tensor([0, 3, 3], dtype=I32), 8), "slot_indices", "distinct active")
+
+
+def test_debug_slot_check_ignores_inactive_duplicates():
+    V.debug_check_slots(torch.tensor([-1, -1, 8, 8, 2], dtype=I32), 8)
+
+
+def test_debug_slot_check_refuses_a_checkpoint_slot_two_spec_rows_share():
+    idx = torch.tensor([[0, 1, 2], [3, 4, 1]], dtype=I32)
+    _raises(lambda: V.debug_check_slots(idx, 8, argument="ssm_state_indices"), "ssm_state_indices", "slots [1]")
+
+
+def test_debug_slot_check_refuses_a_slot_one_spec_row_names_twice():
+    _raises(lambda: V.debug_check_slots(torch.tensor([[5, 6, 5]], dtype=I32), 8), "slot_indices", "slots [5]")
+
+
+def test_debug_slot_check_refuses_three_dimensional_indices():
+    _raises(lambda: V.debug_check_slots(torch.zeros(2, 2, 2, dtype=I32), 8), "slot_indices", "1-D [B] or 2-D")

@@ -141,6 +141,66 @@ def test_gqa_gate_parameters_are_per_value_head_as_in_fla():
     torch.testing.assert_close(x["pool"].float(), ref_pool.float(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("name, bad, fragment", [
+    ("dt_bias", lambda x: x["dt_bias"][: 4 * 128], "[HV*K]"),  # [H*K]: kda's own convention, not FLA's
+    ("A_log", lambda x: x["A_log"][:4], "[HV]"),
+    ("A_log", lambda x: x["A_log"].double(), "float32"),
+])
+def test_gqa_gate_parameters_are_validated_before_the_gate_is_computed(name, bad, fragment):
+    x = make_inputs("cpu", H=4, HV=8, T=2)
+    kw = serving_kwargs(x, i32([5, 1, 7, 2], "cpu"))
+    kw[name] = bad(x)
+    with pytest.raises(KDAError, match=f"^{name}: expected") as info:
+        fused_recurrent_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+    assert fragment in str(info.value)
+
+
+def test_gqa_with_an_fp64_gate_is_refused_as_the_facade_refuses_it():
+    x = make_inputs("cpu", H=4, HV=8, T=2)
+    with pytest.raises(KDAError, match="^g: expected"):
+        fused_recurrent_kda_fwd(x["q"], x["k"], x["v"], x["g"].double(), x["beta"],
+                                **serving_kwargs(x, i32([5, 1, 7, 2], "cpu")))
+
+
+def test_gqa_gate_without_dt_bias_means_zeros():
+    x = make_inputs("cpu", H=4, HV=8, T=2)
+    slots = i32([5, 1, 7, 2], "cpu")
+    ref_pool = x["pool"].clone()
+    o, _ = fused_recurrent_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], **serving_kwargs(x, slots, dt_bias=None))
+    g_log = -5.0 * torch.sigmoid(torch.exp(x["A_log"])[:, None] * x["g"].float())
+    o_ref, _ = recurrent_kda_ref(x["q"], x["k"], x["v"], g_log, x["beta"], initial_state=ref_pool,
+                                 beta_is_logit=True, ssm_state_indices=slots)
+    torch.testing.assert_close(o, o_ref, rtol=1e-2, atol=1e-2)
+
+
+def test_serving_call_without_dt_bias_means_zeros():
+    x = make_inputs("cpu")
+    slots = i32([1, 2, 3, 4], "cpu")
+    absent, zeros = x["pool"].clone(), x["pool"].clone()
+    o, _ = fused_recurrent_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                   **serving_kwargs(x, slots, dt_bias=None, initial_state=absent))
+    o_zeros, _ = fused_recurrent_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                         **serving_kwargs(x, slots, dt_bias=torch.zeros_like(x["dt_bias"]),
+                                                          initial_state=zeros))
+    torch.testing.assert_close(o, o_zeros, **exact())
+    torch.testing.assert_close(absent, zeros, **exact())
+
+
+def test_in_place_dense_state_with_fewer_rows_than_sequences_is_refused():
+    x = make_inputs("cpu", B=3, T=2)
+    with pytest.raises(KDAError, match="^initial_state: expected one row per sequence"):
+        fused_recurrent_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["pool"][:2].float(),
+                                inplace_final_state=True, state_v_first=True)
+
+
+def test_duplicate_slots_are_refused_under_debug_validation(monkeypatch):
+    monkeypatch.setenv("KDA_DEBUG_VALIDATE", "1")
+    x = make_inputs("cpu")
+    with pytest.raises(KDAError, match="^ssm_state_indices: expected distinct active slots"):
+        fused_recurrent_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                **serving_kwargs(x, i32([1, 2, 1, 4], "cpu")))
+
+
 def test_padding_slot_is_inactive_where_fla_would_write_out_of_bounds():
     x = make_inputs("cpu")
     before = x["pool"].clone()

@@ -401,3 +401,117 @@ def test_the_kill_switch_holds_on_the_hot_path(kernels, hot_path, monkeypatch):
     monkeypatch.setenv("KDA_T1_FAST_PATH", "0")
     assert_matches_oracle(kw)
     assert kernels.paths == [Path.T1, Path.GENERIC]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KDA_DEBUG_VALIDATE: duplicate active slots on every path
+
+
+@pytest.mark.parametrize("mode", ["pool", "spec"])
+def test_debug_validation_refuses_duplicate_active_slots_on_the_cpu(monkeypatch, mode):
+    monkeypatch.setenv("KDA_DEBUG_VALIDATE", "1")
+    kw = make_call(B=3, T=2 if mode == "spec" else 1, mode=mode)
+    slots = torch.tensor([0, 0, 1], dtype=torch.int32) if mode == "pool" else torch.tensor(
+        [[0, 1], [2, 0], [3, 4]], dtype=torch.int32)
+    with pytest.raises(KDAError, match="^ssm_state_indices: expected distinct active slots"):
+        recurrent_kda(**{**kw, "ssm_state_indices": slots})
+
+
+def test_debug_validation_is_off_by_default(monkeypatch):
+    monkeypatch.delenv("KDA_DEBUG_VALIDATE", raising=False)
+    kw = make_call(B=3)
+    recurrent_kda(**{**kw, "ssm_state_indices": torch.tensor([0, 0, 1], dtype=torch.int32)})
+
+
+def test_debug_validation_refuses_duplicates_on_the_t1_kernel_path(kernels, as_if_cuda, monkeypatch):
+    monkeypatch.setenv("KDA_DEBUG_VALIDATE", "1")
+    kw = make_call(B=3)
+    with pytest.raises(KDAError, match="^ssm_state_indices: expected distinct"):
+        recurrent_kda(**{**kw, "ssm_state_indices": torch.tensor([4, 1, 4], dtype=torch.int32)})
+    assert kernels.paths == []
+
+
+def test_the_hot_path_does_not_bypass_debug_validation(kernels, hot_path, monkeypatch):
+    kw = make_call(B=3)
+    recurrent_kda(**clone_call(kw))  # described: the next call of these facts takes the hot path
+    monkeypatch.setenv("KDA_DEBUG_VALIDATE", "1")
+    with pytest.raises(KDAError, match="^ssm_state_indices: expected distinct"):
+        recurrent_kda(**{**clone_call(kw), "ssm_state_indices": torch.tensor([2, 2, 0], dtype=torch.int32)})
+    assert kernels.paths == [Path.T1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs validation accepts have an answer on the CPU, or are refused
+
+
+def test_dt_bias_is_optional_and_means_zeros(kernels):
+    kw = make_call()
+    o, _ = recurrent_kda(**{**clone_call(kw), "dt_bias": None})
+    o_zeros, _ = recurrent_kda(**{**clone_call(kw), "dt_bias": torch.zeros_like(kw["dt_bias"])})
+    torch.testing.assert_close(o, o_zeros, rtol=0, atol=0)
+
+
+def test_the_t1_kernel_gets_zeros_for_an_absent_dt_bias(kernels, as_if_cuda):
+    kw = make_call()
+    o, _ = recurrent_kda(**{**clone_call(kw), "dt_bias": None})
+    o_zeros, _ = recurrent_kda_ref(**{**clone_call(kw), "dt_bias": torch.zeros_like(kw["dt_bias"])})
+    assert kernels.paths == [Path.T1]
+    torch.testing.assert_close(o, o_zeros, rtol=0, atol=0)
+
+
+def test_meta_tensors_are_refused_on_the_cpu_path():
+    kw = {n: (t.to("meta") if isinstance(t, torch.Tensor) else t) for n, t in make_call().items()}
+    with pytest.raises(KDAError, match="^q: expected tensors with data"):
+        recurrent_kda(**kw)
+
+
+def test_a_meta_pool_in_a_cpu_call_is_refused():
+    kw = make_call()
+    kw["initial_state"] = kw["initial_state"].to("meta")
+    with pytest.raises(KDAError, match="^initial_state: expected a tensor on cpu"):
+        recurrent_kda(**kw)
+
+
+def test_an_output_that_requires_grad_is_written():
+    kw = make_call()
+    out = torch.zeros(3, 1, 12, 128, dtype=BF16, requires_grad=True)
+    o, _ = recurrent_kda(**{**clone_call(kw), "output": out})
+    o_ref, _ = recurrent_kda_ref(**clone_call(kw))
+    assert o is out
+    torch.testing.assert_close(out.detach(), o_ref, rtol=0, atol=0)
+
+
+def test_a_pool_that_requires_grad_is_updated_in_place():
+    kw = make_call()
+    pool = kw["initial_state"].clone().requires_grad_(True)
+    _, s = recurrent_kda(**{**clone_call(kw), "initial_state": pool})
+    _, s_ref = recurrent_kda_ref(**clone_call(kw))
+    assert s is pool
+    torch.testing.assert_close(pool.detach(), s_ref, rtol=0, atol=0)
+
+
+def test_an_empty_pool_makes_every_row_inactive():
+    kw = make_call(N=8)
+    kw["initial_state"] = kw["initial_state"][:0]
+    o, _ = recurrent_kda(**kw)
+    assert torch.count_nonzero(o) == 0
+
+
+def test_spec_decode_without_tokens_returns_an_empty_output():
+    kw = make_call(B=2, T=0, mode="spec")
+    before = kw["initial_state"].clone()
+    o, pool = recurrent_kda(**kw)
+    assert o.shape == (2, 0, 12, 128) and torch.equal(pool, before)
+
+
+def test_an_output_over_a_pool_row_is_refused_naming_output():
+    kw = make_call()
+    row = kw["initial_state"][6].reshape(-1)[: 3 * 12 * 128].view(3, 1, 12, 128)
+    with pytest.raises(KDAError, match="^output: expected a tensor that shares no byte with initial_state"):
+        recurrent_kda(**{**kw, "output": row})
+
+
+def test_an_expanded_output_is_refused_naming_output():
+    kw = make_call()
+    with pytest.raises(KDAError, match="^output: expected a tensor whose elements do not overlap"):
+        recurrent_kda(**{**kw, "output": torch.zeros(1, 1, 12, 128, dtype=BF16).expand(3, 1, 12, 128)})

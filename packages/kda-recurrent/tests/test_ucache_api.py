@@ -1,6 +1,6 @@
 """The ucache API on the CPU (oracle path): capacity rules, allocators, the caller's commit, and the end-to-end
-promise of DESIGN §5 — a serving loop of verify steps and commits gives, for every draft token, the output of the
-plain recurrence over the accepted token stream, through flushes and a wrapped ring."""
+promise of docs/design.md §5 — a serving loop of verify steps and commits gives, for every draft token, the output of
+the plain recurrence over the accepted token stream, through flushes and a wrapped ring."""
 
 from __future__ import annotations
 
@@ -264,6 +264,50 @@ def test_serving_loop_matches_the_plain_recurrence_over_accepted_tokens(restart)
 
 # ---------------------------------------------------------------------------------------------------------------
 # on the GPU: the kernel behind the same API, and CUDA-graph capture of a whole step
+
+
+def test_dt_bias_is_optional_and_means_zeros():
+    x = make_inputs(hist=default_flush_min(4, 16))
+    absent, zeros = clone(x), clone(x)
+    absent["dt_bias"] = None
+    zeros["dt_bias"] = torch.zeros_like(x["dt_bias"])
+    assert torch.equal(call(absent), call(zeros))
+    for name in ("initial_state_source", "k_cache", "u_cache", "g_cache", "hist_len", "cache_base"):
+        assert torch.equal(absent[name], zeros[name]), name
+
+
+def test_cursors_that_alias_each_other_are_refused():
+    x = make_inputs()
+    x["cache_base"] = x["hist_len"]
+    with pytest.raises(KDAError, match="^cache_base: expected a tensor that shares no byte with hist_len"):
+        call(x)
+
+
+def test_meta_tensors_are_refused_on_the_cpu_path():
+    x = {n: t.to("meta") for n, t in make_inputs().items()}
+    with pytest.raises(KDAError, match="^q: expected tensors with data"):
+        call(x)
+
+
+def test_an_output_that_requires_grad_is_written():
+    x = make_inputs()
+    out = torch.zeros(2, 4, 8, K, dtype=torch.bfloat16, requires_grad=True)
+    assert call(clone(x), output=out) is out
+    assert torch.equal(out.detach(), call(clone(x)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_call_without_dt_bias_matches_the_oracle_with_zeros():
+    x = cuda_inputs(B=2, T=4, H=8, N=4, hist=5, base=3, seed=5)
+    mine, ref = clone(x), clone(x)
+    mine["dt_bias"] = None
+    out = call(mine)
+    expected = ucache_verify_flush_ref(
+        ref["A_log"], ref["g"], None, -5.0, out_dtype=None,
+        **{n: t for n, t in ref.items() if n not in ("A_log", "g", "dt_bias")},
+    )  # fmt: skip
+    torch.testing.assert_close(out.float(), expected, atol=8e-3, rtol=8e-3)
 
 
 def cuda_inputs(**kw):

@@ -1,4 +1,4 @@
-"""Geometry and conventions shared by every kda operation (DESIGN §2-§5)."""
+"""Geometry and conventions shared by every kda operation (docs/design.md §2-§5)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ UCACHE_WRING = (16, 32)
 
 
 class GateMode(enum.Enum):
-    """How the raw gate input g becomes the log-space decay (DESIGN §3 step 2)."""
+    """How the raw gate input g becomes the log-space decay (docs/design.md §3 step 2)."""
 
     LOWER_BOUND = "lower_bound"  # Kimi K3: lb * sigmoid(exp(A_log) * (g + dt_bias)), lb < 0
     SOFTPLUS = "softplus"  # Kimi-Linear: -exp(A_log) * softplus(g + dt_bias)

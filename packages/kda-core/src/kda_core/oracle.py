@@ -1,18 +1,22 @@
-"""Plain PyTorch references of every kda operation (DESIGN §3-§5).
+"""Plain PyTorch references of every kda operation (docs/design.md §3-§5).
 
 Written for clarity, not speed: fp32 by default (``dtype=torch.float64`` for drift studies), on CPU or CUDA
-tensors. Every kernel test compares against these functions. The pool semantics are DESIGN §4's: a slot outside
-[0, N) makes its row inactive (zero output, pool neither read nor written), and every stored state is rounded once
-to the pool's dtype from the running fp32/fp64 state.
+tensors. Every kernel test compares against these functions. The pool semantics are docs/design.md §4's: a slot
+outside [0, N) makes its row inactive (zero output, pool neither read nor written), and every stored state is
+rounded once to the pool's dtype from the running fp32/fp64 state. Device data (slot indices, varlen offsets,
+accepted counts, ucache cursors) is bounded exactly as the kernels bound it, so every input validation accepts has
+an answer here. The references run without autograd: they update pools in place as the kernels do.
+
+The ucache references live in :mod:`kda_core.oracle_ucache` and are re-exported here.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from kda_core.contracts import L2NORM_EPS
 from kda_core.errors import fail
+from kda_core.oracle_step import _l2norm, kda_gate_ref, kda_step_ref
+from kda_core.oracle_ucache import commit_ucache_ref, ucache_verify_flush_ref
 
 __all__ = [
     "kda_gate_ref",
@@ -20,67 +24,41 @@ __all__ = [
     "recurrent_kda_ref",
     "recurrent_kda_wy_ref",
     "unpack_packed",
+    "ucache_verify_flush_ref",
+    "commit_ucache_ref",
 ]
 
 
-def kda_gate_ref(g, A_log=None, dt_bias=None, lower_bound=None, use_gate_in_kernel=True, dtype=torch.float32):
-    """Log-space decay g_log [..., HV, K] from the gate input g [..., HV, K] (DESIGN §3 steps 1-2).
-
-    A_log [H] and dt_bias [H*K] (or [H, K]) are per query head; value head hv uses query head hv // (HV // H).
-    With ``use_gate_in_kernel=False`` g already is the log-space decay and is returned upcast.
-    """
-    g = g.to(dtype)
-    if not use_gate_in_kernel:
-        return g
-    HV, K = g.shape[-2], g.shape[-1]
-    H = A_log.numel()
-    group = HV // H
-    rate = torch.exp(A_log.to(dtype).reshape(H)).repeat_interleave(group)[:, None]  # [HV, 1]
-    x = g
-    if dt_bias is not None:
-        x = x + dt_bias.to(dtype).reshape(H, K).repeat_interleave(group, dim=0)
-    if lower_bound is None:
-        return -rate * F.softplus(x, beta=1.0, threshold=20.0)  # softplus(x) = x for x > 20
-    return lower_bound * torch.sigmoid(rate * x)
-
-
-def _l2norm(x):
-    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
-
-
-def kda_step_ref(S, q, k, v, g_log, b, scale, use_qk_l2norm_in_kernel=True):
-    """One delta-rule step on fp states S [..., V, K] (DESIGN §3 steps 5-10).
-
-    q, k, g_log: [..., K]; v: [..., V]; b: [...] (already sigmoided). Returns (S_new, o, u, k_hat).
-    """
-    if use_qk_l2norm_in_kernel:
-        k = _l2norm(k)
-        q = _l2norm(q)
-    q = q * scale
-    S = S * torch.exp(g_log).unsqueeze(-2)  # decay first, per key channel (column)
-    p = (S * k.unsqueeze(-2)).sum(-1)
-    u = b.unsqueeze(-1) * (v - p)
-    S = S + u.unsqueeze(-1) * k.unsqueeze(-2)
-    o = (S * q.unsqueeze(-2)).sum(-1)
-    return S, o, u, k
-
-
 def _token_grid(B, T, cu_seqlens, device):
-    """(seq_b, seq_t, valid) of shape [N, Tmax]: where token t of sequence n lives in the [B, T] inputs."""
+    """(seq_b, seq_t, valid) of shape [N, Tmax]: where token t of sequence n lives in the [B, T] inputs.
+
+    Varlen offsets are device data and may be malformed; they are bounded as every kernel bounds them
+    (docs/design.md §4), in 64 bits before anything narrows: ``bos_n = clamp(cu[n], 0, T)`` and
+    ``eos_n = clamp(cu[n + 1], bos_n, T)``. Sequence n owns tokens [bos_n, eos_n), empty when the end precedes the
+    start, so Tmax <= T whatever the offsets hold.
+    """
     if cu_seqlens is None:
         seq_b = torch.arange(B, device=device)[:, None].expand(B, T)
         seq_t = torch.arange(T, device=device)[None, :].expand(B, T)
         return seq_b, seq_t, torch.ones(B, T, dtype=torch.bool, device=device)
     if B != 1:
         fail("q", "batch size 1 when cu_seqlens is given", f"batch size {B}")
-    cu = cu_seqlens.to(device=device, dtype=torch.long)
-    lens = cu[1:] - cu[:-1]
+    bos, eos = _clamped_offsets(cu_seqlens, T, device)
+    lens = eos - bos
     N = lens.numel()
     t_max = int(lens.max().item()) if N else 0
     t = torch.arange(max(t_max, 1), device=device)[None, :].expand(N, max(t_max, 1))
     valid = t < lens[:, None]
-    seq_t = torch.where(valid, cu[:-1, None] + t, torch.zeros_like(t))
+    seq_t = torch.where(valid, bos[:, None] + t, torch.zeros_like(t))
     return torch.zeros_like(seq_t), seq_t, valid
+
+
+def _clamped_offsets(cu_seqlens, T_total, device):
+    """(bos, eos) int64 [N]: ``bos_n = clamp(cu[n], 0, T_total)``, ``eos_n = clamp(cu[n + 1], bos_n, T_total)``."""
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    bos = cu[:-1].clamp(0, T_total)
+    eos = torch.maximum(cu[1:].clamp(max=T_total), bos)
+    return bos, eos
 
 
 def _prepare(q, k, v, g, beta, A_log, dt_bias, scale, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
@@ -109,9 +87,19 @@ def _prepare(q, k, v, g, beta, A_log, dt_bias, scale, use_gate_in_kernel, lower_
 
 
 def _scatter_output(o_seq, grid, B, T, HV, V, out_dtype, device):
+    """The [B, T, HV, V] output: each sequence's tokens at their place, zeros elsewhere.
+
+    Sequences are written in order, so where malformed varlen offsets make two sequences claim one token the later
+    sequence's output is the one kept (the kernels leave such outputs unspecified; their states stay exact).
+    """
     seq_b, seq_t, valid = grid
     out = torch.zeros(B, T, HV, V, dtype=out_dtype, device=device)
-    out[seq_b[valid], seq_t[valid]] = o_seq[valid].to(out_dtype)
+    place = (seq_b * T + seq_t)[valid]
+    if place.numel() == torch.unique(place).numel():  # no token claimed twice
+        out[seq_b[valid], seq_t[valid]] = o_seq[valid].to(out_dtype)
+        return out
+    for n, (start, count) in enumerate(zip(seq_t[:, 0].tolist(), valid.sum(1).tolist())):
+        out[0, start:start + count] = o_seq[n, :count].to(out_dtype)
     return out
 
 
@@ -119,6 +107,21 @@ def _in_pool(slots, N):
     return (slots >= 0) & (slots < N)
 
 
+def _spec_read_slots(idx, num_accepted_tokens, dev):
+    """The slot each spec-decode row reads its first state from: ``idx[n, col]`` with
+    ``col = max(min(nat, T_idx), 1) - 1`` in 64 bits (so INT_MIN, 0 and negatives read column 0 and counts above
+    the T_idx columns read the last), column 0 without ``num_accepted_tokens``; -1 (inactive) without columns."""
+    N, T_idx = idx.shape
+    if T_idx == 0:
+        return torch.full((N,), -1, dtype=torch.long, device=dev)
+    if num_accepted_tokens is None:
+        return idx[:, 0]
+    nat = num_accepted_tokens.to(device=dev, dtype=torch.long)
+    col = nat.clamp(max=T_idx).clamp(min=1) - 1
+    return idx.gather(1, col[:, None])[:, 0]
+
+
+@torch.no_grad()  # a pool that requires grad is still updated in place, as the kernels update it
 def recurrent_kda_ref(
     q,
     k,
@@ -149,7 +152,7 @@ def recurrent_kda_ref(
       - ``ssm_state_indices`` [N] (1-D): ``initial_state`` is the pool [P, HV, V, K] (bf16 or fp32); sequence n reads
         slot idx[n], runs its tokens in ``dtype`` and stores the final state back, rounded once.
       - ``ssm_state_indices`` [N, T] (2-D, spec decode): the first state is read from slot
-        idx[n, clamp(num_accepted_tokens[n] - 1, 0, T - 1)] (column 0 without ``num_accepted_tokens``) and after
+        idx[n, max(min(num_accepted_tokens[n], T), 1) - 1] (column 0 without ``num_accepted_tokens``) and after
         token t the state is stored to slot idx[n, t]. A token whose slot is outside the pool is skipped: zero
         output, no write, and the running state does not absorb it.
       - no indices: ``initial_state`` is dense [N, HV, V, K] or None (zeros); final_state is [N, HV, V, K] in
@@ -180,13 +183,11 @@ def recurrent_kda_ref(
             read_slots = idx
         else:
             write_slots = idx
-            if num_accepted_tokens is None:
-                col = torch.zeros(N, dtype=torch.long, device=dev)
-            else:
-                col = (num_accepted_tokens.to(device=dev, dtype=torch.long) - 1).clamp(0, idx.shape[1] - 1)
-            read_slots = idx.gather(1, col[:, None])[:, 0]
+            read_slots = _spec_read_slots(idx, num_accepted_tokens, dev)
         active = _in_pool(read_slots, P)
-        S = pool[read_slots.clamp(0, P - 1)].to(dtype) * active[:, None, None, None]
+        S = torch.zeros(N, HV, V, K, dtype=dtype, device=dev)
+        if bool(active.any()):
+            S[active] = pool[read_slots[active]].to(dtype)
     else:
         active = torch.ones(N, dtype=torch.bool, device=dev)
         if initial_state is None:
@@ -217,6 +218,7 @@ def recurrent_kda_ref(
     return o, (S if output_final_state else None)
 
 
+@torch.no_grad()
 def recurrent_kda_wy_ref(
     q,
     k,
@@ -261,7 +263,9 @@ def recurrent_kda_wy_ref(
         pool = initial_state
         slots = ssm_state_indices.to(device=dev, dtype=torch.long)
         active = _in_pool(slots, pool.shape[0])
-        S0 = pool[slots.clamp(0, pool.shape[0] - 1)].to(dtype) * active[:, None, None, None]
+        S0 = torch.zeros(B, HV, V, K, dtype=dtype, device=dev)
+        if bool(active.any()):
+            S0[active] = pool[slots[active]].to(dtype)
     else:
         active = torch.ones(B, dtype=torch.bool, device=dev)
         S0 = torch.zeros(B, HV, V, K, dtype=dtype, device=dev) if initial_state is None else initial_state.to(dtype)
@@ -316,16 +320,3 @@ def unpack_packed(mixed_qkv, raw_gate, raw_beta, num_heads, head_dim=128):
     beta = raw_beta.as_strided((B, 1, H), (raw_beta.stride(0), raw_beta.stride(0), raw_beta.stride(1)),
                                raw_beta.storage_offset())
     return part(0), part(1), part(2), g, beta
-
-
-__all__ += ["ucache_verify_flush_ref", "commit_ucache_ref"]  # noqa: F822 (resolved by __getattr__ below)
-
-
-def __getattr__(name):
-    # The ucache references live in oracle_ucache, which imports this module's step; resolving them lazily lets
-    # either module be imported first without a circular import.
-    if name in ("ucache_verify_flush_ref", "commit_ucache_ref"):
-        from kda_core import oracle_ucache
-
-        return getattr(oracle_ucache, name)
-    raise AttributeError(f"module 'kda_core.oracle' has no attribute {name!r}")

@@ -1,26 +1,30 @@
-"""Reference of the ReplaySSM "ucache" verify+flush step and the caller's commit (DESIGN §5).
+"""Reference of the ReplaySSM "ucache" verify+flush step and the caller's commit (docs/design.md §5).
 
-Per request b (pool slot s = initial_state_indices[b]) and head h, the ring holds P = hist_len[b] logical rows
-j < P at physical slot (cache_base[b] + j) & 31: k^_j (bf16), u_j (bf16) and G_j (fp32, cumulative log-decay since
-the checkpoint S0, per channel). With bdec = exp(G_{P-1}) and w_j = exp(G_{P-1} - G_j):
+Per request b (pool slot s = initial_state_indices[b]) and head h, the ring holds P logical rows j < P at physical
+slot (base + j) & 31: k^_j (bf16), u_j (bf16) and G_j (fp32, cumulative log-decay since the checkpoint S0, per
+channel). The cursors are device data and are bounded as every kernel bounds them: P = clamp(hist_len[b], 0,
+max_hist_len) with max_hist_len = min(w_ring, 32 - T), and base = cache_base[b] & 31. With bdec = exp(G_{P-1}) and
+w_j = exp(G_{P-1} - G_j):
 
     S_commit = S0 * bdec + sum_{j<P} u_j (w_j * k^_j)^T
 
 The T draft tokens run from S_commit with the decay restarting at 0; every draft s is appended at physical slot
 (base + P + s) & 31 (k^_s, u_s, and G = G_{P-1} + cum_s on a verify row or cum_s on a flush row). When
-P >= flush_min the step also stores S_commit to the pool (one rounding); the drafts of this call are not folded.
+P >= flush_min the step also stores S_commit to the pool (one rounding); the drafts of this call are not folded,
+and with restart_hist_on_flush the row's cursors become base = (base + P) & 31, hist_len = 0.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kda_core.contracts import RING_SLOTS, default_flush_min
-from kda_core.oracle import kda_gate_ref, kda_step_ref
+from kda_core.contracts import RING_SLOTS, default_flush_min, max_hist_len
+from kda_core.oracle_step import kda_gate_ref, kda_step_ref
 
 __all__ = ["ucache_verify_flush_ref", "commit_ucache_ref"]
 
 
+@torch.no_grad()
 def ucache_verify_flush_ref(
     A_log,
     g,
@@ -48,7 +52,7 @@ def ucache_verify_flush_ref(
 ):
     """One verify(+flush) step; mutates the pool, the rings and (restart_hist_on_flush) the cursors in place.
 
-    q, k, v, g: [B, T, H, 128] bf16; b: [B, T, H] beta logits; A_log [H], dt_bias [H*128] fp32;
+    q, k, v, g: [B, T, H, 128] bf16; b: [B, T, H] beta logits; A_log [H], dt_bias [H*128] fp32 or None (zeros);
     initial_state_source: pool [N, H, 128, 128]; initial_state_indices, hist_len, cache_base: int32 [B];
     k_cache, u_cache: [N, H, 32, 128] bf16; g_cache: [N, H, 32, 128] fp32. lower_bound None is the softplus gate.
     Returns the draft outputs [B, T, H, 128] in ``out_dtype`` (``None``: ``dtype``).
@@ -62,6 +66,7 @@ def ucache_verify_flush_ref(
     scale = K**-0.5 if scale is None else scale
     out_dtype = dtype if out_dtype is None else out_dtype
     out = torch.zeros(B, T, H, V, dtype=dtype, device=q.device)
+    top = max_hist_len(T, w_ring)
     slots = initial_state_indices.tolist()
     lens = hist_len.tolist()
     bases = cache_base.tolist()
@@ -69,7 +74,8 @@ def ucache_verify_flush_ref(
         s = slots[i]
         if not 0 <= s < N:
             continue  # inactive row: nothing read or written
-        P, base = lens[i], bases[i]
+        P = min(max(lens[i], 0), top)  # the cursors as the kernels read them
+        base = bases[i] & (RING_SLOTS - 1)
         phys = [(base + j) % RING_SLOTS for j in range(P)]
         S0 = pool[s].to(dtype)  # [H, V, K]
         if P > 0:
@@ -100,7 +106,7 @@ def ucache_verify_flush_ref(
             u_cache[s, :, slot] = u.to(u_cache.dtype)
             g_cache[s, :, slot] = (cum if flush else g_last + cum).to(g_cache.dtype)
         if flush and restart_hist_on_flush:
-            cache_base[i] = (base + P) % RING_SLOTS
+            cache_base[i] = (base + P) & (RING_SLOTS - 1)
             hist_len[i] = 0
     return out.to(out_dtype)
 

@@ -1,4 +1,4 @@
-"""Host-side validation of every kda call (DESIGN §2, §4, §5): metadata only.
+"""Host-side validation of every kda call (docs/design.md §2, §4, §5): metadata only.
 
 Each ``validate_*`` function checks shapes, dtypes, strides, alignment, devices and scalar arguments of one
 operation, raises :class:`kda_core.errors.KDAError` (``"<argument>: expected <what>, got <what>"``) on the first
@@ -18,8 +18,11 @@ Policies written down here:
 - Alignment is a classification, never a rejection: a legal tensor whose pointer or strides are not 16-byte
   multiples sets ``aligned=False`` and takes the unaligned kernel variant.
 - ``device_kind="cuda"`` (the kernel launchers) requires every tensor on one CUDA device; ``device_kind="any"``
-  (the oracle path, tests on CPU or ``meta`` tensors) requires only that they share one device (cpu and meta are
-  not told apart: neither launches a kernel).
+  (the oracle path, tests on CPU or ``meta`` tensors) requires only that they share one device. Devices are compared
+  by index, which is -1 for both cpu and meta, so off CUDA the full validators also compare ``is_meta``.
+- Nothing a kernel writes may alias: the output (and the ucache step's pool, rings and cursors) shares no byte with
+  another argument, and no two of its own elements share bytes (no stride 0, no overlapping rows). Byte ranges and
+  strides are metadata; see "Aliasing" below.
 - Descriptions are immutable and remembered by the facts they are made of, so a repeated call returns the same
   object (see ``_MEMO``).
 - The launchers' hot path re-validates a call whose facts were described before (``revalidate_*``): it reads the
@@ -37,6 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from numbers import Real
+from operator import mul as _mul
 
 import torch
 
@@ -74,6 +78,7 @@ __all__ = [
     "debug_checks_enabled",
     "debug_check_slots",
     "debug_check_ucache_cursors",
+    "validate_gate_params",
 ]
 
 _BF16 = torch.bfloat16
@@ -132,6 +137,8 @@ class DecodeT1Call:
     """The largest of 16/8/4/2/1 bytes that holds for all of them."""
     packed: bool
     has_output: bool
+    has_dt_bias: bool = True
+    """The gate is in the kernel and dt_bias was given (absent: zeros, the kernel's variant without it)."""
 
 
 @dataclass(frozen=True)
@@ -165,11 +172,13 @@ class RecurrentCall:
     on_cuda: bool
     t1_eligible: bool
     t1_reason: str
+    has_dt_bias: bool = True
+    """The gate is in the kernel and dt_bias was given (absent: zeros, the kernels' variant without it)."""
 
 
 @dataclass(frozen=True)
 class UcacheCall:
-    """A validated ucache verify(+flush) call (DESIGN §5)."""
+    """A validated ucache verify(+flush) call (docs/design.md §5)."""
 
     B: int
     T: int
@@ -341,6 +350,72 @@ def _rows(name: str, t, row_shape: tuple, dtypes: tuple, dtype_text: str, what: 
     return shape[0]
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Aliasing (metadata only: data pointers, sizes, strides)
+#
+# A tensor a kernel writes (the output; the pool, rings and cursors of the ucache step) must not share a byte with
+# anything else of the call, nor write one byte twice: CTAs would race on it, or a write would land in a pool row no
+# batch row owns. The rule is on byte ranges, [first byte, one past the last byte], which is conservative for two
+# interleaved views of one buffer, and on strides: sorted by stride, each dimension of size > 1 must step at least
+# the span of the dimensions inside it (no stride 0, no overlapping rows). Meta tensors have no addresses and are
+# not compared.
+
+
+def _span(t) -> int:
+    """Bytes from ``t``'s first element to one past its last (sum of (size - 1) * stride, plus one element); 0 when
+    it has no element."""
+    shape = t.shape
+    if 0 in shape:
+        return 0
+    st = t.stride()
+    return (sum(map(_mul, shape, st)) - sum(st) + 1) * t.element_size()
+
+
+def _self_overlapping(shape, stride) -> bool:
+    """Whether two indices of a tensor with these sizes and strides can name one element (stride 0 included)."""
+    extent = 1
+    for s, n in sorted((s, n) for n, s in zip(shape, stride) if n > 1):
+        if s < extent:
+            return True
+        extent += (n - 1) * s
+    return False
+
+
+def _check_written(name: str, t, others) -> None:
+    """``t`` (checked for shape, dtype and device) writes each of its elements once and shares no byte with the
+    ``others``, (name, tensor or None) pairs; raises naming ``name``."""
+    if not t.is_contiguous() and _self_overlapping(t.shape, t.stride()):
+        fail(name, "a tensor whose elements do not overlap (sorted by stride, each dimension steps at least the "
+                   "span of the dimensions inside it; no stride 0)", f"shape {tuple(t.shape)}, strides {t.stride()}")
+    _check_disjoint(name, t, others)
+
+
+def _check_disjoint(name: str, t, others) -> None:
+    """``t`` shares no byte with any of the ``others`` ((name, tensor or None) pairs); raises naming ``name``.
+
+    Only pointer 0 can be a meta tensor's, so ``is_meta`` is read only then."""
+    span = _span(t)
+    lo = t.data_ptr()
+    if not span or (not lo and t.is_meta):
+        return
+    hi = lo + span
+    for other_name, o in others:
+        if o is not None and (p := o.data_ptr()) < hi and (p or not o.is_meta):
+            other = _span(o)
+            if other and lo < p + other:
+                fail(name, f"a tensor that shares no byte with {other_name}",
+                     f"bytes [{lo:#x}, {hi:#x}) overlapping {other_name}'s [{p:#x}, {p + other:#x})")
+
+
+def _check_host_kind(first_name: str, first, tensors) -> None:
+    """cpu and meta tensors both report device index -1: off CUDA, tell them apart (the (name, tensor or None)
+    pairs must all be meta or all not, as ``first`` is)."""
+    meta = first.is_meta
+    for name, t in tensors:
+        if t is not None and t.is_meta != meta:
+            fail(name, f"a tensor on {first.device}, the device of {first_name}", t.device)
+
+
 def _is_number(x) -> bool:
     t = type(x)
     return t is float or t is int or (t is not bool and isinstance(x, Real))
@@ -361,22 +436,22 @@ def _check_scalar_args(lower_bound, scale, K: int, use_gate: bool) -> float:
     return float(scale)
 
 
-def _check_gate_params(A_log, dt_bias, H: int, K: int, use_gate: bool, dev: int) -> int:
-    """With the gate in the kernel: A_log fp32 [H] and dt_bias fp32 [H*K] or [H, K] contiguous, both required.
+def _check_gate_params(A_log, dt_bias, H: int, K: int, use_gate: bool, dev: int, heads: str = "H") -> int:
+    """With the gate in the kernel: A_log fp32 [H] required, dt_bias fp32 [H*K] or [H, K] contiguous or None (zeros).
     Without it they are ignored (not read, not checked). Returns dt_bias's pointer for the alignment class (0 when
-    unused)."""
+    unused or absent). ``heads`` names the head count in the messages (the FLA adapter's per-value-head gate: HV)."""
     if not use_gate:
         return 0
     if A_log is None:
-        fail("A_log", f"an fp32 tensor [H] = ({H},) when use_gate_in_kernel=True", None)
-    _check("A_log", A_log, (H,), "[H]", _F32_ONLY, "float32", dev)
+        fail("A_log", f"an fp32 tensor [{heads}] = ({H},) when use_gate_in_kernel=True", None)
+    _check("A_log", A_log, (H,), f"[{heads}]", _F32_ONLY, "float32", dev)
     if dt_bias is None:
-        fail("dt_bias", f"an fp32 tensor [H*K] = ({H * K},) or [H, K] when use_gate_in_kernel=True", None)
+        return 0
     if not isinstance(dt_bias, _Tensor):
         fail("dt_bias", "a torch.Tensor", type(dt_bias).__name__)
     shape = dt_bias.shape
     if shape != (H * K,) and shape != (H, K):
-        fail("dt_bias", f"shape [H*K] = ({H * K},) or [H, K] = ({H}, {K})", tuple(shape))
+        fail("dt_bias", f"shape [{heads}*K] = ({H * K},) or [{heads}, K] = ({H}, {K})", tuple(shape))
     if dt_bias.dtype is not _F32:
         fail("dt_bias", "dtype float32", dt_bias.dtype)
     if dt_bias.get_device() != dev:
@@ -384,6 +459,18 @@ def _check_gate_params(A_log, dt_bias, H: int, K: int, use_gate: bool, dev: int)
     if not dt_bias.is_contiguous():
         fail("dt_bias", "a contiguous tensor", f"strides {dt_bias.stride()}")
     return dt_bias.data_ptr()
+
+
+def validate_gate_params(A_log, dt_bias, lower_bound, heads: int, head_dim: int, *, like,
+                         heads_text: str = "H") -> None:
+    """The in-kernel gate's parameters for ``heads`` heads of ``head_dim`` channels: A_log fp32 [heads], dt_bias
+    fp32 [heads*head_dim] or [heads, head_dim] contiguous or None, on the device of the tensor ``like``, and
+    ``lower_bound`` a finite negative float or None. For callers that index the gate by another head count than the
+    kernels (the FLA adapter: by value head, ``heads_text="HV"``)."""
+    _check_gate_params(A_log, dt_bias, heads, head_dim, True, like.get_device(), heads_text)
+    _check_scalar_args(lower_bound, None, head_dim, True)
+    if like.get_device() < 0:
+        _check_host_kind("q", like, (("A_log", A_log), ("dt_bias", dt_bias)))
 
 
 def _gate_and_scale(use_gate: bool, A_log, dt_bias, lower_bound, scale, H: int, K: int, dev: int):
@@ -394,11 +481,13 @@ def _gate_and_scale(use_gate: bool, A_log, dt_bias, lower_bound, scale, H: int, 
     lb = None  # ignored (and unchecked) with a precomputed gate
     if use_gate:
         if (not isinstance(A_log, _Tensor) or A_log.shape != (H,) or A_log.dtype is not _F32
-                or A_log.get_device() != dev or not isinstance(dt_bias, _Tensor)
-                or ((ds := dt_bias.shape) != (H * K,) and ds != (H, K)) or dt_bias.dtype is not _F32
-                or dt_bias.get_device() != dev or not dt_bias.is_contiguous()):
+                or A_log.get_device() != dev
+                or (dt_bias is not None and (
+                    not isinstance(dt_bias, _Tensor) or ((ds := dt_bias.shape) != (H * K,) and ds != (H, K))
+                    or dt_bias.dtype is not _F32 or dt_bias.get_device() != dev or not dt_bias.is_contiguous()))):
             _check_gate_params(A_log, dt_bias, H, K, True, dev)
-        ptr = dt_bias.data_ptr()
+        if dt_bias is not None:
+            ptr = dt_bias.data_ptr()
         if lower_bound is not None and (type(lower_bound) is not float or not -_INF < lower_bound < 0.0):
             _check_scalar_args(lower_bound, None, K, True)  # raises unless another legal number type
         lb = lower_bound
@@ -432,9 +521,9 @@ _T1_TEXT = "[B, 1, H, K] (H == HV on the T=1 path)"
 
 
 def _t1_tail(B, H, g_dtype, beta_dtype, state_pool, slot_indices, A_log, dt_bias, lower_bound, use_gate_in_kernel,
-             beta_is_logit, scale, output, names, dev, acc, is_packed) -> DecodeT1Call:
-    """Checks shared by the unpacked and packed T=1 entries once the activations gave B, H and their alignment bits
-    ``acc``; then the description, found by its facts."""
+             beta_is_logit, scale, output, names, dev, acc, is_packed, inputs) -> DecodeT1Call:
+    """Checks shared by the unpacked and packed T=1 entries once the activations (``inputs``, (name, tensor) pairs)
+    gave B, H and their alignment bits ``acc``; then the description, found by its facts."""
     if use_gate_in_kernel is not True and use_gate_in_kernel is not False:
         _check_flag("use_gate_in_kernel", use_gate_in_kernel)
     if beta_is_logit is not True and beta_is_logit is not False:
@@ -476,10 +565,18 @@ def _t1_tail(B, H, g_dtype, beta_dtype, state_pool, slot_indices, A_log, dt_bias
                 or output.get_device() != dev or so[3] != 1):
             _act("output", output, (B, 1, H, HEAD_DIM), "[B, 1, H, V]", _BF16_ONLY, "bfloat16", dev)
         acc |= output.data_ptr() | ((so[0] if B > 1 else 0) | (so[2] if H > 1 else 0)) * 2
+    others = inputs + (("state_pool", state_pool), ("slot_indices", slot_indices))
+    if use_gate_in_kernel:
+        others += (("A_log", A_log), ("dt_bias", dt_bias))
+    if dev < 0:
+        _check_host_kind(inputs[0][0], inputs[0][1], others[1:] + (("output", output),))
+    if output is not None:
+        _check_written("output", output, others)
 
     # (use_gate, lower_bound) determine the gate mode and hash faster than the enum (a Python-level __hash__).
+    has_dt_bias = use_gate_in_kernel and dt_bias is not None
     key = ("t1", B, H, N, state_dtype, g_dtype, beta_dtype, use_gate_in_kernel, lb, beta_is_logit, scale, acc & 15,
-           is_packed, output is not None)
+           is_packed, output is not None, has_dt_bias)
     call = _MEMO.get(key)
     if call is None:
         alignment = _pow2_alignment(acc)
@@ -487,7 +584,7 @@ def _t1_tail(B, H, g_dtype, beta_dtype, state_pool, slot_indices, A_log, dt_bias
             B=B, H=H, head_dim=HEAD_DIM, N=N, state_dtype=state_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype,
             gate_mode=gate_mode(use_gate_in_kernel, lower_bound), beta_is_logit=beta_is_logit,
             lower_bound=None if lb is None else float(lb), scale=scale, aligned=alignment >= VECTOR_BYTES,
-            alignment=alignment, packed=is_packed, has_output=output is not None,
+            alignment=alignment, packed=is_packed, has_output=output is not None, has_dt_bias=has_dt_bias,
         ))
     return call
 
@@ -510,14 +607,15 @@ def validate_decode_t1(
     output=None,
     device_kind="cuda",
 ) -> DecodeT1Call:
-    """Validate one T=1 decode call on a state pool (the T=1 kernel's contract, DESIGN §2-§4).
+    """Validate one T=1 decode call on a state pool (the T=1 kernel's contract, docs/design.md §2-§4).
 
     q, k, v, g [B, 1, H, 128] with H == HV in ``T1_HEAD_COUNTS``, beta [B, 1, H]: bf16 (g and beta may be fp32 with
     ``use_gate_in_kernel=False``), last dim contiguous, other strides free. state_pool [N, H, 128, 128] bf16 or fp32,
     K contiguous, inner dims compact, dim-0 stride >= H*128*128 and a multiple of 8. slot_indices int32 [B]
-    contiguous (values are not read: out-of-range slots are inactive rows). A_log fp32 [H] and dt_bias fp32 [H*128]
-    or [H, 128] are required with ``use_gate_in_kernel``; ``lower_bound`` < 0 selects the lower-bound gate, None the
-    softplus gate. ``output`` bf16 [B, 1, H, 128]. ``device_kind``: "cuda" (the kernel) or "any" (the oracle).
+    contiguous (values are not read: out-of-range slots are inactive rows). A_log fp32 [H] is required with
+    ``use_gate_in_kernel``, dt_bias fp32 [H*128] or [H, 128] is optional (None: zeros); ``lower_bound`` < 0 selects
+    the lower-bound gate, None the softplus gate. ``output`` bf16 [B, 1, H, 128], sharing no byte with another
+    argument and none between its own elements. ``device_kind``: "cuda" (the kernel) or "any" (the oracle).
     """
     if not isinstance(q, _Tensor):
         fail("q", "a torch.Tensor", type(q).__name__)
@@ -559,7 +657,8 @@ def validate_decode_t1(
     acc = (q.data_ptr() | k.data_ptr() | v.data_ptr() | g.data_ptr() | bf16_steps * 2
            | g_steps * (4 if g_dtype is _F32 else 2))
     return _t1_tail(B, H, g_dtype, beta_dtype, state_pool, slot_indices, A_log, dt_bias, lower_bound,
-                    use_gate_in_kernel, beta_is_logit, scale, output, ("g", "beta"), dev, acc, False)
+                    use_gate_in_kernel, beta_is_logit, scale, output, ("g", "beta"), dev, acc, False,
+                    (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)))
 
 
 def _packed_rows(name, t, B, row, dev):
@@ -635,7 +734,8 @@ def validate_packed_decode_t1(
     if B > 1:
         acc |= sm[0] * 2 | sr[0] * (4 if g_dtype is _F32 else 2)
     return _t1_tail(B, H, g_dtype, beta_dtype, state_pool, slot_indices, A_log, dt_bias, lower_bound,
-                    use_gate_in_kernel, beta_is_logit, scale, output, ("raw_gate", "raw_beta"), dev, acc, True)
+                    use_gate_in_kernel, beta_is_logit, scale, output, ("raw_gate", "raw_beta"), dev, acc, True,
+                    (("mixed_qkv", mixed_qkv), ("raw_gate", raw_gate), ("raw_beta", raw_beta)))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -669,26 +769,62 @@ _LAUNCH_DEVICE_MIN = 0
 ``benchmarks/profile_t1_host.py --device cpu`` sets -1, to time the host path on CPU tensors."""
 
 
-def _t1_recheck_tail(B, H, state_pool, slot_indices, dt_bias, lower_bound, use_gate_in_kernel, scale, output, acc):
+def _t1_output_range(output, B, H):
+    """(first byte, one past the last, alignment bits) of a T=1 output [B, 1, H, 128] bf16, or None when two of its
+    elements share bytes (rows or heads overlapping, stride 0): the full validator then raises. H > 1 on this path.
+    """
+    so = output.stride()
+    s0, s2 = so[0], so[2]
+    lo = output.data_ptr()
+    if B < 2:
+        if s2 < HEAD_DIM:
+            return None
+        return lo, lo + ((H - 1) * s2 + HEAD_DIM) * 2, lo | s2 * 2
+    if not ((s2 >= HEAD_DIM and s0 >= (H - 1) * s2 + HEAD_DIM) or (s0 >= HEAD_DIM and s2 >= (B - 1) * s0 + HEAD_DIM)):
+        return None
+    return lo, lo + ((B - 1) * s0 + (H - 1) * s2 + HEAD_DIM) * 2, lo | (s0 | s2) * 2
+
+
+def _t1_recheck_tail(B, H, state_pool, slot_indices, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, out,
+                     acc):
     """(b)-rules and key facts shared by the T=1 re-validators after the activations: (N, state dtype, lower bound
     as remembered, scale, alignment bits, has output), or None when a rule the wrapper cannot check is broken (the
-    full validator then raises it)."""
+    full validator then raises it). ``out``: the output's :func:`_t1_output_range`, or None without an output; its
+    range must miss the pool, the slot indices and the gate parameters (the activations are the caller's)."""
     ps = state_pool.shape
     if B < 1 or ps[1] != H:  # B == 0 launches nothing, so no wrapper would check the rest
         return None
-    if ps[0] > 1:
-        pst = state_pool.stride()
-        if pst[0] < H * _HEAD_ELEMS or pst[0] % POOL_ROW_STRIDE_MULTIPLE:
+    N = ps[0]
+    row = H * _HEAD_ELEMS
+    if N > 1:
+        pst0 = state_pool.stride()[0]
+        if pst0 < row or pst0 % POOL_ROW_STRIDE_MULTIPLE:
             return None
     if B > 1 and slot_indices.stride()[0] != 1:
         return None
-    acc |= state_pool.data_ptr()
-    lb = None
-    if use_gate_in_kernel:
-        ds = dt_bias.shape
-        if ds != (H * HEAD_DIM,) and (ds != (H, HEAD_DIM) or not dt_bias.is_contiguous()):
+    state_dtype = state_pool.dtype
+    pp = state_pool.data_ptr()
+    acc |= pp
+    if out is not None:
+        lo, hi, bits = out
+        acc |= bits
+        if (N and pp < hi and lo < pp + ((N - 1) * pst0 + row if N > 1 else row) * (4 if state_dtype is _F32 else 2)
+                or (p := slot_indices.data_ptr()) < hi and lo < p + B * 4):
             return None
-        acc |= dt_bias.data_ptr()
+    lb = None
+    has_dt_bias = False
+    if use_gate_in_kernel:
+        if dt_bias is not None:
+            has_dt_bias = True
+            ds = dt_bias.shape
+            if ds != (H * HEAD_DIM,) and (ds != (H, HEAD_DIM) or not dt_bias.is_contiguous()):
+                return None
+            p = dt_bias.data_ptr()
+            acc |= p
+            if out is not None and p < hi and lo < p + H * HEAD_DIM * 4:
+                return None
+        if out is not None and (p := A_log.data_ptr()) < hi and lo < p + H * 4:
+            return None
         if lower_bound is not None and (type(lower_bound) is not float or not -_INF < lower_bound < 0.0):
             return None
         lb = lower_bound
@@ -696,33 +832,42 @@ def _t1_recheck_tail(B, H, state_pool, slot_indices, dt_bias, lower_bound, use_g
         scale = _DEFAULT_SCALE[HEAD_DIM]
     elif type(scale) is not float or not 0.0 < scale < _INF:
         return None
-    if output is not None:
-        so = output.stride()
-        acc |= output.data_ptr() | ((so[0] if B > 1 else 0) | so[2]) * 2  # H > 1 on the T=1 path
-    return ps[0], state_pool.dtype, lb, scale, acc & 15, output is not None
+    return N, state_dtype, lb, scale, acc & 15, out is not None, has_dt_bias
 
 
-def _t1_activation_bits(q, k, v, g, B, g_dtype):
+def _t1_activation_bits(q, k, v, g, beta, B, H, g_dtype, out):
     """Alignment bits of the T=1 activations q, k, v (bf16) and g: their pointers and the byte strides of the dims
-    a row steps over (batch when B > 1, heads: H > 1 on the T=1 path)."""
+    a row steps over (batch when B > 1, heads: H > 1 on the T=1 path); -1 when one of them, or beta, shares a byte
+    with the output (``out``: its :func:`_t1_output_range`, or None)."""
     sq, sk, sv, sg = q.stride(), k.stride(), v.stride(), g.stride()
+    pq, pk, pv, pg = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr()
+    g_elem = 4 if g_dtype is _F32 else 2
+    if out is not None:
+        lo, hi, _ = out
+        r, h = B - 1, H - 1
+        if (pq < hi and lo < pq + (r * sq[0] + h * sq[2] + HEAD_DIM) * 2
+                or pk < hi and lo < pk + (r * sk[0] + h * sk[2] + HEAD_DIM) * 2
+                or pv < hi and lo < pv + (r * sv[0] + h * sv[2] + HEAD_DIM) * 2
+                or pg < hi and lo < pg + (r * sg[0] + h * sg[2] + HEAD_DIM) * g_elem
+                or (pb := beta.data_ptr()) < hi
+                and lo < pb + (r * (sb := beta.stride())[0] + h * sb[2] + 1) * (4 if beta.dtype is _F32 else 2)):
+            return -1
     bf16_steps = ((sq[0] | sk[0] | sv[0]) if B > 1 else 0) | sq[2] | sk[2] | sv[2]
     g_steps = (sg[0] if B > 1 else 0) | sg[2]
-    return (q.data_ptr() | k.data_ptr() | v.data_ptr() | g.data_ptr() | bf16_steps * 2
-            | g_steps * (4 if g_dtype is _F32 else 2))
+    return pq | pk | pv | pg | bf16_steps * 2 | g_steps * g_elem
 
 
-def _t1_remembered(B, H, g_dtype, beta_dtype, is_packed, state_pool, slot_indices, dt_bias, lower_bound,
-                   use_gate_in_kernel, beta_is_logit, scale, output, acc):
+def _t1_remembered(B, H, g_dtype, beta_dtype, is_packed, state_pool, slot_indices, A_log, dt_bias, lower_bound,
+                   use_gate_in_kernel, beta_is_logit, scale, out, acc):
     """The T=1 validators' remembered description of these facts (their memo key, spelled as ``_t1_tail`` spells
     it), or None: a new key, or a rule of :func:`_t1_recheck_tail` broken."""
-    tail = _t1_recheck_tail(B, H, state_pool, slot_indices, dt_bias, lower_bound, use_gate_in_kernel, scale, output,
-                            acc)
+    tail = _t1_recheck_tail(B, H, state_pool, slot_indices, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale,
+                            out, acc)
     if tail is None:
         return None
-    N, state_dtype, lb, sc, bits, has_output = tail
+    N, state_dtype, lb, sc, bits, has_output, has_dt_bias = tail
     return _MEMO.get(("t1", B, H, N, state_dtype, g_dtype, beta_dtype, use_gate_in_kernel, lb, beta_is_logit, sc, bits,
-                      is_packed, has_output))
+                      is_packed, has_output, has_dt_bias))
 
 
 def revalidate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound, use_gate_in_kernel,
@@ -733,13 +878,16 @@ def revalidate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_b
         if ((use_gate_in_kernel is True or use_gate_in_kernel is False)
                 and (beta_is_logit is True or beta_is_logit is False) and q.get_device() >= _LAUNCH_DEVICE_MIN):
             shape = q.shape
-            B = shape[0]
+            B, H = shape[0], shape[2]
             g_dtype = g.dtype
-            call = _t1_remembered(B, shape[2], g_dtype, beta.dtype, False, state_pool, slot_indices, dt_bias,
-                                  lower_bound, use_gate_in_kernel, beta_is_logit, scale, output,
-                                  _t1_activation_bits(q, k, v, g, B, g_dtype))
-            if call is not None:
-                return call
+            out = None if output is None else _t1_output_range(output, B, H)
+            if output is None or out is not None:
+                acc = _t1_activation_bits(q, k, v, g, beta, B, H, g_dtype, out)
+                if acc >= 0:
+                    call = _t1_remembered(B, H, g_dtype, beta.dtype, False, state_pool, slot_indices, A_log, dt_bias,
+                                          lower_bound, use_gate_in_kernel, beta_is_logit, scale, out, acc)
+                    if call is not None:
+                        return call
     except _REVALIDATE_MISS:
         pass
     return validate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log=A_log, dt_bias=dt_bias,
@@ -761,11 +909,25 @@ def revalidate_packed_decode_t1(mixed_qkv, raw_gate, raw_beta, state_pool, slot_
             sm, sr = mixed_qkv.stride(), raw_gate.stride()
             if shape[1] == 3 * row and raw_gate.shape[1] == row and (B < 2 or (sm[0] >= 3 * row and sr[0] >= row)):
                 g_dtype = raw_gate.dtype
-                acc = mixed_qkv.data_ptr() | raw_gate.data_ptr()
+                pm, pr = mixed_qkv.data_ptr(), raw_gate.data_ptr()
+                acc = pm | pr
                 if B > 1:
                     acc |= sm[0] * 2 | sr[0] * (4 if g_dtype is _F32 else 2)
-                call = _t1_remembered(B, H, g_dtype, raw_beta.dtype, True, state_pool, slot_indices, dt_bias,
-                                      lower_bound, use_gate_in_kernel, beta_is_logit, scale, output, acc)
+                out = None
+                if output is not None:
+                    out = _t1_output_range(output, B, H)
+                    if out is None:
+                        raise KeyError  # overlapping output rows: the full validator says so
+                    lo, hi, _ = out
+                    r = B - 1
+                    if (pm < hi and lo < pm + (r * sm[0] + 3 * row) * 2
+                            or pr < hi and lo < pr + (r * sr[0] + row) * (4 if g_dtype is _F32 else 2)
+                            or (pb := raw_beta.data_ptr()) < hi
+                            and lo < pb + (r * (sb := raw_beta.stride())[0] + (H - 1) * sb[1] + 1)
+                            * (4 if raw_beta.dtype is _F32 else 2)):
+                        raise KeyError
+                call = _t1_remembered(B, H, g_dtype, raw_beta.dtype, True, state_pool, slot_indices, A_log, dt_bias,
+                                      lower_bound, use_gate_in_kernel, beta_is_logit, scale, out, acc)
                 if call is not None:
                     return call
     except _REVALIDATE_MISS:
@@ -842,8 +1004,10 @@ def validate_recurrent(
     if len(vs) != 4 or vs[0] != B or vs[1] != T or vs[3] != K:
         fail("v", f"shape [B, T, HV, V] with B, T, V = {B}, {T}, {K} (V == K)", tuple(vs))
     HV = vs[2]
-    if H < 1 or HV % H:
-        fail("v", f"a value-head count HV (dim 2) divisible by the query-head count H = {H}", HV)
+    if H < 1:
+        fail("q", "a query-head count H (dim 2) >= 1", H)
+    if HV < 1 or HV % H:
+        fail("v", f"a value-head count HV (dim 2) >= 1 and divisible by the query-head count H = {H}", HV)
     sv = v.stride()
     if v.dtype is not act or v.get_device() != dev or sv[3] != 1:
         _act("v", v, vs, "[B, T, HV, V]", (act,), f"{act} (the dtype of q)", dev)
@@ -949,10 +1113,20 @@ def validate_recurrent(
             _act("output", output, vs, "[B, T, HV, V]", _BF16_ONLY, "bfloat16", dev)
         acc |= output.data_ptr() | (((so[0] if B > 1 else 0) | (so[1] if T > 1 else 0)
                                      | (so[2] if HV > 1 else 0)) * 2)
+    others = (("k", k), ("v", v), ("g", g), ("beta", beta), ("cu_seqlens", cu_seqlens),
+              ("ssm_state_indices", ssm_state_indices), ("initial_state", initial_state),
+              ("num_accepted_tokens", num_accepted_tokens))
+    if use_gate_in_kernel:
+        others += (("A_log", A_log), ("dt_bias", dt_bias))
+    if dev < 0:
+        _check_host_kind("q", q, others + (("output", output),))
+    if output is not None:
+        _check_written("output", output, (("q", q),) + others)
     on_cuda = dev >= 0
+    has_dt_bias = use_gate_in_kernel and dt_bias is not None
     key = ("recurrent", mode, B, T, N_seq, H, HV, K, N, varlen, use_gate_in_kernel, lb, beta_is_logit,
            use_qk_l2norm_in_kernel, output_final_state, state_dtype, act, g_dtype, beta_dtype, scale, acc & 15,
-           on_cuda)
+           has_dt_bias, on_cuda)
     call = _MEMO.get(key)
     if call is None:
         alignment = _pow2_alignment(acc)
@@ -966,7 +1140,7 @@ def validate_recurrent(
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, output_final_state=output_final_state,
             state_dtype=state_dtype, act_dtype=act, scale=scale,
             aligned=aligned, alignment=alignment, on_cuda=on_cuda, t1_eligible=reason is None,
-            t1_reason=reason or _T1_OK[aligned],
+            t1_reason=reason or _T1_OK[aligned], has_dt_bias=has_dt_bias,
         ))
     return call
 
@@ -987,13 +1161,16 @@ def revalidate_recurrent_t1(q, k, v, g, beta, A_log, dt_bias, scale, initial_sta
             B, T, H, K = q.shape
             g_dtype = g.dtype
             # The bits as the T=1 path has them (T == 1, H == HV, bf16 q/k/v): only such a description is returned.
-            tail = _t1_recheck_tail(B, H, initial_state, ssm_state_indices, dt_bias, lower_bound, use_gate_in_kernel,
-                                    scale, output, _t1_activation_bits(q, k, v, g, B, g_dtype))
+            out = None if output is None else _t1_output_range(output, B, H)
+            acc = -1 if output is not None and out is None else _t1_activation_bits(q, k, v, g, beta, B, H, g_dtype,
+                                                                                    out)
+            tail = None if acc < 0 else _t1_recheck_tail(B, H, initial_state, ssm_state_indices, A_log, dt_bias,
+                                                         lower_bound, use_gate_in_kernel, scale, out, acc)
             if tail is not None:
-                N, state_dtype, lb, sc, bits, _ = tail
+                N, state_dtype, lb, sc, bits, _, has_dt_bias = tail
                 call = _MEMO.get(("recurrent", "pool", B, T, B, H, H, K, N, False, use_gate_in_kernel, lb,
                                   beta_is_logit, use_qk_l2norm_in_kernel, False, state_dtype, q.dtype, g_dtype,
-                                  beta.dtype, sc, bits, True))
+                                  beta.dtype, sc, bits, has_dt_bias, True))
                 if call is not None and call.t1_eligible:
                     return call
     except _REVALIDATE_MISS + (ValueError,):  # ValueError: q is not 4-D
@@ -1068,10 +1245,11 @@ def validate_ucache(
     output=None,
     device_kind="cuda",
 ) -> UcacheCall:
-    """Validate a ucache verify(+flush) call (DESIGN §5; the signature of ``kda_delta_rule_mtp_ucache_flush``).
+    """Validate a ucache verify(+flush) call (docs/design.md §5; the signature of ``kda_delta_rule_mtp_ucache_flush``).
 
     q, k, v, g [B, T, H, 128] bf16 with T in {4, 8} and H == HV in ``T1_HEAD_COUNTS``; b [B, T, H] bf16 beta
-    logits; A_log fp32 [H]; dt_bias fp32 [H*128] or [H, 128]; lower_bound < 0 (None: the softplus gate).
+    logits; A_log fp32 [H]; dt_bias fp32 [H*128] or [H, 128] or None (zeros); lower_bound < 0 (None: the softplus
+    gate).
     initial_state_source: bf16 pool [N, H, 128, 128] (padded row stride allowed); k_cache, u_cache bf16 and g_cache
     fp32 rings [N, H, 32, 128] (inner dims compact); initial_state_indices, hist_len, cache_base int32 [B]
     contiguous. w_ring: the argument or ``KDA_UCACHE_WRING``, in {16, 32}. flush_min: default
@@ -1109,6 +1287,13 @@ def validate_ucache(
     _index("initial_state_indices", initial_state_indices, B, "[B]", dev)
     _index("hist_len", hist_len, B, "[B]", dev)
     _index("cache_base", cache_base, B, "[B]", dev)
+    # What the step writes (pool, rings, cursors) must not alias anything else it touches; each of these is
+    # compared with the ones before it and named when it is the later one.
+    state = (("initial_state_source", pool), ("initial_state_indices", initial_state_indices),
+             ("k_cache", k_cache), ("u_cache", u_cache), ("g_cache", g_cache), ("hist_len", hist_len),
+             ("cache_base", cache_base))
+    for i in range(1, len(state)):
+        _check_disjoint(state[i][0], state[i][1], state[:i])
     if w_ring is None:
         w_ring = knobs.get("KDA_UCACHE_WRING")
     elif type(w_ring) is not int or w_ring not in UCACHE_WRING:
@@ -1123,8 +1308,12 @@ def validate_ucache(
         rule = "> 16 (w_ring 32)" if w_ring == 32 else ">= 1"
         fail("flush_min", f"{rule} and <= min(w_ring - T + 1, 33 - 2T) = {top} (T={T}, w_ring={w_ring})", flush_min)
     _check_flag("restart_hist_on_flush", restart_hist_on_flush)
+    inputs = (("k", k), ("v", v), ("g", g), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias))
+    if dev < 0:
+        _check_host_kind("q", q, inputs + state + (("output", output),))
     if output is not None:
         acc |= _act("output", output, shape, text, _BF16_ONLY, "bfloat16", dev)
+        _check_written("output", output, (("q", q),) + inputs + state)
     alignment = _pow2_alignment(acc)
     key = ("ucache", B, T, H, N, w_ring, flush_min, lower_bound, scale, restart_hist_on_flush, alignment,
            output is not None)
@@ -1152,10 +1341,19 @@ def debug_checks_enabled() -> bool:
 
 
 def debug_check_slots(slot_indices: torch.Tensor, N: int, *, argument: str = "slot_indices") -> None:
-    """Raise when two active entries (in [0, N)) of ``slot_indices`` (1-D or 2-D) name the same pool slot.
+    """Raise when two active entries (in [0, N)) of ``slot_indices`` name the same pool slot.
 
-    Two rows writing one slot race on the device and corrupt a request's state (DESIGN §4). Reads values: syncs.
+    1-D indices [B] (one slot per row) and 2-D indices [B, T] (spec decode: one checkpoint slot per token) are
+    flattened, so a slot two rows share and a slot one row names for two of its checkpoints both count; entries
+    outside [0, N) are inactive and never count. Two writers of one slot race on the device and corrupt a
+    request's state (docs/design.md §4). Reads values: syncs (run it only where :func:`debug_checks_enabled`).
     """
+    if not isinstance(slot_indices, _Tensor):
+        fail(argument, "a torch.Tensor of slot indices", type(slot_indices).__name__)
+    if slot_indices.dim() not in (1, 2):
+        fail(argument, "1-D [B] or 2-D [B, T] slot indices", tuple(slot_indices.shape))
+    if slot_indices.dtype.is_floating_point or slot_indices.dtype is torch.bool:
+        fail(argument, "an integer tensor of slot indices", slot_indices.dtype)
     flat = slot_indices.reshape(-1).to(torch.int64)
     active = flat[(flat >= 0) & (flat < N)]
     if active.numel() < 2:
@@ -1163,8 +1361,10 @@ def debug_check_slots(slot_indices: torch.Tensor, N: int, *, argument: str = "sl
     uniq, counts = torch.unique(active, return_counts=True)
     dup = uniq[counts > 1]
     if dup.numel():
+        first = int(dup[0])
+        where = (slot_indices == first).nonzero().tolist()
         fail(argument, f"distinct active slots in [0, {N}) (duplicates race on the pool)",
-             f"slots {dup[:8].tolist()} more than once")
+             f"slots {dup[:8].tolist()} more than once (slot {first} at {where[:4]})")
 
 
 def debug_check_ucache_cursors(

@@ -2,10 +2,11 @@
 
 ``recurrent_kda`` routes each call to the fastest kda-cute kernel that accepts it, or to the kda-core oracle when
 kda-cute is not installed (slow, with a one-time warning); ``explain`` says which path a call would take.
-``kda_delta_rule_mtp_ucache_flush`` and its companions are the speculative-decode replay-cache API (DESIGN §5).
+``kda_delta_rule_mtp_ucache_flush`` and its companions are the speculative-decode replay-cache API (docs/design.md §5).
 ``python -m kda_recurrent.demo`` is the README's main job.
 """
 
+from kda_recurrent import ops as _ops  # noqa: F401 (registers the kda::recurrent_kda op the facade traces)
 from kda_recurrent.facade import explain, recurrent_kda
 from kda_recurrent.ucache import allocate_cursors, allocate_ucache, commit_ucache, kda_delta_rule_mtp_ucache_flush
 

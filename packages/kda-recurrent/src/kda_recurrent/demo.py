@@ -3,7 +3,7 @@
 A serving engine calls the facade once per layer per step; this loop does the same for one layer: the states live
 in a pool [N, HV, V, K] larger than the batch, each request owns a slot (``--spec-t T`` > 1: a row of T slots, one
 checkpoint per draft token, the first state read from the slot of the last accepted token), and padding rows carry
-slot -1 or N (past the end), which DESIGN §4 makes inactive (zero output, pool untouched).
+slot -1 or N (past the end), which docs/design.md §4 makes inactive (zero output, pool untouched).
 
 Each step prints (or advances a progress bar with) its wall time in microseconds; at the end the demo reports the
 path the facade took (``kda_recurrent.explain``), the median step time, the largest difference from the kda-core
@@ -27,7 +27,7 @@ from kda_core.oracle import recurrent_kda_ref
 from kda_recurrent.facade import explain, recurrent_kda
 
 K3_LOWER_BOUND = -5.0
-"""Kimi K3's gate: g_log = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) (DESIGN §3, lower-bound form)."""
+"""Kimi K3's gate: g_log = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) (docs/design.md §3, lower-bound form)."""
 STATE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MAX_ERR = 5e-2
 """Largest tolerated |facade - oracle| over outputs and pool: a few bf16 roundings of O(1) values."""
@@ -192,7 +192,7 @@ def run_demo(
 
 
 def check_bounds_policy(run: DemoRun) -> list[str]:
-    """DESIGN §4 on this run: padding rows output zeros, pool rows no request owns are bitwise unchanged."""
+    """docs/design.md §4 on this run: padding rows output zeros, pool rows no request owns are bitwise unchanged."""
     problems = []
     pool_size = run.pool.shape[0]
     slots = run.slots if run.slots.dim() == 2 else run.slots[:, None]
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default="bf16", help="pool dtype")
     parser.add_argument("--spec-t", type=int, default=1,
                         help="tokens per request per step: 1 = plain decode; T > 1 = spec decode verification with "
-                        "one checkpoint slot per token (DESIGN §5); default 1")
+                        "one checkpoint slot per token (docs/design.md §5); default 1")
     parser.add_argument("--pool-size", type=int, default=None, help="slots in the pool; default 2 * batch * spec-t")
     parser.add_argument("--padding", type=int, default=None, help="padding rows (slot -1 or N); default batch // 4")
     parser.add_argument("--device", default=None, help="cuda or cpu; default cuda when available")

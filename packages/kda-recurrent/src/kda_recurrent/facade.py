@@ -19,8 +19,12 @@ before launch) and the T=1 kernel's launch-on-a-validated-call entry (``decode_t
 call, and a call the wrapper rejects, takes the full path: one validation (the description is remembered by its
 facts), the routing rules on it, and the chosen entry. Kernel modules are imported once (on the first CUDA
 call) and cached here; nothing is allocated when ``output`` is given.
-Under ``torch.compile`` the call goes through the ``kda::recurrent_kda`` custom op (:mod:`kda_recurrent.ops`),
-whose body is this same eager path.
+Under ``torch.compile`` the call goes through the ``kda::recurrent_kda`` custom op, which :mod:`kda_recurrent.ops`
+registers with this module's eager path as its body (imports point one way: ops imports this module; the op is
+reached here through ``torch.ops`` once the package has imported ops).
+
+With ``KDA_DEBUG_VALIDATE=1`` (and no CUDA graph being captured) every call, the T=1 hot path included, takes the
+full path and checks for duplicate active slots (``kda_core.validation.debug_check_slots``), which synchronises.
 """
 
 from __future__ import annotations
@@ -32,8 +36,15 @@ from typing import NamedTuple
 import torch
 
 from kda_core import knobs
+from kda_core.errors import fail
 from kda_core.oracle import recurrent_kda_ref
-from kda_core.validation import WRAPPER_REJECTED, revalidate_recurrent_t1, validate_recurrent
+from kda_core.validation import (
+    WRAPPER_REJECTED,
+    debug_check_slots,
+    debug_checks_enabled,
+    revalidate_recurrent_t1,
+    validate_recurrent,
+)
 
 __all__ = ["recurrent_kda", "explain", "Path", "Route"]
 
@@ -138,6 +149,18 @@ def _warn_oracle_once(reason: str) -> None:
                       RuntimeWarning, stacklevel=4)
 
 
+_zero_dt_biases: dict = {}  # (H*K, device) -> zeros: dt_bias absent, as the T=1 kernel's entry takes it
+
+
+def _zero_dt_bias(q):
+    """fp32 zeros [H*K] on q's device (cached): an absent dt_bias for the T=1 kernel, which always adds one."""
+    key = (q.shape[2] * q.shape[3], q.device)
+    t = _zero_dt_biases.get(key)
+    if t is None:
+        t = _zero_dt_biases[key] = torch.zeros(key[0], dtype=torch.float32, device=q.device)
+    return t
+
+
 # kda-core's validator takes the facade's arguments in the facade's order, so it is called positionally and without
 # a wrapper frame (a keyword call through a wrapper cost ~0.4 us). Tests replace this module attribute.
 _validate = validate_recurrent
@@ -179,7 +202,8 @@ def recurrent_kda(
             log-space decay itself (``use_gate_in_kernel=False``, the default).
         beta: [B, T, HV] bf16 or fp32: a logit (``beta_is_logit=True``) or already sigmoided.
         A_log: [H] fp32, per query head; needed when ``use_gate_in_kernel``.
-        dt_bias: [H*K] (or [H, K]) fp32, per query-head channel, optional; used when ``use_gate_in_kernel``.
+        dt_bias: [H*K] (or [H, K]) fp32, per query-head channel, optional (None: zeros); used when
+            ``use_gate_in_kernel``.
         scale: query scale; default K ** -0.5.
         initial_state: with ``ssm_state_indices``, the state POOL [N, HV, V, K] (bf16 or fp32, K contiguous,
             dim-0 stride may be padded to a multiple of 8 elements), updated in place. Without indices, dense
@@ -195,11 +219,12 @@ def recurrent_kda(
             along T. Zero-length sequences are allowed.
         ssm_state_indices: [N_seq] int32 slot of each sequence (read, then the final state written back), or
             [N_seq, T] int32 for speculative decode: the first state is read from slot
-            ``idx[n, clamp(num_accepted_tokens[n] - 1, 0, T - 1)]`` and the state after token t is written to
+            ``idx[n, max(min(num_accepted_tokens[n], T), 1) - 1]`` and the state after token t is written to
             slot ``idx[n, t]``. A slot outside [0, N) makes its sequence (1-D) or token (2-D) inactive: zero
             output, the pool is neither read nor written for it, and a skipped token is not absorbed.
         num_accepted_tokens: [N_seq] int32 accepted draft count per sequence (2-D indices only).
-        output: [B, T, HV, V] bf16 buffer to write into (no allocation then).
+        output: [B, T, HV, V] bf16 buffer to write into (no allocation then); it shares no byte with another
+            argument, and no two of its elements share bytes.
 
     Returns:
         ``(o, final_state)``: o [B, T, HV, V] bf16 (``output`` when given). final_state is the pool itself with
@@ -230,7 +255,7 @@ def recurrent_kda(
         (torch.Size([4, 1, 12, 128]), True, True)
     """
     if torch.compiler.is_compiling():
-        return _ops.recurrent_kda_traced(
+        return _traced(
             q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
             use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens,
             output,
@@ -248,22 +273,29 @@ def _run_eager(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_fi
     Hot path first: a T=1 call whose facts kda-core has described before is re-validated from the facts the T=1
     kernel's compiled wrapper cannot check (``revalidate_recurrent_t1``; the wrapper checks the rest before launch)
     and launched. When the wrapper rejects an argument nothing has run, and the full path below validates (raising
-    the KDAError that names it) and routes the call.
+    the KDAError that names it) and routes the call. With ``KDA_DEBUG_VALIDATE`` on, every call takes the full path,
+    which checks the slots for duplicates.
     """
     call = _revalidate(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                        use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
                        ssm_state_indices, num_accepted_tokens, output)
-    if call is not None and knobs.get("KDA_T1_FAST_PATH") and (t1 := _t1()) is not None:
+    if (call is not None and knobs.get("KDA_T1_FAST_PATH") and (t1 := _t1()) is not None
+            and not knobs.get("KDA_DEBUG_VALIDATE")):
         try:
-            return (t1(call, q, k, v, g, beta, initial_state, ssm_state_indices, A_log, dt_bias,
+            return (t1(call, q, k, v, g, beta, initial_state, ssm_state_indices, A_log,
+                       dt_bias if dt_bias is not None or not use_gate_in_kernel else _zero_dt_bias(q),
                        use_qk_l2norm_in_kernel, output), initial_state)
         except WRAPPER_REJECTED:  # the T=1 wrapper refused an argument before launch
             pass
     call = _validate(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                      use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
                      ssm_state_indices, num_accepted_tokens, output)
+    if call.mode != "dense" and debug_checks_enabled():
+        debug_check_slots(ssm_state_indices, call.N, argument="ssm_state_indices")
     path = _route(call)
     if path is Path.T1:
+        if dt_bias is None and use_gate_in_kernel:
+            dt_bias = _zero_dt_bias(q)
         return (_t1_kernel(call, q, k, v, g, beta, initial_state, ssm_state_indices, A_log, dt_bias,
                            use_qk_l2norm_in_kernel, output), initial_state)
     if path is Path.GENERIC:
@@ -276,6 +308,8 @@ def _run_eager(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_fi
         )
     if call.on_cuda:
         _warn_oracle_once(_reason(path, call, q))
+    elif q.is_meta:
+        fail("q", "tensors with data, on the CPU or a CUDA device (meta tensors describe shapes only)", q.device)
     o, final_state = recurrent_kda_ref(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -283,9 +317,29 @@ def _run_eager(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_fi
         cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
     )
     if output is not None:
-        output.copy_(o)
+        with torch.no_grad():  # the kernels write an output that requires grad as well
+            output.copy_(o)
         o = output
     return o, final_state
+
+
+_OUTPUT_DTYPE = torch.bfloat16
+
+
+def _traced(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+            output):
+    """The facade as a graph: allocate ``output`` when missing, call the ``kda::recurrent_kda`` op (registered by
+    :mod:`kda_recurrent.ops`), return what the facade returns (the op cannot return an alias of its input)."""
+    if output is None:
+        output = v.new_empty(v.shape, dtype=_OUTPUT_DTYPE)
+    final_state = torch.ops.kda.recurrent_kda(
+        q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+        use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens, output,
+    )
+    if ssm_state_indices is not None:
+        return output, initial_state
+    return output, (final_state if output_final_state else None)
 
 
 def explain(
@@ -321,7 +375,3 @@ def explain(
                      ssm_state_indices, num_accepted_tokens, output)
     path = _route(call)
     return Route(path, _reason(path, call, q))
-
-
-# Last: ops registers the kda::recurrent_kda custom op, whose body is _run_eager above.
-from kda_recurrent import ops as _ops  # noqa: E402

@@ -4,13 +4,15 @@
 path (validation, routing, kernel) as one opaque node. It declares what it writes: ``output`` always, and
 ``initial_state`` (the pool, written in place when ``ssm_state_indices`` is given). Its return value is the
 dense final state (fp32 [N_seq, HV, V, K]) when one is asked for, else an empty tensor: a custom op cannot return
-an alias of its input, so :func:`recurrent_kda_traced` hands the pool back itself.
+an alias of its input, so the facade's traced call hands the pool back itself.
 
 Routing inside the op happens when the compiled graph runs, not when it is traced, so ``KDA_T1_FAST_PATH`` keeps
 working on a compiled model, and the op body is what a CUDA graph captures: kernel launches on the current stream,
 no host synchronisation. The fake implementation only computes shapes, so tracing never touches the kernels.
 
-The facade calls this module only while ``torch.compiler.is_compiling()``; eager calls skip the dispatcher.
+Imports point one way: this module imports the facade (for the body); the facade reaches the op through
+``torch.ops.kda.recurrent_kda`` while ``torch.compiler.is_compiling()``, once the package has imported this module
+(``kda_recurrent/__init__.py`` does). Eager calls skip the dispatcher.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from kda_recurrent import facade as _facade
 
 __all__ = ["recurrent_kda_traced"]
 
-_OUTPUT_DTYPE = torch.bfloat16
 _FINAL_STATE_DTYPE = torch.float32
 
 
@@ -67,16 +68,5 @@ def _recurrent_kda_fake(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, 
     return q.new_empty((0,), dtype=_FINAL_STATE_DTYPE)
 
 
-def recurrent_kda_traced(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
-                         use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
-                         ssm_state_indices, num_accepted_tokens, output):
-    """The facade as a graph: allocate ``output`` when missing, call the op, return what the facade returns."""
-    if output is None:
-        output = v.new_empty(v.shape, dtype=_OUTPUT_DTYPE)
-    final_state = torch.ops.kda.recurrent_kda(
-        q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-        use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens, output,
-    )
-    if ssm_state_indices is not None:
-        return output, initial_state
-    return output, (final_state if output_final_state else None)
+# The facade builds its traced call on the op (kda_recurrent.facade._traced); re-exported under its old name.
+recurrent_kda_traced = _facade._traced

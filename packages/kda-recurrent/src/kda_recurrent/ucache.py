@@ -1,4 +1,4 @@
-"""The ReplaySSM "ucache" API of KDA speculative decode (DESIGN §5, issue 5).
+"""The ReplaySSM "ucache" API of KDA speculative decode (docs/design.md §5).
 
 Per request the serving engine keeps one checkpoint state in the pool plus, per head, three 32-slot rings of
 per-token ingredients (k^, u, cumulative log-decay G) and two int32 cursors (``cache_base``, ``hist_len``). Each
@@ -67,7 +67,7 @@ def _kernel_module():
 def kda_delta_rule_mtp_ucache_flush(
     A_log: torch.Tensor,
     g: torch.Tensor,
-    dt_bias: torch.Tensor,
+    dt_bias: torch.Tensor | None,
     lower_bound: float | None = -5.0,
     *,
     q: torch.Tensor,
@@ -90,7 +90,7 @@ def kda_delta_rule_mtp_ucache_flush(
     """One verify(+flush) step of T draft tokens per request; returns the draft outputs [B, T, H, 128] bf16.
 
     Args:
-        A_log: [H] fp32, per head. dt_bias: [H*128] (or [H, 128]) fp32.
+        A_log: [H] fp32, per head. dt_bias: [H*128] (or [H, 128]) fp32, or None (zeros).
         g: [B, T, H, 128] bf16 raw gate. lower_bound: < 0, the Kimi K3 gate ``lb * sigmoid(exp(A_log) * (g +
             dt_bias))``; ``None`` is Kimi-Linear's ``-exp(A_log) * softplus(g + dt_bias)``.
         q, k, v: [B, T, H, 128] bf16 (last dim contiguous; other strides free), T in {4, 8}, H in 8..96.
@@ -141,6 +141,8 @@ def kda_delta_rule_mtp_ucache_flush(
         )
     kernels = _kernel_module() if on_cuda else None
     if kernels is None:
+        if q.is_meta:
+            fail("q", "tensors with data, on the CPU or a CUDA device (meta tensors describe shapes only)", q.device)
         out = ucache_verify_flush_ref(
             A_log, g, dt_bias, lower_bound, q=q, k=k, v=v, b=b, initial_state_source=initial_state_source,
             initial_state_indices=initial_state_indices, k_cache=k_cache, u_cache=u_cache, g_cache=g_cache,
@@ -149,14 +151,18 @@ def kda_delta_rule_mtp_ucache_flush(
         )  # fmt: skip
         if output is None:
             return out
-        output.copy_(out)
+        with torch.no_grad():  # the kernel writes an output that requires grad as well
+            output.copy_(out)
         return output
     if output is None:
         output = torch.empty(call.B, call.T, call.H, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
     A_log32 = A_log if A_log.dtype == torch.float32 and A_log.is_contiguous() else A_log.float().contiguous()
-    dt_bias32 = dt_bias.reshape(-1)
-    if dt_bias32.dtype != torch.float32 or not dt_bias32.is_contiguous():
-        dt_bias32 = dt_bias32.float().contiguous()
+    if dt_bias is None:  # zeros: the kernel always adds dt_bias
+        dt_bias32 = torch.zeros(call.H * HEAD_DIM, dtype=torch.float32, device=q.device)
+    else:
+        dt_bias32 = dt_bias.reshape(-1)
+        if dt_bias32.dtype != torch.float32 or not dt_bias32.is_contiguous():
+            dt_bias32 = dt_bias32.float().contiguous()
     kernels.ucache_verify_flush(
         A_log32, g, dt_bias32, call.lower_bound, q, k, v, b, initial_state_source, initial_state_indices,
         k_cache, u_cache, g_cache, hist_len, cache_base, call.flush_min, call.w_ring, call.scale, output,
@@ -199,7 +205,7 @@ def commit_ucache(
     num_accepted_tokens: torch.Tensor,
     flush_min: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The caller's commit after sampling, in place (DESIGN §5); returns (hist_len, cache_base).
+    """The caller's commit after sampling, in place (docs/design.md §5); returns (hist_len, cache_base).
 
     ``flush_min=None``: the step ran with ``restart_hist_on_flush=True`` (flushed rows already restarted), so
     every row does hist_len += accepted. Otherwise rows with hist_len >= flush_min flushed in that step:

@@ -11,6 +11,7 @@ import torch
 
 from kda_core.errors import fail
 from kda_core.oracle import kda_gate_ref
+from kda_core.validation import validate_gate_params, validate_recurrent
 from kda_recurrent.facade import recurrent_kda
 
 __all__ = ["fused_recurrent_kda_fwd"]
@@ -60,9 +61,9 @@ def fused_recurrent_kda_fwd(
     """FLA 0.6.0's ``fused_recurrent_kda_fwd`` (same arguments, same defaults, same return) on kda's kernels.
 
     Shapes (FLA's names): q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV];
-    A_log [HV] and dt_bias [HV*K] fp32 (FLA indexes the gate parameters by VALUE head); ``initial_state`` is the
-    V-first pool [N, HV, V, K] with ``ssm_state_indices`` ([N_seq] or [N_seq, T] int32), else dense
-    [N_seq, HV, V, K]; ``out`` [B, T, HV, V] bf16. Returns ``(out, final_state)``.
+    A_log [HV] and dt_bias [HV*K] fp32 or None (zeros; FLA indexes the gate parameters by VALUE head);
+    ``initial_state`` is the V-first pool [N, HV, V, K] with ``ssm_state_indices`` ([N_seq] or [N_seq, T] int32),
+    else dense [N_seq, HV, V, K]; ``out`` [B, T, HV, V] bf16. Returns ``(out, final_state)``.
 
     Argument mapping: ``use_beta_sigmoid_in_kernel`` is kda's ``beta_is_logit``; ``out`` is ``output``.
 
@@ -75,10 +76,10 @@ def fused_recurrent_kda_fwd(
 
     Where kda differs from FLA (deliberately; the results of well-formed calls are the same):
       - **Bounds.** FLA reads and writes ``initial_state[idx]`` without checking ``idx``: a padding slot (-1) or a
-        slot past the pool reads or corrupts foreign memory. kda makes such a row inactive (DESIGN §4): zero
+        slot past the pool reads or corrupts foreign memory. kda makes such a row inactive (docs/design.md §4): zero
         output, the pool neither read nor written; in spec decode a token whose slot is invalid is skipped (zero
         output, no write, and the state does not absorb it). FLA reads the first state at
-        ``idx[n, num_accepted_tokens[n] - 1]`` unclamped; kda clamps the column to [0, T - 1].
+        ``idx[n, num_accepted_tokens[n] - 1]`` unclamped; kda reads column ``max(min(nat, T), 1) - 1``.
       - **1-D indices with T > 1.** FLA then writes the state after token t to slot ``idx[n + t]`` (its 1-D mode
         assumes one token per sequence); kda reads and writes ``idx[n]`` once, after the last token.
       - **Validation.** Malformed calls raise :class:`kda_core.errors.KDAError` before anything runs (FLA asserts
@@ -114,21 +115,33 @@ def fused_recurrent_kda_fwd(
     if inplace_final_state and initial_state is None:
         fail("initial_state", "a state tensor when inplace_final_state=True (FLA asserts the same)", None)
 
-    if use_gate_in_kernel:
+    if use_gate_in_kernel and isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and v.dim() == 4:
         H, HV = q.shape[2], v.shape[2]
         if A_log is None:
             A_log = _cached("full", HV, q.device, _A_LOG_STANDING_IN_FOR_NONE[lower_bound is not None])
         if HV != H:
             # Per-value-head gate parameters: compute the decay here (kda_gate_ref infers the head count from
             # A_log, so [HV] parameters map one-to-one onto value heads) and hand the kernel a precomputed gate.
+            # Everything is validated first, so a malformed call raises its KDAError before any tensor code runs:
+            # the call as the kernel will take it, then FLA's per-value-head parameters and the gate's scalar.
+            validate_recurrent(q, k, v, g, beta, None, None, scale, initial_state,
+                               output_final_state and ssm_state_indices is None, use_qk_l2norm_in_kernel, False, None,
+                               use_beta_sigmoid_in_kernel, cu_seqlens, ssm_state_indices, num_accepted_tokens, out)
+            validate_gate_params(A_log, dt_bias, lower_bound, HV, q.shape[3], like=q, heads_text="HV")
             g = kda_gate_ref(g, A_log, dt_bias, lower_bound, use_gate_in_kernel=True)
             A_log = dt_bias = lower_bound = None
             use_gate_in_kernel = False
 
     indices = ssm_state_indices
     if indices is None and inplace_final_state:
-        # FLA stores the final state over initial_state: the same thing as a pool whose slot n is sequence n.
+        # FLA stores the final state over initial_state: the same thing as a pool whose slot n is sequence n. The
+        # dense contract still holds: one row per sequence (a shorter state would leave sequences without a row).
         n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        rows = initial_state.shape[0] if isinstance(initial_state, torch.Tensor) and initial_state.dim() else None
+        if rows != n_seq:
+            fail("initial_state", f"one row per sequence ([N_seq, HV, V, K], N_seq = {n_seq}) when it is updated "
+                 "in place without ssm_state_indices", tuple(initial_state.shape)
+                 if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__)
         indices = _cached("arange", n_seq, q.device, None)
 
     o, final_state = recurrent_kda(
