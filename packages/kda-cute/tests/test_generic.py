@@ -57,8 +57,9 @@ def make_pool(N, HV, K=128, dtype=torch.bfloat16, *, seed=1, row_pad=0):
     return storage.as_strided((N, HV, K, K), (HV * K * K + row_pad, K * K, K, 1))
 
 
-def run_both(inputs, **state_kw):
-    """(kernel (o, final), oracle (o, final)); pools are cloned so that each side updates its own copy."""
+def run_both(inputs, config=None, **state_kw):
+    """(kernel (o, final), oracle (o, final)); pools are cloned so that each side updates its own copy.
+    ``config``: the kernel's schedule (None: its schedule policy's)."""
     from kda_core.oracle import recurrent_kda_ref
     from kda_cute.generic import kda_recurrent_fwd
 
@@ -70,7 +71,7 @@ def run_both(inputs, **state_kw):
         return kw
 
     ref = recurrent_kda_ref(**inputs, **args(clone=True))
-    out = kda_recurrent_fwd(**inputs, **args(clone=False))
+    out = kda_recurrent_fwd(**inputs, **args(clone=False), config=config)
     torch.cuda.synchronize()
     return out, ref
 
@@ -183,18 +184,17 @@ def test_batch_sizes_across_the_schedule_table_match_oracle(B):
 
 
 @pytest.mark.parametrize("K, tile_v", [(128, t) for t in (8, 16, 32, 64)] + [(64, t) for t in (16, 32, 64)])
-def test_every_tile_matches_oracle_in_spec_decode(K, tile_v, monkeypatch):
+def test_every_tile_matches_oracle_in_spec_decode(K, tile_v):
     from kda_cute import generic
 
     assert tile_v in generic.tile_v_choices(K)
-    monkeypatch.setattr(generic, "select_config", lambda n_states, head_dim: generic.RecurrentConfig(tile_v))
     B, T, H, N = 3, 4, 4, 16
     inputs = make_inputs(B, T, H, K=K, seed=tile_v + K)
     pool = make_pool(N, H, K=K)
     slots = torch.randperm(N, generator=_gen(tile_v), device=DEV)[: B * T].view(B, T).to(torch.int32)
     accepted = torch.tensor([2, 4, 1], dtype=torch.int32, device=DEV)
-    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=slots,
-                                         num_accepted_tokens=accepted)
+    (o, _), (ref_o, ref_pool) = run_both(inputs, generic.GenericConfig(tile_v), initial_state=pool,
+                                         ssm_state_indices=slots, num_accepted_tokens=accepted)
     assert_output_close(o, ref_o)
     assert_state_close(pool, ref_pool)
 

@@ -129,6 +129,40 @@ def test_schedule_picks_a_legal_tile_that_grows_with_the_call(K):
     assert dataclasses.is_dataclass(R.select_config(1, K))
 
 
+def test_schedule_policy_returns_frozen_configs_of_its_table():
+    cfg = R.select_config(1, 128)
+    assert isinstance(cfg, R.GenericConfig) and cfg == R.GenericConfig(16)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.tile_v = 64
+    assert R.select_config(1 << 20, 64) == R.GenericConfig(64)
+
+
+@pytest.mark.parametrize("config", [R.GenericConfig(16), R.GenericConfig(64)], ids=["tile16", "tile64"])
+def test_a_given_config_decides_the_variant(config, monkeypatch):
+    calls = _spy_launches(monkeypatch)
+    q, v = torch.randn(1, 2, 2, 128).bfloat16(), torch.randn(1, 2, 2, 128).bfloat16()
+    R.kda_recurrent_fwd(q, q, v, v, torch.randn(1, 2, 2).bfloat16(), config=config)
+    R.kda_recurrent_fwd(q, q, v, v, torch.randn(1, 2, 2).bfloat16())  # the policy: tile 16 for 2 states
+    dense_precomputed = dict(
+        head_dim=128, act_dtype=torch.bfloat16, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
+        state_mode=R.StateMode.DENSE, state_dtype=None, store_final=False, has_num_accepted=False, varlen=False,
+        cu_dtype=None, gate=GateMode.PRECOMPUTED, beta_is_logit=False, use_qk_l2norm=True, has_dt_bias=False,
+        aligned=True)
+    assert [key for key, _ in calls] == [R.variant_key(**dense_precomputed, tile_v=config.tile_v),
+                                         R.variant_key(**dense_precomputed, tile_v=16)]
+
+
+@pytest.mark.parametrize("config", [R.GenericConfig(128), R.GenericConfig(8), (32,)], ids=["too-big", "k64", "tuple"])
+def test_an_illegal_config_raises_naming_config_before_launch(config, monkeypatch):
+    from kda_core.errors import KDAError
+
+    calls = _spy_launches(monkeypatch)
+    q, v = torch.randn(1, 2, 2, 64).bfloat16(), torch.randn(1, 2, 2, 64).bfloat16()
+    with pytest.raises(KDAError, match="^config: expected a GenericConfig whose tile_v is one of"):
+        R.kda_recurrent_fwd(q, q, v, v, torch.randn(1, 2, 2).bfloat16(), config=config)
+    assert calls == []
+
+
 def test_tile_choices_keep_whole_row_groups_and_at_most_eight_rows_per_thread():
     for K in (128, 64):
         for tile in R.tile_v_choices(K):

@@ -121,15 +121,16 @@ def make_step(B, T, H, *, hist=None, bases=None, n_slots=None, slots=None, w_rin
     return replace(step, **moved)
 
 
-def run_kernel(step: Step, restart=False, output=None, **schedule) -> torch.Tensor:
-    from kda_cute.ucache import ucache_verify_flush
+def run_kernel(step: Step, restart=False, output=None, tile_v=None, min_ctas=0, **kw) -> torch.Tensor:
+    """The kernel on ``step``; ``tile_v`` forces the schedule (``UcacheConfig(tile_v, min_ctas)``)."""
+    from kda_cute.ucache import UcacheConfig, ucache_verify_flush
 
     B, T, H, _ = step.q.shape
     out = output if output is not None else torch.empty(B, T, H, K, dtype=torch.bfloat16, device=step.q.device)
     return ucache_verify_flush(
         step.A_log, step.g, step.dt_bias, step.lower_bound, step.q, step.k, step.v, step.b, step.pool, step.slots,
         step.k_cache, step.u_cache, step.g_cache, step.hist_len, step.cache_base, step.flush_min, step.w_ring,
-        K**-0.5, out, restart_hist_on_flush=restart, **schedule,
+        K**-0.5, out, restart_hist_on_flush=restart, config=UcacheConfig(tile_v, min_ctas) if tile_v else None, **kw,
     )  # fmt: skip
 
 
@@ -336,9 +337,6 @@ def test_batch_64_random_is_deterministic():
         assert torch.equal(getattr(first, name).nan_to_num(), getattr(second, name).nan_to_num())
 
 
-# The four_ctas layout (UcacheVerifyFlush, the launcher's default) against the layout without it (four_ctas=False): a
-# schedule and shared-memory layout change with the same operations in the same order, so they must agree bit for bit
-# (and with the oracle).
 def assert_bitwise_equal(mine: Step, out: torch.Tensor, other: Step, out_other: torch.Tensor) -> None:
     """Two kernel builds on copies of one step: the same output, pool and rings, bit for bit (stale NaN rows too)."""
     assert torch.equal(out, out_other)
@@ -347,7 +345,7 @@ def assert_bitwise_equal(mine: Step, out: torch.Tensor, other: Step, out_other: 
         assert torch.equal(getattr(mine, ring).nan_to_num(), getattr(other, ring).nan_to_num()), ring
 
 
-FOUR_CTAS_STEPS = {
+STEPS = {
     "empty-T4": lambda: make_step(8, 4, 12, hist=0, seed=1),
     "full-flush-T8-wrapped": lambda: make_step(8, 8, 12, hist=default_flush_min(8, 16), bases=29, seed=2),
     "full-flush-T4": lambda: make_step(8, 4, 12, hist=default_flush_min(4, 16), seed=2),
@@ -364,34 +362,21 @@ FOUR_CTAS_STEPS = {
 
 
 @pytest.mark.parametrize("tile_v", [64, 128])
-@pytest.mark.parametrize("name", list(FOUR_CTAS_STEPS))
-def test_four_ctas_layout_matches_oracle_and_the_other_layout_bitwise(name, tile_v):
-    step = FOUR_CTAS_STEPS[name]()
-    mine, _, out, _ = check_against_oracle(step, tile_v=tile_v, four_ctas=True)
-    other = step.clone()
-    out_other = run_kernel(other, tile_v=tile_v, four_ctas=False)
-    torch.cuda.synchronize()
-    assert_bitwise_equal(mine, out, other, out_other)
+@pytest.mark.parametrize("name", list(STEPS))
+def test_both_tiles_match_oracle(name, tile_v):
+    check_against_oracle(STEPS[name](), tile_v=tile_v)
 
 
 @pytest.mark.parametrize("name", ["mixed-T8", "full-flush-T8-wrapped", "strong-decay-softplus", "inactive-rows"])
-def test_four_resident_ctas_build_matches_oracle_and_the_small_grid_build_bitwise(name, monkeypatch):
-    # The schedule launches the 64-register build (4 CTAs per SM) from FOUR_CTAS_FROM_STATES (request, head) pairs
-    # (B >= 128 at H=12, the benchmark's large batches); every other test's grid is smaller and runs the 80-register
-    # build, so force the floor here. Same operations in the same order: bitwise equal to the 3-CTA build.
-    from kda_cute import ucache
-
-    step = FOUR_CTAS_STEPS[name]()
+def test_four_resident_ctas_build_matches_oracle_and_the_small_grid_build_bitwise(name):
+    # The schedule launches the 64-register build (4 CTAs per SM) from 1536 (request, head) pairs (B >= 128 at
+    # H=12, the benchmark's large batches); every other test's grid is smaller and runs the 80-register build, so
+    # force the floor here. Same operations in the same order: bitwise equal to the 3-CTA build.
+    step = STEPS[name]()
     small = step.clone()
-    out_small = run_kernel(small, tile_v=128)
-    monkeypatch.setattr(ucache, "_FORCE_MIN_BLOCKS", 4)
-    mine, _, out, _ = check_against_oracle(step, tile_v=128)
+    out_small = run_kernel(small, tile_v=128, min_ctas=3)
+    mine, _, out, _ = check_against_oracle(step, tile_v=128, min_ctas=4)
     assert_bitwise_equal(mine, out, small, out_small)
-
-
-def test_four_ctas_misaligned_pool_matches_oracle():
-    step = make_step(8, 8, 12, n_slots=20, pool_row_pad=1, pool_offset=1, hist=9, seed=19)
-    check_against_oracle(step, aligned=False, four_ctas=True)
 
 
 # Empty batches, malformed cursors, absent dt_bias, launch geometry.

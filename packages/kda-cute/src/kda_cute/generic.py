@@ -49,7 +49,7 @@ from kda_core.validation import debug_check_slots, debug_checks_enabled
 from . import _lane_math, _launch
 
 __all__ = [
-    "RecurrentConfig",
+    "GenericConfig",
     "StateMode",
     "KDARecurrent",
     "kda_recurrent_fwd",
@@ -92,43 +92,36 @@ def tile_v_choices(head_dim: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class RecurrentConfig:
-    """Schedule of one launch: state rows per CTA (the grid is (V / tile_v, HV, N))."""
+class GenericConfig:
+    """Schedule of one launch: ``tile_v`` state rows per CTA (the grid is (V / tile_v, HV, N)); legal tiles are
+    :func:`tile_v_choices`. The schedule policy :func:`select_config` returns one; a sweep passes its own."""
 
     tile_v: int
 
 
-# Schedule table, keyed on the number of (sequence, value head) states of the call. Small calls want many CTAs
-# (each is latency-bound: one load round trip per chunk of tokens); large calls want more rows per thread, so that
-# the shared-memory reads of each token's prepared vectors serve more rows.
-# Measured on the H200, 2026-11-29, with the chunked token loop (benchmarks/sweep_recurrent_tiles.py, spec decode
-# with per-token checkpoints, H=HV=12, bf16 pool, CUDA-graph replay, CUPTI; benchmarks/results/
-# generic_tile_sweep_h200.json), T=8 tile 8/16/32/64 in us: B=1 5.95/5.73/7.49/11.25, B=4 14.9/8.8/10.0/11.5,
-# B=8 22.7/18.3/11.7/15.2, B=16 41.7/28.2/24.0/17.5, B=64 149/108/79/71, B=512 1158/840/626/568; T=4 picks the
-# same tiles. K=64 is not measured (same thresholds, its smallest tile is 16).
+# The schedule policy: (max N*HV states, tile_v for K=128, tile_v for K=64), first row that holds the call. Small
+# calls want many CTAs (each latency-bound: one load round trip per chunk of tokens), large calls more rows per
+# thread (each token's prepared vectors, read from shared memory, then serve more rows); tile 8 never won.
+# Measured on the H200, 2026-11-29, by the spec-decode tile sweep that benchmarks/bench_recurrent_kda.py --parts spec
+# --tile-v 8 16 32 64 now runs (T=4 and 8, H=12, bf16 pool; docs/generic.md has the figures). K=64: not measured.
 _SCHEDULE = (
-    # (max N*HV, tile_v for K=128, tile_v for K=64)
-    (48, 16, 16),
-    (96, 32, 32),
-    (1 << 62, 64, 64),
+    (48, GenericConfig(16), GenericConfig(16)),
+    (96, GenericConfig(32), GenericConfig(32)),
+    (1 << 62, GenericConfig(64), GenericConfig(64)),
 )
 
 
-def select_config(n_states: int, head_dim: int) -> RecurrentConfig:
-    """Pure schedule policy: the tile for ``n_states`` = N_seq * HV (sequence, value head) pairs."""
-    for max_states, tile_128, tile_64 in _SCHEDULE:
+def select_config(n_states: int, head_dim: int) -> GenericConfig:
+    """Pure schedule policy: the config for ``n_states`` = N_seq * HV (sequence, value head) pairs."""
+    for max_states, k128, k64 in _SCHEDULE:
         if n_states <= max_states:
-            return RecurrentConfig(tile_v=tile_128 if head_dim == 128 else tile_64)
+            return k128 if head_dim == 128 else k64
     raise AssertionError("unreachable: the schedule's last row is unbounded")
 
 
 # --------------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------------
-
-# Benchmarks' sweep hook: resident-CTA floor handed to ptxas (caps registers). Not in the compile key: a sweep
-# clears the compile cache between values.
-_FORCE_MIN_BLOCKS = 0
 
 LOAD_STREAM = dict(load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
 STORE_STREAM = dict(store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING)
@@ -237,8 +230,7 @@ class KDARecurrent:
         self.kernel(
             mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mFinal, mSlots, mNumAccepted, mCuSeqlens, mOut, scale,
             lower_bound,
-        ).launch(grid=[self.head_dim // self.tile_v, HV, n_seq], block=[THREADS, 1, 1], stream=stream,
-                 min_blocks_per_mp=_FORCE_MIN_BLOCKS, preferred_smem_carveout=-1 if _FORCE_MIN_BLOCKS else None)
+        ).launch(grid=[self.head_dim // self.tile_v, HV, n_seq], block=[THREADS, 1, 1], stream=stream)
 
     # ---- kernel ---------------------------------------------------------------------------------
 
@@ -560,10 +552,7 @@ def variant_key(
     )
 
 
-_EXTRA_OPTIONS = ""  # compile_variant() sets e.g. "--keep-ptx --dump-dir D" for one compile
-
-
-def _compile(key: tuple, arch: str):
+def _compile(key: tuple, arch: str, extra_options: str = ""):
     (_, K, act_dt, g_dt, beta_dt, state_mode, state_dt, store_final, has_nat, varlen, cu_dt, gate, beta_is_logit,
      l2norm, has_dt_bias, tile_v, aligned) = key
     cdt = _launch.cutlass_dtype
@@ -611,18 +600,14 @@ def _compile(key: tuple, arch: str):
         m_alog, m_dt_bias, m_state, m_final, m_slots, m_nat, m_cu,
         act(torch.bfloat16, HV),
         cutlass.Float32(1.0), cutlass.Float32(-1.0), _launch.fake_stream(),
-        options=_launch.compile_options(arch, _EXTRA_OPTIONS),
+        options=_launch.compile_options(arch, extra_options),
     )
 
 
 def compile_variant(key: tuple, arch: str, extra_options: str = ""):
-    """Compile one variant outside the cache (CI compile checks, PTX dumps)."""
-    global _EXTRA_OPTIONS
-    saved, _EXTRA_OPTIONS = _EXTRA_OPTIONS, extra_options
-    try:
-        return _compile(key, arch)
-    finally:
-        _EXTRA_OPTIONS = saved
+    """Compile one variant outside the cache (CI compile checks, PTX dumps: ``extra_options`` e.g.
+    ``"--keep-ptx --dump-dir D"``)."""
+    return _compile(key, arch, extra_options)
 
 
 def _compact_states(t: torch.Tensor) -> torch.Tensor:
@@ -653,6 +638,7 @@ def kda_recurrent_fwd(
     ssm_state_indices=None,
     num_accepted_tokens=None,
     output=None,
+    config: GenericConfig | None = None,
 ):
     """The KDA recurrence over T tokens per sequence on the GPU; same semantics as
     :func:`kda_core.oracle.recurrent_kda_ref` (its docstring is the spec). Arguments are already validated.
@@ -668,6 +654,7 @@ def kda_recurrent_fwd(
             num_accepted_tokens: [N] int32 (spec decode only).
         cu_seqlens: [N + 1] int32/int64 with B == 1 (varlen); values are read in the kernel.
         output: [B, T, HV, V] bf16 or None (allocated).
+        config: the launch schedule (:class:`GenericConfig`); None takes :func:`select_config`'s for the call.
 
     Returns (o [B, T, HV, V] bf16, final_state): the pool in pool/spec modes, the fp32 dense state
     [N, HV, V, K] when ``output_final_state`` in dense mode, else None.
@@ -685,6 +672,8 @@ def kda_recurrent_fwd(
     HV = v.shape[2]
     if K not in GENERIC_HEAD_DIMS:
         fail("q", f"a head dim K in {GENERIC_HEAD_DIMS}", K)
+    if config is not None and (not isinstance(config, GenericConfig) or config.tile_v not in tile_v_choices(K)):
+        fail("config", f"a GenericConfig whose tile_v is one of {tile_v_choices(K)} for K={K}", config)
     varlen = cu_seqlens is not None
     n_seq = cu_seqlens.shape[0] - 1 if varlen else B
     if n_seq < 0:
@@ -733,7 +722,7 @@ def kda_recurrent_fwd(
         if dt_bias is not None:
             dt_bias = dt_bias.reshape(-1)
     aligned = _launch.alignment_of(q, k, v, g, initial_state, final_state, output, dt_bias) == _launch.VECTOR_BYTES
-    cfg = select_config(n_seq * HV, K)
+    cfg = select_config(n_seq * HV, K) if config is None else config
     key = variant_key(
         head_dim=K, act_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, state_mode=state_mode,
         state_dtype=None if initial_state is None else initial_state.dtype, store_final=final_state is not None,
