@@ -597,3 +597,117 @@ def test_absent_dt_bias_is_zeros(gate):
     torch.cuda.synchronize()
     assert_output_close(o, ref_o)
     assert_state_close(pool, ref_pool)
+
+
+# --------------------------------------------------------------------------------------------------
+# null-slot policies (docs/design.md §4): the oracle knows out_of_range only, so the reference maps every entry that
+# is null under the policy to -1 first (and, under nonpositive, the whole index row of a spec-decode sequence whose
+# num_accepted_tokens lies outside [1, T_idx])
+# --------------------------------------------------------------------------------------------------
+
+
+def reference_indices(indices, N, policy, num_accepted=None):
+    """The indices today's (out_of_range) oracle must see to compute what the kernel computes under ``policy``."""
+    from kda_core.contracts import NullSlotPolicy
+
+    ref = indices.clone().long()
+    first = 1 if policy == NullSlotPolicy.NONPOSITIVE else 0
+    ref[(ref < first) | (ref >= N)] = -1
+    if policy == NullSlotPolicy.NONPOSITIVE and ref.dim() == 2 and num_accepted is not None:
+        nat = num_accepted.long()
+        ref[(nat < 1) | (nat > ref.shape[1])] = -1
+    return ref
+
+
+POLICIES = ["out_of_range", "nonpositive"]
+
+
+def _policy(name):
+    from kda_core.contracts import NullSlotPolicy
+
+    return NullSlotPolicy(name)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_pool_call_under_each_null_policy_matches_oracle(policy, pool_dtype):
+    from kda_core.oracle import recurrent_kda_ref
+    from kda_cute.generic import kda_recurrent_fwd
+
+    policy = _policy(policy)
+    B, T, H, N = 6, 3, 4, 9
+    inputs = make_inputs(B, T, H, seed=90)
+    pool = make_pool(N, H, dtype=pool_dtype)
+    before = pool.clone()
+    slots = torch.tensor([0, 3, -1, N, 5, 8], dtype=torch.int32, device=DEV)
+    ref_o, ref_pool = recurrent_kda_ref(**inputs, initial_state=pool.clone(),
+                                        ssm_state_indices=reference_indices(slots, N, policy))
+    out = torch.full((B, T, H, 128), 7.0, dtype=torch.bfloat16, device=DEV)
+    kda_recurrent_fwd(**inputs, initial_state=pool, ssm_state_indices=slots, output=out, null_policy=policy)
+    torch.cuda.synchronize()
+    assert_output_close(out, ref_o)
+    assert_state_close(pool, ref_pool)
+    null_rows = [0, 2, 3] if policy.value == "nonpositive" else [2, 3]
+    assert torch.count_nonzero(out[null_rows]) == 0
+    # nonpositive: slot 0 bitwise untouched; out_of_range: row 0 owns it and writes it
+    assert torch.equal(pool[0], before[0]) == (policy.value == "nonpositive")
+    untouched = [s for s in range(N) if s not in (0, 3, 5, 8)]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("with_nat", [True, False], ids=["nat", "no-nat"])
+def test_spec_decode_under_each_null_policy_matches_oracle(policy, with_nat):
+    from kda_core.oracle import recurrent_kda_ref
+    from kda_cute.generic import kda_recurrent_fwd
+
+    policy = _policy(policy)
+    B, T, H, N = 7, 4, 4, 40
+    inputs = make_inputs(B, T, H, seed=91)
+    pool = make_pool(N, H)
+    before = pool.clone()
+    slots = (torch.randperm(N - 1, generator=_gen(91), device=DEV)[: B * T] + 1).view(B, T).to(torch.int32)
+    slots[1, 2] = 0  # a write slot 0: a skipped token under nonpositive, a checkpoint under out_of_range
+    if policy.value == "nonpositive":  # (under out_of_range a second 0 would be a duplicate live slot)
+        slots[3, 0] = 0  # the read slot of row 3 (nat 1, or no nat): row 3 is null
+    slots[6, 1] = -1  # null under both
+    accepted = torch.tensor([0, 2, T + 1, 1, T, -3, 3], dtype=torch.int32, device=DEV)  # rows 0, 2, 5: nonpositive null
+    nat = accepted if with_nat else None
+    ref_pool = pool.clone()
+    ref_o, ref_pool = recurrent_kda_ref(**inputs, initial_state=ref_pool,
+                                        ssm_state_indices=reference_indices(slots, N, policy, nat),
+                                        num_accepted_tokens=nat)
+    o, _ = kda_recurrent_fwd(**inputs, initial_state=pool, ssm_state_indices=slots, num_accepted_tokens=nat,
+                             null_policy=policy)
+    torch.cuda.synchronize()
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+    if policy.value == "nonpositive":
+        assert torch.equal(pool[0], before[0])
+        null_rows = [0, 2, 3, 5] if with_nat else [3]
+        assert torch.count_nonzero(o[null_rows]) == 0
+        assert torch.count_nonzero(o[1, 2]) == 0  # the token whose write slot is 0 was skipped
+    else:
+        assert not torch.equal(pool[0], before[0])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_varlen_pool_call_under_each_null_policy_matches_oracle(policy):
+    from kda_core.oracle import recurrent_kda_ref
+    from kda_cute.generic import kda_recurrent_fwd
+
+    policy = _policy(policy)
+    cu = torch.tensor([0, 2, 2, 7, 12], dtype=torch.int32, device=DEV)
+    N = 6
+    inputs = make_inputs(1, 12, 4, 8, seed=92)
+    pool = make_pool(N, 8, row_pad=16)
+    before = pool.clone()
+    slots = torch.tensor([4, 1, 0, 5], dtype=torch.int32, device=DEV)
+    ref_o, ref_pool = recurrent_kda_ref(**inputs, initial_state=pool.clone(), cu_seqlens=cu,
+                                        ssm_state_indices=reference_indices(slots, N, policy))
+    o, _ = kda_recurrent_fwd(**inputs, initial_state=pool, ssm_state_indices=slots, cu_seqlens=cu,
+                             null_policy=policy)
+    torch.cuda.synchronize()
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+    assert torch.equal(pool[0], before[0]) == (policy.value == "nonpositive")

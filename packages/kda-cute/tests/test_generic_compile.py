@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from kda_core.contracts import GateMode
+from kda_core.contracts import GateMode, NullSlotPolicy
 from kda_cute import generic as R
 
 ARCHS = ("sm_90a", "sm_100a")
@@ -23,7 +23,7 @@ BASE = dict(
     head_dim=128, act_dtype=torch.bfloat16, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
     state_mode=R.StateMode.SPEC, state_dtype=torch.bfloat16, store_final=False, has_num_accepted=True,
     varlen=False, cu_dtype=None, gate=GateMode.LOWER_BOUND, beta_is_logit=True, use_qk_l2norm=True,
-    has_dt_bias=True, tile_v=32, aligned=True,
+    has_dt_bias=True, tile_v=32, aligned=True, null_policy=NullSlotPolicy.OUT_OF_RANGE,
 )
 
 STATE_CONFIGS = {
@@ -59,6 +59,12 @@ def _variants():
         "fp32-act-gate-beta": dict(act_dtype=torch.float32, g_dtype=torch.float32, beta_dtype=torch.float32),
         "fp16-act": dict(act_dtype=torch.float16),
         "precomputed-fp32-g": dict(gate=GateMode.PRECOMPUTED, g_dtype=torch.float32, beta_dtype=torch.float32),
+        # the nonpositive null-slot policy (vLLM) in every mode that reads slots
+        "nonpositive-spec-nat": dict(null_policy=NullSlotPolicy.NONPOSITIVE),
+        "nonpositive-spec-nonat-varlen": dict(null_policy=NullSlotPolicy.NONPOSITIVE, has_num_accepted=False,
+                                              varlen=True, cu_dtype=torch.int32),
+        "nonpositive-pool-fp32-unaligned": dict(null_policy=NullSlotPolicy.NONPOSITIVE, state_mode=R.StateMode.POOL,
+                                                state_dtype=torch.float32, aligned=False),
     }
     for name, flag in flags.items():
         out[name] = {**BASE, **flag}
@@ -101,7 +107,7 @@ def test_every_code_generation_parameter_changes_the_cache_key():
         head_dim=64, act_dtype=torch.float32, g_dtype=torch.float32, beta_dtype=torch.float32,
         state_mode=R.StateMode.POOL, state_dtype=torch.float32, has_num_accepted=False, varlen=True,
         gate=GateMode.SOFTPLUS, beta_is_logit=False, use_qk_l2norm=False, has_dt_bias=False, tile_v=16,
-        aligned=False,
+        aligned=False, null_policy=NullSlotPolicy.NONPOSITIVE,
     )
     assert set(changes) | {"store_final", "cu_dtype"} == set(BASE)
     for name, value in changes.items():
@@ -119,6 +125,8 @@ def test_facts_that_cannot_change_the_code_share_one_cache_entry():
     assert R.variant_key(**{**pool, "has_num_accepted": True}) == R.variant_key(**{**pool, "has_num_accepted": False})
     assert R.variant_key(**{**pool, "store_final": True}) == R.variant_key(**{**pool, "store_final": False})
     assert R.variant_key(**{**BASE, "cu_dtype": torch.int64}) == R.variant_key(**BASE)  # not varlen
+    dense = {**BASE, "state_mode": R.StateMode.DENSE}  # no slot to be null
+    assert R.variant_key(**{**dense, "null_policy": NullSlotPolicy.NONPOSITIVE}) == R.variant_key(**dense)
 
 
 @pytest.mark.parametrize("K", [128, 64])
@@ -150,6 +158,25 @@ def test_a_given_config_decides_the_variant(config, monkeypatch):
         aligned=True)
     assert [key for key, _ in calls] == [R.variant_key(**dense_precomputed, tile_v=config.tile_v),
                                          R.variant_key(**dense_precomputed, tile_v=16)]
+
+
+@pytest.mark.parametrize("policy", list(NullSlotPolicy), ids=lambda p: p.value)
+def test_the_null_policy_decides_the_variant(policy, monkeypatch):
+    calls = _spy_launches(monkeypatch)
+    q, v = torch.randn(2, 2, 2, 64).bfloat16(), torch.randn(2, 2, 2, 64).bfloat16()
+    pool = torch.randn(4, 2, 64, 64).bfloat16()
+    R.kda_recurrent_fwd(q, q, v, v, torch.randn(2, 2, 2).bfloat16(), initial_state=pool,
+                        ssm_state_indices=torch.tensor([1, 3], dtype=torch.int32), null_policy=policy)
+    ((key, _),) = calls
+    assert key[-1] is policy
+
+
+def test_a_null_policy_that_is_not_the_enum_raises_naming_it():
+    from kda_core.errors import KDAError
+
+    q, v = torch.randn(1, 2, 2, 64).bfloat16(), torch.randn(1, 2, 2, 64).bfloat16()
+    with pytest.raises(KDAError, match="^null_policy: expected a kda_core.contracts.NullSlotPolicy"):
+        R.kda_recurrent_fwd(q, q, v, v, torch.randn(1, 2, 2).bfloat16(), null_policy="nonpositive")
 
 
 @pytest.mark.parametrize("config", [R.GenericConfig(128), R.GenericConfig(8), (32,)], ids=["too-big", "k64", "tuple"])
@@ -307,4 +334,23 @@ def test_debug_validate_rejects_duplicate_active_slots_before_launch(mode, monke
     assert calls == []
     monkeypatch.setenv("KDA_DEBUG_VALIDATE", "0")  # off: the caller's error reaches the kernel unchecked
     R.kda_recurrent_fwd(q, q, v, v, beta, initial_state=pool, ssm_state_indices=slots)
+    assert len(calls) == 1
+
+
+def test_debug_validate_under_nonpositive_lets_slot_0_repeat(monkeypatch):
+    # vLLM's padding rows all carry slot 0, which nonpositive makes null: not a duplicate of anything.
+    from kda_core.errors import KDAError
+
+    calls = _spy_launches(monkeypatch)
+    B, T, H, K = 3, 2, 2, 64
+    q, v = torch.randn(B, T, H, K).bfloat16(), torch.randn(B, T, H, K).bfloat16()
+    beta = torch.randn(B, T, H).bfloat16()
+    pool = torch.randn(6, H, K, K)
+    slots = torch.tensor([0, 0, 2], dtype=torch.int32)
+    monkeypatch.setenv("KDA_DEBUG_VALIDATE", "1")
+    R.kda_recurrent_fwd(q, q, v, v, beta, initial_state=pool, ssm_state_indices=slots,
+                        null_policy=NullSlotPolicy.NONPOSITIVE)
+    assert len(calls) == 1
+    with pytest.raises(KDAError, match="^ssm_state_indices: expected distinct active slots"):
+        R.kda_recurrent_fwd(q, q, v, v, beta, initial_state=pool, ssm_state_indices=slots)
     assert len(calls) == 1

@@ -451,3 +451,36 @@ def test_a_batch_past_grid_z_matches_oracle_on_both_sides_of_the_split():
     inactive = torch.ones(B, dtype=torch.bool, device="cuda")
     inactive[idx] = False
     assert torch.count_nonzero(out[inactive]) == 0
+
+
+# Null-slot policies (docs/design.md §4). The oracle knows out_of_range only: the reference runs it with every slot
+# that is null under the policy replaced by -1.
+
+
+@pytest.mark.parametrize("policy", ["out_of_range", "nonpositive"])
+@pytest.mark.parametrize("tile_v", [64, 128])
+def test_each_null_policy_matches_oracle_and_nonpositive_never_touches_slot_0(policy, tile_v):
+    from kda_core.contracts import NullSlotPolicy
+
+    policy = NullSlotPolicy(policy)
+    n = 10
+    step = make_step(6, 8, 12, n_slots=n, slots=[0, 3, -1, 9, 5, n], hist=torch.tensor([9, 4, 9, 9, 0, 3]),
+                     seed=44)  # fmt: skip
+    first = 1 if policy == NullSlotPolicy.NONPOSITIVE else 0
+    ref_slots = torch.where((step.slots >= first) & (step.slots < n), step.slots, torch.full_like(step.slots, -1))
+    mine, ref = step.clone(), replace(step.clone(), slots=ref_slots)
+    out = run_kernel(mine, restart=True, tile_v=tile_v, null_policy=policy)
+    expected = run_oracle(ref, restart=True)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), expected, **OUT_TOL)
+    torch.testing.assert_close(mine.pool.float(), ref.pool.float(), **STATE_TOL)
+    for name in ("k_cache", "u_cache"):
+        torch.testing.assert_close(getattr(mine, name).float(), getattr(ref, name).float(), equal_nan=True, **RING_TOL)
+    torch.testing.assert_close(mine.g_cache, ref.g_cache, equal_nan=True, atol=1e-4, rtol=1e-5)
+    assert torch.equal(mine.hist_len, ref.hist_len) and torch.equal(mine.cache_base, ref.cache_base)
+    zero_is_null = policy == NullSlotPolicy.NONPOSITIVE
+    slot0_same = [torch.equal(getattr(mine, name)[0].nan_to_num(), getattr(step, name)[0].nan_to_num())
+                  for name in ("pool", "k_cache", "u_cache", "g_cache")]
+    assert all(slot0_same) if zero_is_null else not any(slot0_same)  # row 0 folds (P = 9) and appends there
+    assert (torch.count_nonzero(out[0]) == 0) == zero_is_null
+    assert (int(mine.hist_len[0]) == 9) == zero_is_null  # the restart skips a null row

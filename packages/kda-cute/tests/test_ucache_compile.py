@@ -213,12 +213,13 @@ def _recording_launcher(monkeypatch):
     launches = []
     monkeypatch.setattr(ucache, "build_ucache_kernel",
                         lambda *a, **kw: (lambda *args: launches.append(("verify", args, kw))))
-    monkeypatch.setattr(ucache, "build_restart_kernel", lambda arch: (lambda *args: launches.append(("restart", args))))
+    monkeypatch.setattr(ucache, "build_restart_kernel",
+                        lambda arch, *a: (lambda *args: launches.append(("restart", args))))
     _launch.clear_cache()
     return launches
 
 
-def _verify_call(B, H=2, T=8, dt_bias=True, restart=True):
+def _verify_call(B, H=2, T=8, dt_bias=True, restart=True, **kw):
     import torch
 
     from kda_cute import ucache
@@ -230,7 +231,7 @@ def _verify_call(B, H=2, T=8, dt_bias=True, restart=True):
     return ucache.ucache_verify_flush(
         torch.zeros(H), row(T, H, 128), torch.zeros(H * 128) if dt_bias else None, -5.0, row(T, H, 128),
         row(T, H, 128), row(T, H, 128), row(T, H), pool, ints, ring, ring, ring, ints, ints, 9, 16, 1.0, output,
-        restart_hist_on_flush=restart,
+        restart_hist_on_flush=restart, **kw,
     )  # fmt: skip
 
 
@@ -296,3 +297,74 @@ def test_more_heads_than_grid_y_holds_raise_naming_q(monkeypatch):
         ucache.ucache_verify_flush(None, None, None, -5.0, q, None, None, None, None, None, None, None, None, None,
                                    None, 9, 16, 1.0, None)  # fmt: skip
     assert launches == []
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("config", [(12, 8, 16, 128, False, True), (96, 4, 32, 64, True, False)],
+                         ids=["T8-w16-tv128", "T4-w32-tv64-unaligned"])  # fmt: skip
+def test_nonpositive_policy_variants_compile(arch, config):
+    from kda_core.contracts import NullSlotPolicy
+    from kda_cute.ucache import build_restart_kernel, build_ucache_kernel
+
+    assert build_ucache_kernel(*config, arch, null_policy=NullSlotPolicy.NONPOSITIVE) is not None
+    assert build_restart_kernel(arch, NullSlotPolicy.NONPOSITIVE) is not None
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("min_ctas", [0, 3], ids=["4cta", "3cta"])
+def test_nonpositive_main_config_fits_the_same_register_budget(min_ctas, tmp_path, ptxas):
+    from kda_core.contracts import NullSlotPolicy
+    from kda_cute.ucache import build_ucache_kernel
+
+    build_ucache_kernel(12, 8, 16, 128, False, True, "sm_90a", f"--keep-ptx --dump-dir {tmp_path}",
+                        min_ctas=min_ctas, null_policy=NullSlotPolicy.NONPOSITIVE)  # fmt: skip
+    (ptx,) = list(tmp_path.glob("*.ptx"))
+    registers, spills = ptxas.registers_and_spills(ptx, "sm_90a")
+    assert registers <= (80 if min_ctas == 3 else 64) and spills == 0, f"{registers} registers, {spills} bytes spilled"
+
+
+def test_the_null_policy_is_a_separate_build_of_both_kernels(monkeypatch):
+    from kda_core.contracts import NullSlotPolicy
+    from kda_cute import _launch
+
+    launches = _recording_launcher(monkeypatch)
+    for policy in (NullSlotPolicy.OUT_OF_RANGE, NullSlotPolicy.NONPOSITIVE, NullSlotPolicy.OUT_OF_RANGE):
+        _verify_call(2, null_policy=policy)
+    policies = [entry[2]["null_policy"] for entry in launches if entry[0] == "verify"]
+    assert policies == [NullSlotPolicy.OUT_OF_RANGE, NullSlotPolicy.NONPOSITIVE, NullSlotPolicy.OUT_OF_RANGE]
+    assert _launch.cache_size() == 4  # verify and restart, per policy
+    _launch.clear_cache()
+
+
+def test_a_null_policy_that_is_not_the_enum_raises_naming_it(monkeypatch):
+    from kda_core.errors import KDAError
+
+    launches = _recording_launcher(monkeypatch)
+    with pytest.raises(KDAError, match="^null_policy: expected a kda_core.contracts.NullSlotPolicy"):
+        _verify_call(2, null_policy="nonpositive")
+    assert launches == []
+
+
+def test_debug_validate_under_nonpositive_lets_slot_0_repeat(monkeypatch):
+    import torch
+
+    from kda_core.contracts import NullSlotPolicy
+    from kda_core.errors import KDAError
+    from kda_cute import ucache
+
+    launches = _recording_launcher(monkeypatch)
+    monkeypatch.setenv("KDA_DEBUG_VALIDATE", "1")
+    q = torch.empty(3, 8, 2, 128)
+    pool = torch.empty(4, 2, 128, 128)
+    slots = torch.tensor([0, 0, 2], dtype=torch.int32)
+
+    def call(**kw):
+        ucache.ucache_verify_flush(None, None, None, -5.0, q, None, None, None, pool, slots, None, None, None, None,
+                                   None, 9, 16, 1.0, None, **kw)  # fmt: skip
+
+    call(null_policy=NullSlotPolicy.NONPOSITIVE)
+    assert len(launches) == 1
+    with pytest.raises(KDAError, match="^slot_indices: expected distinct active slots"):
+        call()
+    assert len(launches) == 1
+    ucache._launch.clear_cache()

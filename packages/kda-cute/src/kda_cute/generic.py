@@ -9,10 +9,12 @@ The spec of every mode is :func:`kda_core.oracle.recurrent_kda_ref`; this kernel
 - state from a pool [P, HV, V, K] (bf16 or fp32, K contiguous, dim-0 stride may be padded) through 1-D slot
   indices [N] (read once, final state written back once), or through 2-D indices [N, T_idx] (spec decode: read
   slot idx[n, max(min(num_accepted_tokens[n], T_idx), 1) - 1], state stored after every token t to idx[n, t];
-  a token whose slot lies outside the pool is skipped: zero output, no write, the state does not absorb it);
+  a token whose slot is null is skipped: zero output, no write, the state does not absorb it);
   or dense states (initial [N, HV, V, K] of any float dtype, or zeros; final fp32 [N, HV, V, K] on request);
-- a read slot outside [0, P) makes the sequence inactive: zero output, pool neither read nor written. The
-  check is in the kernel against the pool's row count (no host sync; CUDA-graph safe);
+- a null read slot makes the sequence inactive: zero output, pool neither read nor written. Null is a compile-time
+  policy (docs/design.md §4): OUT_OF_RANGE (outside [0, P)) or NONPOSITIVE (vLLM: also slot 0, which is then never
+  touched; in spec mode a num_accepted_tokens outside [1, T_idx] nulls the whole row). The check is in the kernel
+  against the pool's row count (no host sync; CUDA-graph safe);
 - GQA (value head hv uses q/k head hv // (HV / H)), K = V in {64, 128}, the three gate forms, beta as a logit
   or not, optional in-kernel q/k L2 norm, any scale.
 
@@ -30,7 +32,8 @@ buffers, one barrier per chunk.
 
 Compile-time variants: head dim, activation / g / beta dtypes, state mode (pool / spec / dense with or without
 initial and final state), state dtype, num_accepted_tokens present, varlen, cu_seqlens dtype, gate form, beta
-logit, L2 norm, dt_bias present, tile_v, alignment. B, T, H, HV, N and the pool rows are runtime values.
+logit, L2 norm, dt_bias present, tile_v, alignment, null-slot policy. B, T, H, HV, N and the pool rows are runtime
+values.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
-from kda_core.contracts import GENERIC_HEAD_DIMS, GateMode, gate_mode
+from kda_core.contracts import GENERIC_HEAD_DIMS, GateMode, NullSlotPolicy, gate_mode
 from kda_core.errors import fail
 from kda_core.validation import debug_check_slots, debug_checks_enabled
 
@@ -145,6 +148,7 @@ class KDARecurrent:
         has_dt_bias: bool,
         tile_v: int,
         aligned: bool,
+        null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
     ):
         if head_dim not in GENERIC_HEAD_DIMS:
             raise ValueError(f"head_dim: expected one of {GENERIC_HEAD_DIMS}, got {head_dim}")
@@ -164,6 +168,9 @@ class KDARecurrent:
         self.has_dt_bias = has_dt_bias
         self.tile_v = tile_v
         self.aligned = aligned
+        self.null_policy = null_policy
+        # smallest live slot (docs/design.md §4): 0 under out_of_range, 1 under nonpositive (slot 0 never touched)
+        self.first_slot = 1 if null_policy == NullSlotPolicy.NONPOSITIVE else 0
         self.rows = tile_v // self.groups
         self.v_per_lane = (tile_v + self.lanes - 1) // self.lanes  # v values of a token one lane prepares
 
@@ -284,6 +291,7 @@ class KDARecurrent:
         read_slot = Int32(0)
         if const_expr(self.state_mode != StateMode.DENSE):
             n_slots = cute.size(mState, mode=[0])
+            row_ok = cutlass.Boolean(True)
             if const_expr(self.state_mode == StateMode.POOL):
                 read_slot = mSlots[n]
             else:
@@ -291,9 +299,13 @@ class KDARecurrent:
                 col = Int32(0)
                 if const_expr(self.has_num_accepted):
                     # clamp first, subtract after: INT_MIN, 0 and negatives read column 0, counts past T_idx the last
-                    col = cutlass.max(cutlass.min(Int32(mNumAccepted[n]), t_idx), Int32(1)) - 1
+                    nat = Int32(mNumAccepted[n])
+                    col = cutlass.max(cutlass.min(nat, t_idx), Int32(1)) - 1
+                    if const_expr(self.null_policy == NullSlotPolicy.NONPOSITIVE):
+                        row_ok = (nat >= 1) & (nat <= t_idx)  # vLLM: a count outside [1, T_idx] nulls the row
                 read_slot = mSlots[n, col]
-            active = (read_slot >= 0) & (read_slot < n_slots)
+            # a null slot (policy, docs/design.md §4) makes the sequence inactive
+            active = row_ok & (read_slot >= self.first_slot) & (read_slot < n_slots)
 
         state_rows = []
         for _ in cutlass.range_constexpr(self.rows):
@@ -372,7 +384,7 @@ class KDARecurrent:
                 if const_expr(self.state_mode == StateMode.SPEC):
                     if first + t < cute.size(mSlots, mode=[1]):
                         write_slot = mSlots[n, first + t]
-                    step = active & (write_slot >= 0) & (write_slot < cute.size(mState, mode=[0]))
+                    step = active & (write_slot >= self.first_slot) & (write_slot < cute.size(mState, mode=[0]))
                 if step:
                     cute.autovec_copy(cute.local_tile(sK[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), kf)
                     cute.autovec_copy(cute.local_tile(sQ[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), qf)
@@ -534,6 +546,7 @@ def variant_key(
     has_dt_bias: bool,
     tile_v: int,
     aligned: bool,
+    null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
 ) -> tuple:
     """Every code-generation parameter of one variant, in the order ``_compile`` reads them (arch added by
     ``_launch.get_or_compile``). Facts that cannot change the code are normalised so they share one entry."""
@@ -545,16 +558,18 @@ def variant_key(
         has_num_accepted = False
     if not varlen:
         cu_dtype = None
+    if state_mode == StateMode.DENSE:
+        null_policy = NullSlotPolicy.OUT_OF_RANGE  # no slot to be null
     return (
         "recurrent", int(head_dim), act_dtype, g_dtype, beta_dtype, state_mode, state_dtype, bool(store_final),
         bool(has_num_accepted), bool(varlen), cu_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm),
-        bool(has_dt_bias), int(tile_v), bool(aligned),
+        bool(has_dt_bias), int(tile_v), bool(aligned), NullSlotPolicy(null_policy),
     )
 
 
 def _compile(key: tuple, arch: str, extra_options: str = ""):
     (_, K, act_dt, g_dt, beta_dt, state_mode, state_dt, store_final, has_nat, varlen, cu_dt, gate, beta_is_logit,
-     l2norm, has_dt_bias, tile_v, aligned) = key
+     l2norm, has_dt_bias, tile_v, aligned, null_policy) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     sym = _launch.sym_size
@@ -591,7 +606,7 @@ def _compile(key: tuple, arch: str, extra_options: str = ""):
     kernel = KDARecurrent(
         head_dim=K, state_mode=state_mode, state_dtype=None if state_dt is None else cdt(state_dt),
         store_final=store_final, has_num_accepted=has_nat, varlen=varlen, gate=gate, beta_is_logit=beta_is_logit,
-        use_qk_l2norm=l2norm, has_dt_bias=has_dt_bias, tile_v=tile_v, aligned=aligned,
+        use_qk_l2norm=l2norm, has_dt_bias=has_dt_bias, tile_v=tile_v, aligned=aligned, null_policy=null_policy,
     )
     return cute.compile(
         kernel,
@@ -639,6 +654,7 @@ def kda_recurrent_fwd(
     num_accepted_tokens=None,
     output=None,
     config: GenericConfig | None = None,
+    null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
 ):
     """The KDA recurrence over T tokens per sequence on the GPU; same semantics as
     :func:`kda_core.oracle.recurrent_kda_ref` (its docstring is the spec). Arguments are already validated.
@@ -655,6 +671,9 @@ def kda_recurrent_fwd(
         cu_seqlens: [N + 1] int32/int64 with B == 1 (varlen); values are read in the kernel.
         output: [B, T, HV, V] bf16 or None (allocated).
         config: the launch schedule (:class:`GenericConfig`); None takes :func:`select_config`'s for the call.
+        null_policy: which slot indices are null (docs/design.md §4): ``OUT_OF_RANGE`` (idx < 0 or idx >= P) or
+            ``NONPOSITIVE`` (vLLM: idx <= 0 or idx >= P; slot 0 is never read or written, and in spec decode a
+            ``num_accepted_tokens`` outside [1, T_idx] makes the whole row null).
 
     Returns (o [B, T, HV, V] bf16, final_state): the pool in pool/spec modes, the fp32 dense state
     [N, HV, V, K] when ``output_final_state`` in dense mode, else None.
@@ -674,6 +693,8 @@ def kda_recurrent_fwd(
         fail("q", f"a head dim K in {GENERIC_HEAD_DIMS}", K)
     if config is not None and (not isinstance(config, GenericConfig) or config.tile_v not in tile_v_choices(K)):
         fail("config", f"a GenericConfig whose tile_v is one of {tile_v_choices(K)} for K={K}", config)
+    if not isinstance(null_policy, NullSlotPolicy):
+        fail("null_policy", "a kda_core.contracts.NullSlotPolicy", null_policy)
     varlen = cu_seqlens is not None
     n_seq = cu_seqlens.shape[0] - 1 if varlen else B
     if n_seq < 0:
@@ -701,7 +722,10 @@ def kda_recurrent_fwd(
         final_state = initial_state
 
     if state_mode != StateMode.DENSE and debug_checks_enabled():
-        debug_check_slots(ssm_state_indices.reshape(-1), initial_state.shape[0], argument="ssm_state_indices")
+        flat = ssm_state_indices.reshape(-1)
+        if null_policy == NullSlotPolicy.NONPOSITIVE:
+            flat = flat[flat != 0]  # slot 0 is null there: padding rows may repeat it
+        debug_check_slots(flat, initial_state.shape[0], argument="ssm_state_indices")
 
     if n_seq == 0 or T == 0 or HV == 0:
         # Nothing to launch (a grid dimension would be 0): no token or no head, so no output value and no state
@@ -729,6 +753,7 @@ def kda_recurrent_fwd(
         has_num_accepted=num_accepted_tokens is not None, varlen=varlen,
         cu_dtype=None if cu_seqlens is None else cu_seqlens.dtype, gate=gate, beta_is_logit=beta_is_logit,
         use_qk_l2norm=use_qk_l2norm_in_kernel, has_dt_bias=dt_bias is not None, tile_v=cfg.tile_v, aligned=aligned,
+        null_policy=null_policy,
     )
     fn = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(q.device))
     fn(

@@ -27,7 +27,8 @@ rank-1 updates run. Appends: u_s rows of this CTA's V tile; k^_s and G (cum_s, p
 per (request, head) by the CTA of V tile 0. All appends land at (base + P + s) & 31, past the live window every
 CTA of the same (request, head) reads, so no CTA overwrites a row another still needs.
 
-Rows whose slot is outside [0, pool) are inactive: their output is zero and nothing else is read or written.
+Rows whose slot is null (outside [0, pool), or 0 too under the NONPOSITIVE policy: docs/design.md §4) are inactive:
+their output is zero and nothing else is read or written.
 The cursors (hist_len, cache_base) are only read here; the caller's commit is applied by the wrapper in
 kda-recurrent.
 """
@@ -41,7 +42,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T as ir_types
 
-from kda_core.contracts import HEAD_DIM, RING_SLOTS, max_hist_len
+from kda_core.contracts import HEAD_DIM, RING_SLOTS, NullSlotPolicy, max_hist_len
 from kda_core.errors import fail
 from kda_core.validation import debug_check_slots, debug_checks_enabled
 
@@ -303,7 +304,8 @@ class UcacheVerifyFlush:
     heads: H == HV; t_draft: T in {4, 8}; w_ring: 16 or 32 (bounds the live rows kept in shared memory);
     tile_v: state rows per CTA; softplus_gate: Kimi-Linear gate (lower_bound None) instead of the lower bound;
     aligned: the pool and rings allow 16-byte accesses (else the same code with element-wide accesses);
-    min_ctas: the resident-CTA floor asked of ptxas (0 = ``MIN_CTAS_PER_SM[tile_v]``), capped by shared memory.
+    min_ctas: the resident-CTA floor asked of ptxas (0 = ``MIN_CTAS_PER_SM[tile_v]``), capped by shared memory;
+    null_policy: which slots make a row inactive (docs/design.md §4; NONPOSITIVE never touches slot 0).
 
     The shared memory is sized for 4 tile-128 CTAs per SM at T=8 w16: the 2T dot products stay in registers across
     the ring correction, so ``sXY`` is only written after it and shares the bytes of the dead x operands (sXb, sXu);
@@ -320,8 +322,10 @@ class UcacheVerifyFlush:
         aligned: bool,
         min_ctas: int = 0,
         has_dt_bias: bool = True,
+        null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
     ):
         self.heads = heads
+        self.first_slot = 1 if null_policy == NullSlotPolicy.NONPOSITIVE else 0  # smallest live slot
         self.has_dt_bias = has_dt_bias  # False: dt_bias absent (zeros), not read
         self.min_ctas = min_ctas  # resident-CTA floor; 0 = MIN_CTAS_PER_SM[tile_v]
         self.aligned = aligned
@@ -601,7 +605,7 @@ class UcacheVerifyFlush:
 
         slot = mSlot[bi]
         pool_rows = mPool.shape[0]
-        active = (slot >= 0) & (slot < pool_rows)
+        active = (slot >= self.first_slot) & (slot < pool_rows)  # else null (the policy): an inactive row
         # Loads that do not depend on the slot are issued with it, before the branch on it (every index is in
         # bounds for an inactive row too), so that their latency overlaps the slot's instead of following it: the
         # cursors, the gate phase's draft inputs and constants, the v tile and beta. ptxas sinks a load below that
@@ -1199,9 +1203,10 @@ def build_ucache_kernel(
     extra_options: str = "",
     min_ctas: int = 0,
     has_dt_bias: bool = True,
+    null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
 ):
     """Compile one configuration against fake tensors (no GPU needed when CUTE_DSL_ARCH is set)."""
-    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, min_ctas, has_dt_bias)
+    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, min_ctas, has_dt_bias, null_policy)
     return cute.compile(
         cfg,
         *_fakes(cfg),
@@ -1219,10 +1224,13 @@ class UcacheRestartCursors:
     the P the verify kernel read and folded, so a malformed hist_len moves the ring by the rows actually folded
     (docs/design.md §5). One thread per row; no host sync, so it captures into CUDA graphs. It runs after the
     verify kernel (same stream): inside that kernel every CTA of a request reads the cursors, so none of them may
-    rewrite them.
+    rewrite them. ``null_policy``: which slots make a row inactive, as in the verify kernel.
     """
 
     threads = 128
+
+    def __init__(self, null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE):
+        self.first_slot = 1 if null_policy == NullSlotPolicy.NONPOSITIVE else 0
 
     @cute.jit
     def __call__(
@@ -1255,19 +1263,19 @@ class UcacheRestartCursors:
         i = bidx * self.threads + tidx
         if i < mSlot.shape[0]:
             slot = mSlot[i]
-            if (slot >= 0) & (slot < pool_rows):
+            if (slot >= self.first_slot) & (slot < pool_rows):
                 P = cutlass.min(cutlass.max(mHist[i], cutlass.Int32(0)), max_hist)  # as the verify kernel clamps
                 if P >= flush_min:
                     mBase[i] = (mBase[i] + P) & (RING_SLOTS - 1)
                     mHist[i] = cutlass.Int32(0)
 
 
-def build_restart_kernel(arch: str):
+def build_restart_kernel(arch: str, null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE):
     i32 = cutlass.Int32
     B = _launch.sym_size()
     vec = lambda: _launch.fake_tensor(i32, (B,), (1,), align_bytes=4)  # noqa: E731
     return cute.compile(
-        UcacheRestartCursors(),
+        UcacheRestartCursors(null_policy),
         vec(),
         vec(),
         vec(),
@@ -1280,11 +1288,12 @@ def build_restart_kernel(arch: str):
 
 
 def restart_cursors(slot_indices, hist_len, cache_base, pool_rows: int, flush_min: int, t_draft: int,
-                    w_ring: int) -> None:
+                    w_ring: int, *, null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE) -> None:
     """Apply the flush part of the commit in place (see :class:`UcacheRestartCursors`); B == 0 launches nothing."""
     if slot_indices.shape[0] == 0:
         return
-    fn = _launch.get_or_compile(("kda_ucache_restart_cursors",), build_restart_kernel)
+    fn = _launch.get_or_compile(("kda_ucache_restart_cursors", null_policy),
+                                lambda arch: build_restart_kernel(arch, null_policy))
     fn(slot_indices, hist_len, cache_base, int(pool_rows), int(flush_min), max_hist_len(t_draft, w_ring))
 
 
@@ -1313,7 +1322,9 @@ def ucache_verify_flush(
     output: torch.Tensor,
     restart_hist_on_flush: bool = False,
     aligned: bool = True,
+    *,
     config: UcacheConfig | None = None,
+    null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
 ) -> torch.Tensor:
     """Launch the kernel on the current stream. Arguments are already validated (kda-recurrent does it).
 
@@ -1324,6 +1335,8 @@ def ucache_verify_flush(
     stride is a multiple of 16 bytes (kda_core's validation says so). The kernel only reads the cursors;
     ``restart_hist_on_flush`` then applies the flush part of the commit with a second, one-thread-per-row kernel.
     ``config``: the launch schedule (:class:`UcacheConfig`); None takes :func:`select_config`'s for (B, H).
+    ``null_policy``: which slots make a row inactive (docs/design.md §4): ``OUT_OF_RANGE`` (slot < 0 or >= N) or
+    ``NONPOSITIVE`` (vLLM: slot <= 0 or >= N; slot 0's pool row, rings and cursors are never touched).
     """
     B, T, H, _ = q.shape
     if H > GRID_Y_MAX:
@@ -1331,18 +1344,25 @@ def ucache_verify_flush(
     if config is not None and (not isinstance(config, UcacheConfig) or config.tile_v not in TILES
                                or not 0 <= config.min_ctas <= 32):
         fail("config", f"a UcacheConfig with tile_v in {TILES} and min_ctas in [0, 32]", config)
+    if not isinstance(null_policy, NullSlotPolicy):
+        fail("null_policy", "a kda_core.contracts.NullSlotPolicy", null_policy)
     if debug_checks_enabled():  # KDA_DEBUG_VALIDATE: duplicate active slots
-        debug_check_slots(slot_indices.reshape(-1), state_pool.shape[0], argument="slot_indices")
+        flat = slot_indices.reshape(-1)
+        if null_policy == NullSlotPolicy.NONPOSITIVE:
+            flat = flat[flat != 0]  # slot 0 is null there: padding rows may repeat it
+        debug_check_slots(flat, state_pool.shape[0], argument="slot_indices")
     if B == 0 or H == 0:  # nothing to launch (a grid dimension would be 0), no cursor to restart
         return output
     cfg = select_config(B, H) if config is None else config
     softplus_gate = lower_bound is None
     has_dt_bias = dt_bias is not None
-    key = ("kda_ucache_verify_flush", H, T, w_ring, cfg.tile_v, cfg.floor, softplus_gate, bool(aligned), has_dt_bias)
+    key = ("kda_ucache_verify_flush", H, T, w_ring, cfg.tile_v, cfg.floor, softplus_gate, bool(aligned), has_dt_bias,
+           null_policy)  # fmt: skip
     fn = _launch.get_or_compile(
         key,
         lambda arch: build_ucache_kernel(H, T, w_ring, cfg.tile_v, softplus_gate, bool(aligned), arch,
-                                         min_ctas=cfg.floor, has_dt_bias=has_dt_bias),  # fmt: skip
+                                         min_ctas=cfg.floor, has_dt_bias=has_dt_bias,
+                                         null_policy=null_policy),  # fmt: skip
     )
     args = [q, k, v, g, b, A_log, dt_bias, state_pool, slot_indices, k_cache, u_cache, g_cache, hist_len, cache_base,
             output, float(scale), float(-5.0 if lower_bound is None else lower_bound), int(flush_min)]
@@ -1355,5 +1375,6 @@ def ucache_verify_flush(
         for b0 in range(0, B, GRID_Z_MAX):
             fn(*[a[b0 : b0 + GRID_Z_MAX] if i in _BATCH_ARGS else a for i, a in enumerate(args)])
     if restart_hist_on_flush:
-        restart_cursors(slot_indices, hist_len, cache_base, state_pool.shape[0], flush_min, T, w_ring)
+        restart_cursors(slot_indices, hist_len, cache_base, state_pool.shape[0], flush_min, T, w_ring,
+                        null_policy=null_policy)
     return output
