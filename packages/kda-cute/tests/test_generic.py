@@ -711,3 +711,141 @@ def test_varlen_pool_call_under_each_null_policy_matches_oracle(policy):
     assert_output_close(o, ref_o)
     assert_state_close(pool, ref_pool)
     assert torch.equal(pool[0], before[0]) == (policy.value == "nonpositive")
+
+
+# --------------------------------------------------------------------------------------------------
+# layouts the engines pass (docs/serving.md), never rejected by the kernel: any pool slot stride, strided and int64
+# index tensors, strided beta and gate views
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("mode", ["pool", "spec"])
+def test_a_pool_slot_stride_of_any_element_count_takes_the_unaligned_variant(pool_dtype, mode):
+    from kda_cute import _launch
+
+    B, T, H, N = 3, 4, 4, 16
+    inputs = make_inputs(B, T, H, seed=100)
+    pool = make_pool(N, H, dtype=pool_dtype, row_pad=17)  # slot stride H*V*K + 17 elements
+    assert pool.stride(0) == H * 128 * 128 + 17 and _launch.alignment_of(pool) < _launch.VECTOR_BYTES
+    before = pool.clone()
+    if mode == "pool":
+        kw = dict(ssm_state_indices=torch.tensor([5, 0, 15], dtype=torch.int32, device=DEV))
+        written = [5, 0, 15]
+    else:
+        slots = torch.randperm(N, generator=_gen(100), device=DEV)[: B * T].view(B, T).to(torch.int32)
+        kw = dict(ssm_state_indices=slots, num_accepted_tokens=torch.tensor([2, 4, 1], dtype=torch.int32, device=DEV))
+        written = slots.flatten().tolist()
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, **kw)
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+    untouched = [s for s in range(N) if s not in written]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_strided_int32_index_views_match_oracle():
+    # 1-D: column 0 of a [B, 8] table (stride 8); 2-D: the first T columns of a wider table (free row stride), with
+    # num_accepted_tokens a strided view too
+    B, T, H, N = 4, 3, 4, 40
+    inputs = make_inputs(B, T, H, seed=101)
+    table = torch.zeros(B, 8, dtype=torch.int32, device=DEV)
+    table[:, 0] = torch.tensor([7, 2, 30, 11], dtype=torch.int32)
+    column = table[:, 0]
+    assert column.stride() == (8,)
+    pool = make_pool(N, H)
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=column)
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+
+    block_table = torch.randperm(N, generator=_gen(101), device=DEV)[: B * (T + 3)].view(B, T + 3).to(torch.int32)
+    slots = block_table[:, :T]
+    counts = torch.tensor([[1, 0], [3, 0], [2, 0], [1, 0]], dtype=torch.int32, device=DEV)[:, 0]
+    assert slots.stride() == (T + 3, 1) and counts.stride() == (2,)
+    pool = make_pool(N, H)
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=slots,
+                                         num_accepted_tokens=counts)
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+
+
+@pytest.mark.parametrize("mode", ["pool", "spec"])
+def test_int64_indices_match_oracle_and_a_slot_past_2_32_is_null(mode):
+    B, T, H, N = 4, 3, 4, 30
+    inputs = make_inputs(B, T, H, seed=102)
+    pool = make_pool(N, H)
+    before = pool.clone()
+    if mode == "pool":
+        slots = torch.tensor([2**32 + 1, 4, 9, -(2**40)], dtype=torch.int64, device=DEV)  # low 32 bits of row 0: 1
+        kw = dict(ssm_state_indices=slots)
+        ref_kw = dict(ssm_state_indices=torch.where((slots >= 0) & (slots < N), slots, -1))
+    else:
+        slots = torch.randperm(N - 2, generator=_gen(102), device=DEV)[: B * T].view(B, T).to(torch.int64) + 2
+        slots[1, 1] = 2**32 + 1  # a write slot whose low 32 bits name slot 1: skipped
+        nat = torch.tensor([1, 3, 2**33 + 2, -(2**33)], dtype=torch.int64, device=DEV)  # 64-bit clamps
+        kw = dict(ssm_state_indices=slots, num_accepted_tokens=nat)
+        ref_kw = dict(ssm_state_indices=torch.where(slots < N, slots, -1),
+                      num_accepted_tokens=torch.tensor([1, 3, T, 1], dtype=torch.int64, device=DEV))
+    from kda_core.oracle import recurrent_kda_ref
+    from kda_cute.generic import kda_recurrent_fwd
+
+    ref_o, ref_pool = recurrent_kda_ref(**inputs, initial_state=pool.clone(), **ref_kw)
+    o, _ = kda_recurrent_fwd(**inputs, initial_state=pool, **kw)
+    torch.cuda.synchronize()
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+    assert torch.equal(pool[:2], before[:2])  # never touched through a wrapped index
+
+
+def test_strided_beta_and_gate_views_match_oracle():
+    B, T, H, K = 3, 4, 4, 128
+    inputs = make_inputs(B, T, H, seed=103)
+    gen = _gen(103)
+    wide_beta = torch.randn(B, T, 2 * H + 1, generator=gen, device=DEV).bfloat16()
+    inputs["beta"] = wide_beta[..., 1 : 2 * H + 1 : 2]  # head stride 2, token stride 2H + 1
+    wide_g = torch.randn(B, T, H, K + 8, generator=gen, device=DEV).bfloat16()
+    inputs["g"] = wide_g[..., :K]  # channels contiguous, head stride K + 8
+    assert not inputs["beta"].is_contiguous() and not inputs["g"].is_contiguous()
+    pool = make_pool(5, H)
+    slots = torch.tensor([4, 1, 2], dtype=torch.int32, device=DEV)
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=slots)
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+
+
+def test_a_vllm_style_spec_decode_call_matches_oracle():
+    # docs/serving.md: flattened tokens with cu_seqlens, q, k, v views of one packed row, the indices a row slice of
+    # a block table (int32, free row stride), num_accepted_tokens, block 0 reserved (nonpositive), padding rows
+    # with all-null index rows and zero-length segments, a pool whose slot stride is not a 16-byte multiple.
+    from kda_core.contracts import NullSlotPolicy
+    from kda_core.oracle import recurrent_kda_ref
+    from kda_cute.generic import kda_recurrent_fwd
+
+    S, H, K, N = 3, 4, 128, 48  # 1 + S tokens per request
+    lens = [4, 4, 2, 0, 0]  # two full requests, a short one, two padding rows
+    n = len(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    ntok = int(cu[-1])
+    gen = _gen(104)
+    packed = torch.randn(1, ntok, 3 * H * K + 8, generator=gen, device=DEV).bfloat16()
+    q, k, v = (packed[..., i * H * K : (i + 1) * H * K].view(1, ntok, H, K) for i in range(3))
+    inputs = make_inputs(1, ntok, H, seed=104)
+    inputs.update(q=q, k=k, v=v)
+    table = torch.zeros(n, 1 + S + 4, dtype=torch.int32, device=DEV)
+    table[:3, : 1 + S] = (torch.randperm(N - 1, generator=gen, device=DEV)[: 3 * (1 + S)] + 1).view(3, 1 + S)
+    table[2, 2:] = 0  # the short request's unused columns
+    slots = table[:, : 1 + S]
+    nat = torch.tensor([2, 0, 1, 1, 1], dtype=torch.int32, device=DEV)  # request 1: nat 0, a null row
+    pool = make_pool(N, H, dtype=torch.float32, row_pad=17)
+    before = pool.clone()
+    ref = reference_indices(slots, N, NullSlotPolicy.NONPOSITIVE, nat)
+    ref_o, ref_pool = recurrent_kda_ref(**inputs, initial_state=pool.clone(), ssm_state_indices=ref, cu_seqlens=cu,
+                                        num_accepted_tokens=nat)
+    o, _ = kda_recurrent_fwd(**inputs, initial_state=pool, ssm_state_indices=slots, cu_seqlens=cu,
+                             num_accepted_tokens=nat, null_policy=NullSlotPolicy.NONPOSITIVE)
+    torch.cuda.synchronize()
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+    assert torch.equal(pool[0], before[0])
+    assert torch.count_nonzero(o[:, 4:8]) == 0
+    untouched = [x for x in range(N) if x not in set(slots[[0, 2]].flatten().tolist())]
+    assert torch.equal(pool[untouched], before[untouched])  # slot 0 and request 1's slots included

@@ -23,7 +23,8 @@ BASE = dict(
     head_dim=128, act_dtype=torch.bfloat16, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
     state_mode=R.StateMode.SPEC, state_dtype=torch.bfloat16, store_final=False, has_num_accepted=True,
     varlen=False, cu_dtype=None, gate=GateMode.LOWER_BOUND, beta_is_logit=True, use_qk_l2norm=True,
-    has_dt_bias=True, tile_v=32, aligned=True, null_policy=NullSlotPolicy.OUT_OF_RANGE,
+    has_dt_bias=True, tile_v=32, aligned=True, null_policy=NullSlotPolicy.OUT_OF_RANGE, slot_dtype=torch.int32,
+    nat_dtype=torch.int32,
 )
 
 STATE_CONFIGS = {
@@ -65,6 +66,10 @@ def _variants():
                                               varlen=True, cu_dtype=torch.int32),
         "nonpositive-pool-fp32-unaligned": dict(null_policy=NullSlotPolicy.NONPOSITIVE, state_mode=R.StateMode.POOL,
                                                 state_dtype=torch.float32, aligned=False),
+        # int64 indices (SGLang, FlashInfer): slots of both modes and the accepted counts
+        "int64-spec-slots-nat": dict(slot_dtype=torch.int64, nat_dtype=torch.int64),
+        "int64-pool-varlen": dict(slot_dtype=torch.int64, state_mode=R.StateMode.POOL, varlen=True,
+                                  cu_dtype=torch.int64),
     }
     for name, flag in flags.items():
         out[name] = {**BASE, **flag}
@@ -101,13 +106,27 @@ def test_largest_tile_does_not_spill(K, aligned, arch, tmp_path, ptxas):
     assert registers <= 255
 
 
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int64_indices_at_the_largest_tile_do_not_spill(arch, tmp_path, ptxas):
+    # The register high-water variant of K=128 (as above) with int64 slot indices and counts: a 64-bit write slot per
+    # token and 64-bit compares.
+    variant = {**BASE, "tile_v": R.tile_v_choices(128)[-1], "act_dtype": torch.float32, "gate": GateMode.SOFTPLUS,
+               "state_dtype": torch.float32, "varlen": True, "cu_dtype": torch.int64, "slot_dtype": torch.int64,
+               "nat_dtype": torch.int64, "null_policy": NullSlotPolicy.NONPOSITIVE}
+    R.compile_variant(R.variant_key(**variant), arch, f"--keep-ptx --dump-dir {tmp_path}")
+    (ptx,) = list(tmp_path.glob("*.ptx"))
+    registers, spills = ptxas.registers_and_spills(ptx, arch)
+    assert spills == 0 and registers <= 255, f"{registers} registers, {spills} bytes of spill traffic"
+
+
 def test_every_code_generation_parameter_changes_the_cache_key():
     base_key = R.variant_key(**BASE)
     changes = dict(
         head_dim=64, act_dtype=torch.float32, g_dtype=torch.float32, beta_dtype=torch.float32,
         state_mode=R.StateMode.POOL, state_dtype=torch.float32, has_num_accepted=False, varlen=True,
         gate=GateMode.SOFTPLUS, beta_is_logit=False, use_qk_l2norm=False, has_dt_bias=False, tile_v=16,
-        aligned=False, null_policy=NullSlotPolicy.NONPOSITIVE,
+        aligned=False, null_policy=NullSlotPolicy.NONPOSITIVE, slot_dtype=torch.int64, nat_dtype=torch.int64,
     )
     assert set(changes) | {"store_final", "cu_dtype"} == set(BASE)
     for name, value in changes.items():
@@ -125,8 +144,11 @@ def test_facts_that_cannot_change_the_code_share_one_cache_entry():
     assert R.variant_key(**{**pool, "has_num_accepted": True}) == R.variant_key(**{**pool, "has_num_accepted": False})
     assert R.variant_key(**{**pool, "store_final": True}) == R.variant_key(**{**pool, "store_final": False})
     assert R.variant_key(**{**BASE, "cu_dtype": torch.int64}) == R.variant_key(**BASE)  # not varlen
-    dense = {**BASE, "state_mode": R.StateMode.DENSE}  # no slot to be null
+    dense = {**BASE, "state_mode": R.StateMode.DENSE}  # no slot to be null, no index to read
     assert R.variant_key(**{**dense, "null_policy": NullSlotPolicy.NONPOSITIVE}) == R.variant_key(**dense)
+    assert R.variant_key(**{**dense, "slot_dtype": torch.int64}) == R.variant_key(**dense)
+    no_nat = {**BASE, "has_num_accepted": False}
+    assert R.variant_key(**{**no_nat, "nat_dtype": torch.int64}) == R.variant_key(**no_nat)
 
 
 @pytest.mark.parametrize("K", [128, 64])

@@ -45,7 +45,7 @@ class Step:
 
     def clone(self) -> Step:
         def copy(t):
-            if t.dim() == 4 and t.shape[2:] == (K, K):  # keep a padded / offset pool padded and offset
+            if t.dim() == 4 and not t.is_contiguous():  # keep a padded / offset pool or ring padded and offset
                 storage = torch.empty(t.untyped_storage().nbytes() // t.element_size(), dtype=t.dtype,
                                       device=t.device)
                 same = storage.as_strided(t.shape, t.stride(), t.storage_offset())
@@ -59,8 +59,10 @@ class Step:
 
 
 def make_step(B, T, H, *, hist=None, bases=None, n_slots=None, slots=None, w_ring=16, flush_min=None,
-              gate="lower_bound", decay_range=(-0.5, 0.0), pool_row_pad=0, pool_offset=0, seed=0, device="cuda"):
-    """Random step. hist/bases: per-row P and cache_base (default: random legal values)."""
+              gate="lower_bound", decay_range=(-0.5, 0.0), pool_row_pad=0, pool_offset=0, ring_row_pad=0, seed=0,
+              device="cuda"):
+    """Random step. hist/bases: per-row P and cache_base (default: random legal values). *_row_pad: elements added
+    to the dim-0 (slot) stride of the pool and of the rings."""
     gen = torch.Generator().manual_seed(seed)
     cap = max_hist_len(T, w_ring)
     n_slots = n_slots or 2 * B + 3
@@ -114,6 +116,12 @@ def make_step(B, T, H, *, hist=None, bases=None, n_slots=None, slots=None, w_rin
                 flat = value.untyped_storage().nbytes() // value.element_size()
                 storage = torch.empty(flat, dtype=value.dtype, device=device)
                 padded = storage.as_strided(value.shape, value.stride(), value.storage_offset())
+                padded.copy_(value)
+                moved[name] = padded
+            elif name in ("k_cache", "u_cache", "g_cache") and ring_row_pad:
+                storage = torch.empty(value.shape[0] * (value[0].numel() + ring_row_pad), dtype=value.dtype,
+                                      device=device)
+                padded = storage.as_strided(value.shape, (value[0].numel() + ring_row_pad, *value.stride()[1:]))
                 padded.copy_(value)
                 moved[name] = padded
             else:
@@ -484,3 +492,66 @@ def test_each_null_policy_matches_oracle_and_nonpositive_never_touches_slot_0(po
     assert all(slot0_same) if zero_is_null else not any(slot0_same)  # row 0 folds (P = 9) and appends there
     assert (torch.count_nonzero(out[0]) == 0) == zero_is_null
     assert (int(mine.hist_len[0]) == 9) == zero_is_null  # the restart skips a null row
+
+
+# Layouts the engines pass (docs/serving.md), never rejected by the kernel.
+
+
+def test_pool_and_ring_slot_strides_of_any_element_count_take_the_unaligned_variant():
+    from kda_cute import _launch
+
+    step = make_step(8, 8, 12, n_slots=20, pool_row_pad=17, ring_row_pad=17, hist=torch.arange(8) + 5, seed=50)
+    assert step.pool.stride(0) == 12 * K * K + 17 and step.u_cache.stride(0) == 12 * RING_SLOTS * K + 17
+    assert _launch.alignment_of(step.pool, step.k_cache) < _launch.VECTOR_BYTES
+    mine, _, _, _ = check_against_oracle(step, restart=True, aligned=False)
+    others = sorted(set(range(20)) - set(step.slots.tolist()))
+    assert torch.equal(mine.pool[others], step.pool[others])
+    for name in ("k_cache", "u_cache", "g_cache"):
+        assert torch.equal(getattr(mine, name)[others].nan_to_num(), getattr(step, name)[others].nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "column-of-a-table"])
+def test_strided_and_int64_slot_indices_match_oracle(dtype, strided):
+    step = make_step(6, 8, 12, n_slots=16, hist=torch.tensor([9, 3, 9, 0, 5, 9]), seed=51)
+    slots = step.slots.to(dtype)
+    if strided:
+        table = torch.zeros(6, 8, dtype=dtype, device="cuda")
+        table[:, 3] = slots
+        slots = table[:, 3]
+        assert slots.stride() == (8,)
+    check_against_oracle(replace(step, slots=slots), restart=True)
+
+
+def test_an_int64_slot_past_2_32_is_null_not_wrapped():
+    n = 8
+    step = make_step(4, 8, 12, n_slots=n, slots=[1, 3, 5, 6], hist=9, seed=52)
+    wide = step.slots.long().clone()
+    wide[0] = 2**32 + 1  # low 32 bits: slot 1
+    wide[2] = -(2**33) + 5  # low 32 bits: slot 5
+    mine = replace(step.clone(), slots=wide)
+    ref = replace(step.clone(), slots=torch.where((wide >= 0) & (wide < n), wide, -1))
+    out = run_kernel(mine, restart=True)
+    expected = run_oracle(ref, restart=True)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), expected, **OUT_TOL)
+    torch.testing.assert_close(mine.pool.float(), ref.pool.float(), **STATE_TOL)
+    assert torch.count_nonzero(out[[0, 2]]) == 0
+    for name in ("pool", "k_cache", "u_cache", "g_cache"):
+        assert torch.equal(getattr(mine, name)[[1, 5]].nan_to_num(), getattr(step, name)[[1, 5]].nan_to_num()), name
+    assert torch.equal(mine.hist_len[[0, 2]], step.hist_len[[0, 2]])
+
+
+def test_activation_views_of_a_packed_row_and_a_strided_beta_match_oracle():
+    # q, k, v, g as head-compact views of one [B, T, 4*H*K + 8] row (aligned row stride) and b a strided view
+    B, T, H = 8, 8, 12
+    step = make_step(B, T, H, seed=53)
+    packed = torch.empty(B, T, 4 * H * K + 8, dtype=torch.bfloat16, device="cuda")
+    views = [packed[..., i * H * K : (i + 1) * H * K].view(B, T, H, K) for i in range(4)]
+    for view, t in zip(views, (step.q, step.k, step.v, step.g)):
+        view.copy_(t)
+    wide_b = torch.empty(B, T, 2 * H + 1, dtype=torch.bfloat16, device="cuda")
+    b = wide_b[..., 1::2][..., :H]
+    b.copy_(step.b)
+    assert not b.is_contiguous() and not views[0].is_contiguous()
+    check_against_oracle(replace(step, q=views[0], k=views[1], v=views[2], g=views[3], b=b), restart=True)

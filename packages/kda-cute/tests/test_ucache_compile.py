@@ -166,8 +166,9 @@ def test_compile_cache_key_separates_every_code_generation_parameter(monkeypatch
 
     def call(B=2, T=8, H=12, w_ring=16, lower_bound=-5.0, aligned=True, config=None):
         q = torch.empty(B, T, H, 128)
-        ucache.ucache_verify_flush(None, None, None, lower_bound, q, None, None, None, None, None, None, None, None,
-                                   None, None, 9, w_ring, 1.0, None, aligned=aligned, config=config)  # fmt: skip
+        ucache.ucache_verify_flush(None, None, None, lower_bound, q, None, None, None, None,
+                                   torch.zeros(B, dtype=torch.int32), None, None, None, None, None, 9, w_ring, 1.0,
+                                   None, aligned=aligned, config=config)  # fmt: skip
 
     _launch.clear_cache()
     # The schedule: tile 64 at B=2 H=12; tile 128 asks for 3 CTAs below 1536 (request, head) pairs and for the
@@ -368,3 +369,43 @@ def test_debug_validate_under_nonpositive_lets_slot_0_repeat(monkeypatch):
         call()
     assert len(launches) == 1
     ucache._launch.clear_cache()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("slot_int64", [False, True], ids=["int32", "int64"])
+def test_strided_and_int64_slot_variants_compile(arch, slot_int64):
+    from kda_cute.ucache import build_restart_kernel, build_ucache_kernel
+
+    assert build_ucache_kernel(12, 8, 16, 128, False, True, arch, slot_int64=slot_int64, slots_strided=True)
+    assert build_restart_kernel(arch, slot_int64=slot_int64) is not None
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("min_ctas", [0, 3], ids=["4cta", "3cta"])
+def test_int64_strided_slots_fit_the_main_configs_register_budget(min_ctas, tmp_path, ptxas):
+    from kda_core.contracts import NullSlotPolicy
+    from kda_cute.ucache import build_ucache_kernel
+
+    build_ucache_kernel(12, 8, 16, 128, False, True, "sm_90a", f"--keep-ptx --dump-dir {tmp_path}", min_ctas=min_ctas,
+                        null_policy=NullSlotPolicy.NONPOSITIVE, slot_int64=True, slots_strided=True)  # fmt: skip
+    (ptx,) = list(tmp_path.glob("*.ptx"))
+    registers, spills = ptxas.registers_and_spills(ptx, "sm_90a")
+    assert registers <= (80 if min_ctas == 3 else 64) and spills == 0, f"{registers} registers, {spills} bytes spilled"
+
+
+def test_slot_width_and_stride_are_separate_builds(monkeypatch):
+    import torch
+
+    from kda_cute import _launch, ucache
+
+    launches = _recording_launcher(monkeypatch)
+    q = torch.empty(3, 8, 2, 128)
+    column = torch.zeros(3, 8, dtype=torch.int32)[:, 0]  # stride 8
+    for slots in (torch.zeros(3, dtype=torch.int32), column, torch.zeros(3, dtype=torch.int64), column.long(),
+                  torch.zeros(3, 8, dtype=torch.int64)[:, 2], torch.zeros(1, 5, dtype=torch.int32)[:, 0].expand(3)):
+        ucache.ucache_verify_flush(None, None, None, -5.0, q, None, None, None, torch.empty(4), slots, None, None,
+                                   None, None, None, 9, 16, 1.0, None)  # fmt: skip
+    layouts = [(e[2]["slot_int64"], e[2]["slots_strided"]) for e in launches if e[0] == "verify"]
+    assert layouts == [(False, False), (False, True), (True, False), (True, False), (True, True), (False, True)]
+    assert _launch.cache_size() == 4
+    _launch.clear_cache()

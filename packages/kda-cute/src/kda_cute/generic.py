@@ -149,6 +149,8 @@ class KDARecurrent:
         tile_v: int,
         aligned: bool,
         null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+        slot_dtype=Int32,  # cutlass type of the slot indices (Int32 or Int64; compared in that width)
+        nat_dtype=Int32,  # and of num_accepted_tokens
     ):
         if head_dim not in GENERIC_HEAD_DIMS:
             raise ValueError(f"head_dim: expected one of {GENERIC_HEAD_DIMS}, got {head_dim}")
@@ -171,6 +173,8 @@ class KDARecurrent:
         self.null_policy = null_policy
         # smallest live slot (docs/design.md §4): 0 under out_of_range, 1 under nonpositive (slot 0 never touched)
         self.first_slot = 1 if null_policy == NullSlotPolicy.NONPOSITIVE else 0
+        self.slot_dtype = slot_dtype
+        self.nat_dtype = nat_dtype
         self.rows = tile_v // self.groups
         self.v_per_lane = (tile_v + self.lanes - 1) // self.lanes  # v values of a token one lane prepares
 
@@ -299,13 +303,17 @@ class KDARecurrent:
                 col = Int32(0)
                 if const_expr(self.has_num_accepted):
                     # clamp first, subtract after: INT_MIN, 0 and negatives read column 0, counts past T_idx the last
-                    nat = Int32(mNumAccepted[n])
-                    col = cutlass.max(cutlass.min(nat, t_idx), Int32(1)) - 1
+                    # (an int64 count clamps in 64 bits, then narrows)
+                    nat = self.nat_dtype(mNumAccepted[n])
+                    col = Int32(cutlass.max(cutlass.min(nat, self.nat_dtype(t_idx)), self.nat_dtype(1)) - 1)
                     if const_expr(self.null_policy == NullSlotPolicy.NONPOSITIVE):
-                        row_ok = (nat >= 1) & (nat <= t_idx)  # vLLM: a count outside [1, T_idx] nulls the row
+                        # vLLM: a count outside [1, T_idx] nulls the row
+                        row_ok = (nat >= self.nat_dtype(1)) & (nat <= self.nat_dtype(t_idx))
                 read_slot = mSlots[n, col]
-            # a null slot (policy, docs/design.md §4) makes the sequence inactive
-            active = row_ok & (read_slot >= self.first_slot) & (read_slot < n_slots)
+            # a null slot (policy, docs/design.md §4) makes the sequence inactive; compared in the indices' width, so
+            # an int64 slot past 2^32 is null rather than wrapped into the pool
+            active = (row_ok & (read_slot >= self.slot_dtype(self.first_slot))
+                      & (read_slot < self.slot_dtype(n_slots)))
 
         state_rows = []
         for _ in cutlass.range_constexpr(self.rows):
@@ -380,11 +388,12 @@ class KDARecurrent:
             for t in cutlass.range(n_here, unroll=1):
                 tok = bos + first + t
                 step = active
-                write_slot = Int32(-1)
+                write_slot = self.slot_dtype(-1)
                 if const_expr(self.state_mode == StateMode.SPEC):
                     if first + t < cute.size(mSlots, mode=[1]):
                         write_slot = mSlots[n, first + t]
-                    step = active & (write_slot >= self.first_slot) & (write_slot < cute.size(mState, mode=[0]))
+                    step = (active & (write_slot >= self.slot_dtype(self.first_slot))
+                            & (write_slot < self.slot_dtype(cute.size(mState, mode=[0]))))
                 if step:
                     cute.autovec_copy(cute.local_tile(sK[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), kf)
                     cute.autovec_copy(cute.local_tile(sQ[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), qf)
@@ -547,6 +556,8 @@ def variant_key(
     tile_v: int,
     aligned: bool,
     null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+    slot_dtype: torch.dtype | None = torch.int32,
+    nat_dtype: torch.dtype | None = torch.int32,
 ) -> tuple:
     """Every code-generation parameter of one variant, in the order ``_compile`` reads them (arch added by
     ``_launch.get_or_compile``). Facts that cannot change the code are normalised so they share one entry."""
@@ -556,20 +567,23 @@ def variant_key(
         store_final = False  # the pool is the final state
     if state_mode != StateMode.SPEC:
         has_num_accepted = False
+    if not has_num_accepted:
+        nat_dtype = None
     if not varlen:
         cu_dtype = None
     if state_mode == StateMode.DENSE:
         null_policy = NullSlotPolicy.OUT_OF_RANGE  # no slot to be null
+        slot_dtype = None
     return (
         "recurrent", int(head_dim), act_dtype, g_dtype, beta_dtype, state_mode, state_dtype, bool(store_final),
         bool(has_num_accepted), bool(varlen), cu_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm),
-        bool(has_dt_bias), int(tile_v), bool(aligned), NullSlotPolicy(null_policy),
+        bool(has_dt_bias), int(tile_v), bool(aligned), NullSlotPolicy(null_policy), slot_dtype, nat_dtype,
     )
 
 
 def _compile(key: tuple, arch: str, extra_options: str = ""):
     (_, K, act_dt, g_dt, beta_dt, state_mode, state_dt, store_final, has_nat, varlen, cu_dt, gate, beta_is_logit,
-     l2norm, has_dt_bias, tile_v, aligned, null_policy) = key
+     l2norm, has_dt_bias, tile_v, aligned, null_policy, slot_dt, nat_dt) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     sym = _launch.sym_size
@@ -591,12 +605,13 @@ def _compile(key: tuple, arch: str, extra_options: str = ""):
             m_final = states(torch.float32, n_seq)
     else:
         m_state = states(state_dt, sym())
+        # index tensors: any strides (a view of a wider table), int32 or int64
         if state_mode == StateMode.POOL:
-            m_slots = _launch.fake_tensor(cutlass.Int32, (n_seq,), (None,), align_bytes=1)
+            m_slots = _launch.fake_tensor(cdt(slot_dt), (n_seq,), (None,), align_bytes=1)
         else:
-            m_slots = _launch.fake_tensor(cutlass.Int32, (n_seq, sym()), (None, None), align_bytes=1)
+            m_slots = _launch.fake_tensor(cdt(slot_dt), (n_seq, sym()), (None, None), align_bytes=1)
             if has_nat:
-                m_nat = _launch.fake_tensor(cutlass.Int32, (n_seq,), (None,), align_bytes=1)
+                m_nat = _launch.fake_tensor(cdt(nat_dt), (n_seq,), (None,), align_bytes=1)
     if varlen:
         m_cu = _launch.fake_tensor(cdt(cu_dt), (sym(),), (None,), align_bytes=1)
     if gate != GateMode.PRECOMPUTED:
@@ -607,6 +622,7 @@ def _compile(key: tuple, arch: str, extra_options: str = ""):
         head_dim=K, state_mode=state_mode, state_dtype=None if state_dt is None else cdt(state_dt),
         store_final=store_final, has_num_accepted=has_nat, varlen=varlen, gate=gate, beta_is_logit=beta_is_logit,
         use_qk_l2norm=l2norm, has_dt_bias=has_dt_bias, tile_v=tile_v, aligned=aligned, null_policy=null_policy,
+        slot_dtype=Int32 if slot_dt is None else cdt(slot_dt), nat_dtype=Int32 if nat_dt is None else cdt(nat_dt),
     )
     return cute.compile(
         kernel,
@@ -664,10 +680,12 @@ def kda_recurrent_fwd(
             contiguous, other strides free.
         A_log: [H] fp32, dt_bias: [H*K] or [H, K] fp32 (optional), lower_bound: float < 0 or None; used when
             ``use_gate_in_kernel`` (else g is the log-space decay).
-        initial_state: the pool [P, HV, V, K] (bf16/fp32, updated in place) with ``ssm_state_indices``; else a dense
-            [N, HV, V, K] initial state or None (zeros).
-        ssm_state_indices: [N] int32 (pool) or [N, T] int32 (spec decode, one checkpoint per token);
-            num_accepted_tokens: [N] int32 (spec decode only).
+        initial_state: the pool [P, HV, V, K] (bf16/fp32, updated in place; inner dims compact, the slot stride any
+            number of elements >= HV*V*K: one that is not a 16-byte multiple takes the unaligned variant) with
+            ``ssm_state_indices``; else a dense [N, HV, V, K] initial state or None (zeros).
+        ssm_state_indices: [N] (pool) or [N, T] (spec decode, one checkpoint per token), int32 or int64, any
+            strides (e.g. a column or a row slice of a wider table); num_accepted_tokens: [N] int32 or int64, any
+            stride (spec decode only). Values are read and bounded in the kernel.
         cu_seqlens: [N + 1] int32/int64 with B == 1 (varlen); values are read in the kernel.
         output: [B, T, HV, V] bf16 or None (allocated).
         config: the launch schedule (:class:`GenericConfig`); None takes :func:`select_config`'s for the call.
@@ -753,7 +771,8 @@ def kda_recurrent_fwd(
         has_num_accepted=num_accepted_tokens is not None, varlen=varlen,
         cu_dtype=None if cu_seqlens is None else cu_seqlens.dtype, gate=gate, beta_is_logit=beta_is_logit,
         use_qk_l2norm=use_qk_l2norm_in_kernel, has_dt_bias=dt_bias is not None, tile_v=cfg.tile_v, aligned=aligned,
-        null_policy=null_policy,
+        null_policy=null_policy, slot_dtype=None if ssm_state_indices is None else ssm_state_indices.dtype,
+        nat_dtype=None if num_accepted_tokens is None else num_accepted_tokens.dtype,
     )
     fn = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(q.device))
     fn(

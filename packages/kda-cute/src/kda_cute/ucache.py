@@ -305,7 +305,9 @@ class UcacheVerifyFlush:
     tile_v: state rows per CTA; softplus_gate: Kimi-Linear gate (lower_bound None) instead of the lower bound;
     aligned: the pool and rings allow 16-byte accesses (else the same code with element-wide accesses);
     min_ctas: the resident-CTA floor asked of ptxas (0 = ``MIN_CTAS_PER_SM[tile_v]``), capped by shared memory;
-    null_policy: which slots make a row inactive (docs/design.md §4; NONPOSITIVE never touches slot 0).
+    null_policy: which slots make a row inactive (docs/design.md §4; NONPOSITIVE never touches slot 0);
+    slot_int64: the slot indices are int64 (compared in 64 bits); slots_strided: their stride is a runtime value
+    (a column of a wider table) instead of 1.
 
     The shared memory is sized for 4 tile-128 CTAs per SM at T=8 w16: the 2T dot products stay in registers across
     the ring correction, so ``sXY`` is only written after it and shares the bytes of the dead x operands (sXb, sXu);
@@ -323,8 +325,12 @@ class UcacheVerifyFlush:
         min_ctas: int = 0,
         has_dt_bias: bool = True,
         null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+        slot_int64: bool = False,
+        slots_strided: bool = False,
     ):
         self.heads = heads
+        self.slot_int64 = slot_int64
+        self.slots_strided = slots_strided
         self.first_slot = 1 if null_policy == NullSlotPolicy.NONPOSITIVE else 0  # smallest live slot
         self.has_dt_bias = has_dt_bias  # False: dt_bias absent (zeros), not read
         self.min_ctas = min_ctas  # resident-CTA floor; 0 = MIN_CTAS_PER_SM[tile_v]
@@ -605,7 +611,11 @@ class UcacheVerifyFlush:
 
         slot = mSlot[bi]
         pool_rows = mPool.shape[0]
-        active = (slot >= self.first_slot) & (slot < pool_rows)  # else null (the policy): an inactive row
+        # else null (the policy): an inactive row; an int64 slot is compared in 64 bits (never wrapped into the pool)
+        if const_expr(self.slot_int64):
+            active = (slot >= Int64(self.first_slot)) & (slot < Int64(pool_rows))
+        else:
+            active = (slot >= self.first_slot) & (slot < pool_rows)
         # Loads that do not depend on the slot are issued with it, before the branch on it (every index is in
         # bounds for an inactive row too), so that their latency overlaps the slot's instead of following it: the
         # cursors, the gate phase's draft inputs and constants, the v tile and beta. ptxas sinks a load below that
@@ -1182,7 +1192,8 @@ def _fakes(cfg: UcacheVerifyFlush):
         vec(f32, H),  # A_log
         vec(f32, H * K) if cfg.has_dt_bias else None,  # dt_bias
         _launch.fake_tensor(bf16, (N, H, K, K), (None, K * K, K, 1), align_bytes=align(bf16)),  # pool
-        vec(i32, B),  # slot indices
+        _launch.fake_tensor(cutlass.Int64 if cfg.slot_int64 else i32, (B,), (None,) if cfg.slots_strided else (1,),
+                            align_bytes=8 if cfg.slot_int64 else 4),  # slot indices
         ring(bf16),  # k_cache
         ring(bf16),  # u_cache
         ring(f32),  # g_cache
@@ -1204,9 +1215,12 @@ def build_ucache_kernel(
     min_ctas: int = 0,
     has_dt_bias: bool = True,
     null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+    slot_int64: bool = False,
+    slots_strided: bool = False,
 ):
     """Compile one configuration against fake tensors (no GPU needed when CUTE_DSL_ARCH is set)."""
-    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, min_ctas, has_dt_bias, null_policy)
+    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, min_ctas, has_dt_bias, null_policy,
+                            slot_int64, slots_strided)
     return cute.compile(
         cfg,
         *_fakes(cfg),
@@ -1229,8 +1243,9 @@ class UcacheRestartCursors:
 
     threads = 128
 
-    def __init__(self, null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE):
+    def __init__(self, null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE, slot_int64: bool = False):
         self.first_slot = 1 if null_policy == NullSlotPolicy.NONPOSITIVE else 0
+        self.slot_int64 = slot_int64
 
     @cute.jit
     def __call__(
@@ -1262,21 +1277,23 @@ class UcacheRestartCursors:
         bidx, _, _ = cute.arch.block_idx()
         i = bidx * self.threads + tidx
         if i < mSlot.shape[0]:
-            slot = mSlot[i]
-            if (slot >= self.first_slot) & (slot < pool_rows):
+            slot = Int64(mSlot[i])  # any index width, compared in 64 bits
+            if (slot >= Int64(self.first_slot)) & (slot < Int64(pool_rows)):
                 P = cutlass.min(cutlass.max(mHist[i], cutlass.Int32(0)), max_hist)  # as the verify kernel clamps
                 if P >= flush_min:
                     mBase[i] = (mBase[i] + P) & (RING_SLOTS - 1)
                     mHist[i] = cutlass.Int32(0)
 
 
-def build_restart_kernel(arch: str, null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE):
+def build_restart_kernel(arch: str, null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+                         slot_int64: bool = False):
     i32 = cutlass.Int32
     B = _launch.sym_size()
     vec = lambda: _launch.fake_tensor(i32, (B,), (1,), align_bytes=4)  # noqa: E731
     return cute.compile(
-        UcacheRestartCursors(null_policy),
-        vec(),
+        UcacheRestartCursors(null_policy, slot_int64),
+        # slot indices: int32 or int64, any stride
+        _launch.fake_tensor(cutlass.Int64 if slot_int64 else i32, (B,), (None,), align_bytes=8 if slot_int64 else 4),
         vec(),
         vec(),
         i32(1),
@@ -1292,8 +1309,9 @@ def restart_cursors(slot_indices, hist_len, cache_base, pool_rows: int, flush_mi
     """Apply the flush part of the commit in place (see :class:`UcacheRestartCursors`); B == 0 launches nothing."""
     if slot_indices.shape[0] == 0:
         return
-    fn = _launch.get_or_compile(("kda_ucache_restart_cursors", null_policy),
-                                lambda arch: build_restart_kernel(arch, null_policy))
+    slot_int64 = slot_indices.dtype == torch.int64
+    fn = _launch.get_or_compile(("kda_ucache_restart_cursors", null_policy, slot_int64),
+                                lambda arch: build_restart_kernel(arch, null_policy, slot_int64))
     fn(slot_indices, hist_len, cache_base, int(pool_rows), int(flush_min), max_hist_len(t_draft, w_ring))
 
 
@@ -1330,9 +1348,11 @@ def ucache_verify_flush(
 
     A_log [H] fp32, dt_bias [H*128] fp32 (contiguous) or None (zeros); q, k, v, g [B, T, H, 128] bf16 (last dim
     contiguous); b [B, T, H] bf16 logits; state_pool [N, H, 128, 128] bf16 (inner dims contiguous, dim-0 stride a
-    multiple of 8); k_cache, u_cache [N, H, 32, 128] bf16 and g_cache fp32 (same rule); slot_indices, hist_len,
-    cache_base [B] int32 contiguous; output [B, T, H, 128] bf16. ``aligned``: every pool/ring pointer and row
-    stride is a multiple of 16 bytes (kda_core's validation says so). The kernel only reads the cursors;
+    multiple of 8 on the aligned variant, any number of elements >= the row on the unaligned one); k_cache, u_cache
+    [N, H, 32, 128] bf16 and g_cache fp32 (same rule); slot_indices [B] int32 or int64, any stride (a column of a
+    wider table); hist_len, cache_base [B] int32 contiguous; output [B, T, H, 128] bf16. ``aligned``: every pointer
+    and row stride of the activations, the pool and the rings is a multiple of 16 bytes (kda_core's validation says
+    so). The kernel only reads the cursors;
     ``restart_hist_on_flush`` then applies the flush part of the commit with a second, one-thread-per-row kernel.
     ``config``: the launch schedule (:class:`UcacheConfig`); None takes :func:`select_config`'s for (B, H).
     ``null_policy``: which slots make a row inactive (docs/design.md §4): ``OUT_OF_RANGE`` (slot < 0 or >= N) or
@@ -1356,13 +1376,15 @@ def ucache_verify_flush(
     cfg = select_config(B, H) if config is None else config
     softplus_gate = lower_bound is None
     has_dt_bias = dt_bias is not None
+    slot_int64 = slot_indices.dtype == torch.int64
+    slots_strided = B > 1 and slot_indices.stride(0) != 1
     key = ("kda_ucache_verify_flush", H, T, w_ring, cfg.tile_v, cfg.floor, softplus_gate, bool(aligned), has_dt_bias,
-           null_policy)  # fmt: skip
+           null_policy, slot_int64, slots_strided)  # fmt: skip
     fn = _launch.get_or_compile(
         key,
         lambda arch: build_ucache_kernel(H, T, w_ring, cfg.tile_v, softplus_gate, bool(aligned), arch,
-                                         min_ctas=cfg.floor, has_dt_bias=has_dt_bias,
-                                         null_policy=null_policy),  # fmt: skip
+                                         min_ctas=cfg.floor, has_dt_bias=has_dt_bias, null_policy=null_policy,
+                                         slot_int64=slot_int64, slots_strided=slots_strided),  # fmt: skip
     )
     args = [q, k, v, g, b, A_log, dt_bias, state_pool, slot_indices, k_cache, u_cache, g_cache, hist_len, cache_base,
             output, float(scale), float(-5.0 if lower_bound is None else lower_bound), int(flush_min)]
