@@ -443,7 +443,7 @@ class UcacheVerifyFlush:
         """Park the draft inputs and the v tile with 16-byte loads (8-channel runs, a CTA barrier after them) instead
         of each gate thread's 2-byte scalars: fewer instructions before the slot branch (kda-core's aligned class
         covers the activations). Only the build it was measured on and does not spill in: aligned, T=8, tile 128, 4
-        resident CTAs (64 registers). H200 (benchmarks/results/ucache_r12_vec_act_h200.json, T=8 w16 H=12,
+        resident CTAs (64 registers). H200, 2026-11 (raw results under benchmarks/results/ at b4da44d; T=8 w16 H=12,
         us at 0 / 100% folds, two alternations, scalar / vector in every aligned build): B=512 114.1-114.7 /
         109.7-109.8 and 180.6-180.9 / 175.6-176.1; B=128 31.06-31.10 / 30.72-30.77 and 47.42 / 48.29-48.32; B=64
         (3 CTAs, 80 registers, where ptxas spilled 12 bytes with it) 16.10-16.19 / 16.86-16.93 and 23.33-23.39 /
@@ -454,18 +454,18 @@ class UcacheVerifyFlush:
     def vector_v(self) -> bool:
         """The 80-register build (aligned, T=8, tile 128, 3 resident CTAs: the schedule's grids under 1536 pairs)
         keeps the draft inputs' scalar loads but reads the v tile as 16-byte runs. H200
-        (benchmarks/results/ucache_r19_vec_v_h200.json, T=8 w16 H=12, two alternations, us at 0 / 100% folds, scalar /
-        16-byte v): B=64 16.22-16.35 / 16.06-16.16 and 23.50-23.55 / 23.36-23.45, B=96 23.81-23.90 / 23.39-23.42 and
-        35.66 / 35.49-35.58, B=8 and B=32 within 0.6%. The tile-64 build (B=1) read 4.26 / 4.32 and 4.86 / 4.99 with
-        it, so it keeps the scalars."""
+        (raw results under benchmarks/results/ at b4da44d; T=8 w16 H=12, two alternations, us at 0 / 100% folds,
+        scalar / 16-byte v): B=64 16.22-16.35 / 16.06-16.16 and 23.50-23.55 / 23.36-23.45, B=96 23.81-23.90 /
+        23.39-23.42 and 35.66 / 35.49-35.58, B=8 and B=32 within 0.6%. The tile-64 build (B=1) read 4.26 / 4.32
+        and 4.86 / 4.99 with it, so it keeps the scalars."""
         floor = self.occupancy().get("min_blocks_per_mp", 0)
         return self.aligned and self.t_draft == 8 and self.tile_v == 128 and floor == 3
 
     def kq_row(self) -> int:
         """Row stride (words) of sK, sQ, sDec: padded by KQ_PAD in the vector-activation build. H200
-        (benchmarks/results/ucache_r15_row_pad_h200.json, us at 0% folds, two alternations, 128 / 132): B=128
+        (raw results under benchmarks/results/ at b4da44d; us at 0% folds, two alternations, 128 / 132): B=128
         30.08-30.14 / 29.68-29.82, B=512 109.84-110.05 / 108.11-108.26. The 80-register build keeps 128: 4 words made
-        ptxas spill 8 bytes there, and 12 (no spill) was slower (ucache_r17_row_pad_3cta_h200.json)."""
+        ptxas spill 8 bytes there, and 12 (no spill) was slower."""
         return HEAD_DIM + (KQ_PAD if self.vector_activations() else 0)
 
     @cute.jit
@@ -906,7 +906,7 @@ class UcacheVerifyFlush:
             # only after the triangles, the others after phase 2b, so the rows' latency hides under that work
             # without holding registers (a register prefetch here spills: 48 bytes at 80 registers, 208 at 64).
             # Quad position q asks for the 128-byte line q % 2 of the warp row pair's row q // 2. H200
-            # (benchmarks/results/ucache_r8_l2_rows_h200.json, T=8 w16 H=12, us at 0 / 100% folds, none /
+            # (raw results under benchmarks/results/ at b4da44d; T=8 w16 H=12, us at 0 / 100% folds, none /
             # triangle warps / every warp): B=64 17.4 / 17.4 / 17.5 and 24.7 / 24.8 / 24.9; B=128 33.6 / 32.5 /
             # 32.0 and 51.2 / 50.0 / 48.8; B=512 122.2 / 117.2 / 115.4-115.7 and 194.1 / 185.3 / 181.2-181.5.
             row_line = gPool[v0 + warp * 16 + g4 + 8 * (q4 // 2), None]
@@ -922,8 +922,8 @@ class UcacheVerifyFlush:
             # applies 1/|k| and scale/|q|. A warp's partial sums (both columns' entries and diagonals) are reduced by
             # one transposing butterfly (_lane_sums: value i lands on lane i, which stores it), not value by value.
             # H200, T=8 w16 H=12, us at 0 / 100% folds, two alternations each, one column per pass with
-            # one butterfly per column / both columns in one pass, benchmarks/results/ucache_r9_tri_pair_h200
-            # .json): B=64 17.47-17.52 / 16.93-16.99 and 24.83-24.86 / 24.29-24.32; B=128 31.77-31.81 / 31.62-31.82
+            # one butterfly per column / both columns in one pass; raw results under benchmarks/results/ at
+            # b4da44d): B=64 17.47-17.52 / 16.93-16.99 and 24.83-24.86 / 24.29-24.32; B=128 31.77-31.81 / 31.62-31.82
             # and 48.62-48.77 / 49.23-49.25; B=512 115.39-115.52 / 114.56-114.72 and 180.89-181.46 / 181.69-181.77.
             for wt in cutlass.range_constexpr(T // 2):
                 if warp == wt:
