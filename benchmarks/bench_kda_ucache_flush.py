@@ -22,12 +22,12 @@ an H200.
     python benchmarks/bench_kda_ucache_flush.py --t 8 --w-ring 16 --batch-size 1 64 512 --fold-pct 0 100 \
         --out /tmp/ucache.json
 
-Schedule sweeps (FLA off, fewer points): ``--tile-v 64 128`` forces the state rows per CTA, ``--variant r2
-four_ctas`` times the kernel variants (kda_cute.ucache.UcacheVerifyFlush) one after the other, ``--min-blocks 3 4``
-the resident-CTA floor asked of ptxas (0: the kernel's table), e.g.
+Schedule sweeps (FLA off, fewer points): ``--tile-v 64 128`` forces the state rows per CTA and ``--min-blocks 3 4``
+the resident-CTA floor asked of ptxas (0: ``kda_cute.ucache.MIN_CTAS_PER_SM`` of the tile); a forced point calls the
+kernel's launcher with that ``kda_cute.ucache.UcacheConfig`` (``config=``), e.g.
 
-    python benchmarks/bench_kda_ucache_flush.py --t 8 --w-ring 16 --batch-size 8 64 512 --fold-pct 0 100 --no-fla \
-        --variant r2 four_ctas --iterations 50 --out /tmp/variants.json
+    python benchmarks/bench_kda_ucache_flush.py --t 8 --w-ring 16 --batch-size 8 64 128 512 --fold-pct 0 100 \
+        --no-fla --tile-v 128 --min-blocks 3 4 --iterations 50 --out /tmp/floors.json
 
 ``--restart-hist-on-flush 1`` adds the one-thread-per-row cursor restart kernel to every timed call (serving stacks
 sharing one cursor set across layers run it once per step instead: the default 0 times the per-layer kernel).
@@ -63,13 +63,11 @@ def parse_args(argv=None):
     p.add_argument("--verify-hist", choices=["uniform", "max"], default="uniform",
                    help="P of the rows that do not fold: uniform in [0, flush_min) or flush_min - 1")
     p.add_argument("--restart-hist-on-flush", type=int, choices=[0, 1], default=0)
-    p.add_argument("--tile-v", type=int, nargs="+", default=[0],
-                   help="state rows per CTA (0 = the schedule policy); several values make a sweep")
-    p.add_argument("--variant", nargs="+", choices=["default", "r2", "four_ctas"], default=["default"],
-                   help="kernel variants to time (default: the launcher's schedule; four_ctas: UcacheVerifyFlush's "
-                        "4-CTA-per-SM layout; r2: the same kernel with four_ctas off)")
+    p.add_argument("--tile-v", type=int, nargs="+", choices=[0, 64, 128], default=[0],
+                   help="state rows per CTA (0 = the schedule policy's); several values make a sweep")
     p.add_argument("--min-blocks", type=int, nargs="+", default=[0],
-                   help="resident-CTA floors asked of ptxas (0 = the kernel's table; sets _FORCE_MIN_BLOCKS)")
+                   help="resident-CTA floors asked of ptxas with a forced tile (0 = the tile's MIN_CTAS_PER_SM; "
+                        "without --tile-v, the schedule's tile is forced)")
     p.add_argument("--cold-l2", action="store_true", help="flush the L2 (256 MiB write) before every iteration")
     p.add_argument("--no-fla", action="store_true", help="skip FLA (e.g. fla-core missing)")
     p.add_argument("--fla-form", nargs="+", choices=list(FLA_FORMS), default=list(FLA_FORMS),
@@ -120,17 +118,19 @@ def make_step(B, T, H, w_ring, flush_min, fold_pct, verify_hist, seed=0):
     )  # fmt: skip
 
 
-def ours_fn(x, w_ring, flush_min, restart, out, tile_v=0):
+def ours_fn(x, w_ring, flush_min, restart, out, config=None):
+    """Ours: the public API, or with ``config`` (a kda_cute.ucache.UcacheConfig) the kernel's launcher itself on the
+    same (well-formed) inputs."""
     from kda_recurrent.ucache import kda_delta_rule_mtp_ucache_flush
 
-    if tile_v:  # a forced schedule: the kernel launcher itself (the inputs are well formed)
+    if config is not None:
         from kda_cute.ucache import ucache_verify_flush
 
         def forced():
             ucache_verify_flush(
                 x["A_log"], x["g"], x["dt_bias"], LOWER_BOUND, x["q"], x["k"], x["v"], x["b"], x["pool"],
                 x["slots"], x["k_cache"], x["u_cache"], x["g_cache"], x["hist_len"], x["cache_base"], flush_min,
-                w_ring, HEAD_DIM**-0.5, out, restart_hist_on_flush=restart, tile_v=tile_v,
+                w_ring, HEAD_DIM**-0.5, out, restart_hist_on_flush=restart, config=config,
             )  # fmt: skip
 
         return forced
@@ -196,14 +196,14 @@ def moved_bytes(x, T, flush_min):
     return B * state + folds * state + int(P.sum()) * ring_row + B * T * ring_row + per_step_io
 
 
-def check_correctness(x, T, w_ring, flush_min, tile_v=0):
+def check_correctness(x, T, w_ring, flush_min, config=None):
     """Ours vs the oracle on copies; raises on mismatch. Returns (output err, state err)."""
     from kda_core.oracle import ucache_verify_flush_ref
 
     mine = {n: t.clone() for n, t in x.items()}
     ref = {n: t.clone() for n, t in x.items()}
     out = torch.empty_like(x["v"])
-    ours_fn(mine, w_ring, flush_min, True, out, tile_v)()
+    ours_fn(mine, w_ring, flush_min, True, out, config)()
     expected = ucache_verify_flush_ref(
         ref["A_log"], ref["g"], ref["dt_bias"], LOWER_BOUND, q=ref["q"], k=ref["k"], v=ref["v"], b=ref["b"],
         initial_state_source=ref["pool"], initial_state_indices=ref["slots"], k_cache=ref["k_cache"],
@@ -239,10 +239,9 @@ def main(argv=None):
     flush = _timing.L2Flusher() if args.cold_l2 else None
     records = []
 
-    from kda_cute import ucache
-    from kda_cute.ucache import default_tile_v
+    from kda_cute.ucache import UcacheConfig, select_config
 
-    schedules = list(itertools.product(args.tile_v, args.variant, args.min_blocks))
+    schedules = list(itertools.product(args.tile_v, args.min_blocks))
     shapes = list(itertools.product(args.t, args.w_ring))
     total = len(shapes) * len(args.batch_size) * len(args.fold_pct) * len(schedules)
     done = 0
@@ -251,17 +250,18 @@ def main(argv=None):
         flush_min = args.flush_min or default_flush_min(T, w_ring)
         fla_us = fla_times.setdefault((T, B), {})
         for fold_pct in args.fold_pct:
-            for tile_v, variant, min_blocks in schedules:
-                ucache._FORCE_FOUR_CTAS = {"default": None, "r2": False, "four_ctas": True}[variant]
-                ucache._FORCE_MIN_BLOCKS = min_blocks  # both hooks are in the compile key
+            for tile_v, min_blocks in schedules:
+                config = None  # the public API and the schedule policy
+                if tile_v or min_blocks:
+                    config = UcacheConfig(tile_v or select_config(B, H).tile_v, min_blocks)
+                used = config or select_config(B, H)
                 x = make_step(B, T, H, w_ring, flush_min, fold_pct, args.verify_hist, seed=B * 101 + fold_pct)
-                used_tile = tile_v or default_tile_v(B, H)
                 check = None
                 if B <= args.check_max_batch:
-                    check = check_correctness(x, T, w_ring, flush_min, tile_v)
+                    check = check_correctness(x, T, w_ring, flush_min, config)
                 nbytes = moved_bytes(x, T, flush_min)
                 out = torch.empty_like(x["v"])
-                calls = {"ours": ours_fn(x, w_ring, flush_min, bool(args.restart_hist_on_flush), out, tile_v),
+                calls = {"ours": ours_fn(x, w_ring, flush_min, bool(args.restart_hist_on_flush), out, config),
                          "copy": _timing.copy_roofline(nbytes)}
                 for form in args.fla_form if with_fla and not fla_us else ():
                     try:
@@ -278,8 +278,8 @@ def main(argv=None):
                                                          flush=flush))
                          for name, fn in graphs.items()}
                 fla_us.update({k.split()[1]: v for k, v in times.items() if k.startswith("fla ")})
-                rec = dict(B=B, T=T, H=H, w_ring=w_ring, flush_min=flush_min, fold_pct=fold_pct, tile_v=used_tile,
-                           tile_v_forced=tile_v, variant=variant, min_blocks_forced=min_blocks,
+                rec = dict(B=B, T=T, H=H, w_ring=w_ring, flush_min=flush_min, fold_pct=fold_pct, tile_v=used.tile_v,
+                           min_ctas_asked=used.floor, tile_v_forced=tile_v, min_blocks_forced=min_blocks,
                            mean_hist_len=float(x["hist_len"].float().mean()), verify_hist=args.verify_hist,
                            restart_hist_on_flush=bool(args.restart_hist_on_flush), cold_l2=args.cold_l2,
                            ours_us=times["ours"], fla_spec_us=None,
@@ -294,8 +294,8 @@ def main(argv=None):
                 run.checkpoint(records)
                 done += 1
                 fla_txt = "".join(f"fla {k} {v:8.2f} us ({v / times['ours']:.1f}x)  " for k, v in fla_us.items())
-                _baseline.progress(done, total, f"T={T} w={w_ring} B={B:4d} fold={fold_pct:3d}% tile {used_tile:3d} "
-                                   f"{variant}{f' min-blocks {min_blocks}' if min_blocks else ''}  "
+                _baseline.progress(done, total, f"T={T} w={w_ring} B={B:4d} fold={fold_pct:3d}% tile {used.tile_v:3d} "
+                                   f"floor {used.floor}{' (forced)' if config else ''}  "
                                    f"ours {times['ours']:8.2f} us ({rec['ours_TBps']:.2f} TB/s)  {fla_txt}"
                                    f"copy {times['copy']:8.2f} us")
                 del x, graphs, calls

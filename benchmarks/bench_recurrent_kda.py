@@ -19,6 +19,13 @@ benchmarks/baselines/<gpu>/recurrent_kda.{json,png}; about two minutes on an H20
 
     python benchmarks/bench_recurrent_kda.py                                            # the baseline
     python benchmarks/bench_recurrent_kda.py --parts spec --spec-batch 64 512 --out /tmp/spec.json
+
+Schedule sweep of the generic kernel: ``--tile-v 8 16 32 64`` times each tile (``kda_cute.generic.GenericConfig``,
+passed as ``config=`` to ``kda_recurrent_fwd`` on the facade-validated inputs; 0 = the facade, whose kernel takes the
+schedule policy's tile) at every spec / prefill point; FLA and the copy are timed once per point, e.g.
+
+    python benchmarks/bench_recurrent_kda.py --parts spec --spec-batch 1 8 16 64 512 --tile-v 8 16 32 64 --no-fla \
+        --out /tmp/tiles.json
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--spec-batch", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 512])
     p.add_argument("--prefill-t", type=int, nargs="+", default=[16, 64])
     p.add_argument("--prefill-batch", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--tile-v", type=int, nargs="+", choices=[0, 8, 16, 32, 64], default=[0],
+                   help="generic kernel tiles to time (0 = the facade and the schedule policy's tile)")
     p.add_argument("--iterations", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--eager-calls", type=int, default=2000, help="calls per round of the host-overhead figures")
@@ -177,26 +186,42 @@ def prefill_case(B, T, H, gen):
     return x, h0, kw, fla_kw, state_bytes
 
 
+def ours_fn(tile_v, qkvgb, kw):
+    """Ours on the given inputs: the facade (tile_v 0), or the generic kernel with that tile forced (the inputs are
+    the facade-validated ones, so the kernel's entry is called directly with ``config=``)."""
+    from kda_recurrent import facade
+
+    if not tile_v:
+        return functools.partial(facade.recurrent_kda, *qkvgb, **kw)
+    from kda_cute.generic import GenericConfig, kda_recurrent_fwd
+
+    return functools.partial(kda_recurrent_fwd, *qkvgb, config=GenericConfig(tile_v), **kw)
+
+
 def bench_kernels(part, args, timer, fla_fwd, flusher, keep):
     from kda_core.oracle import recurrent_kda_ref
+    from kda_cute.generic import select_config
     from kda_recurrent import facade
 
     H = args.heads
     ts, batches = (args.spec_t, args.spec_batch) if part == "spec" else (args.prefill_t, args.prefill_batch)
-    configs = [(T, B) for T in ts for B in batches]
+    configs = [(T, B, tile) for T in ts for B in batches for tile in args.tile_v]
     records = []
-    for i, (T, B) in enumerate(configs, 1):
+    fla_us = {}  # (T, B) -> FLA's and the copy's times: they do not depend on our tile
+    for i, (T, B, tile) in enumerate(configs, 1):
         gen = torch.Generator(device="cuda").manual_seed(1000 * T + B)
         build = spec_case if part == "spec" else prefill_case
         x, state, kw, fla_kw, nbytes = build(B, T, H, gen)
         qkvgb = (x["q"], x["k"], x["v"], x["g"], x["beta"])
         out = torch.empty(B, T, H, K, dtype=torch.bfloat16, device="cuda")
-        rec = dict(part=part, T=T, B=B, H=H)
+        rec = dict(part=part, T=T, B=B, H=H, tile_v=tile or select_config(B * H, K).tile_v, tile_v_forced=tile)
         rec["path"] = facade.explain(*qkvgb, initial_state=state, **kw).path.value
+        if tile and rec["path"] != "generic":
+            raise SystemExit(f"--tile-v {tile}: the {part} T={T} B={B} point takes the {rec['path']} path")
 
         # correctness on copies: ours vs FLA vs oracle
         ours_state = state.clone()
-        o, ours_final = facade.recurrent_kda(*qkvgb, initial_state=ours_state, output=out.clone(), **kw)
+        o, ours_final = ours_fn(tile, qkvgb, dict(kw, initial_state=ours_state, output=out.clone()))()
         if part == "spec":
             ours_final = ours_state
         if fla_fwd is not None:
@@ -213,24 +238,30 @@ def bench_kernels(part, args, timer, fla_fwd, flusher, keep):
 
         # timing: CUDA-graph replays on scratch state (spec: pool mutated in place each replay, like serving)
         work = state.clone()
-        ours = functools.partial(facade.recurrent_kda, *qkvgb, initial_state=work, output=out, **kw)
+        ours = ours_fn(tile, qkvgb, dict(kw, initial_state=work, output=out))
         rec["ours_us"] = time_graph(timer, ours, args, flusher)
-        if fla_fwd is not None:
-            fla = functools.partial(fla_fwd, *qkvgb, initial_state=state.clone(), out=torch.empty_like(out), **fla_kw)
-            rec["fla_us"] = time_graph(timer, fla, args, flusher)
+        if (T, B) not in fla_us:
+            times = fla_us[(T, B)] = {}
+            if fla_fwd is not None:
+                fla = functools.partial(fla_fwd, *qkvgb, initial_state=state.clone(), out=torch.empty_like(out),
+                                        **fla_kw)
+                times["fla_us"] = time_graph(timer, fla, args, flusher)
+            times["copy_us"] = time_graph(timer, _timing.copy_roofline(nbytes), args, flusher)
+        rec.update(fla_us[(T, B)])
+        if "fla_us" in rec:
             rec["ours_over_fla"] = rec["ours_us"] / rec["fla_us"]
-        rec["copy_us"] = time_graph(timer, _timing.copy_roofline(nbytes), args, flusher)
         rec["state_gb_per_s"] = nbytes / rec["ours_us"] / 1e3
         records.append(rec)
         keep(rec)
         del x, state, work, ours
         ratio = f"{rec['ours_over_fla']:.2f}x FLA" if "ours_over_fla" in rec else "no FLA"
-        _baseline.progress(i, len(configs), f"{part} T={T:>2} B={B:>4}: ours {rec['ours_us']:8.1f} us ({ratio}), "
+        _baseline.progress(i, len(configs), f"{part} T={T:>2} B={B:>4} tile {rec['tile_v']:>2}"
+                           f"{' (forced)' if tile else ''}: ours {rec['ours_us']:8.1f} us ({ratio}), "
                            f"copy {rec['copy_us']:7.1f} us, err vs FLA {rec.get('max_err_vs_fla', float('nan')):.2e}, "
                            f"vs oracle {rec.get('max_err_vs_oracle', float('nan')):.2e}, path {rec['path']}"
                            f"{'  CHECK FAILED' if 'check_failed' in rec else ''}")
     if part == "spec":
-        big = [r for r in records if r["B"] >= 64 and r["T"] == 8 and "ours_over_fla" in r]
+        big = [r for r in records if r["B"] >= 64 and r["T"] == 8 and "ours_over_fla" in r and not r["tile_v_forced"]]
         if big:
             worst = max(r["ours_over_fla"] for r in big)
             verdict = "met" if worst <= 0.8 else "MISSED"
@@ -271,8 +302,15 @@ def main(argv=None):
     for part in ("spec", "prefill"):
         if part in args.parts:
             part_records = bench_kernels(part, args, timer, fla_fwd, flusher, keep)
-            panels.append(dict(records=part_records, x="B", series=series, group="T",
-                               ylabel="kernel time per call (us)", title=part))
+            if len(args.tile_v) == 1:
+                panels.append(dict(records=part_records, x="B", series=series, group="T",
+                                   ylabel="kernel time per call (us)", title=part))
+            else:  # a tile sweep: one panel per T, one line per tile
+                for T in sorted({r["T"] for r in part_records}):
+                    panels.append(dict(records=[r for r in part_records if r["T"] == T], x="B",
+                                       series={"ours": "ours_us", "FLA": "fla_us"}, group="tile_v_forced",
+                                       shared=("FLA",), ylabel="kernel time per call (us)",
+                                       title=f"{part} T={T}, by forced tile (0 = schedule)"))
     run.save(records)
     run.plot(panels, title=f"recurrent_kda, H={args.heads}, K=V=128, {_timing.gpu_name()}")
     failed = [r for r in records if "check_failed" in r]

@@ -57,8 +57,9 @@ def make_pool(N, HV, K=128, dtype=torch.bfloat16, *, seed=1, row_pad=0):
     return storage.as_strided((N, HV, K, K), (HV * K * K + row_pad, K * K, K, 1))
 
 
-def run_both(inputs, **state_kw):
-    """(kernel (o, final), oracle (o, final)); pools are cloned so that each side updates its own copy."""
+def run_both(inputs, config=None, **state_kw):
+    """(kernel (o, final), oracle (o, final)); pools are cloned so that each side updates its own copy.
+    ``config``: the kernel's schedule (None: its schedule policy's)."""
     from kda_core.oracle import recurrent_kda_ref
     from kda_cute.generic import kda_recurrent_fwd
 
@@ -70,7 +71,7 @@ def run_both(inputs, **state_kw):
         return kw
 
     ref = recurrent_kda_ref(**inputs, **args(clone=True))
-    out = kda_recurrent_fwd(**inputs, **args(clone=False))
+    out = kda_recurrent_fwd(**inputs, **args(clone=False), config=config)
     torch.cuda.synchronize()
     return out, ref
 
@@ -183,18 +184,17 @@ def test_batch_sizes_across_the_schedule_table_match_oracle(B):
 
 
 @pytest.mark.parametrize("K, tile_v", [(128, t) for t in (8, 16, 32, 64)] + [(64, t) for t in (16, 32, 64)])
-def test_every_tile_matches_oracle_in_spec_decode(K, tile_v, monkeypatch):
+def test_every_tile_matches_oracle_in_spec_decode(K, tile_v):
     from kda_cute import generic
 
     assert tile_v in generic.tile_v_choices(K)
-    monkeypatch.setattr(generic, "select_config", lambda n_states, head_dim: generic.RecurrentConfig(tile_v))
     B, T, H, N = 3, 4, 4, 16
     inputs = make_inputs(B, T, H, K=K, seed=tile_v + K)
     pool = make_pool(N, H, K=K)
     slots = torch.randperm(N, generator=_gen(tile_v), device=DEV)[: B * T].view(B, T).to(torch.int32)
     accepted = torch.tensor([2, 4, 1], dtype=torch.int32, device=DEV)
-    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=slots,
-                                         num_accepted_tokens=accepted)
+    (o, _), (ref_o, ref_pool) = run_both(inputs, generic.GenericConfig(tile_v), initial_state=pool,
+                                         ssm_state_indices=slots, num_accepted_tokens=accepted)
     assert_output_close(o, ref_o)
     assert_state_close(pool, ref_pool)
 
@@ -597,3 +597,255 @@ def test_absent_dt_bias_is_zeros(gate):
     torch.cuda.synchronize()
     assert_output_close(o, ref_o)
     assert_state_close(pool, ref_pool)
+
+
+# --------------------------------------------------------------------------------------------------
+# null-slot policies (docs/design.md §4): the oracle knows out_of_range only, so the reference maps every entry that
+# is null under the policy to -1 first (and, under nonpositive, the whole index row of a spec-decode sequence whose
+# num_accepted_tokens lies outside [1, T_idx])
+# --------------------------------------------------------------------------------------------------
+
+
+def reference_indices(indices, N, policy, num_accepted=None):
+    """The indices today's (out_of_range) oracle must see to compute what the kernel computes under ``policy``."""
+    from kda_core.contracts import NullSlotPolicy
+
+    ref = indices.clone().long()
+    first = 1 if policy == NullSlotPolicy.NONPOSITIVE else 0
+    ref[(ref < first) | (ref >= N)] = -1
+    if policy == NullSlotPolicy.NONPOSITIVE and ref.dim() == 2 and num_accepted is not None:
+        nat = num_accepted.long()
+        ref[(nat < 1) | (nat > ref.shape[1])] = -1
+    return ref
+
+
+POLICIES = ["out_of_range", "nonpositive"]
+
+
+def _policy(name):
+    from kda_core.contracts import NullSlotPolicy
+
+    return NullSlotPolicy(name)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_pool_call_under_each_null_policy_matches_oracle(policy, pool_dtype):
+    from kda_core.oracle import recurrent_kda_ref
+    from kda_cute.generic import kda_recurrent_fwd
+
+    policy = _policy(policy)
+    B, T, H, N = 6, 3, 4, 9
+    inputs = make_inputs(B, T, H, seed=90)
+    pool = make_pool(N, H, dtype=pool_dtype)
+    before = pool.clone()
+    slots = torch.tensor([0, 3, -1, N, 5, 8], dtype=torch.int32, device=DEV)
+    ref_o, ref_pool = recurrent_kda_ref(**inputs, initial_state=pool.clone(),
+                                        ssm_state_indices=reference_indices(slots, N, policy))
+    out = torch.full((B, T, H, 128), 7.0, dtype=torch.bfloat16, device=DEV)
+    kda_recurrent_fwd(**inputs, initial_state=pool, ssm_state_indices=slots, output=out, null_policy=policy)
+    torch.cuda.synchronize()
+    assert_output_close(out, ref_o)
+    assert_state_close(pool, ref_pool)
+    null_rows = [0, 2, 3] if policy.value == "nonpositive" else [2, 3]
+    assert torch.count_nonzero(out[null_rows]) == 0
+    # nonpositive: slot 0 bitwise untouched; out_of_range: row 0 owns it and writes it
+    assert torch.equal(pool[0], before[0]) == (policy.value == "nonpositive")
+    untouched = [s for s in range(N) if s not in (0, 3, 5, 8)]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("with_nat", [True, False], ids=["nat", "no-nat"])
+def test_spec_decode_under_each_null_policy_matches_oracle(policy, with_nat):
+    from kda_core.oracle import recurrent_kda_ref
+    from kda_cute.generic import kda_recurrent_fwd
+
+    policy = _policy(policy)
+    B, T, H, N = 7, 4, 4, 40
+    inputs = make_inputs(B, T, H, seed=91)
+    pool = make_pool(N, H)
+    before = pool.clone()
+    slots = (torch.randperm(N - 1, generator=_gen(91), device=DEV)[: B * T] + 1).view(B, T).to(torch.int32)
+    slots[1, 2] = 0  # a write slot 0: a skipped token under nonpositive, a checkpoint under out_of_range
+    if policy.value == "nonpositive":  # (under out_of_range a second 0 would be a duplicate live slot)
+        slots[3, 0] = 0  # the read slot of row 3 (nat 1, or no nat): row 3 is null
+    slots[6, 1] = -1  # null under both
+    accepted = torch.tensor([0, 2, T + 1, 1, T, -3, 3], dtype=torch.int32, device=DEV)  # rows 0, 2, 5: nonpositive null
+    nat = accepted if with_nat else None
+    ref_pool = pool.clone()
+    ref_o, ref_pool = recurrent_kda_ref(**inputs, initial_state=ref_pool,
+                                        ssm_state_indices=reference_indices(slots, N, policy, nat),
+                                        num_accepted_tokens=nat)
+    o, _ = kda_recurrent_fwd(**inputs, initial_state=pool, ssm_state_indices=slots, num_accepted_tokens=nat,
+                             null_policy=policy)
+    torch.cuda.synchronize()
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+    if policy.value == "nonpositive":
+        assert torch.equal(pool[0], before[0])
+        null_rows = [0, 2, 3, 5] if with_nat else [3]
+        assert torch.count_nonzero(o[null_rows]) == 0
+        assert torch.count_nonzero(o[1, 2]) == 0  # the token whose write slot is 0 was skipped
+    else:
+        assert not torch.equal(pool[0], before[0])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_varlen_pool_call_under_each_null_policy_matches_oracle(policy):
+    from kda_core.oracle import recurrent_kda_ref
+    from kda_cute.generic import kda_recurrent_fwd
+
+    policy = _policy(policy)
+    cu = torch.tensor([0, 2, 2, 7, 12], dtype=torch.int32, device=DEV)
+    N = 6
+    inputs = make_inputs(1, 12, 4, 8, seed=92)
+    pool = make_pool(N, 8, row_pad=16)
+    before = pool.clone()
+    slots = torch.tensor([4, 1, 0, 5], dtype=torch.int32, device=DEV)
+    ref_o, ref_pool = recurrent_kda_ref(**inputs, initial_state=pool.clone(), cu_seqlens=cu,
+                                        ssm_state_indices=reference_indices(slots, N, policy))
+    o, _ = kda_recurrent_fwd(**inputs, initial_state=pool, ssm_state_indices=slots, cu_seqlens=cu,
+                             null_policy=policy)
+    torch.cuda.synchronize()
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+    assert torch.equal(pool[0], before[0]) == (policy.value == "nonpositive")
+
+
+# --------------------------------------------------------------------------------------------------
+# layouts the engines pass (docs/serving.md), never rejected by the kernel: any pool slot stride, strided and int64
+# index tensors, strided beta and gate views
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("mode", ["pool", "spec"])
+def test_a_pool_slot_stride_of_any_element_count_takes_the_unaligned_variant(pool_dtype, mode):
+    from kda_cute import _launch
+
+    B, T, H, N = 3, 4, 4, 16
+    inputs = make_inputs(B, T, H, seed=100)
+    pool = make_pool(N, H, dtype=pool_dtype, row_pad=17)  # slot stride H*V*K + 17 elements
+    assert pool.stride(0) == H * 128 * 128 + 17 and _launch.alignment_of(pool) < _launch.VECTOR_BYTES
+    before = pool.clone()
+    if mode == "pool":
+        kw = dict(ssm_state_indices=torch.tensor([5, 0, 15], dtype=torch.int32, device=DEV))
+        written = [5, 0, 15]
+    else:
+        slots = torch.randperm(N, generator=_gen(100), device=DEV)[: B * T].view(B, T).to(torch.int32)
+        kw = dict(ssm_state_indices=slots, num_accepted_tokens=torch.tensor([2, 4, 1], dtype=torch.int32, device=DEV))
+        written = slots.flatten().tolist()
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, **kw)
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+    untouched = [s for s in range(N) if s not in written]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_strided_int32_index_views_match_oracle():
+    # 1-D: column 0 of a [B, 8] table (stride 8); 2-D: the first T columns of a wider table (free row stride), with
+    # num_accepted_tokens a strided view too
+    B, T, H, N = 4, 3, 4, 40
+    inputs = make_inputs(B, T, H, seed=101)
+    table = torch.zeros(B, 8, dtype=torch.int32, device=DEV)
+    table[:, 0] = torch.tensor([7, 2, 30, 11], dtype=torch.int32)
+    column = table[:, 0]
+    assert column.stride() == (8,)
+    pool = make_pool(N, H)
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=column)
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+
+    block_table = torch.randperm(N, generator=_gen(101), device=DEV)[: B * (T + 3)].view(B, T + 3).to(torch.int32)
+    slots = block_table[:, :T]
+    counts = torch.tensor([[1, 0], [3, 0], [2, 0], [1, 0]], dtype=torch.int32, device=DEV)[:, 0]
+    assert slots.stride() == (T + 3, 1) and counts.stride() == (2,)
+    pool = make_pool(N, H)
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=slots,
+                                         num_accepted_tokens=counts)
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+
+
+@pytest.mark.parametrize("mode", ["pool", "spec"])
+def test_int64_indices_match_oracle_and_a_slot_past_2_32_is_null(mode):
+    B, T, H, N = 4, 3, 4, 30
+    inputs = make_inputs(B, T, H, seed=102)
+    pool = make_pool(N, H)
+    before = pool.clone()
+    if mode == "pool":
+        slots = torch.tensor([2**32 + 1, 4, 9, -(2**40)], dtype=torch.int64, device=DEV)  # low 32 bits of row 0: 1
+        kw = dict(ssm_state_indices=slots)
+        ref_kw = dict(ssm_state_indices=torch.where((slots >= 0) & (slots < N), slots, -1))
+    else:
+        slots = torch.randperm(N - 2, generator=_gen(102), device=DEV)[: B * T].view(B, T).to(torch.int64) + 2
+        slots[1, 1] = 2**32 + 1  # a write slot whose low 32 bits name slot 1: skipped
+        nat = torch.tensor([1, 3, 2**33 + 2, -(2**33)], dtype=torch.int64, device=DEV)  # 64-bit clamps
+        kw = dict(ssm_state_indices=slots, num_accepted_tokens=nat)
+        ref_kw = dict(ssm_state_indices=torch.where(slots < N, slots, -1),
+                      num_accepted_tokens=torch.tensor([1, 3, T, 1], dtype=torch.int64, device=DEV))
+    from kda_core.oracle import recurrent_kda_ref
+    from kda_cute.generic import kda_recurrent_fwd
+
+    ref_o, ref_pool = recurrent_kda_ref(**inputs, initial_state=pool.clone(), **ref_kw)
+    o, _ = kda_recurrent_fwd(**inputs, initial_state=pool, **kw)
+    torch.cuda.synchronize()
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+    assert torch.equal(pool[:2], before[:2])  # never touched through a wrapped index
+
+
+def test_strided_beta_and_gate_views_match_oracle():
+    B, T, H, K = 3, 4, 4, 128
+    inputs = make_inputs(B, T, H, seed=103)
+    gen = _gen(103)
+    wide_beta = torch.randn(B, T, 2 * H + 1, generator=gen, device=DEV).bfloat16()
+    inputs["beta"] = wide_beta[..., 1 : 2 * H + 1 : 2]  # head stride 2, token stride 2H + 1
+    wide_g = torch.randn(B, T, H, K + 8, generator=gen, device=DEV).bfloat16()
+    inputs["g"] = wide_g[..., :K]  # channels contiguous, head stride K + 8
+    assert not inputs["beta"].is_contiguous() and not inputs["g"].is_contiguous()
+    pool = make_pool(5, H)
+    slots = torch.tensor([4, 1, 2], dtype=torch.int32, device=DEV)
+    (o, _), (ref_o, ref_pool) = run_both(inputs, initial_state=pool, ssm_state_indices=slots)
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+
+
+def test_a_vllm_style_spec_decode_call_matches_oracle():
+    # docs/serving.md: flattened tokens with cu_seqlens, q, k, v views of one packed row, the indices a row slice of
+    # a block table (int32, free row stride), num_accepted_tokens, block 0 reserved (nonpositive), padding rows
+    # with all-null index rows and zero-length segments, a pool whose slot stride is not a 16-byte multiple.
+    from kda_core.contracts import NullSlotPolicy
+    from kda_core.oracle import recurrent_kda_ref
+    from kda_cute.generic import kda_recurrent_fwd
+
+    S, H, K, N = 3, 4, 128, 48  # 1 + S tokens per request
+    lens = [4, 4, 2, 0, 0]  # two full requests, a short one, two padding rows
+    n = len(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    ntok = int(cu[-1])
+    gen = _gen(104)
+    packed = torch.randn(1, ntok, 3 * H * K + 8, generator=gen, device=DEV).bfloat16()
+    q, k, v = (packed[..., i * H * K : (i + 1) * H * K].view(1, ntok, H, K) for i in range(3))
+    inputs = make_inputs(1, ntok, H, seed=104)
+    inputs.update(q=q, k=k, v=v)
+    table = torch.zeros(n, 1 + S + 4, dtype=torch.int32, device=DEV)
+    table[:3, : 1 + S] = (torch.randperm(N - 1, generator=gen, device=DEV)[: 3 * (1 + S)] + 1).view(3, 1 + S)
+    table[2, 2:] = 0  # the short request's unused columns
+    slots = table[:, : 1 + S]
+    nat = torch.tensor([2, 0, 1, 1, 1], dtype=torch.int32, device=DEV)  # request 1: nat 0, a null row
+    pool = make_pool(N, H, dtype=torch.float32, row_pad=17)
+    before = pool.clone()
+    ref = reference_indices(slots, N, NullSlotPolicy.NONPOSITIVE, nat)
+    ref_o, ref_pool = recurrent_kda_ref(**inputs, initial_state=pool.clone(), ssm_state_indices=ref, cu_seqlens=cu,
+                                        num_accepted_tokens=nat)
+    o, _ = kda_recurrent_fwd(**inputs, initial_state=pool, ssm_state_indices=slots, cu_seqlens=cu,
+                             num_accepted_tokens=nat, null_policy=NullSlotPolicy.NONPOSITIVE)
+    torch.cuda.synchronize()
+    assert_output_close(o, ref_o)
+    assert_state_close(pool, ref_pool)
+    assert torch.equal(pool[0], before[0])
+    assert torch.count_nonzero(o[:, 4:8]) == 0
+    untouched = [x for x in range(N) if x not in set(slots[[0, 2]].flatten().tolist())]
+    assert torch.equal(pool[untouched], before[untouched])  # slot 0 and request 1's slots included

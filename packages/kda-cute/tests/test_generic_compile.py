@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from kda_core.contracts import GateMode
+from kda_core.contracts import GateMode, NullSlotPolicy
 from kda_cute import generic as R
 
 ARCHS = ("sm_90a", "sm_100a")
@@ -23,7 +23,8 @@ BASE = dict(
     head_dim=128, act_dtype=torch.bfloat16, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
     state_mode=R.StateMode.SPEC, state_dtype=torch.bfloat16, store_final=False, has_num_accepted=True,
     varlen=False, cu_dtype=None, gate=GateMode.LOWER_BOUND, beta_is_logit=True, use_qk_l2norm=True,
-    has_dt_bias=True, tile_v=32, aligned=True,
+    has_dt_bias=True, tile_v=32, aligned=True, null_policy=NullSlotPolicy.OUT_OF_RANGE, slot_dtype=torch.int32,
+    nat_dtype=torch.int32,
 )
 
 STATE_CONFIGS = {
@@ -59,6 +60,16 @@ def _variants():
         "fp32-act-gate-beta": dict(act_dtype=torch.float32, g_dtype=torch.float32, beta_dtype=torch.float32),
         "fp16-act": dict(act_dtype=torch.float16),
         "precomputed-fp32-g": dict(gate=GateMode.PRECOMPUTED, g_dtype=torch.float32, beta_dtype=torch.float32),
+        # the nonpositive null-slot policy (vLLM) in every mode that reads slots
+        "nonpositive-spec-nat": dict(null_policy=NullSlotPolicy.NONPOSITIVE),
+        "nonpositive-spec-nonat-varlen": dict(null_policy=NullSlotPolicy.NONPOSITIVE, has_num_accepted=False,
+                                              varlen=True, cu_dtype=torch.int32),
+        "nonpositive-pool-fp32-unaligned": dict(null_policy=NullSlotPolicy.NONPOSITIVE, state_mode=R.StateMode.POOL,
+                                                state_dtype=torch.float32, aligned=False),
+        # int64 indices (SGLang, FlashInfer): slots of both modes and the accepted counts
+        "int64-spec-slots-nat": dict(slot_dtype=torch.int64, nat_dtype=torch.int64),
+        "int64-pool-varlen": dict(slot_dtype=torch.int64, state_mode=R.StateMode.POOL, varlen=True,
+                                  cu_dtype=torch.int64),
     }
     for name, flag in flags.items():
         out[name] = {**BASE, **flag}
@@ -95,13 +106,27 @@ def test_largest_tile_does_not_spill(K, aligned, arch, tmp_path, ptxas):
     assert registers <= 255
 
 
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int64_indices_at_the_largest_tile_do_not_spill(arch, tmp_path, ptxas):
+    # The register high-water variant of K=128 (as above) with int64 slot indices and counts: a 64-bit write slot per
+    # token and 64-bit compares.
+    variant = {**BASE, "tile_v": R.tile_v_choices(128)[-1], "act_dtype": torch.float32, "gate": GateMode.SOFTPLUS,
+               "state_dtype": torch.float32, "varlen": True, "cu_dtype": torch.int64, "slot_dtype": torch.int64,
+               "nat_dtype": torch.int64, "null_policy": NullSlotPolicy.NONPOSITIVE}
+    R.compile_variant(R.variant_key(**variant), arch, f"--keep-ptx --dump-dir {tmp_path}")
+    (ptx,) = list(tmp_path.glob("*.ptx"))
+    registers, spills = ptxas.registers_and_spills(ptx, arch)
+    assert spills == 0 and registers <= 255, f"{registers} registers, {spills} bytes of spill traffic"
+
+
 def test_every_code_generation_parameter_changes_the_cache_key():
     base_key = R.variant_key(**BASE)
     changes = dict(
         head_dim=64, act_dtype=torch.float32, g_dtype=torch.float32, beta_dtype=torch.float32,
         state_mode=R.StateMode.POOL, state_dtype=torch.float32, has_num_accepted=False, varlen=True,
         gate=GateMode.SOFTPLUS, beta_is_logit=False, use_qk_l2norm=False, has_dt_bias=False, tile_v=16,
-        aligned=False,
+        aligned=False, null_policy=NullSlotPolicy.NONPOSITIVE, slot_dtype=torch.int64, nat_dtype=torch.int64,
     )
     assert set(changes) | {"store_final", "cu_dtype"} == set(BASE)
     for name, value in changes.items():
@@ -119,6 +144,11 @@ def test_facts_that_cannot_change_the_code_share_one_cache_entry():
     assert R.variant_key(**{**pool, "has_num_accepted": True}) == R.variant_key(**{**pool, "has_num_accepted": False})
     assert R.variant_key(**{**pool, "store_final": True}) == R.variant_key(**{**pool, "store_final": False})
     assert R.variant_key(**{**BASE, "cu_dtype": torch.int64}) == R.variant_key(**BASE)  # not varlen
+    dense = {**BASE, "state_mode": R.StateMode.DENSE}  # no slot to be null, no index to read
+    assert R.variant_key(**{**dense, "null_policy": NullSlotPolicy.NONPOSITIVE}) == R.variant_key(**dense)
+    assert R.variant_key(**{**dense, "slot_dtype": torch.int64}) == R.variant_key(**dense)
+    no_nat = {**BASE, "has_num_accepted": False}
+    assert R.variant_key(**{**no_nat, "nat_dtype": torch.int64}) == R.variant_key(**no_nat)
 
 
 @pytest.mark.parametrize("K", [128, 64])
@@ -127,6 +157,60 @@ def test_schedule_picks_a_legal_tile_that_grows_with_the_call(K):
     assert all(t in R.tile_v_choices(K) for t in tiles)
     assert tiles == sorted(tiles)
     assert dataclasses.is_dataclass(R.select_config(1, K))
+
+
+def test_schedule_policy_returns_frozen_configs_of_its_table():
+    cfg = R.select_config(1, 128)
+    assert isinstance(cfg, R.GenericConfig) and cfg == R.GenericConfig(16)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.tile_v = 64
+    assert R.select_config(1 << 20, 64) == R.GenericConfig(64)
+
+
+@pytest.mark.parametrize("config", [R.GenericConfig(16), R.GenericConfig(64)], ids=["tile16", "tile64"])
+def test_a_given_config_decides_the_variant(config, monkeypatch):
+    calls = _spy_launches(monkeypatch)
+    q, v = torch.randn(1, 2, 2, 128).bfloat16(), torch.randn(1, 2, 2, 128).bfloat16()
+    R.kda_recurrent_fwd(q, q, v, v, torch.randn(1, 2, 2).bfloat16(), config=config)
+    R.kda_recurrent_fwd(q, q, v, v, torch.randn(1, 2, 2).bfloat16())  # the policy: tile 16 for 2 states
+    dense_precomputed = dict(
+        head_dim=128, act_dtype=torch.bfloat16, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
+        state_mode=R.StateMode.DENSE, state_dtype=None, store_final=False, has_num_accepted=False, varlen=False,
+        cu_dtype=None, gate=GateMode.PRECOMPUTED, beta_is_logit=False, use_qk_l2norm=True, has_dt_bias=False,
+        aligned=True)
+    assert [key for key, _ in calls] == [R.variant_key(**dense_precomputed, tile_v=config.tile_v),
+                                         R.variant_key(**dense_precomputed, tile_v=16)]
+
+
+@pytest.mark.parametrize("policy", list(NullSlotPolicy), ids=lambda p: p.value)
+def test_the_null_policy_decides_the_variant(policy, monkeypatch):
+    calls = _spy_launches(monkeypatch)
+    q, v = torch.randn(2, 2, 2, 64).bfloat16(), torch.randn(2, 2, 2, 64).bfloat16()
+    pool = torch.randn(4, 2, 64, 64).bfloat16()
+    R.kda_recurrent_fwd(q, q, v, v, torch.randn(2, 2, 2).bfloat16(), initial_state=pool,
+                        ssm_state_indices=torch.tensor([1, 3], dtype=torch.int32), null_policy=policy)
+    ((key, _),) = calls
+    other = next(p for p in NullSlotPolicy if p is not policy)
+    assert policy in key and other not in key
+
+
+def test_a_null_policy_that_is_not_the_enum_raises_naming_it():
+    from kda_core.errors import KDAError
+
+    q, v = torch.randn(1, 2, 2, 64).bfloat16(), torch.randn(1, 2, 2, 64).bfloat16()
+    with pytest.raises(KDAError, match="^null_policy: expected a kda_core.contracts.NullSlotPolicy"):
+        R.kda_recurrent_fwd(q, q, v, v, torch.randn(1, 2, 2).bfloat16(), null_policy="nonpositive")
+
+
+@pytest.mark.parametrize("config", [R.GenericConfig(128), R.GenericConfig(8), (32,)], ids=["too-big", "k64", "tuple"])
+def test_an_illegal_config_raises_naming_config_before_launch(config, monkeypatch):
+    from kda_core.errors import KDAError
+
+    calls = _spy_launches(monkeypatch)
+    q, v = torch.randn(1, 2, 2, 64).bfloat16(), torch.randn(1, 2, 2, 64).bfloat16()
+    with pytest.raises(KDAError, match="^config: expected a GenericConfig whose tile_v is one of"):
+        R.kda_recurrent_fwd(q, q, v, v, torch.randn(1, 2, 2).bfloat16(), config=config)
+    assert calls == []
 
 
 def test_tile_choices_keep_whole_row_groups_and_at_most_eight_rows_per_thread():
@@ -273,4 +357,23 @@ def test_debug_validate_rejects_duplicate_active_slots_before_launch(mode, monke
     assert calls == []
     monkeypatch.setenv("KDA_DEBUG_VALIDATE", "0")  # off: the caller's error reaches the kernel unchecked
     R.kda_recurrent_fwd(q, q, v, v, beta, initial_state=pool, ssm_state_indices=slots)
+    assert len(calls) == 1
+
+
+def test_debug_validate_under_nonpositive_lets_slot_0_repeat(monkeypatch):
+    # vLLM's padding rows all carry slot 0, which nonpositive makes null: not a duplicate of anything.
+    from kda_core.errors import KDAError
+
+    calls = _spy_launches(monkeypatch)
+    B, T, H, K = 3, 2, 2, 64
+    q, v = torch.randn(B, T, H, K).bfloat16(), torch.randn(B, T, H, K).bfloat16()
+    beta = torch.randn(B, T, H).bfloat16()
+    pool = torch.randn(6, H, K, K)
+    slots = torch.tensor([0, 0, 2], dtype=torch.int32)
+    monkeypatch.setenv("KDA_DEBUG_VALIDATE", "1")
+    R.kda_recurrent_fwd(q, q, v, v, beta, initial_state=pool, ssm_state_indices=slots,
+                        null_policy=NullSlotPolicy.NONPOSITIVE)
+    assert len(calls) == 1
+    with pytest.raises(KDAError, match="^ssm_state_indices: expected distinct active slots"):
+        R.kda_recurrent_fwd(q, q, v, v, beta, initial_state=pool, ssm_state_indices=slots)
     assert len(calls) == 1

@@ -45,7 +45,7 @@ class Step:
 
     def clone(self) -> Step:
         def copy(t):
-            if t.dim() == 4 and t.shape[2:] == (K, K):  # keep a padded / offset pool padded and offset
+            if t.dim() == 4 and not t.is_contiguous():  # keep a padded / offset pool or ring padded and offset
                 storage = torch.empty(t.untyped_storage().nbytes() // t.element_size(), dtype=t.dtype,
                                       device=t.device)
                 same = storage.as_strided(t.shape, t.stride(), t.storage_offset())
@@ -59,8 +59,10 @@ class Step:
 
 
 def make_step(B, T, H, *, hist=None, bases=None, n_slots=None, slots=None, w_ring=16, flush_min=None,
-              gate="lower_bound", decay_range=(-0.5, 0.0), pool_row_pad=0, pool_offset=0, seed=0, device="cuda"):
-    """Random step. hist/bases: per-row P and cache_base (default: random legal values)."""
+              gate="lower_bound", decay_range=(-0.5, 0.0), pool_row_pad=0, pool_offset=0, ring_row_pad=0, seed=0,
+              device="cuda"):
+    """Random step. hist/bases: per-row P and cache_base (default: random legal values). *_row_pad: elements added
+    to the dim-0 (slot) stride of the pool and of the rings."""
     gen = torch.Generator().manual_seed(seed)
     cap = max_hist_len(T, w_ring)
     n_slots = n_slots or 2 * B + 3
@@ -116,20 +118,27 @@ def make_step(B, T, H, *, hist=None, bases=None, n_slots=None, slots=None, w_rin
                 padded = storage.as_strided(value.shape, value.stride(), value.storage_offset())
                 padded.copy_(value)
                 moved[name] = padded
+            elif name in ("k_cache", "u_cache", "g_cache") and ring_row_pad:
+                storage = torch.empty(value.shape[0] * (value[0].numel() + ring_row_pad), dtype=value.dtype,
+                                      device=device)
+                padded = storage.as_strided(value.shape, (value[0].numel() + ring_row_pad, *value.stride()[1:]))
+                padded.copy_(value)
+                moved[name] = padded
             else:
                 moved[name] = value.to(device)
     return replace(step, **moved)
 
 
-def run_kernel(step: Step, restart=False, output=None, **schedule) -> torch.Tensor:
-    from kda_cute.ucache import ucache_verify_flush
+def run_kernel(step: Step, restart=False, output=None, tile_v=None, min_ctas=0, **kw) -> torch.Tensor:
+    """The kernel on ``step``; ``tile_v`` forces the schedule (``UcacheConfig(tile_v, min_ctas)``)."""
+    from kda_cute.ucache import UcacheConfig, ucache_verify_flush
 
     B, T, H, _ = step.q.shape
     out = output if output is not None else torch.empty(B, T, H, K, dtype=torch.bfloat16, device=step.q.device)
     return ucache_verify_flush(
         step.A_log, step.g, step.dt_bias, step.lower_bound, step.q, step.k, step.v, step.b, step.pool, step.slots,
         step.k_cache, step.u_cache, step.g_cache, step.hist_len, step.cache_base, step.flush_min, step.w_ring,
-        K**-0.5, out, restart_hist_on_flush=restart, **schedule,
+        K**-0.5, out, restart_hist_on_flush=restart, config=UcacheConfig(tile_v, min_ctas) if tile_v else None, **kw,
     )  # fmt: skip
 
 
@@ -336,9 +345,6 @@ def test_batch_64_random_is_deterministic():
         assert torch.equal(getattr(first, name).nan_to_num(), getattr(second, name).nan_to_num())
 
 
-# The four_ctas layout (UcacheVerifyFlush, the launcher's default) against the layout without it (four_ctas=False): a
-# schedule and shared-memory layout change with the same operations in the same order, so they must agree bit for bit
-# (and with the oracle).
 def assert_bitwise_equal(mine: Step, out: torch.Tensor, other: Step, out_other: torch.Tensor) -> None:
     """Two kernel builds on copies of one step: the same output, pool and rings, bit for bit (stale NaN rows too)."""
     assert torch.equal(out, out_other)
@@ -347,7 +353,7 @@ def assert_bitwise_equal(mine: Step, out: torch.Tensor, other: Step, out_other: 
         assert torch.equal(getattr(mine, ring).nan_to_num(), getattr(other, ring).nan_to_num()), ring
 
 
-FOUR_CTAS_STEPS = {
+STEPS = {
     "empty-T4": lambda: make_step(8, 4, 12, hist=0, seed=1),
     "full-flush-T8-wrapped": lambda: make_step(8, 8, 12, hist=default_flush_min(8, 16), bases=29, seed=2),
     "full-flush-T4": lambda: make_step(8, 4, 12, hist=default_flush_min(4, 16), seed=2),
@@ -364,34 +370,21 @@ FOUR_CTAS_STEPS = {
 
 
 @pytest.mark.parametrize("tile_v", [64, 128])
-@pytest.mark.parametrize("name", list(FOUR_CTAS_STEPS))
-def test_four_ctas_layout_matches_oracle_and_the_other_layout_bitwise(name, tile_v):
-    step = FOUR_CTAS_STEPS[name]()
-    mine, _, out, _ = check_against_oracle(step, tile_v=tile_v, four_ctas=True)
-    other = step.clone()
-    out_other = run_kernel(other, tile_v=tile_v, four_ctas=False)
-    torch.cuda.synchronize()
-    assert_bitwise_equal(mine, out, other, out_other)
+@pytest.mark.parametrize("name", list(STEPS))
+def test_both_tiles_match_oracle(name, tile_v):
+    check_against_oracle(STEPS[name](), tile_v=tile_v)
 
 
 @pytest.mark.parametrize("name", ["mixed-T8", "full-flush-T8-wrapped", "strong-decay-softplus", "inactive-rows"])
-def test_four_resident_ctas_build_matches_oracle_and_the_small_grid_build_bitwise(name, monkeypatch):
-    # The schedule launches the 64-register build (4 CTAs per SM) from FOUR_CTAS_FROM_STATES (request, head) pairs
-    # (B >= 128 at H=12, the benchmark's large batches); every other test's grid is smaller and runs the 80-register
-    # build, so force the floor here. Same operations in the same order: bitwise equal to the 3-CTA build.
-    from kda_cute import ucache
-
-    step = FOUR_CTAS_STEPS[name]()
+def test_four_resident_ctas_build_matches_oracle_and_the_small_grid_build_bitwise(name):
+    # The schedule launches the 64-register build (4 CTAs per SM) from 1536 (request, head) pairs (B >= 128 at
+    # H=12, the benchmark's large batches); every other test's grid is smaller and runs the 80-register build, so
+    # force the floor here. Same operations in the same order: bitwise equal to the 3-CTA build.
+    step = STEPS[name]()
     small = step.clone()
-    out_small = run_kernel(small, tile_v=128)
-    monkeypatch.setattr(ucache, "_FORCE_MIN_BLOCKS", 4)
-    mine, _, out, _ = check_against_oracle(step, tile_v=128)
+    out_small = run_kernel(small, tile_v=128, min_ctas=3)
+    mine, _, out, _ = check_against_oracle(step, tile_v=128, min_ctas=4)
     assert_bitwise_equal(mine, out, small, out_small)
-
-
-def test_four_ctas_misaligned_pool_matches_oracle():
-    step = make_step(8, 8, 12, n_slots=20, pool_row_pad=1, pool_offset=1, hist=9, seed=19)
-    check_against_oracle(step, aligned=False, four_ctas=True)
 
 
 # Empty batches, malformed cursors, absent dt_bias, launch geometry.
@@ -466,3 +459,99 @@ def test_a_batch_past_grid_z_matches_oracle_on_both_sides_of_the_split():
     inactive = torch.ones(B, dtype=torch.bool, device="cuda")
     inactive[idx] = False
     assert torch.count_nonzero(out[inactive]) == 0
+
+
+# Null-slot policies (docs/design.md §4). The oracle knows out_of_range only: the reference runs it with every slot
+# that is null under the policy replaced by -1.
+
+
+@pytest.mark.parametrize("policy", ["out_of_range", "nonpositive"])
+@pytest.mark.parametrize("tile_v", [64, 128])
+def test_each_null_policy_matches_oracle_and_nonpositive_never_touches_slot_0(policy, tile_v):
+    from kda_core.contracts import NullSlotPolicy
+
+    policy = NullSlotPolicy(policy)
+    n = 10
+    step = make_step(6, 8, 12, n_slots=n, slots=[0, 3, -1, 9, 5, n], hist=torch.tensor([9, 4, 9, 9, 0, 3]),
+                     seed=44)  # fmt: skip
+    first = 1 if policy == NullSlotPolicy.NONPOSITIVE else 0
+    ref_slots = torch.where((step.slots >= first) & (step.slots < n), step.slots, torch.full_like(step.slots, -1))
+    mine, ref = step.clone(), replace(step.clone(), slots=ref_slots)
+    out = run_kernel(mine, restart=True, tile_v=tile_v, null_policy=policy)
+    expected = run_oracle(ref, restart=True)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), expected, **OUT_TOL)
+    torch.testing.assert_close(mine.pool.float(), ref.pool.float(), **STATE_TOL)
+    for name in ("k_cache", "u_cache"):
+        torch.testing.assert_close(getattr(mine, name).float(), getattr(ref, name).float(), equal_nan=True, **RING_TOL)
+    torch.testing.assert_close(mine.g_cache, ref.g_cache, equal_nan=True, atol=1e-4, rtol=1e-5)
+    assert torch.equal(mine.hist_len, ref.hist_len) and torch.equal(mine.cache_base, ref.cache_base)
+    zero_is_null = policy == NullSlotPolicy.NONPOSITIVE
+    slot0_same = [torch.equal(getattr(mine, name)[0].nan_to_num(), getattr(step, name)[0].nan_to_num())
+                  for name in ("pool", "k_cache", "u_cache", "g_cache")]
+    assert all(slot0_same) if zero_is_null else not any(slot0_same)  # row 0 folds (P = 9) and appends there
+    assert (torch.count_nonzero(out[0]) == 0) == zero_is_null
+    assert (int(mine.hist_len[0]) == 9) == zero_is_null  # the restart skips a null row
+
+
+# Layouts the engines pass (docs/serving.md), never rejected by the kernel.
+
+
+def test_pool_and_ring_slot_strides_of_any_element_count_take_the_unaligned_variant():
+    from kda_cute import _launch
+
+    step = make_step(8, 8, 12, n_slots=20, pool_row_pad=17, ring_row_pad=17, hist=torch.arange(8) + 5, seed=50)
+    assert step.pool.stride(0) == 12 * K * K + 17 and step.u_cache.stride(0) == 12 * RING_SLOTS * K + 17
+    assert _launch.alignment_of(step.pool, step.k_cache) < _launch.VECTOR_BYTES
+    mine, _, _, _ = check_against_oracle(step, restart=True, aligned=False)
+    others = sorted(set(range(20)) - set(step.slots.tolist()))
+    assert torch.equal(mine.pool[others], step.pool[others])
+    for name in ("k_cache", "u_cache", "g_cache"):
+        assert torch.equal(getattr(mine, name)[others].nan_to_num(), getattr(step, name)[others].nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "column-of-a-table"])
+def test_strided_and_int64_slot_indices_match_oracle(dtype, strided):
+    step = make_step(6, 8, 12, n_slots=16, hist=torch.tensor([9, 3, 9, 0, 5, 9]), seed=51)
+    slots = step.slots.to(dtype)
+    if strided:
+        table = torch.zeros(6, 8, dtype=dtype, device="cuda")
+        table[:, 3] = slots
+        slots = table[:, 3]
+        assert slots.stride() == (8,)
+    check_against_oracle(replace(step, slots=slots), restart=True)
+
+
+def test_an_int64_slot_past_2_32_is_null_not_wrapped():
+    n = 8
+    step = make_step(4, 8, 12, n_slots=n, slots=[1, 3, 5, 6], hist=9, seed=52)
+    wide = step.slots.long().clone()
+    wide[0] = 2**32 + 1  # low 32 bits: slot 1
+    wide[2] = -(2**33) + 5  # low 32 bits: slot 5
+    mine = replace(step.clone(), slots=wide)
+    ref = replace(step.clone(), slots=torch.where((wide >= 0) & (wide < n), wide, -1))
+    out = run_kernel(mine, restart=True)
+    expected = run_oracle(ref, restart=True)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), expected, **OUT_TOL)
+    torch.testing.assert_close(mine.pool.float(), ref.pool.float(), **STATE_TOL)
+    assert torch.count_nonzero(out[[0, 2]]) == 0
+    for name in ("pool", "k_cache", "u_cache", "g_cache"):
+        assert torch.equal(getattr(mine, name)[[1, 5]].nan_to_num(), getattr(step, name)[[1, 5]].nan_to_num()), name
+    assert torch.equal(mine.hist_len[[0, 2]], step.hist_len[[0, 2]])
+
+
+def test_activation_views_of_a_packed_row_and_a_strided_beta_match_oracle():
+    # q, k, v, g as head-compact views of one [B, T, 4*H*K + 8] row (aligned row stride) and b a strided view
+    B, T, H = 8, 8, 12
+    step = make_step(B, T, H, seed=53)
+    packed = torch.empty(B, T, 4 * H * K + 8, dtype=torch.bfloat16, device="cuda")
+    views = [packed[..., i * H * K : (i + 1) * H * K].view(B, T, H, K) for i in range(4)]
+    for view, t in zip(views, (step.q, step.k, step.v, step.g)):
+        view.copy_(t)
+    wide_b = torch.empty(B, T, 2 * H + 1, dtype=torch.bfloat16, device="cuda")
+    b = wide_b[..., 1::2][..., :H]
+    b.copy_(step.b)
+    assert not b.is_contiguous() and not views[0].is_contiguous()
+    check_against_oracle(replace(step, q=views[0], k=views[1], v=views[2], g=views[3], b=b), restart=True)

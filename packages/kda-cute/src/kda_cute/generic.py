@@ -9,10 +9,12 @@ The spec of every mode is :func:`kda_core.oracle.recurrent_kda_ref`; this kernel
 - state from a pool [P, HV, V, K] (bf16 or fp32, K contiguous, dim-0 stride may be padded) through 1-D slot
   indices [N] (read once, final state written back once), or through 2-D indices [N, T_idx] (spec decode: read
   slot idx[n, max(min(num_accepted_tokens[n], T_idx), 1) - 1], state stored after every token t to idx[n, t];
-  a token whose slot lies outside the pool is skipped: zero output, no write, the state does not absorb it);
+  a token whose slot is null is skipped: zero output, no write, the state does not absorb it);
   or dense states (initial [N, HV, V, K] of any float dtype, or zeros; final fp32 [N, HV, V, K] on request);
-- a read slot outside [0, P) makes the sequence inactive: zero output, pool neither read nor written. The
-  check is in the kernel against the pool's row count (no host sync; CUDA-graph safe);
+- a null read slot makes the sequence inactive: zero output, pool neither read nor written. Null is a compile-time
+  policy (docs/design.md §4): OUT_OF_RANGE (outside [0, P)) or NONPOSITIVE (vLLM: also slot 0, which is then never
+  touched; in spec mode a num_accepted_tokens outside [1, T_idx] nulls the whole row). The check is in the kernel
+  against the pool's row count (no host sync; CUDA-graph safe);
 - GQA (value head hv uses q/k head hv // (HV / H)), K = V in {64, 128}, the three gate forms, beta as a logit
   or not, optional in-kernel q/k L2 norm, any scale.
 
@@ -30,7 +32,8 @@ buffers, one barrier per chunk.
 
 Compile-time variants: head dim, activation / g / beta dtypes, state mode (pool / spec / dense with or without
 initial and final state), state dtype, num_accepted_tokens present, varlen, cu_seqlens dtype, gate form, beta
-logit, L2 norm, dt_bias present, tile_v, alignment. B, T, H, HV, N and the pool rows are runtime values.
+logit, L2 norm, dt_bias present, tile_v, alignment, null-slot policy. B, T, H, HV, N and the pool rows are runtime
+values.
 """
 
 from __future__ import annotations
@@ -42,14 +45,14 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
-from kda_core.contracts import GENERIC_HEAD_DIMS, GateMode, gate_mode
+from kda_core.contracts import GENERIC_HEAD_DIMS, GateMode, NullSlotPolicy, gate_mode
 from kda_core.errors import fail
 from kda_core.validation import debug_check_slots, debug_checks_enabled
 
 from . import _lane_math, _launch
 
 __all__ = [
-    "RecurrentConfig",
+    "GenericConfig",
     "StateMode",
     "KDARecurrent",
     "kda_recurrent_fwd",
@@ -92,43 +95,36 @@ def tile_v_choices(head_dim: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class RecurrentConfig:
-    """Schedule of one launch: state rows per CTA (the grid is (V / tile_v, HV, N))."""
+class GenericConfig:
+    """Schedule of one launch: ``tile_v`` state rows per CTA (the grid is (V / tile_v, HV, N)); legal tiles are
+    :func:`tile_v_choices`. The schedule policy :func:`select_config` returns one; a sweep passes its own."""
 
     tile_v: int
 
 
-# Schedule table, keyed on the number of (sequence, value head) states of the call. Small calls want many CTAs
-# (each is latency-bound: one load round trip per chunk of tokens); large calls want more rows per thread, so that
-# the shared-memory reads of each token's prepared vectors serve more rows.
-# Measured on the H200, 2026-11-29, with the chunked token loop (benchmarks/sweep_recurrent_tiles.py, spec decode
-# with per-token checkpoints, H=HV=12, bf16 pool, CUDA-graph replay, CUPTI; benchmarks/results/
-# generic_tile_sweep_h200.json), T=8 tile 8/16/32/64 in us: B=1 5.95/5.73/7.49/11.25, B=4 14.9/8.8/10.0/11.5,
-# B=8 22.7/18.3/11.7/15.2, B=16 41.7/28.2/24.0/17.5, B=64 149/108/79/71, B=512 1158/840/626/568; T=4 picks the
-# same tiles. K=64 is not measured (same thresholds, its smallest tile is 16).
+# The schedule policy: (max N*HV states, tile_v for K=128, tile_v for K=64), first row that holds the call. Small
+# calls want many CTAs (each latency-bound: one load round trip per chunk of tokens), large calls more rows per
+# thread (each token's prepared vectors, read from shared memory, then serve more rows); tile 8 never won.
+# Measured on the H200, 2026-11-29, by the spec-decode tile sweep that benchmarks/bench_recurrent_kda.py --parts spec
+# --tile-v 8 16 32 64 now runs (T=4 and 8, H=12, bf16 pool; docs/generic.md has the figures). K=64: not measured.
 _SCHEDULE = (
-    # (max N*HV, tile_v for K=128, tile_v for K=64)
-    (48, 16, 16),
-    (96, 32, 32),
-    (1 << 62, 64, 64),
+    (48, GenericConfig(16), GenericConfig(16)),
+    (96, GenericConfig(32), GenericConfig(32)),
+    (1 << 62, GenericConfig(64), GenericConfig(64)),
 )
 
 
-def select_config(n_states: int, head_dim: int) -> RecurrentConfig:
-    """Pure schedule policy: the tile for ``n_states`` = N_seq * HV (sequence, value head) pairs."""
-    for max_states, tile_128, tile_64 in _SCHEDULE:
+def select_config(n_states: int, head_dim: int) -> GenericConfig:
+    """Pure schedule policy: the config for ``n_states`` = N_seq * HV (sequence, value head) pairs."""
+    for max_states, k128, k64 in _SCHEDULE:
         if n_states <= max_states:
-            return RecurrentConfig(tile_v=tile_128 if head_dim == 128 else tile_64)
+            return k128 if head_dim == 128 else k64
     raise AssertionError("unreachable: the schedule's last row is unbounded")
 
 
 # --------------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------------
-
-# Benchmarks' sweep hook: resident-CTA floor handed to ptxas (caps registers). Not in the compile key: a sweep
-# clears the compile cache between values.
-_FORCE_MIN_BLOCKS = 0
 
 LOAD_STREAM = dict(load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
 STORE_STREAM = dict(store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING)
@@ -152,6 +148,9 @@ class KDARecurrent:
         has_dt_bias: bool,
         tile_v: int,
         aligned: bool,
+        null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+        slot_dtype=Int32,  # cutlass type of the slot indices (Int32 or Int64; compared in that width)
+        nat_dtype=Int32,  # and of num_accepted_tokens
     ):
         if head_dim not in GENERIC_HEAD_DIMS:
             raise ValueError(f"head_dim: expected one of {GENERIC_HEAD_DIMS}, got {head_dim}")
@@ -171,6 +170,11 @@ class KDARecurrent:
         self.has_dt_bias = has_dt_bias
         self.tile_v = tile_v
         self.aligned = aligned
+        self.null_policy = null_policy
+        # smallest live slot (docs/design.md §4): 0 under out_of_range, 1 under nonpositive (slot 0 never touched)
+        self.first_slot = 1 if null_policy == NullSlotPolicy.NONPOSITIVE else 0
+        self.slot_dtype = slot_dtype
+        self.nat_dtype = nat_dtype
         self.rows = tile_v // self.groups
         self.v_per_lane = (tile_v + self.lanes - 1) // self.lanes  # v values of a token one lane prepares
 
@@ -237,8 +241,7 @@ class KDARecurrent:
         self.kernel(
             mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mFinal, mSlots, mNumAccepted, mCuSeqlens, mOut, scale,
             lower_bound,
-        ).launch(grid=[self.head_dim // self.tile_v, HV, n_seq], block=[THREADS, 1, 1], stream=stream,
-                 min_blocks_per_mp=_FORCE_MIN_BLOCKS, preferred_smem_carveout=-1 if _FORCE_MIN_BLOCKS else None)
+        ).launch(grid=[self.head_dim // self.tile_v, HV, n_seq], block=[THREADS, 1, 1], stream=stream)
 
     # ---- kernel ---------------------------------------------------------------------------------
 
@@ -292,6 +295,7 @@ class KDARecurrent:
         read_slot = Int32(0)
         if const_expr(self.state_mode != StateMode.DENSE):
             n_slots = cute.size(mState, mode=[0])
+            row_ok = cutlass.Boolean(True)
             if const_expr(self.state_mode == StateMode.POOL):
                 read_slot = mSlots[n]
             else:
@@ -299,9 +303,17 @@ class KDARecurrent:
                 col = Int32(0)
                 if const_expr(self.has_num_accepted):
                     # clamp first, subtract after: INT_MIN, 0 and negatives read column 0, counts past T_idx the last
-                    col = cutlass.max(cutlass.min(Int32(mNumAccepted[n]), t_idx), Int32(1)) - 1
+                    # (an int64 count clamps in 64 bits, then narrows)
+                    nat = self.nat_dtype(mNumAccepted[n])
+                    col = Int32(cutlass.max(cutlass.min(nat, self.nat_dtype(t_idx)), self.nat_dtype(1)) - 1)
+                    if const_expr(self.null_policy == NullSlotPolicy.NONPOSITIVE):
+                        # vLLM: a count outside [1, T_idx] nulls the row
+                        row_ok = (nat >= self.nat_dtype(1)) & (nat <= self.nat_dtype(t_idx))
                 read_slot = mSlots[n, col]
-            active = (read_slot >= 0) & (read_slot < n_slots)
+            # a null slot (policy, docs/design.md §4) makes the sequence inactive; compared in the indices' width, so
+            # an int64 slot past 2^32 is null rather than wrapped into the pool
+            active = (row_ok & (read_slot >= self.slot_dtype(self.first_slot))
+                      & (read_slot < self.slot_dtype(n_slots)))
 
         state_rows = []
         for _ in cutlass.range_constexpr(self.rows):
@@ -376,11 +388,12 @@ class KDARecurrent:
             for t in cutlass.range(n_here, unroll=1):
                 tok = bos + first + t
                 step = active
-                write_slot = Int32(-1)
+                write_slot = self.slot_dtype(-1)
                 if const_expr(self.state_mode == StateMode.SPEC):
                     if first + t < cute.size(mSlots, mode=[1]):
                         write_slot = mSlots[n, first + t]
-                    step = active & (write_slot >= 0) & (write_slot < cute.size(mState, mode=[0]))
+                    step = (active & (write_slot >= self.slot_dtype(self.first_slot))
+                            & (write_slot < self.slot_dtype(cute.size(mState, mode=[0]))))
                 if step:
                     cute.autovec_copy(cute.local_tile(sK[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), kf)
                     cute.autovec_copy(cute.local_tile(sQ[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), qf)
@@ -542,6 +555,9 @@ def variant_key(
     has_dt_bias: bool,
     tile_v: int,
     aligned: bool,
+    null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+    slot_dtype: torch.dtype | None = torch.int32,
+    nat_dtype: torch.dtype | None = torch.int32,
 ) -> tuple:
     """Every code-generation parameter of one variant, in the order ``_compile`` reads them (arch added by
     ``_launch.get_or_compile``). Facts that cannot change the code are normalised so they share one entry."""
@@ -551,21 +567,23 @@ def variant_key(
         store_final = False  # the pool is the final state
     if state_mode != StateMode.SPEC:
         has_num_accepted = False
+    if not has_num_accepted:
+        nat_dtype = None
     if not varlen:
         cu_dtype = None
+    if state_mode == StateMode.DENSE:
+        null_policy = NullSlotPolicy.OUT_OF_RANGE  # no slot to be null
+        slot_dtype = None
     return (
         "recurrent", int(head_dim), act_dtype, g_dtype, beta_dtype, state_mode, state_dtype, bool(store_final),
         bool(has_num_accepted), bool(varlen), cu_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm),
-        bool(has_dt_bias), int(tile_v), bool(aligned),
+        bool(has_dt_bias), int(tile_v), bool(aligned), NullSlotPolicy(null_policy), slot_dtype, nat_dtype,
     )
 
 
-_EXTRA_OPTIONS = ""  # compile_variant() sets e.g. "--keep-ptx --dump-dir D" for one compile
-
-
-def _compile(key: tuple, arch: str):
+def _compile(key: tuple, arch: str, extra_options: str = ""):
     (_, K, act_dt, g_dt, beta_dt, state_mode, state_dt, store_final, has_nat, varlen, cu_dt, gate, beta_is_logit,
-     l2norm, has_dt_bias, tile_v, aligned) = key
+     l2norm, has_dt_bias, tile_v, aligned, null_policy, slot_dt, nat_dt) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     sym = _launch.sym_size
@@ -587,12 +605,13 @@ def _compile(key: tuple, arch: str):
             m_final = states(torch.float32, n_seq)
     else:
         m_state = states(state_dt, sym())
+        # index tensors: any strides (a view of a wider table), int32 or int64
         if state_mode == StateMode.POOL:
-            m_slots = _launch.fake_tensor(cutlass.Int32, (n_seq,), (None,), align_bytes=1)
+            m_slots = _launch.fake_tensor(cdt(slot_dt), (n_seq,), (None,), align_bytes=1)
         else:
-            m_slots = _launch.fake_tensor(cutlass.Int32, (n_seq, sym()), (None, None), align_bytes=1)
+            m_slots = _launch.fake_tensor(cdt(slot_dt), (n_seq, sym()), (None, None), align_bytes=1)
             if has_nat:
-                m_nat = _launch.fake_tensor(cutlass.Int32, (n_seq,), (None,), align_bytes=1)
+                m_nat = _launch.fake_tensor(cdt(nat_dt), (n_seq,), (None,), align_bytes=1)
     if varlen:
         m_cu = _launch.fake_tensor(cdt(cu_dt), (sym(),), (None,), align_bytes=1)
     if gate != GateMode.PRECOMPUTED:
@@ -602,7 +621,8 @@ def _compile(key: tuple, arch: str):
     kernel = KDARecurrent(
         head_dim=K, state_mode=state_mode, state_dtype=None if state_dt is None else cdt(state_dt),
         store_final=store_final, has_num_accepted=has_nat, varlen=varlen, gate=gate, beta_is_logit=beta_is_logit,
-        use_qk_l2norm=l2norm, has_dt_bias=has_dt_bias, tile_v=tile_v, aligned=aligned,
+        use_qk_l2norm=l2norm, has_dt_bias=has_dt_bias, tile_v=tile_v, aligned=aligned, null_policy=null_policy,
+        slot_dtype=Int32 if slot_dt is None else cdt(slot_dt), nat_dtype=Int32 if nat_dt is None else cdt(nat_dt),
     )
     return cute.compile(
         kernel,
@@ -611,18 +631,14 @@ def _compile(key: tuple, arch: str):
         m_alog, m_dt_bias, m_state, m_final, m_slots, m_nat, m_cu,
         act(torch.bfloat16, HV),
         cutlass.Float32(1.0), cutlass.Float32(-1.0), _launch.fake_stream(),
-        options=_launch.compile_options(arch, _EXTRA_OPTIONS),
+        options=_launch.compile_options(arch, extra_options),
     )
 
 
 def compile_variant(key: tuple, arch: str, extra_options: str = ""):
-    """Compile one variant outside the cache (CI compile checks, PTX dumps)."""
-    global _EXTRA_OPTIONS
-    saved, _EXTRA_OPTIONS = _EXTRA_OPTIONS, extra_options
-    try:
-        return _compile(key, arch)
-    finally:
-        _EXTRA_OPTIONS = saved
+    """Compile one variant outside the cache (CI compile checks, PTX dumps: ``extra_options`` e.g.
+    ``"--keep-ptx --dump-dir D"``)."""
+    return _compile(key, arch, extra_options)
 
 
 def _compact_states(t: torch.Tensor) -> torch.Tensor:
@@ -653,6 +669,8 @@ def kda_recurrent_fwd(
     ssm_state_indices=None,
     num_accepted_tokens=None,
     output=None,
+    config: GenericConfig | None = None,
+    null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
 ):
     """The KDA recurrence over T tokens per sequence on the GPU; same semantics as
     :func:`kda_core.oracle.recurrent_kda_ref` (its docstring is the spec). Arguments are already validated.
@@ -662,12 +680,18 @@ def kda_recurrent_fwd(
             contiguous, other strides free.
         A_log: [H] fp32, dt_bias: [H*K] or [H, K] fp32 (optional), lower_bound: float < 0 or None; used when
             ``use_gate_in_kernel`` (else g is the log-space decay).
-        initial_state: the pool [P, HV, V, K] (bf16/fp32, updated in place) with ``ssm_state_indices``; else a dense
-            [N, HV, V, K] initial state or None (zeros).
-        ssm_state_indices: [N] int32 (pool) or [N, T] int32 (spec decode, one checkpoint per token);
-            num_accepted_tokens: [N] int32 (spec decode only).
+        initial_state: the pool [P, HV, V, K] (bf16/fp32, updated in place; inner dims compact, the slot stride any
+            number of elements >= HV*V*K: one that is not a 16-byte multiple takes the unaligned variant) with
+            ``ssm_state_indices``; else a dense [N, HV, V, K] initial state or None (zeros).
+        ssm_state_indices: [N] (pool) or [N, T] (spec decode, one checkpoint per token), int32 or int64, any
+            strides (e.g. a column or a row slice of a wider table); num_accepted_tokens: [N] int32 or int64, any
+            stride (spec decode only). Values are read and bounded in the kernel.
         cu_seqlens: [N + 1] int32/int64 with B == 1 (varlen); values are read in the kernel.
         output: [B, T, HV, V] bf16 or None (allocated).
+        config: the launch schedule (:class:`GenericConfig`); None takes :func:`select_config`'s for the call.
+        null_policy: which slot indices are null (docs/design.md §4): ``OUT_OF_RANGE`` (idx < 0 or idx >= P) or
+            ``NONPOSITIVE`` (vLLM: idx <= 0 or idx >= P; slot 0 is never read or written, and in spec decode a
+            ``num_accepted_tokens`` outside [1, T_idx] makes the whole row null).
 
     Returns (o [B, T, HV, V] bf16, final_state): the pool in pool/spec modes, the fp32 dense state
     [N, HV, V, K] when ``output_final_state`` in dense mode, else None.
@@ -685,6 +709,10 @@ def kda_recurrent_fwd(
     HV = v.shape[2]
     if K not in GENERIC_HEAD_DIMS:
         fail("q", f"a head dim K in {GENERIC_HEAD_DIMS}", K)
+    if config is not None and (not isinstance(config, GenericConfig) or config.tile_v not in tile_v_choices(K)):
+        fail("config", f"a GenericConfig whose tile_v is one of {tile_v_choices(K)} for K={K}", config)
+    if not isinstance(null_policy, NullSlotPolicy):
+        fail("null_policy", "a kda_core.contracts.NullSlotPolicy", null_policy)
     varlen = cu_seqlens is not None
     n_seq = cu_seqlens.shape[0] - 1 if varlen else B
     if n_seq < 0:
@@ -712,7 +740,10 @@ def kda_recurrent_fwd(
         final_state = initial_state
 
     if state_mode != StateMode.DENSE and debug_checks_enabled():
-        debug_check_slots(ssm_state_indices.reshape(-1), initial_state.shape[0], argument="ssm_state_indices")
+        flat = ssm_state_indices.reshape(-1)
+        if null_policy == NullSlotPolicy.NONPOSITIVE:
+            flat = flat[flat != 0]  # slot 0 is null there: padding rows may repeat it
+        debug_check_slots(flat, initial_state.shape[0], argument="ssm_state_indices")
 
     if n_seq == 0 or T == 0 or HV == 0:
         # Nothing to launch (a grid dimension would be 0): no token or no head, so no output value and no state
@@ -733,13 +764,15 @@ def kda_recurrent_fwd(
         if dt_bias is not None:
             dt_bias = dt_bias.reshape(-1)
     aligned = _launch.alignment_of(q, k, v, g, initial_state, final_state, output, dt_bias) == _launch.VECTOR_BYTES
-    cfg = select_config(n_seq * HV, K)
+    cfg = select_config(n_seq * HV, K) if config is None else config
     key = variant_key(
         head_dim=K, act_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, state_mode=state_mode,
         state_dtype=None if initial_state is None else initial_state.dtype, store_final=final_state is not None,
         has_num_accepted=num_accepted_tokens is not None, varlen=varlen,
         cu_dtype=None if cu_seqlens is None else cu_seqlens.dtype, gate=gate, beta_is_logit=beta_is_logit,
         use_qk_l2norm=use_qk_l2norm_in_kernel, has_dt_bias=dt_bias is not None, tile_v=cfg.tile_v, aligned=aligned,
+        null_policy=null_policy, slot_dtype=None if ssm_state_indices is None else ssm_state_indices.dtype,
+        nat_dtype=None if num_accepted_tokens is None else num_accepted_tokens.dtype,
     )
     fn = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(q.device))
     fn(

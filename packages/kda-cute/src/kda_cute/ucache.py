@@ -27,10 +27,13 @@ rank-1 updates run. Appends: u_s rows of this CTA's V tile; k^_s and G (cum_s, p
 per (request, head) by the CTA of V tile 0. All appends land at (base + P + s) & 31, past the live window every
 CTA of the same (request, head) reads, so no CTA overwrites a row another still needs.
 
-Rows whose slot is outside [0, pool) are inactive: their output is zero and nothing else is read or written.
+Rows whose slot is null (outside [0, pool), or 0 too under the NONPOSITIVE policy: docs/design.md §4) are inactive:
+their output is zero and nothing else is read or written.
 The cursors (hist_len, cache_base) are only read here; the caller's commit is applied by the wrapper in
 kda-recurrent.
 """
+
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -39,7 +42,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T as ir_types
 
-from kda_core.contracts import HEAD_DIM, RING_SLOTS, max_hist_len
+from kda_core.contracts import HEAD_DIM, RING_SLOTS, NullSlotPolicy, max_hist_len
 from kda_core.errors import fail
 from kda_core.validation import debug_check_slots, debug_checks_enabled
 
@@ -52,7 +55,8 @@ __all__ = [
     "restart_cursors",
     "build_ucache_kernel",
     "build_restart_kernel",
-    "default_tile_v",
+    "UcacheConfig",
+    "select_config",
 ]
 
 GRID_Z_MAX = 65535  # CUDA's limit on gridDim.z (the requests)
@@ -243,56 +247,55 @@ def _mma_bf16_m16n8k16(a, b, c):
     return [Float32(llvm.extractvalue(ir_types.f32(), res, [i])) for i in range(4)]
 
 
-# Resident CTAs per SM asked of ptxas (``min_blocks_per_mp``: it caps the registers to fit), per tile. Without
-# it the 256-thread tile-128 CTA takes 102 registers and 52.6 KB of shared memory: 2 CTAs per SM, 25% occupancy,
-# and ncu shows the kernel issue-bound (IPC 1.6, most warps waiting). Measured on the H200, 2026-11-29, T=8 w16
-# H=12, CUDA-graph replay (benchmarks/results/min_blocks_sweep_h200.json): tile 128 at 3 CTAs (80 registers, an
-# 8-byte spill) B=512 278 -> 236 us (0% folds), 342 -> 290 (100%), B=64 36.4 -> 31.1; tile 64 at 5 CTAs B=512
-# 347 -> 314 (6 CTAs: 316). The kernel has grown since: the floor asked is capped at what shared memory lets reside
-# (UcacheVerifyFlush.ctas_by_smem), since a floor above it only takes registers away (today tile 64 T=8 w16 fits 4,
-# T=8 w32 fits 2 at either tile). That cap is not measured on hardware.
-MIN_CTAS_PER_SM = {64: 5, 128: 3}
-MIN_CTAS_PER_SM_FOUR = {64: 5, 128: 4}
-"""The table of the ``four_ctas`` variant: its shared memory lets 4 tile-128 CTAs reside (T=8 w16), and ptxas is
-asked for 64 registers; small grids ask for 3 (80 registers) instead, see :func:`default_min_ctas`."""
-FOUR_CTAS_FROM_STATES = 1536
-"""(request, head) pairs from which the four_ctas tile-128 kernel asks for 4 resident CTAs per SM (64 registers)
-rather than 3 (80 registers). H200, T=8 w16 H=12, CUDA-graph replay, us at 0 / 100% folds
-(benchmarks/results/ucache_r3_variants_h200.json, ucache_r4_h200.json): B=8 3 CTAs 5.76 / 6.91, 4 CTAs 5.89 / 7.14;
-B=64 18.0 / 25.3 vs 19.0 / 28.2; B=128 36.1 / 50.0 vs 34.2 / 51.3; B=256 69.3 / 96.4 vs 65.1 / 100.1; B=512 133.7 /
-188.4 vs 125.4 / 195.3. Below B=128 at H=12 the 80-register build wins at both fold rates; from there the two split
-the fold rates (their means are within 0.6%), and 4 CTAs win the no-fold steps. Re-measured with the 4-CTA build's
-vector loads and padded rows (benchmarks/results/ucache_r15_min_blocks_h200.json, us, 3 / 4 CTAs at 0 / 100% folds):
-B=64 16.3 / 17.3-17.5 and 23.4 / 26.8, B=96 24.3 / 24.9-25.1 and 35.4 / 38.0-38.1, B=128 31.7 / 30.3-30.4 and
-46.3-46.4 / 47.4: the same split."""
+# Resident CTAs per SM asked of ptxas by default (``min_blocks_per_mp``: it caps the registers to fit), per tile,
+# always capped at what shared memory lets reside (UcacheVerifyFlush.ctas_by_smem: a floor above it only takes
+# registers away; tile 64 T=8 w16 fits 4, T=8 w32 fits 2 at either tile; the cap is not measured on hardware).
+# Without a floor the 256-thread tile-128 CTA takes 102 registers: 2 CTAs per SM, and ncu shows it issue-bound
+# (IPC 1.6). Tile 128 asks for 4 (64 registers: its shared memory fits 4 CTAs at T=8 w16), tile 64 for 5.
+MIN_CTAS_PER_SM = {64: 5, 128: 4}
 SM_SMEM_BYTES = 228 * 1024
 """Shared memory of one SM with the largest carveout on sm_90a and sm_100a (H100/H200, B200)."""
 CTA_SMEM_RESERVED = 1024
 """Shared memory the driver reserves per resident CTA (sm_80 and later); allocations come in 128-byte granules."""
-# Benchmarks' sweep hook: overrides the table when non-zero (part of the compile key).
-_FORCE_MIN_BLOCKS = 0
-# Benchmarks' sweep hook for the ``four_ctas`` variant (None: the default, on). It is in the compile key.
-_FORCE_FOUR_CTAS = None
+TILES = (64, 128)
 
 
-def default_min_ctas(tile_v: int, batch: int, heads: int) -> int:
-    """Resident-CTA floor the four_ctas kernel asks of ptxas: 3 for tile-128 grids under ``FOUR_CTAS_FROM_STATES``
-    (request, head) pairs, else 0 (the ``MIN_CTAS_PER_SM_FOUR`` table)."""
-    return 3 if tile_v == 128 and batch * heads < FOUR_CTAS_FROM_STATES else 0
+@dataclass(frozen=True)
+class UcacheConfig:
+    """Schedule of one launch: ``tile_v`` state rows per CTA (64 or 128; the grid is (128 / tile_v, H, B)) and
+    ``min_ctas``, the resident CTAs per SM asked of ptxas (it caps the registers; capped in turn at what shared
+    memory allows; 0 = ``MIN_CTAS_PER_SM[tile_v]``). The schedule policy :func:`select_config` returns one; a sweep
+    passes its own."""
+
+    tile_v: int
+    min_ctas: int = 0
+
+    @property
+    def floor(self) -> int:
+        """The resident-CTA floor asked (before the shared-memory cap)."""
+        return self.min_ctas or MIN_CTAS_PER_SM[self.tile_v]
 
 
-def default_tile_v(batch: int, heads: int) -> int:
-    """State rows per CTA.
+# The schedule policy: (max B*H (request, head) pairs, config), first row that holds the call. Every CTA repeats the
+# per-(request, head) preamble, about as many instructions as its share of the state rows: tile 128 runs it once
+# per pair, tile 64 twice but gives small grids twice the CTAs. Tile-128 grids under 1536 pairs ask for 3 CTAs
+# (80 registers), which beat 4 below B=128 at H=12 at both fold rates; from there 4 win the verify-only steps.
+# H200, 2026-11-29 (tiles) and 2026-12-01 (floors): benchmarks/bench_kda_ucache_flush.py --t 8 --w-ring 16
+# --fold-pct 0 100 --no-fla with --tile-v 64 128 and --min-blocks 3 4 (docs/ucache.md has the figures).
+_SCHEDULE = (
+    (95, UcacheConfig(64)),
+    (1535, UcacheConfig(128, min_ctas=3)),
+    (1 << 62, UcacheConfig(128)),
+)
 
-    Every CTA repeats the per-(request, head) preamble (gate, norms, replay vectors, triangles), which costs about
-    as many instructions as its share of the state rows: 128-row tiles (256 threads) run it once per (request,
-    head), 64-row tiles twice but give small batches twice the CTAs. Measured on the H200 (T=8 w16 H=12, CUDA-graph
-    replay, benchmarks/results/ucache_tile_sweep_h200.json): tile 128 wins at B=8 (6.53
-    vs 6.96 us at 0% folds, 7.94 vs 8.29 at 100%), B=64 (20.2 vs 27.2) and B=512 (154 vs 207). B=1 (12 states) was
-    timed with tile 64 only (5.95 us) and B=32 with tile 64 only (15.2 us): from 96 states (B=8 at H=12) on the
-    table takes 128, between the two measured wins; below it keeps 64.
-    """
-    return 128 if batch * heads >= 96 else 64
+
+def select_config(batch: int, heads: int) -> UcacheConfig:
+    """Pure schedule policy: the config for ``batch`` requests of ``heads`` heads."""
+    states = batch * heads
+    for max_states, config in _SCHEDULE:
+        if states <= max_states:
+            return config
+    raise AssertionError("unreachable: the schedule's last row is unbounded")
 
 
 class UcacheVerifyFlush:
@@ -301,10 +304,14 @@ class UcacheVerifyFlush:
     heads: H == HV; t_draft: T in {4, 8}; w_ring: 16 or 32 (bounds the live rows kept in shared memory);
     tile_v: state rows per CTA; softplus_gate: Kimi-Linear gate (lower_bound None) instead of the lower bound;
     aligned: the pool and rings allow 16-byte accesses (else the same code with element-wide accesses);
-    four_ctas: the layout sized for 4 tile-128 CTAs per SM (same math, bit for bit): the 2T dot products
-    stay in registers across the ring correction, so ``sXY`` is only written after it and shares the bytes of the
-    dead x operands (sXb, sXu: -10 KB at tile 128 T=8); the flush fold runs one 8-channel chunk at a time (16
-    accumulators live instead of 64); the resident-CTA floor comes from ``MIN_CTAS_PER_SM_FOUR``.
+    min_ctas: the resident-CTA floor asked of ptxas (0 = ``MIN_CTAS_PER_SM[tile_v]``), capped by shared memory;
+    null_policy: which slots make a row inactive (docs/design.md §4; NONPOSITIVE never touches slot 0);
+    slot_int64: the slot indices are int64 (compared in 64 bits); slots_strided: their stride is a runtime value
+    (a column of a wider table) instead of 1.
+
+    The shared memory is sized for 4 tile-128 CTAs per SM at T=8 w16: the 2T dot products stay in registers across
+    the ring correction, so ``sXY`` is only written after it and shares the bytes of the dead x operands (sXb, sXu);
+    the flush fold runs one 8-channel chunk at a time (16 accumulators live instead of 64).
     """
 
     def __init__(
@@ -315,14 +322,18 @@ class UcacheVerifyFlush:
         tile_v: int,
         softplus_gate: bool,
         aligned: bool,
-        four_ctas: bool = False,
         min_ctas: int = 0,
         has_dt_bias: bool = True,
+        null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+        slot_int64: bool = False,
+        slots_strided: bool = False,
     ):
         self.heads = heads
+        self.slot_int64 = slot_int64
+        self.slots_strided = slots_strided
+        self.first_slot = 1 if null_policy == NullSlotPolicy.NONPOSITIVE else 0  # smallest live slot
         self.has_dt_bias = has_dt_bias  # False: dt_bias absent (zeros), not read
-        self.four_ctas = four_ctas
-        self.min_ctas = min_ctas  # resident-CTA floor; 0 = the table of the variant
+        self.min_ctas = min_ctas  # resident-CTA floor; 0 = MIN_CTAS_PER_SM[tile_v]
         self.aligned = aligned
         self.t_draft = t_draft
         self.w_ring = w_ring
@@ -335,8 +346,8 @@ class UcacheVerifyFlush:
         # one warp per 16 rows (2 rows x 32 channels per thread)
         self.threads = 2 * tile_v
         self.softplus_gate = softplus_gate
-        if tile_v not in (64, 128):
-            raise ValueError(f"tile_v: expected 64 or 128, got {tile_v}")
+        if tile_v not in TILES:
+            raise ValueError(f"tile_v: expected one of {TILES}, got {tile_v}")
         # The gate phase gives each key channel NT / 128 threads, each a run of T / (NT / 128) draft tokens.
         assert self.threads % HEAD_DIM == 0 and t_draft % (self.threads // HEAD_DIM) == 0, (self.threads, t_draft)
         assert self.kpad in (MMA_K, 2 * MMA_K), self.kpad
@@ -407,7 +418,6 @@ class UcacheVerifyFlush:
             K * KPAD,  # sWK
             KPAD * PAIR_ROW,  # sWKc
             15 * self.m_row + KPAD,  # sM
-            0 if self.four_ctas else (TV - 1) * self.xy_stride + 2 * T,  # sXY (four_ctas: inside sXb, sXu)
             T * TV // 2,  # sVin (bf16)
             K,  # sBdec
             2 * T,  # sInv
@@ -426,8 +436,7 @@ class UcacheVerifyFlush:
     def occupancy(self) -> dict:
         """Launch attributes: the resident-CTA floor (at most what shared memory allows) and the largest
         shared-memory carveout."""
-        table = MIN_CTAS_PER_SM_FOUR if self.four_ctas else MIN_CTAS_PER_SM
-        ctas = _FORCE_MIN_BLOCKS or min(self.min_ctas or table.get(self.tile_v, 0), self.ctas_by_smem())
+        ctas = min(self.min_ctas or MIN_CTAS_PER_SM[self.tile_v], self.ctas_by_smem())
         return dict(min_blocks_per_mp=ctas, preferred_smem_carveout=100) if ctas else {}
 
     def vector_activations(self) -> bool:
@@ -440,17 +449,17 @@ class UcacheVerifyFlush:
         (3 CTAs, 80 registers, where ptxas spilled 12 bytes with it) 16.10-16.19 / 16.86-16.93 and 23.33-23.39 /
         24.74-24.80."""
         floor = self.occupancy().get("min_blocks_per_mp", 0)
-        return self.aligned and self.four_ctas and self.t_draft == 8 and self.tile_v == 128 and floor >= 4
+        return self.aligned and self.t_draft == 8 and self.tile_v == 128 and floor >= 4
 
     def vector_v(self) -> bool:
-        """The 80-register build (aligned, T=8, tile 128, 3 resident CTAs: the grids under FOUR_CTAS_FROM_STATES)
+        """The 80-register build (aligned, T=8, tile 128, 3 resident CTAs: the schedule's grids under 1536 pairs)
         keeps the draft inputs' scalar loads but reads the v tile as 16-byte runs. H200
         (benchmarks/results/ucache_r19_vec_v_h200.json, T=8 w16 H=12, two alternations, us at 0 / 100% folds, scalar /
         16-byte v): B=64 16.22-16.35 / 16.06-16.16 and 23.50-23.55 / 23.36-23.45, B=96 23.81-23.90 / 23.39-23.42 and
         35.66 / 35.49-35.58, B=8 and B=32 within 0.6%. The tile-64 build (B=1) read 4.26 / 4.32 and 4.86 / 4.99 with
         it, so it keeps the scalars."""
         floor = self.occupancy().get("min_blocks_per_mp", 0)
-        return self.aligned and self.four_ctas and self.t_draft == 8 and self.tile_v == 128 and floor == 3
+        return self.aligned and self.t_draft == 8 and self.tile_v == 128 and floor == 3
 
     def kq_row(self) -> int:
         """Row stride (words) of sK, sQ, sDec: padded by KQ_PAD in the vector-activation build. H200
@@ -587,12 +596,9 @@ class UcacheVerifyFlush:
         )
         XYS = self.xy_stride  # sXY row stride: 16-byte rows, and the 16-byte row reads of the solve hit 32 banks
         xy_layout = cute.make_layout((TV, 2 * T), stride=(XYS, 1))
-        if const_expr(self.four_ctas):
-            # written only after the sync that ends the last read of sXb / sXu (phase 2c), contiguous and larger
-            assert (TV - 1) * XYS + 2 * T <= 2 * cute.cosize(x_layout), (TV, XYS)
-            sXY = cute.make_tensor(cute.recast_ptr(sXb.iterator, dtype=Float32), xy_layout)
-        else:
-            sXY = smem.allocate_tensor(Float32, xy_layout, byte_alignment=16)
+        # written only after the sync that ends the last read of sXb / sXu (phase 2c), contiguous and larger
+        assert (TV - 1) * XYS + 2 * T <= 2 * cute.cosize(x_layout), (TV, XYS)
+        sXY = cute.make_tensor(cute.recast_ptr(sXb.iterator, dtype=Float32), xy_layout)
         sVin = smem.allocate_tensor(mV.element_type, row_major(T, TV), byte_alignment=16)  # v tile as given (bf16)
         sBdec = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
         sInv = smem.allocate_tensor(Float32, cute.make_layout(2 * T), byte_alignment=16)  # 1/|k_s|, scale/|q_s|
@@ -605,7 +611,11 @@ class UcacheVerifyFlush:
 
         slot = mSlot[bi]
         pool_rows = mPool.shape[0]
-        active = (slot >= 0) & (slot < pool_rows)
+        # else null (the policy): an inactive row; an int64 slot is compared in 64 bits (never wrapped into the pool)
+        if const_expr(self.slot_int64):
+            active = (slot >= Int64(self.first_slot)) & (slot < Int64(pool_rows))
+        else:
+            active = (slot >= self.first_slot) & (slot < pool_rows)
         # Loads that do not depend on the slot are issued with it, before the branch on it (every index is in
         # bounds for an inactive row too), so that their latency overlaps the slot's instead of following it: the
         # cursors, the gate phase's draft inputs and constants, the v tile and beta. ptxas sinks a load below that
@@ -702,10 +712,9 @@ class UcacheVerifyFlush:
             gGR = mGCache[slot64, h, None, None]
             last_row = (base + P - 1) & RING
 
-            # Issue the checkpoint rows' loads first: their DRAM latency overlaps the whole preamble. Not in the
-            # four_ctas variant: at its 64 registers ptxas spilled the 32 prefetched words right after their loads
-            # (the spill store waits for DRAM) or the preamble around them (140 bytes); loaded just before
-            # phase 2c they cost 8 bytes of spill, and the fourth resident CTA is what hides their latency.
+            # The checkpoint rows are loaded just before phase 2c (load_checkpoint_rows), not first: issued first, at
+            # 64 registers ptxas spilled the 32 prefetched words right after their loads (the spill store waits for
+            # DRAM) or the preamble around them (140 bytes); the fourth resident CTA is what hides their latency.
             g4 = lane // 4
             q4 = lane % 4
             rows = (warp * 16 + g4, warp * 16 + g4 + 8)
@@ -720,23 +729,18 @@ class UcacheVerifyFlush:
                             row_chunks[None, m * ROW_THREADS + q4], s0_chunks[None, rho * CHUNKS_PER_THREAD + m]
                         )
 
-            if const_expr(not self.four_ctas):
-                load_checkpoint_rows()
-
             # Phase 1b's global loads: u ring rows (tasks = (row pair, 8 consecutive state rows)), and for the replay
             # vectors wk_j = exp(G_{P-1} - G_j) * k^_j the last G row and rows G_j, k^_j. A wk task is 4 channels
             # (lanes run over them: whole ring rows per warp) of a set of ring rows 16 ks + 2q + {0, 1, 8, 9} (the
-            # pairs ks*8 + q and ks*8 + q + 4 of one fold B fragment). four_ctas starts the wk tasks at thread NT/2,
-            # so that they do not pile onto the threads that load u.
+            # pairs ks*8 + q and ks*8 + q + 4 of one fold B fragment). The wk tasks start at thread NT/2, so that
+            # they do not pile onto the threads that load u.
             u_chunk0 = tile * (TV // CHUNK)  # this tile's first 8-row chunk of a ring row
             u_tasks = (KPAD // 2) * (TV // CHUNK)
             n_rows = 4
             wk_tasks = KPAD // n_rows * (K // 4)
 
             def wk_task(it):
-                if const_expr(self.four_ctas):
-                    return (tidx + NT // 2) % NT + it * NT
-                return tidx + it * NT
+                return (tidx + NT // 2) % NT + it * NT
 
             def issue_ring_loads():
                 u_loaded = []
@@ -777,8 +781,8 @@ class UcacheVerifyFlush:
                     wk_loaded.append((last4, gjs, kjs))
                 return u_loaded, wk_loaded
 
-            if const_expr(self.four_ctas):
-                ring = issue_ring_loads()
+            # issued before phase 1a, so that their latency hides under the gate math
+            ring = issue_ring_loads()
 
             # ---- phase 1a: gate, raw k/q, decays and decayed draft vectors --------------------------
             # Thread (token group grp, channel c) owns TPT consecutive draft tokens of one key channel, so the
@@ -854,10 +858,7 @@ class UcacheVerifyFlush:
                         sXb[task // (8 * (K // 4)), task // (K // 4) % 8, task % (K // 4), 2 * odd + 1] = Int32(0)
 
             # ---- phase 1b: ring rows (u, replay vectors wk); the v tile and beta were parked at entry ------
-            # Only the live rows j < P are loaded: stale rows never enter an arithmetic op. The four_ctas variant
-            # issued these loads before phase 1a (ring_loads above), so their latency hid under the gate math.
-            if const_expr(not self.four_ctas):
-                ring = issue_ring_loads()
+            # Only the live rows j < P were loaded (issue_ring_loads): stale rows never enter an arithmetic op.
             u_loaded, wk_loaded = ring
             for it in cutlass.range_constexpr(len(u_loaded)):
                 task = tidx + it * NT
@@ -901,16 +902,15 @@ class UcacheVerifyFlush:
                             ch = 4 * c4 + e
                             cute.autovec_copy(quad, sWK[ch, _fold_group(ch, row_set // 4, row_set % 4, KPAD), None])
             cute.arch.sync_threads()
-            if const_expr(self.four_ctas):
-                # Start the checkpoint rows' DRAM reads now, into L2: the triangle warps (0 .. T/2 - 1) load their rows
-                # only after the triangles, the others after phase 2b, so the rows' latency hides under that work
-                # without holding registers (a register prefetch here spills: 48 bytes at 80 registers, 208 at 64).
-                # Quad position q asks for the 128-byte line q % 2 of the warp row pair's row q // 2. H200
-                # (benchmarks/results/ucache_r8_l2_rows_h200.json, T=8 w16 H=12, us at 0 / 100% folds, none /
-                # triangle warps / every warp): B=64 17.4 / 17.4 / 17.5 and 24.7 / 24.8 / 24.9; B=128 33.6 / 32.5 /
-                # 32.0 and 51.2 / 50.0 / 48.8; B=512 122.2 / 117.2 / 115.4-115.7 and 194.1 / 185.3 / 181.2-181.5.
-                row_line = gPool[v0 + warp * 16 + g4 + 8 * (q4 // 2), None]
-                cute.arch.prefetch((row_line.iterator + 64 * (q4 % 2)).llvm_ptr, cache_level="L2")
+            # Start the checkpoint rows' DRAM reads now, into L2: the triangle warps (0 .. T/2 - 1) load their rows
+            # only after the triangles, the others after phase 2b, so the rows' latency hides under that work
+            # without holding registers (a register prefetch here spills: 48 bytes at 80 registers, 208 at 64).
+            # Quad position q asks for the 128-byte line q % 2 of the warp row pair's row q // 2. H200
+            # (benchmarks/results/ucache_r8_l2_rows_h200.json, T=8 w16 H=12, us at 0 / 100% folds, none /
+            # triangle warps / every warp): B=64 17.4 / 17.4 / 17.5 and 24.7 / 24.8 / 24.9; B=128 33.6 / 32.5 /
+            # 32.0 and 51.2 / 50.0 / 48.8; B=512 122.2 / 117.2 / 115.4-115.7 and 194.1 / 185.3 / 181.2-181.5.
+            row_line = gPool[v0 + warp * 16 + g4 + 8 * (q4 // 2), None]
+            cute.arch.prefetch((row_line.iterator + 64 * (q4 % 2)).llvm_ptr, cache_level="L2")
 
             # ---- phase 2a: the T x T triangles and the norms (warps 0 .. T/2 - 1) -------------------------
             # Column r of both triangles is one warp's job (columns r and T-1-r share a warp: equal work); a lane
@@ -1042,8 +1042,7 @@ class UcacheVerifyFlush:
             # 8 of the warp's rows (B: rows 16w + 8 nt + g), k = channels. k-pairs (q, q + 4) of step ks are the
             # channel pairs of _pair_group(ks, q): two consecutive bf16 words of the thread's checkpoint chunk,
             # an exact B operand as loaded (no conversion, no split; bdec rides on x).
-            if const_expr(self.four_ctas):
-                load_checkpoint_rows()
+            load_checkpoint_rows()
             s0_words = cute.recast_tensor(s0_raw, Int32)  # [row nt][chunk m][4 channel pairs]
             acc = cute.make_rmem_tensor((8,), Float32)  # n-tile nt: (s = g, v = 2q, 2q + 1), (s = g + 8, same)
             for i in cutlass.range_constexpr(8):
@@ -1061,86 +1060,46 @@ class UcacheVerifyFlush:
                     d = _mma_bf16_m16n8k16([xop_lo[i] for i in range(4)], b_s0, d)
                     for i in cutlass.range_constexpr(4):
                         acc[4 * nt + i] = d[i]
-            if const_expr(not self.four_ctas):
-                self.store_dots(sXY, acc, warp, q4, g4)
             if is_flush:
                 # S_commit = S0 * bdec + U^T WK in fp32 registers, one rounding to bf16. Fold on MMA: M = the
                 # warp's 16 rows, K = ring rows, N = channels. n-tile nt, column n stands for channel
                 # (4 (nt // 4) + n // 2) * 8 + 2 (nt % 4) + n % 2, so the accumulator fragment is exactly this
                 # thread's state registers. u is bf16 in the ring (exact as an operand); wk is split hi + lo.
-                if const_expr(self.four_ctas):
-                    # One 8-channel chunk m (n-tiles 4m .. 4m + 3) at a time: 16 accumulators live instead of 64,
-                    # each with the same operation order as the whole-row fold (S0 * bdec, then k-steps in order).
-                    raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
-                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                        fold_acc = cute.make_rmem_tensor((2 * CHUNK,), Float32)  # [rho][e]
-                        for rho in cutlass.range_constexpr(2):
-                            for e in cutlass.range_constexpr(CHUNK):
-                                ch = (m * ROW_THREADS + q4) * CHUNK + e
-                                fold_acc[rho * CHUNK + e] = s0_raw[rho * 32 + m * CHUNK + e].to(Float32) * sBdec[ch]
-                        for ks in cutlass.range_constexpr(KPAD // MMA_K):
-                            if P > ks * MMA_K:
-                                jp0 = ks * (MMA_K // 2) + q4
-                                a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]])
-                                a_u = (*a_u, sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
-                                for nt in cutlass.range_constexpr(4 * m, 4 * m + 4):
-                                    e0 = 2 * (nt % 4)
-                                    col = (m * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
-                                    b = cute.make_rmem_tensor((4,), Int32)
-                                    cute.autovec_copy(sWK[col, _fold_group(col, ks, q4, KPAD), None], b)
-                                    ids = (e0, e0 + 1, CHUNK + e0, CHUNK + e0 + 1)
-                                    d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [fold_acc[z] for z in ids])
-                                    d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
-                                    for z in cutlass.range_constexpr(4):
-                                        fold_acc[ids[z]] = d[z]
-                        for rho in cutlass.range_constexpr(2):
-                            row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
-                            for e in cutlass.range_constexpr(CHUNK):
-                                raw[e] = fold_acc[rho * CHUNK + e].to(mPool.element_type)
-                            cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
-                else:
-                    state = cute.make_rmem_tensor((2 * CHUNK * CHUNKS_PER_THREAD,), Float32)
+                # One 8-channel chunk m (n-tiles 4m .. 4m + 3) at a time: 16 accumulators live instead of 64
+                # (S0 * bdec, then the k-steps in order).
+                raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
+                for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                    fold_acc = cute.make_rmem_tensor((2 * CHUNK,), Float32)  # [rho][e]
                     for rho in cutlass.range_constexpr(2):
-                        for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                            for e in cutlass.range_constexpr(CHUNK):
-                                ch = (m * ROW_THREADS + q4) * CHUNK + e
-                                idx = rho * 32 + m * CHUNK + e
-                                state[idx] = s0_raw[idx].to(Float32) * sBdec[ch]
+                        for e in cutlass.range_constexpr(CHUNK):
+                            ch = (m * ROW_THREADS + q4) * CHUNK + e
+                            fold_acc[rho * CHUNK + e] = s0_raw[rho * 32 + m * CHUNK + e].to(Float32) * sBdec[ch]
                     for ks in cutlass.range_constexpr(KPAD // MMA_K):
                         if P > ks * MMA_K:
                             jp0 = ks * (MMA_K // 2) + q4
-                            a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]], sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
-                            for nt in cutlass.range_constexpr(K // 8):
+                            a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]])
+                            a_u = (*a_u, sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
+                            for nt in cutlass.range_constexpr(4 * m, 4 * m + 4):
                                 e0 = 2 * (nt % 4)
-                                col = ((nt // 4) * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
-                                # hi and lo of ring-row pairs jp0 and jp0 + 4: one 16-byte read
+                                col = (m * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
                                 b = cute.make_rmem_tensor((4,), Int32)
                                 cute.autovec_copy(sWK[col, _fold_group(col, ks, q4, KPAD), None], b)
-                                at = (nt // 4) * CHUNK + e0
-                                ids = (at, at + 1, 32 + at, 32 + at + 1)
-                                d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [state[z] for z in ids])
+                                ids = (e0, e0 + 1, CHUNK + e0, CHUNK + e0 + 1)
+                                d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [fold_acc[z] for z in ids])
                                 d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
                                 for z in cutlass.range_constexpr(4):
-                                    state[ids[z]] = d[z]
-                    raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
+                                    fold_acc[ids[z]] = d[z]
                     for rho in cutlass.range_constexpr(2):
                         row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
-                        for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                            for e in cutlass.range_constexpr(CHUNK):
-                                raw[e] = state[rho * 32 + m * CHUNK + e].to(mPool.element_type)
-                            cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
+                        for e in cutlass.range_constexpr(CHUNK):
+                            raw[e] = fold_acc[rho * CHUNK + e].to(mPool.element_type)
+                        cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
             cute.arch.sync_threads()
 
             # ---- phase 2d: ring correction x_s += sum_j u_j M[j, s] (MMA: M = 16 rows, K = ring rows) -----------
             if P > 0:
-                # x^T += M^T U: m16 = draft vectors (A: sM), n8 = 8 state rows (B: u pairs), k = ring rows
-                if const_expr(not self.four_ctas):  # four_ctas: acc still holds phase 2c's products
-                    acc = cute.make_rmem_tensor((8,), Float32)
-                    for nt in cutlass.range_constexpr(2):
-                        for i in cutlass.range_constexpr(4):
-                            acc[4 * nt + i] = Float32(0.0)
-                            if const_expr(i < 2 or 2 * T > 8):
-                                acc[4 * nt + i] = sXY[warp * 16 + nt * 8 + 2 * q4 + i % 2, g4 + 8 * (i // 2)]
+                # x^T += M^T U: m16 = draft vectors (A: sM), n8 = 8 state rows (B: u pairs), k = ring rows; acc
+                # still holds phase 2c's products
                 for ks in cutlass.range_constexpr(KPAD // MMA_K):
                     if P > ks * MMA_K:
                         m_hi = cute.make_rmem_tensor((4,), Int32)
@@ -1156,11 +1115,8 @@ class UcacheVerifyFlush:
                             d = _mma_bf16_m16n8k16([m_lo[i] for i in range(4)], b_u, d)
                             for i in cutlass.range_constexpr(4):
                                 acc[4 * nt + i] = d[i]
-                if const_expr(not self.four_ctas):
-                    self.store_dots(sXY, acc, warp, q4, g4)
-            if const_expr(self.four_ctas):
-                # sXY shares sXb / sXu, whose last reads (phases 2b, 2c) ended at the sync above
-                self.store_dots(sXY, acc, warp, q4, g4)
+            # sXY shares sXb / sXu, whose last reads (phases 2b, 2c) ended at the sync above
+            self.store_dots(sXY, acc, warp, q4, g4)
             cute.arch.sync_threads()
 
             # ---- phase 3: k^ appends (V tile 0, threads past the tile), the triangular solve (one row each) -
@@ -1236,7 +1192,8 @@ def _fakes(cfg: UcacheVerifyFlush):
         vec(f32, H),  # A_log
         vec(f32, H * K) if cfg.has_dt_bias else None,  # dt_bias
         _launch.fake_tensor(bf16, (N, H, K, K), (None, K * K, K, 1), align_bytes=align(bf16)),  # pool
-        vec(i32, B),  # slot indices
+        _launch.fake_tensor(cutlass.Int64 if cfg.slot_int64 else i32, (B,), (None,) if cfg.slots_strided else (1,),
+                            align_bytes=8 if cfg.slot_int64 else 4),  # slot indices
         ring(bf16),  # k_cache
         ring(bf16),  # u_cache
         ring(f32),  # g_cache
@@ -1255,12 +1212,15 @@ def build_ucache_kernel(
     aligned: bool,
     arch: str,
     extra_options: str = "",
-    four_ctas: bool = False,
     min_ctas: int = 0,
     has_dt_bias: bool = True,
+    null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+    slot_int64: bool = False,
+    slots_strided: bool = False,
 ):
     """Compile one configuration against fake tensors (no GPU needed when CUTE_DSL_ARCH is set)."""
-    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, four_ctas, min_ctas, has_dt_bias)
+    cfg = UcacheVerifyFlush(heads, t_draft, w_ring, tile_v, softplus_gate, aligned, min_ctas, has_dt_bias, null_policy,
+                            slot_int64, slots_strided)
     return cute.compile(
         cfg,
         *_fakes(cfg),
@@ -1278,10 +1238,14 @@ class UcacheRestartCursors:
     the P the verify kernel read and folded, so a malformed hist_len moves the ring by the rows actually folded
     (docs/design.md §5). One thread per row; no host sync, so it captures into CUDA graphs. It runs after the
     verify kernel (same stream): inside that kernel every CTA of a request reads the cursors, so none of them may
-    rewrite them.
+    rewrite them. ``null_policy``: which slots make a row inactive, as in the verify kernel.
     """
 
     threads = 128
+
+    def __init__(self, null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE, slot_int64: bool = False):
+        self.first_slot = 1 if null_policy == NullSlotPolicy.NONPOSITIVE else 0
+        self.slot_int64 = slot_int64
 
     @cute.jit
     def __call__(
@@ -1313,21 +1277,23 @@ class UcacheRestartCursors:
         bidx, _, _ = cute.arch.block_idx()
         i = bidx * self.threads + tidx
         if i < mSlot.shape[0]:
-            slot = mSlot[i]
-            if (slot >= 0) & (slot < pool_rows):
+            slot = Int64(mSlot[i])  # any index width, compared in 64 bits
+            if (slot >= Int64(self.first_slot)) & (slot < Int64(pool_rows)):
                 P = cutlass.min(cutlass.max(mHist[i], cutlass.Int32(0)), max_hist)  # as the verify kernel clamps
                 if P >= flush_min:
                     mBase[i] = (mBase[i] + P) & (RING_SLOTS - 1)
                     mHist[i] = cutlass.Int32(0)
 
 
-def build_restart_kernel(arch: str):
+def build_restart_kernel(arch: str, null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+                         slot_int64: bool = False):
     i32 = cutlass.Int32
     B = _launch.sym_size()
     vec = lambda: _launch.fake_tensor(i32, (B,), (1,), align_bytes=4)  # noqa: E731
     return cute.compile(
-        UcacheRestartCursors(),
-        vec(),
+        UcacheRestartCursors(null_policy, slot_int64),
+        # slot indices: int32 or int64, any stride
+        _launch.fake_tensor(cutlass.Int64 if slot_int64 else i32, (B,), (None,), align_bytes=8 if slot_int64 else 4),
         vec(),
         vec(),
         i32(1),
@@ -1339,11 +1305,13 @@ def build_restart_kernel(arch: str):
 
 
 def restart_cursors(slot_indices, hist_len, cache_base, pool_rows: int, flush_min: int, t_draft: int,
-                    w_ring: int) -> None:
+                    w_ring: int, *, null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE) -> None:
     """Apply the flush part of the commit in place (see :class:`UcacheRestartCursors`); B == 0 launches nothing."""
     if slot_indices.shape[0] == 0:
         return
-    fn = _launch.get_or_compile(("kda_ucache_restart_cursors",), build_restart_kernel)
+    slot_int64 = slot_indices.dtype == torch.int64
+    fn = _launch.get_or_compile(("kda_ucache_restart_cursors", null_policy, slot_int64),
+                                lambda arch: build_restart_kernel(arch, null_policy, slot_int64))
     fn(slot_indices, hist_len, cache_base, int(pool_rows), int(flush_min), max_hist_len(t_draft, w_ring))
 
 
@@ -1372,39 +1340,51 @@ def ucache_verify_flush(
     output: torch.Tensor,
     restart_hist_on_flush: bool = False,
     aligned: bool = True,
-    tile_v: int | None = None,
-    four_ctas: bool | None = None,
+    *,
+    config: UcacheConfig | None = None,
+    null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
 ) -> torch.Tensor:
     """Launch the kernel on the current stream. Arguments are already validated (kda-recurrent does it).
 
     A_log [H] fp32, dt_bias [H*128] fp32 (contiguous) or None (zeros); q, k, v, g [B, T, H, 128] bf16 (last dim
     contiguous); b [B, T, H] bf16 logits; state_pool [N, H, 128, 128] bf16 (inner dims contiguous, dim-0 stride a
-    multiple of 8); k_cache, u_cache [N, H, 32, 128] bf16 and g_cache fp32 (same rule); slot_indices, hist_len,
-    cache_base [B] int32 contiguous; output [B, T, H, 128] bf16. ``aligned``: every pool/ring pointer and row
-    stride is a multiple of 16 bytes (kda_core's validation says so). The kernel only reads the cursors;
+    multiple of 8 on the aligned variant, any number of elements >= the row on the unaligned one); k_cache, u_cache
+    [N, H, 32, 128] bf16 and g_cache fp32 (same rule); slot_indices [B] int32 or int64, any stride (a column of a
+    wider table); hist_len, cache_base [B] int32 contiguous; output [B, T, H, 128] bf16. ``aligned``: every pointer
+    and row stride of the activations, the pool and the rings is a multiple of 16 bytes (kda_core's validation says
+    so). The kernel only reads the cursors;
     ``restart_hist_on_flush`` then applies the flush part of the commit with a second, one-thread-per-row kernel.
-    ``four_ctas``: the :class:`UcacheVerifyFlush` variant (None: ``_FORCE_FOUR_CTAS``, else on; False is the
-    layout without it). Its resident-CTA floor follows :func:`default_min_ctas`.
+    ``config``: the launch schedule (:class:`UcacheConfig`); None takes :func:`select_config`'s for (B, H).
+    ``null_policy``: which slots make a row inactive (docs/design.md §4): ``OUT_OF_RANGE`` (slot < 0 or >= N) or
+    ``NONPOSITIVE`` (vLLM: slot <= 0 or >= N; slot 0's pool row, rings and cursors are never touched).
     """
     B, T, H, _ = q.shape
     if H > GRID_Y_MAX:
         fail("q", f"at most {GRID_Y_MAX} heads (dim 2) per call (grid y limit)", H)
+    if config is not None and (not isinstance(config, UcacheConfig) or config.tile_v not in TILES
+                               or not 0 <= config.min_ctas <= 32):
+        fail("config", f"a UcacheConfig with tile_v in {TILES} and min_ctas in [0, 32]", config)
+    if not isinstance(null_policy, NullSlotPolicy):
+        fail("null_policy", "a kda_core.contracts.NullSlotPolicy", null_policy)
     if debug_checks_enabled():  # KDA_DEBUG_VALIDATE: duplicate active slots
-        debug_check_slots(slot_indices.reshape(-1), state_pool.shape[0], argument="slot_indices")
+        flat = slot_indices.reshape(-1)
+        if null_policy == NullSlotPolicy.NONPOSITIVE:
+            flat = flat[flat != 0]  # slot 0 is null there: padding rows may repeat it
+        debug_check_slots(flat, state_pool.shape[0], argument="slot_indices")
     if B == 0 or H == 0:  # nothing to launch (a grid dimension would be 0), no cursor to restart
         return output
-    tile_v = tile_v or default_tile_v(B, H)
+    cfg = select_config(B, H) if config is None else config
     softplus_gate = lower_bound is None
-    if four_ctas is None:
-        four_ctas = True if _FORCE_FOUR_CTAS is None else bool(_FORCE_FOUR_CTAS)
-    min_ctas = default_min_ctas(tile_v, B, H) if four_ctas else 0
     has_dt_bias = dt_bias is not None
-    key = ("kda_ucache_verify_flush", H, T, w_ring, tile_v, softplus_gate, bool(aligned), four_ctas, min_ctas,
-           has_dt_bias, _FORCE_MIN_BLOCKS)  # fmt: skip
+    slot_int64 = slot_indices.dtype == torch.int64
+    slots_strided = B > 1 and slot_indices.stride(0) != 1
+    key = ("kda_ucache_verify_flush", H, T, w_ring, cfg.tile_v, cfg.floor, softplus_gate, bool(aligned), has_dt_bias,
+           null_policy, slot_int64, slots_strided)  # fmt: skip
     fn = _launch.get_or_compile(
         key,
-        lambda arch: build_ucache_kernel(H, T, w_ring, tile_v, softplus_gate, bool(aligned), arch, four_ctas=four_ctas,
-                                         min_ctas=min_ctas, has_dt_bias=has_dt_bias),  # fmt: skip
+        lambda arch: build_ucache_kernel(H, T, w_ring, cfg.tile_v, softplus_gate, bool(aligned), arch,
+                                         min_ctas=cfg.floor, has_dt_bias=has_dt_bias, null_policy=null_policy,
+                                         slot_int64=slot_int64, slots_strided=slots_strided),  # fmt: skip
     )
     args = [q, k, v, g, b, A_log, dt_bias, state_pool, slot_indices, k_cache, u_cache, g_cache, hist_len, cache_base,
             output, float(scale), float(-5.0 if lower_bound is None else lower_bound), int(flush_min)]
@@ -1417,5 +1397,6 @@ def ucache_verify_flush(
         for b0 in range(0, B, GRID_Z_MAX):
             fn(*[a[b0 : b0 + GRID_Z_MAX] if i in _BATCH_ARGS else a for i, a in enumerate(args)])
     if restart_hist_on_flush:
-        restart_cursors(slot_indices, hist_len, cache_base, state_pool.shape[0], flush_min, T, w_ring)
+        restart_cursors(slot_indices, hist_len, cache_base, state_pool.shape[0], flush_min, T, w_ring,
+                        null_policy=null_policy)
     return output
