@@ -547,3 +547,9 @@ def test_the_facade_hands_each_layer_one_bundle(kernels, as_if_cuda, monkeypatch
     assert [n for n, _ in seen] == ["revalidate", "validate"] and kernels.paths == [Path.GENERIC]
     assert type(hot) is tuple and type(full) is RecurrentArgs  # the hot path's plain tuple, then the named bundle
     assert hot == full and full.ssm_state_indices.shape == (3, 2) and full.scale is None
+
+
+def test_the_generic_entry_is_the_launch_on_the_validated_call(monkeypatch):
+    generic = pytest.importorskip("kda_cute.generic")
+    monkeypatch.setattr(facade, "_generic_kernel", facade._UNLOADED)
+    assert facade._generic() is generic.run  # run(call, args): the description and the bundle, no adapter frame

@@ -98,27 +98,16 @@ def _t1_entry():
     return decode_t1._run
 
 
-def _generic_entry():
-    """The generic kernel as ``fn(call, args) -> (o, final_state)``, ``call`` the validated
-    :class:`kda_core.validation.RecurrentCall` of the :class:`kda_core.call_args.RecurrentArgs` ``args``."""
-    from kda_cute import generic
-
-    run = getattr(generic, "run", None)
-    if run is not None:
-        return run
-    fwd = generic.kda_recurrent_fwd
-
-    def run(call, args):
-        return fwd(*args[:5], **dict(zip(RecurrentArgs._fields[5:], args[5:])))
-
-    return run
-
-
 def _load(name: str):
-    """Import one kernel entry point once; remember why when it cannot be imported."""
+    """Import one kernel entry point once; remember why when it cannot be imported. The generic kernel's is
+    ``kda_cute.generic.run(call, args) -> (o, final_state)``: the validated description and the bundle it
+    describes."""
     global _t1_kernel, _generic_kernel
     try:
-        fn = _t1_entry() if name == "t1" else _generic_entry()
+        if name == "t1":
+            fn = _t1_entry()
+        else:
+            from kda_cute.generic import run as fn
     except ImportError as err:  # kda-cute not installed, or its DSL libraries missing
         fn = None
         _missing[name] = f"{type(err).__name__}: {err}"
