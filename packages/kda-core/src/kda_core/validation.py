@@ -770,8 +770,8 @@ WRAPPER_REJECTED = (ValueError, TypeError)
 """What a compiled TVM-FFI wrapper raises when it rejects an argument, before anything launches: the callers of the
 re-validators catch it and run the full validator."""
 _LAUNCH_DEVICE_MIN = 0
-"""The lowest device index the re-validators accept for the first tensor (CUDA: >= 0). Only
-``benchmarks/profile_t1_host.py --device cpu`` sets -1, to time the host path on CPU tensors."""
+"""The lowest device index the re-validators accept for the first tensor (CUDA: >= 0). Only the CPU tests (the
+``on_cpu`` fixture of tests/test_validation.py) set -1, to re-validate CPU tensors as CUDA ones."""
 
 
 def _t1_output_range(output, B, H):
