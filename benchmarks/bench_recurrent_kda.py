@@ -97,6 +97,7 @@ def per_call_us(fn, calls):
 
 
 def bench_overhead(args, timer, fla_fwd):
+    from kda_core.call_args import RecurrentArgs
     from kda_recurrent import facade
 
     H = args.heads
@@ -108,10 +109,9 @@ def bench_overhead(args, timer, fla_fwd):
     out = torch.empty(1, 1, H, K, dtype=torch.bfloat16, device="cuda")
     kw = dict(A_log=A_log, dt_bias=dt_bias, initial_state=pool, use_gate_in_kernel=True, lower_bound=LOWER_BOUND,
               beta_is_logit=True, ssm_state_indices=slots, output=out)
-    args18 = (x["q"], x["k"], x["v"], x["g"], x["beta"], A_log, dt_bias, None, pool, False, True, True, LOWER_BOUND,
-              True, None, slots, None, out)
+    bundle = RecurrentArgs(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)  # what the facade hands its validators
     route = facade.explain(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
-    call = facade._validate(*args18)
+    call = facade._validate(bundle)
     facade.recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)  # compile + module load
     t1 = facade._t1_kernel
     rec = dict(part="overhead", B=1, T=1, H=H, path=route.path.value, reason=route.reason)
@@ -120,8 +120,8 @@ def bench_overhead(args, timer, fla_fwd):
             lambda: facade.recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw), calls=args.eager_calls)
         # validate: the full validator (a call shape's first call); revalidate: what every later call of that shape
         # pays on the hot path (kda-core's re-validation; the compiled wrapper checks the rest).
-        rec["validate_us"] = per_call_us(lambda: facade._validate(*args18), args.eager_calls)
-        rec["revalidate_us"] = per_call_us(lambda: facade._revalidate(*args18), args.eager_calls)
+        rec["validate_us"] = per_call_us(lambda: facade._validate(bundle), args.eager_calls)
+        rec["revalidate_us"] = per_call_us(lambda: facade._revalidate(bundle), args.eager_calls)
         rec["route_us"] = per_call_us(lambda: facade._route(call), args.eager_calls * 10)
         if callable(t1):
             rec["t1_launch_us"] = _timing.eager_wall_us(

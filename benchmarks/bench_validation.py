@@ -68,6 +68,7 @@ def make_tensors(B, H, device):
 
 def cases(t, device_kind):
     from kda_core import validation as V
+    from kda_core.call_args import RecurrentArgs
 
     q, k, v, g, beta, pool, slots, A_log, dt = (t[n] for n in ("q", "k", "v", "g", "beta", "pool", "slots", "A_log",
                                                              "dt_bias"))
@@ -75,6 +76,8 @@ def cases(t, device_kind):
     H = q.shape[2]
     uc = t["uc"]
     floor_tensors = (q, k, v, g, beta, pool, slots, A_log, dt)
+    recurrent = RecurrentArgs(q, k, v, g, beta, A_log=A_log, dt_bias=dt, initial_state=pool, ssm_state_indices=slots,
+                              use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True)  # built by the facade
 
     def floor():
         for x in floor_tensors:
@@ -86,9 +89,7 @@ def cases(t, device_kind):
         "validate_packed_decode_t1": lambda: V.validate_packed_decode_t1(
             mixed, raw_gate, raw_beta, pool, slots, num_heads=H, A_log=A_log, dt_bias=dt, lower_bound=-5.0,
             device_kind=device_kind),
-        "validate_recurrent": lambda: V.validate_recurrent(
-            q, k, v, g, beta, A_log=A_log, dt_bias=dt, initial_state=pool, ssm_state_indices=slots,
-            use_gate_in_kernel=True, lower_bound=-5.0, beta_is_logit=True, device_kind=device_kind),
+        "validate_recurrent": lambda: V.validate_recurrent(recurrent, device_kind=device_kind),
         "validate_ucache_T8": lambda: V.validate_ucache(
             A_log, uc["g"], dt, -5.0, q=uc["q"], k=uc["k"], v=uc["v"], b=uc["b"],
             initial_state_source=uc["initial_state_source"], initial_state_indices=uc["initial_state_indices"],

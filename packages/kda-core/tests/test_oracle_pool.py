@@ -8,10 +8,13 @@ and hand-formula tests pin down independently. Runs over different batch subsets
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
-from kda_core.oracle import recurrent_kda_ref
+from kda_core.call_args import RecurrentArgs
+from kda_core.oracle import recurrent_kda_ref, recurrent_kda_ref_args
 
 F32 = dict(dtype=torch.float32, out_dtype=None)
 
@@ -214,3 +217,26 @@ def test_pool_output_is_bf16_by_default_and_rounded_from_fp32(kda):
     o, _ = recurrent_kda_ref(**args, initial_state=pool.clone(), ssm_state_indices=slots)
     o32, _ = recurrent_kda_ref(**args, initial_state=pool.clone(), ssm_state_indices=slots, **F32)
     assert o.dtype == torch.bfloat16 and kda.same_bits(o, o32.to(torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The facade's entry: the call's bundle, and a given output written as the kernels write it
+
+
+def test_the_keyword_api_lists_the_bundles_fields_in_order():
+    params = list(inspect.signature(recurrent_kda_ref).parameters.values())[: len(RecurrentArgs._fields)]
+    assert [(p.name, p.default) for p in params] == [
+        (n, RecurrentArgs._field_defaults.get(n, inspect.Parameter.empty)) for n in RecurrentArgs._fields]
+
+
+def test_the_bundle_entry_is_the_keyword_api_and_writes_a_given_output(kda):
+    args = kda.make_inputs(B=3, T=2, H=2, K=16, seed=4)
+    pool = kda.make_pool(5, 2, 16, seed=5)
+    slots = torch.tensor([4, -1, 1], dtype=torch.int32)
+    o_kw, pool_kw = recurrent_kda_ref(**args, initial_state=pool.clone(), ssm_state_indices=slots)
+    out = torch.full(o_kw.shape, 7.0, dtype=torch.bfloat16, requires_grad=True)
+    bundle = RecurrentArgs(**args, initial_state=pool.clone(), ssm_state_indices=slots, output=out)
+    o, pool_b = recurrent_kda_ref_args(bundle)
+    assert o is out
+    torch.testing.assert_close(out.detach(), o_kw, rtol=0, atol=0)
+    torch.testing.assert_close(pool_b, pool_kw, rtol=0, atol=0)

@@ -14,6 +14,7 @@ from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kda_core import validation as V  # noqa: E402
+from kda_core.call_args import RecurrentArgs  # noqa: E402
 from kda_core.contracts import T1_HEAD_COUNTS  # noqa: E402
 from kda_core.oracle import recurrent_kda_ref  # noqa: E402
 
@@ -99,7 +100,7 @@ def test_legal_recurrent_calls_are_described(B, T, H, group, K, mode, N):
     elif mode == "spec":
         args.update(initial_state=z(N, HV, K, K, dtype=torch.bfloat16), ssm_state_indices=z(B, T, dtype=torch.int32),
                     num_accepted_tokens=z(B, dtype=torch.int32))
-    call = V.validate_recurrent(**args)
+    call = V.validate_recurrent(RecurrentArgs(**args))
     assert (call.mode, call.B, call.T, call.H, call.HV, call.K) == (mode, B, T, H, HV, K)
     assert call.N == (None if mode == "dense" else N)
     assert not call.t1_eligible  # CPU tensors always run the oracle

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kda_core import validation as V
+from kda_core.call_args import RecurrentArgs
 from kda_core.contracts import GateMode
 from kda_core.errors import KDAError
 
@@ -76,7 +77,9 @@ def rec_args(B=2, T=1, Hq=H, HV=H, K=D, mode="pool", N=8):
 
 
 def rec(a):
-    return V.validate_recurrent(**a)
+    a = dict(a)
+    device_kind = a.pop("device_kind", "any")
+    return V.validate_recurrent(RecurrentArgs(**a), device_kind=device_kind)
 
 
 def uc_args(B=2, T=8, N=5):
@@ -708,8 +711,8 @@ def test_precomputed_calls_with_any_ignored_lower_bound_share_a_description():
 
 def test_remembered_descriptions_are_bounded():
     for B in range(1, V._MEMO_MAX + 50):
-        V.validate_recurrent(*(torch.empty(B, 1, 1, 64, device="meta") for _ in range(4)),
-                             torch.empty(B, 1, 1, device="meta"))
+        V.validate_recurrent(RecurrentArgs(*(torch.empty(B, 1, 1, 64, device="meta") for _ in range(4)),
+                                           torch.empty(B, 1, 1, device="meta")))
     assert len(V._MEMO) <= V._MEMO_MAX
 
 
@@ -833,30 +836,35 @@ def test_an_empty_batch_is_always_fully_validated(on_cpu, monkeypatch):
 
 def test_recurrent_revalidation_returns_only_t1_eligible_cuda_descriptions(on_cpu):
     a = rec_args(B=3)
-    args = [a.get(n) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "scale", "initial_state")]
-    args += [False, True, True, -5.0, True, None, a["ssm_state_indices"], None, None]
+    args = RecurrentArgs(**a)
     rec(a)
-    assert V.revalidate_recurrent_t1(*args) is None  # described, but on the CPU: not T=1 eligible
-    assert V.revalidate_recurrent_t1(*args[:14], torch.zeros(4, dtype=I32), *args[15:]) is None  # varlen
-    assert V.revalidate_recurrent_t1(*args[:9], True, *args[10:]) is None  # output_final_state
-    assert V.revalidate_recurrent_t1(*args[:3], [1], *args[4:]) is None  # a failing read
+    assert V.revalidate_recurrent_t1(args) is None  # described, but on the CPU: not T=1 eligible
+    assert V.revalidate_recurrent_t1(args._replace(cu_seqlens=torch.zeros(4, dtype=I32))) is None  # varlen
+    assert V.revalidate_recurrent_t1(args._replace(output_final_state=True)) is None
+    assert V.revalidate_recurrent_t1(args._replace(g=[1])) is None  # a failing read
+    assert V.revalidate_recurrent_t1(tuple(args)[:17]) is None  # not the call's bundle: the full validator says so
+
+
+def test_recurrent_validation_takes_the_calls_bundle():
+    a = rec_args()
+    _raises(lambda: V.validate_recurrent(tuple(RecurrentArgs(**a))), "args", "RecurrentArgs")
+    assert RecurrentArgs(**a) == tuple(RecurrentArgs(**a))  # a tuple in the facade's order, nothing more
 
 
 def test_recurrent_revalidation_finds_a_cuda_description_by_its_facts(on_cpu, monkeypatch):
     import dataclasses
 
     a = rec_args(B=3)
-    args = [a.get(n) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "scale", "initial_state")]
-    args += [False, True, True, -5.0, True, None, a["ssm_state_indices"], None, None]
+    args = RecurrentArgs(**a)
     call = rec(a)
     # Store the description a CUDA call with these facts gets (the key's last fact is on_cuda).
     key = next(k for k, v in V._MEMO.items() if v is call)
     cuda_call = dataclasses.replace(call, on_cuda=True, t1_eligible=True)
     monkeypatch.setitem(V._MEMO, (*key[:-1], True), cuda_call)
-    assert V.revalidate_recurrent_t1(*args) is cuda_call
-    assert V.revalidate_recurrent_t1(*args[:10], False, *args[11:]) is None  # another key (no in-kernel norm)
+    assert V.revalidate_recurrent_t1(args) is cuda_call
+    assert V.revalidate_recurrent_t1(args._replace(use_qk_l2norm_in_kernel=False)) is None  # another key
     bad_slots = torch.zeros(6, dtype=I32)[::2]
-    assert V.revalidate_recurrent_t1(*args[:15], bad_slots, *args[16:]) is None  # a rule the wrapper cannot check
+    assert V.revalidate_recurrent_t1(args._replace(ssm_state_indices=bad_slots)) is None  # the wrapper cannot check
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -952,14 +960,13 @@ def test_recurrent_t1_revalidation_refuses_an_output_over_a_pool_row(on_cpu, mon
     import dataclasses
 
     a = dict(rec_args(B=3), output=_t1_out())
-    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "scale", "initial_state")
-    args = [a.get(n) for n in names] + [False, True, True, -5.0, True, None, a["ssm_state_indices"], None]
+    args = RecurrentArgs(**a)
     call = rec(a)
     key = next(k for k, v in V._MEMO.items() if v is call)
     monkeypatch.setitem(V._MEMO, (*key[:-1], True), dataclasses.replace(call, on_cuda=True, t1_eligible=True))
-    assert V.revalidate_recurrent_t1(*args, a["output"]) is not None
+    assert V.revalidate_recurrent_t1(args) is not None
     row = a["initial_state"][5].reshape(-1)[: 3 * H * D].view(3, 1, H, D)
-    assert V.revalidate_recurrent_t1(*args, row) is None  # the full validator then raises naming output
+    assert V.revalidate_recurrent_t1(args._replace(output=row)) is None  # the full validator then raises
 
 
 @pytest.mark.parametrize("case, build, other", [

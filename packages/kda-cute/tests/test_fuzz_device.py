@@ -357,6 +357,7 @@ def test_decode_t1_keeps_malformed_slots_in_bounds(entry, state_dtype, grid, mon
 def _run_generic(ctx, inputs, guards, out, *, pool=None, init=None, idx=None, nat=None, cu=None, final=False):
     """Validate the call's metadata (as the facade does before launching), run the oracle on copies, snapshot the
     guards and run the kernel on the guarded tensors. Returns (kernel final state or None, oracle (o, final))."""
+    from kda_core.call_args import RecurrentArgs
     from kda_core.oracle import recurrent_kda_ref
     from kda_core.validation import validate_recurrent
     from kda_cute.generic import kda_recurrent_fwd
@@ -365,7 +366,7 @@ def _run_generic(ctx, inputs, guards, out, *, pool=None, init=None, idx=None, na
     kw = dict(initial_state=None if state is None else state.t, ssm_state_indices=None if idx is None else idx.t,
               num_accepted_tokens=None if nat is None else nat.t, cu_seqlens=None if cu is None else cu.t,
               output_final_state=final)
-    validate_recurrent(**inputs, **kw, output=out.t, device_kind="cuda")
+    validate_recurrent(RecurrentArgs(**inputs, **kw, output=out.t), device_kind="cuda")
     ref_kw = dict(kw, initial_state=None if state is None else state.t.clone())
     ref = recurrent_kda_ref(**inputs, **ref_kw)
     _snapshot(*guards)

@@ -270,12 +270,8 @@ def _spy_launches(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("mode", ["pool", "spec", "dense", "varlen"])
-def test_host_path_compiles_its_variant_and_passes_every_kernel_argument(mode, monkeypatch):
-    """The entry point builds its variant through the compile cache and hands the kernel one argument per
-    parameter, in order (CPU tensors: the launch itself is recorded, not run)."""
-    calls = _spy_launches(monkeypatch)
-    B, T, H, HV, K = 2, 3, 2, 4, 64
+def _host_call(mode, B=2, T=3, H=2, HV=4, K=64):
+    """(q, k, v, g, beta, keyword arguments, pool) of one CPU call of ``mode``: pool | spec | dense | varlen."""
     q, k = torch.randn(B, T, H, K).bfloat16(), torch.randn(B, T, H, K).bfloat16()
     v, g = torch.randn(B, T, HV, K).bfloat16(), torch.randn(B, T, HV, K).bfloat16()
     beta = torch.randn(B, T, HV).bfloat16()
@@ -291,6 +287,16 @@ def test_host_path_compiles_its_variant_and_passes_every_kernel_argument(mode, m
     else:
         q, k, v, g, beta = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
         kw.update(cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int64), output_final_state=True)
+    return q, k, v, g, beta, kw, pool
+
+
+@pytest.mark.parametrize("mode", ["pool", "spec", "dense", "varlen"])
+def test_host_path_compiles_its_variant_and_passes_every_kernel_argument(mode, monkeypatch):
+    """The entry point builds its variant through the compile cache and hands the kernel one argument per
+    parameter, in order (CPU tensors: the launch itself is recorded, not run)."""
+    calls = _spy_launches(monkeypatch)
+    B, T, H, HV, K = 2, 3, 2, 4, 64
+    q, k, v, g, beta, kw, pool = _host_call(mode, B, T, H, HV, K)
     o, final = R.kda_recurrent_fwd(q, k, v, g, beta, **kw)
     ((key, args),) = calls
     expected_mode = {"pool": R.StateMode.POOL, "spec": R.StateMode.SPEC}.get(mode, R.StateMode.DENSE)
@@ -309,6 +315,43 @@ def test_host_path_compiles_its_variant_and_passes_every_kernel_argument(mode, m
         assert final.dtype == torch.float32 and args[8] is final
     assert (args[10] is not None) == (mode == "spec")
     assert (args[11] is not None) == (mode == "varlen")
+
+
+def test_the_keyword_entry_takes_the_bundles_fields_then_the_launch_options():
+    import inspect
+
+    from kda_core.call_args import RecurrentArgs
+
+    params = list(inspect.signature(R.kda_recurrent_fwd).parameters.values())
+    assert [(p.name, p.default) for p in params] == [
+        (n, RecurrentArgs._field_defaults.get(n, inspect.Parameter.empty)) for n in RecurrentArgs._fields
+    ] + [("config", None), ("null_policy", NullSlotPolicy.OUT_OF_RANGE)]
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "precomputed"])
+@pytest.mark.parametrize("mode", ["pool", "spec", "dense", "varlen"])
+def test_the_validated_entry_launches_what_the_keyword_entry_launches(mode, gate, monkeypatch):
+    """run(call, args), the facade's entry, reads mode, counts, gate and scalars from kda-core's description of the
+    bundle; the launch is the one kda_recurrent_fwd makes of the same arguments."""
+    from kda_core.call_args import RecurrentArgs
+    from kda_core.validation import validate_recurrent
+
+    calls = _spy_launches(monkeypatch)
+    q, k, v, g, beta, kw, _ = _host_call(mode)
+    if gate == "precomputed":  # g is the log-decay; the gate parameters are ignored, the lower bound included
+        g = -torch.rand(g.shape)
+        kw.update(use_gate_in_kernel=False, scale=0.3)
+    args = RecurrentArgs(q, k, v, g, beta, **kw)
+    o_run, final_run = R.run(validate_recurrent(args), args)
+    o_fwd, final_fwd = R.kda_recurrent_fwd(q, k, v, g, beta, **kw)
+    (key_run, launch_run), (key_fwd, launch_fwd) = calls
+    assert key_run == key_fwd
+    assert launch_run[12] is o_run and launch_fwd[12] is o_fwd and o_run.shape == o_fwd.shape
+    assert launch_run[-2:] == launch_fwd[-2:] == ((0.3, -1.0) if gate == "precomputed" else (64**-0.5, -5.0))
+    for a, b in zip(launch_run[:12], launch_fwd[:12]):
+        if a is not final_run:
+            assert (a is None and b is None) or (a.data_ptr(), a.shape) == (b.data_ptr(), b.shape)
+    assert (final_run is None) == (final_fwd is None)
 
 
 def test_varlen_offsets_are_clamped_in_64_bits_before_narrowing(tmp_path):

@@ -8,14 +8,17 @@ simulated by marking the validated call as on a CUDA device (the only fact routi
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 
 import pytest
 import torch
 
+from kda_core.call_args import RecurrentArgs
 from kda_core.contracts import GateMode
 from kda_core.errors import KDAError
-from kda_core.oracle import recurrent_kda_ref
+from kda_core.oracle import recurrent_kda_ref, recurrent_kda_ref_args
+from kda_core.validation import validate_recurrent
 from kda_recurrent import facade
 from kda_recurrent.facade import Path, explain, recurrent_kda
 
@@ -43,13 +46,13 @@ class Recorder:
         output.copy_(o)
         return output
 
-    def generic(self, q, k, v, g, beta, *, output, **kwargs):
+    def generic(self, call, args):
+        """The generic kernel's contract: the validated description of exactly the bundle it gets."""
         self.paths.append(Path.GENERIC)
-        o, final_state = recurrent_kda_ref(q, k, v, g, beta, **kwargs)
-        if output is not None:
-            output.copy_(o)
-            o = output
-        return o, final_state
+        assert type(args) is RecurrentArgs
+        described = validate_recurrent(args)  # kda-core's own validator: the facade's may be a counting stand-in
+        assert call == dataclasses.replace(described, on_cuda=call.on_cuda, t1_eligible=call.t1_eligible)
+        return recurrent_kda_ref_args(args)
 
 
 @pytest.fixture
@@ -66,8 +69,8 @@ def as_if_cuda(monkeypatch):
     """Validate for real, then mark the call as on CUDA; T=1 eligibility is then what it would be on a GPU."""
     real = facade._validate
 
-    def validate(*args):
-        call = real(*args)
+    def validate(args):
+        call = real(args)
         eligible = call.t1_eligible or "tensors not on a CUDA device" in call.t1_reason
         return dataclasses.replace(call, on_cuda=True, t1_eligible=eligible)
 
@@ -321,7 +324,7 @@ def test_t1_entry_is_the_launch_on_the_validated_call_without_validating_again(m
     monkeypatch.setattr(decode_t1, "kda_decode_t1", lambda *a, **k: pytest.fail("validated twice"))
     assert facade._t1_entry() is decode_t1._run  # no adapter frame between the facade and the launch
     kw = make_call()
-    call = facade._validate(*(kw.get(n, d) for n, d in FACADE_ARGS))
+    call = facade._validate(RecurrentArgs(**kw))
     o = facade._t1_entry()(call, kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["initial_state"],
                            kw["ssm_state_indices"], kw["A_log"], kw["dt_bias"], True, None)
     assert o == "o" and len(launches) == 1
@@ -337,19 +340,11 @@ def test_the_facade_validates_once_per_call(kernels, as_if_cuda, monkeypatch):
 
     seen = []
     real = facade._validate
-    monkeypatch.setattr(facade, "_validate", lambda *args: seen.append(1) or real(*args))
+    monkeypatch.setattr(facade, "_validate", lambda args: seen.append(1) or real(args))
     for name in ("validate_decode_t1", "validate_packed_decode_t1"):
         monkeypatch.setattr(validation, name, lambda *a, **k: pytest.fail("validated twice"))
     recurrent_kda(**make_call())
     assert seen == [1] and kernels.paths == [Path.T1]
-
-
-FACADE_ARGS = [
-    ("q", None), ("k", None), ("v", None), ("g", None), ("beta", None), ("A_log", None), ("dt_bias", None),
-    ("scale", None), ("initial_state", None), ("output_final_state", False), ("use_qk_l2norm_in_kernel", True),
-    ("use_gate_in_kernel", False), ("lower_bound", None), ("beta_is_logit", False), ("cu_seqlens", None),
-    ("ssm_state_indices", None), ("num_accepted_tokens", None), ("output", None),
-]
 
 
 @pytest.fixture
@@ -359,9 +354,9 @@ def hot_path(kernels, as_if_cuda, monkeypatch):
     state = dict(described=None, validations=0, reject=None)
     full, t1 = facade._validate, kernels.t1
 
-    def validate(*args):
+    def validate(args):
         state["validations"] += 1
-        state["described"] = full(*args)
+        state["described"] = full(args)
         return state["described"]
 
     def t1_entry(*args):
@@ -371,7 +366,7 @@ def hot_path(kernels, as_if_cuda, monkeypatch):
         return t1(*args)
 
     monkeypatch.setattr(facade, "_validate", validate)
-    monkeypatch.setattr(facade, "_revalidate", lambda *args: state["described"])
+    monkeypatch.setattr(facade, "_revalidate", lambda args: state["described"])
     monkeypatch.setattr(facade, "_t1_kernel", t1_entry)
     return state
 
@@ -515,3 +510,46 @@ def test_an_expanded_output_is_refused_naming_output():
     kw = make_call()
     with pytest.raises(KDAError, match="^output: expected a tensor whose elements do not overlap"):
         recurrent_kda(**{**kw, "output": torch.zeros(1, 1, 12, 128, dtype=BF16).expand(3, 1, 12, 128)})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One bundle of the call's arguments through the layers: every flat signature that lists them keeps its order
+
+
+def _params(fn):
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+BUNDLE = [(name, RecurrentArgs._field_defaults.get(name, inspect.Parameter.empty)) for name in RecurrentArgs._fields]
+
+
+@pytest.mark.parametrize("fn", [recurrent_kda, explain], ids=["recurrent_kda", "explain"])
+def test_the_public_signatures_are_the_bundles_fields(fn):
+    assert _params(fn) == BUNDLE
+
+
+def test_the_ops_schema_is_the_bundles_fields_in_order():
+    from kda_recurrent import ops
+
+    schema = torch.ops.kda.recurrent_kda.default._schema
+    assert [a.name for a in schema.arguments] == list(RecurrentArgs._fields)
+    assert [n for n, _ in _params(ops._recurrent_kda_op._init_fn)] == list(RecurrentArgs._fields)
+
+
+def test_the_facade_hands_each_layer_one_bundle(kernels, as_if_cuda, monkeypatch):
+    seen = []
+    revalidate, validate = facade._revalidate, facade._validate
+    monkeypatch.setattr(facade, "_revalidate", lambda args: seen.append(("revalidate", args)) or revalidate(args))
+    monkeypatch.setattr(facade, "_validate", lambda args: seen.append(("validate", args)) or validate(args))
+    kw = make_call(T=2, mode="spec")
+    recurrent_kda(**clone_call(kw))
+    (_, hot), (_, full) = seen
+    assert [n for n, _ in seen] == ["revalidate", "validate"] and kernels.paths == [Path.GENERIC]
+    assert type(hot) is tuple and type(full) is RecurrentArgs  # the hot path's plain tuple, then the named bundle
+    assert hot == full and full.ssm_state_indices.shape == (3, 2) and full.scale is None
+
+
+def test_the_generic_entry_is_the_launch_on_the_validated_call(monkeypatch):
+    generic = pytest.importorskip("kda_cute.generic")
+    monkeypatch.setattr(facade, "_generic_kernel", facade._UNLOADED)
+    assert facade._generic() is generic.run  # run(call, args): the description and the bundle, no adapter frame

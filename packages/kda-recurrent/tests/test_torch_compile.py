@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kda_core.contracts import GateMode
-from kda_core.oracle import recurrent_kda_ref
+from kda_core.oracle import recurrent_kda_ref, recurrent_kda_ref_args
 from kda_recurrent import facade
 from kda_recurrent.facade import Path, recurrent_kda
 
@@ -96,8 +96,8 @@ def test_routing_runs_when_the_compiled_graph_runs_not_when_it_is_traced(monkeyp
     paths = []
     real_validate = facade._validate
 
-    def as_if_cuda(*args):
-        call = real_validate(*args)
+    def as_if_cuda(args):
+        call = real_validate(args)
         eligible = call.t1_eligible or "tensors not on a CUDA device" in call.t1_reason
         return dataclasses.replace(call, on_cuda=True, t1_eligible=eligible)
 
@@ -109,11 +109,9 @@ def test_routing_runs_when_the_compiled_graph_runs_not_when_it_is_traced(monkeyp
                                     beta_is_logit=call.beta_is_logit, ssm_state_indices=slots)[0])
         return out
 
-    def generic(q, k, v, g, beta, *, output, **kwargs):
+    def generic(call, args):
         paths.append(Path.GENERIC)
-        o, final = recurrent_kda_ref(q, k, v, g, beta, **kwargs)
-        output.copy_(o)
-        return output, final
+        return recurrent_kda_ref_args(args)
 
     monkeypatch.setattr(facade, "_validate", as_if_cuda)
     monkeypatch.setattr(facade, "_t1_kernel", t1)

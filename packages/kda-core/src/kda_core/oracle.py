@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from kda_core.call_args import RecurrentArgs
 from kda_core.errors import fail
 from kda_core.oracle_step import _l2norm, kda_gate_ref, kda_step_ref
 from kda_core.oracle_ucache import commit_ucache_ref, ucache_verify_flush_ref
@@ -22,6 +23,7 @@ __all__ = [
     "kda_gate_ref",
     "kda_step_ref",
     "recurrent_kda_ref",
+    "recurrent_kda_ref_args",
     "recurrent_kda_wy_ref",
     "unpack_packed",
     "ucache_verify_flush_ref",
@@ -140,10 +142,12 @@ def recurrent_kda_ref(
     cu_seqlens=None,
     ssm_state_indices=None,
     num_accepted_tokens=None,
+    output=None,
     dtype=torch.float32,
     out_dtype=torch.bfloat16,
 ):
-    """Token-loop reference of the KDA recurrence, with the facade's argument names.
+    """Token-loop reference of the KDA recurrence, with the facade's argument names and order
+    (:func:`recurrent_kda_ref_args` takes them bundled).
 
     Shapes: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]; with ``cu_seqlens`` ([N+1]) B is 1
     and the N sequences are concatenated along T.
@@ -158,6 +162,9 @@ def recurrent_kda_ref(
       - no indices: ``initial_state`` is dense [N, HV, V, K] or None (zeros); final_state is [N, HV, V, K] in
         ``dtype`` when ``output_final_state``.
     A read slot outside [0, P) makes the whole sequence inactive: zero output, pool untouched.
+
+    ``output``: a [B, T, HV, V] tensor the output is written into (converted to its dtype) and returned as ``o``,
+    as the kernels do; None allocates.
 
     Returns (o [B, T, HV, V] in ``out_dtype`` (``None``: ``dtype``), final_state (the pool in pool modes)).
     """
@@ -213,9 +220,17 @@ def recurrent_kda_ref(
         pool[read_slots[active]] = S[active].to(pool.dtype)
 
     o = _scatter_output(o_seq, grid, B, T, HV, V, out_dtype, dev)
+    if output is not None:
+        o = output.copy_(o)  # under no_grad: an output that requires grad is written as the kernels write it
     if pool is not None:
         return o, pool
     return o, (S if output_final_state else None)
+
+
+def recurrent_kda_ref_args(args: RecurrentArgs, *, dtype=torch.float32, out_dtype=torch.bfloat16):
+    """:func:`recurrent_kda_ref` on a call's :class:`kda_core.call_args.RecurrentArgs` (the facade's oracle path).
+    The bundle's order is that function's positional order, so this is the one body."""
+    return recurrent_kda_ref(*args, dtype=dtype, out_dtype=out_dtype)
 
 
 @torch.no_grad()

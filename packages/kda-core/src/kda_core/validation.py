@@ -33,6 +33,10 @@ Policies written down here:
   log-space decay, often produced in fp32 by a separate gate kernel); the raw-gate convention takes bf16.
 - With ``use_gate_in_kernel=False`` the gate parameters ``A_log``, ``dt_bias`` and ``lower_bound`` are ignored
   (the FLA / FlashInfer convention), so adapters may pass them unconditionally.
+- A ``recurrent_kda`` call reaches its validators as one :class:`kda_core.call_args.RecurrentArgs` (built once by
+  the facade), and its description goes with that bundle to the chosen entry. The T=1 decode validators keep their
+  flat positional form: kda-cute's T=1 entry takes its own argument order (``decode_t1._run(call, q, k, v, g, beta,
+  pool, slots, ...)``), which the facade reads out of the bundle.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from operator import mul as _mul
 import torch
 
 from kda_core import knobs
+from kda_core.call_args import RecurrentArgs
 from kda_core.contracts import (
     GENERIC_HEAD_DIMS,
     HEAD_DIM,
@@ -765,8 +770,8 @@ WRAPPER_REJECTED = (ValueError, TypeError)
 """What a compiled TVM-FFI wrapper raises when it rejects an argument, before anything launches: the callers of the
 re-validators catch it and run the full validator."""
 _LAUNCH_DEVICE_MIN = 0
-"""The lowest device index the re-validators accept for the first tensor (CUDA: >= 0). Only
-``benchmarks/profile_t1_host.py --device cpu`` sets -1, to time the host path on CPU tensors."""
+"""The lowest device index the re-validators accept for the first tensor (CUDA: >= 0). Only the CPU tests (the
+``on_cpu`` fixture of tests/test_validation.py) set -1, to re-validate CPU tensors as CUDA ones."""
 
 
 def _t1_output_range(output, B, H):
@@ -942,29 +947,9 @@ def revalidate_packed_decode_t1(mixed_qkv, raw_gate, raw_beta, state_pool, slot_
 # Multi-token recurrence (the facade's contract)
 
 
-def validate_recurrent(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    A_log=None,
-    dt_bias=None,
-    scale=None,
-    initial_state=None,
-    output_final_state=False,
-    use_qk_l2norm_in_kernel=True,
-    use_gate_in_kernel=False,
-    lower_bound=None,
-    beta_is_logit=False,
-    cu_seqlens=None,
-    ssm_state_indices=None,
-    num_accepted_tokens=None,
-    output=None,
-    *,
-    device_kind="any",
-) -> RecurrentCall:
-    """Validate a ``recurrent_kda`` call (the facade's argument names and order) and decide T=1 eligibility.
+def validate_recurrent(args: RecurrentArgs, *, device_kind="any") -> RecurrentCall:
+    """Validate a ``recurrent_kda`` call, given as its :class:`kda_core.call_args.RecurrentArgs`, and decide T=1
+    eligibility.
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV]; K == V in ``GENERIC_HEAD_DIMS``;
     HV % H == 0; q, k, v one dtype of bf16/fp16/fp32, g and beta any of those; last dims contiguous.
@@ -976,6 +961,10 @@ def validate_recurrent(
     >= HV*V*K and a multiple of 8. ``output`` bf16 [B, T, HV, V]. ``device_kind``: "any" (default; the facade runs
     CPU calls on the oracle) or "cuda".
     """
+    if type(args) is not RecurrentArgs:
+        fail("args", "a kda_core.call_args.RecurrentArgs (the call's arguments, bundled)", type(args).__name__)
+    (q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+     use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens, output) = args
     if not isinstance(q, _Tensor):
         fail("q", "a torch.Tensor", type(q).__name__)
     shape = q.shape
@@ -1145,14 +1134,18 @@ def validate_recurrent(
     return call
 
 
-def revalidate_recurrent_t1(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
-                            use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
-                            ssm_state_indices, num_accepted_tokens, output) -> RecurrentCall | None:
+def revalidate_recurrent_t1(args: tuple) -> RecurrentCall | None:
     """The remembered :func:`validate_recurrent` description of a T=1-eligible CUDA call whose facts it described
     before, read as the T=1 re-validators do (see the contract above them), or None: then the caller runs the full
     validator. Only for a caller that launches the T=1 kernel on the result; any other route needs the full one.
+
+    ``args``: the call's arguments in :class:`kda_core.call_args.RecurrentArgs` order, that NamedTuple or a plain
+    tuple (the facade's hot path passes the plain one, ~0.2 us cheaper to build); unpacked once, not read by field.
     """
     try:
+        (q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+         use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+         output) = args
         if (cu_seqlens is None and num_accepted_tokens is None and output_final_state is False
                 and ssm_state_indices is not None and initial_state is not None
                 and (use_qk_l2norm_in_kernel is True or use_qk_l2norm_in_kernel is False)
@@ -1173,7 +1166,7 @@ def revalidate_recurrent_t1(q, k, v, g, beta, A_log, dt_bias, scale, initial_sta
                                   beta.dtype, sc, bits, has_dt_bias, True))
                 if call is not None and call.t1_eligible:
                     return call
-    except _REVALIDATE_MISS + (ValueError,):  # ValueError: q is not 4-D
+    except _REVALIDATE_MISS + (ValueError,):  # ValueError: q is not 4-D, or args not 18 long
         pass
     return None
 

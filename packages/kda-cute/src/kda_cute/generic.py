@@ -45,9 +45,10 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
+from kda_core.call_args import RecurrentArgs
 from kda_core.contracts import GENERIC_HEAD_DIMS, GateMode, NullSlotPolicy, gate_mode
 from kda_core.errors import fail
-from kda_core.validation import debug_check_slots, debug_checks_enabled
+from kda_core.validation import RecurrentCall, debug_check_slots, debug_checks_enabled
 
 from . import _lane_math, _launch
 
@@ -56,6 +57,7 @@ __all__ = [
     "StateMode",
     "KDARecurrent",
     "kda_recurrent_fwd",
+    "run",
     "select_config",
     "variant_key",
     "compile_variant",
@@ -532,8 +534,10 @@ class KDARecurrent:
 
 
 # --------------------------------------------------------------------------------------------------
-# Host side: compile cache and the entry point (arguments are validated by the caller: kda_recurrent's facade
-# runs kda_core.validation.validate_recurrent first; this module reads metadata only and never syncs)
+# Host side: compile cache and the entry points. ``run(call, args)`` launches a call kda-core validated
+# (kda_recurrent's facade: ``validate_recurrent(args)`` gives ``call``); ``kda_recurrent_fwd`` takes the same
+# arguments by keyword, unvalidated (tests, benchmarks, the engines' layouts kda-core's validation does not take
+# yet), and reads the facts a description would give from the tensors. Both read metadata only and never sync.
 # --------------------------------------------------------------------------------------------------
 
 
@@ -673,7 +677,8 @@ def kda_recurrent_fwd(
     null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
 ):
     """The KDA recurrence over T tokens per sequence on the GPU; same semantics as
-    :func:`kda_core.oracle.recurrent_kda_ref` (its docstring is the spec). Arguments are already validated.
+    :func:`kda_core.oracle.recurrent_kda_ref` (its docstring is the spec). Arguments are not validated here (the
+    facade validates, then calls :func:`run`); the head dim, the grid limits, ``config`` and ``null_policy`` are.
 
     Args (B batch, T tokens, H q/k heads, HV value heads, K = V in {64, 128}, N sequences, P pool rows):
         q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV]. bf16/fp16/fp32, last dim
@@ -705,28 +710,55 @@ def kda_recurrent_fwd(
                                     use_gate_in_kernel=True, initial_state=pool, ssm_state_indices=slots2d,
                                     num_accepted_tokens=accepted)
     """
-    B, T, H, K = q.shape
-    HV = v.shape[2]
+    args = RecurrentArgs(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                         use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
+                         ssm_state_indices, num_accepted_tokens, output)
+    K = q.shape[3]
     if K not in GENERIC_HEAD_DIMS:
         fail("q", f"a head dim K in {GENERIC_HEAD_DIMS}", K)
-    if config is not None and (not isinstance(config, GenericConfig) or config.tile_v not in tile_v_choices(K)):
-        fail("config", f"a GenericConfig whose tile_v is one of {tile_v_choices(K)} for K={K}", config)
-    if not isinstance(null_policy, NullSlotPolicy):
-        fail("null_policy", "a kda_core.contracts.NullSlotPolicy", null_policy)
-    varlen = cu_seqlens is not None
-    n_seq = cu_seqlens.shape[0] - 1 if varlen else B
+    n_seq = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
     if n_seq < 0:
         fail("cu_seqlens", "a 1-D tensor [N_seq + 1] of sequence offsets", tuple(cu_seqlens.shape))
-    if n_seq > MAX_SEQUENCES:
-        fail("q" if not varlen else "cu_seqlens", f"at most {MAX_SEQUENCES} sequences per call (grid z limit)", n_seq)
-    if HV > MAX_VALUE_HEADS:
-        fail("v", f"at most {MAX_VALUE_HEADS} value heads (dim 2) per call (grid y limit)", HV)
     if ssm_state_indices is None:
         state_mode = StateMode.DENSE
     elif ssm_state_indices.dim() == 1:
         state_mode = StateMode.POOL
     else:
         state_mode = StateMode.SPEC
+    gate = gate_mode(use_gate_in_kernel, lower_bound)
+    return _launch_call(args, state_mode, n_seq, v.shape[2], K, gate, K**-0.5 if scale is None else float(scale),
+                        lower_bound if gate == GateMode.LOWER_BOUND else None, config, null_policy)
+
+
+def run(call: RecurrentCall, args: RecurrentArgs, *, config: GenericConfig | None = None,
+        null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE):
+    """Launch a validated call: ``call`` is kda-core's description (``validate_recurrent(args)``) of exactly the
+    bundled arguments ``args`` (:class:`kda_core.call_args.RecurrentArgs`). Returns what :func:`kda_recurrent_fwd`
+    returns; ``config`` and ``null_policy`` as there.
+
+    The state mode, sequence and head counts, head dim, gate form, scale and lower bound come from the description
+    (``call.mode`` is a :class:`StateMode` value); the tensors come from the bundle.
+    """
+    return _launch_call(args, call.mode, call.N_seq, call.HV, call.K, call.gate_mode, call.scale, call.lower_bound,
+                        config, null_policy)
+
+
+def _launch_call(args: RecurrentArgs, state_mode: str, n_seq: int, HV: int, K: int, gate: GateMode, scale: float,
+                 lower_bound: float | None, config: GenericConfig | None, null_policy: NullSlotPolicy):
+    """The one launch body of both entries: the call's tensors, and the facts of its description (``lower_bound``
+    None unless the gate is the lower-bound one)."""
+    (q, k, v, g, beta, A_log, dt_bias, _, initial_state, output_final_state, use_qk_l2norm_in_kernel, _, _,
+     beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens, output) = args
+    B, T = q.shape[0], q.shape[1]
+    varlen = cu_seqlens is not None
+    if config is not None and (not isinstance(config, GenericConfig) or config.tile_v not in tile_v_choices(K)):
+        fail("config", f"a GenericConfig whose tile_v is one of {tile_v_choices(K)} for K={K}", config)
+    if not isinstance(null_policy, NullSlotPolicy):
+        fail("null_policy", "a kda_core.contracts.NullSlotPolicy", null_policy)
+    if n_seq > MAX_SEQUENCES:
+        fail("q" if not varlen else "cu_seqlens", f"at most {MAX_SEQUENCES} sequences per call (grid z limit)", n_seq)
+    if HV > MAX_VALUE_HEADS:
+        fail("v", f"at most {MAX_VALUE_HEADS} value heads (dim 2) per call (grid y limit)", HV)
     if output is None:
         output = torch.empty((B, T, HV, K), dtype=torch.bfloat16, device=q.device)
 
@@ -756,7 +788,6 @@ def kda_recurrent_fwd(
                 final_state.copy_(initial_state)
         return output, final_state
 
-    gate = gate_mode(use_gate_in_kernel, lower_bound)
     if gate == GateMode.PRECOMPUTED:
         A_log = dt_bias = None
     else:
@@ -779,6 +810,6 @@ def kda_recurrent_fwd(
         q, k, v, g, beta, A_log, dt_bias, initial_state,
         final_state if state_mode == StateMode.DENSE else None,
         ssm_state_indices, num_accepted_tokens if state_mode == StateMode.SPEC else None, cu_seqlens, output,
-        K**-0.5 if scale is None else float(scale), -1.0 if lower_bound is None else float(lower_bound),
+        scale, -1.0 if lower_bound is None else float(lower_bound),
     )
     return output, final_state

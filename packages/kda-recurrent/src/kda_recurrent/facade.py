@@ -13,14 +13,26 @@ Routing (decided per call from tensor metadata only, never from tensor values):
 
 :func:`explain` takes the same arguments and returns the path and the reason without running anything.
 
-Host cost: a T=1 call whose facts kda-core described before takes the hot path: kda-core's re-validation
-(``revalidate_recurrent_t1``, the facts the T=1 kernel's compiled wrapper cannot check; the wrapper checks the rest
-before launch) and the T=1 kernel's launch-on-a-validated-call entry (``decode_t1._run``, called directly). Any other
-call, and a call the wrapper rejects, takes the full path: one validation (the description is remembered by its
-facts), the routing rules on it, and the chosen entry. Kernel modules are imported once (on the first CUDA
-call) and cached here; nothing is allocated when ``output`` is given.
+One description of the call goes through the layers: :func:`recurrent_kda` bundles its arguments once, in its own
+order (:class:`kda_core.call_args.RecurrentArgs`); the validators read that bundle and return the call's
+description (:class:`kda_core.validation.RecurrentCall`), and the chosen entry takes both: the generic kernel as
+``kda_cute.generic.run(call, args)``, the oracle as ``kda_core.oracle.recurrent_kda_ref_args(args)``; the traced
+path takes the bundle. The T=1 kernel's entry keeps its positional arguments (``decode_t1._run(call, q, k, v, g,
+beta, pool, slots, A_log, dt_bias, l2norm, output)``, kda-cute's own form, shared with its T=1 entries).
+
+Host cost: a T=1 call whose facts kda-core described before takes the hot path, in :func:`recurrent_kda` itself:
+kda-core's re-validation (``revalidate_recurrent_t1``, the facts the T=1 kernel's compiled wrapper cannot check; the
+wrapper checks the rest before launch) and the T=1 kernel's launch-on-a-validated-call entry (``decode_t1._run``,
+called directly). Any other call, and a call the wrapper rejects, takes the full path (:func:`_run_full`): one
+validation (the description is remembered by its facts), the routing rules on it, and the chosen entry. Kernel
+modules are imported once (on the first CUDA call) and cached here; nothing is allocated when ``output`` is given.
+The hot path carries the bundle as a plain tuple and the full path as the NamedTuple (costs in
+:mod:`kda_core.call_args`); with no frame between the facade and the re-validator, the hot path costs what it cost
+with eighteen positional arguments passed down two frames (an A/B timeit of ``recurrent_kda`` on CPU tensors with
+the launch stubbed out, interleaved in one process on the 2-core development CPU: min 8.25 us before, 8.25 after;
+in a second run 7.91 and 8.09 us; median paired differences +0.00 and +0.05 us).
 Under ``torch.compile`` the call goes through the ``kda::recurrent_kda`` custom op, which :mod:`kda_recurrent.ops`
-registers with this module's eager path as its body (imports point one way: ops imports this module; the op is
+registers with this function's eager call as its body (imports point one way: ops imports this module; the op is
 reached here through ``torch.ops`` once the package has imported ops).
 
 With ``KDA_DEBUG_VALIDATE=1`` (and no CUDA graph being captured) every call, the T=1 hot path included, takes the
@@ -36,8 +48,9 @@ from typing import NamedTuple
 import torch
 
 from kda_core import knobs
+from kda_core.call_args import RecurrentArgs
 from kda_core.errors import fail
-from kda_core.oracle import recurrent_kda_ref
+from kda_core.oracle import recurrent_kda_ref_args
 from kda_core.validation import (
     WRAPPER_REJECTED,
     debug_check_slots,
@@ -52,8 +65,8 @@ __all__ = ["recurrent_kda", "explain", "Path", "Route"]
 class Path(str, enum.Enum):
     """Where a call runs."""
 
-    T1 = "t1_decode"  # kda_cute.decode_t1.kda_decode_t1: the fast T=1 pool-update kernel
-    GENERIC = "generic"  # kda_cute.generic.kda_recurrent_fwd: every other shape of call
+    T1 = "t1_decode"  # kda_cute.decode_t1: the fast T=1 pool-update kernel
+    GENERIC = "generic"  # kda_cute.generic: every other shape of call
     ORACLE = "oracle"  # kda_core.oracle.recurrent_kda_ref: CPU tensors, or CUDA without kda-cute
 
 
@@ -86,13 +99,15 @@ def _t1_entry():
 
 
 def _load(name: str):
-    """Import one kernel entry point once; remember why when it cannot be imported."""
+    """Import one kernel entry point once; remember why when it cannot be imported. The generic kernel's is
+    ``kda_cute.generic.run(call, args) -> (o, final_state)``: the validated description and the bundle it
+    describes."""
     global _t1_kernel, _generic_kernel
     try:
         if name == "t1":
             fn = _t1_entry()
         else:
-            from kda_cute.generic import kda_recurrent_fwd as fn
+            from kda_cute.generic import run as fn
     except ImportError as err:  # kda-cute not installed, or its DSL libraries missing
         fn = None
         _missing[name] = f"{type(err).__name__}: {err}"
@@ -127,7 +142,7 @@ def _route(call) -> Path:
     return Path.GENERIC if _generic() is not None else Path.ORACLE
 
 
-def _reason(path: Path, call, q: torch.Tensor) -> str:
+def _reason(path: Path, call, args: RecurrentArgs) -> str:
     """Why :func:`_route` chose ``path`` (built only for :func:`explain` and the oracle warning)."""
     if path is Path.T1:
         return f"T=1 fast path ({call.t1_reason})"
@@ -136,7 +151,7 @@ def _reason(path: Path, call, q: torch.Tensor) -> str:
             return "eligible for the T=1 kernel, but KDA_T1_FAST_PATH=0 switches the fast path off"
         return f"generic kernel: not T=1 eligible ({call.t1_reason})"
     if not call.on_cuda:
-        return f"tensors on {q.device.type}: the PyTorch oracle runs (the kernels need CUDA)"
+        return f"tensors on {args.q.device.type}: the PyTorch oracle runs (the kernels need CUDA)"
     wanted = "t1" if call.t1_eligible and knobs.get("KDA_T1_FAST_PATH") else "generic"
     return f"kda-cute's {wanted} kernel is not importable ({_missing.get(wanted, 'unknown error')}): the oracle runs"
 
@@ -161,10 +176,11 @@ def _zero_dt_bias(q):
     return t
 
 
-# kda-core's validator takes the facade's arguments in the facade's order, so it is called positionally and without
-# a wrapper frame (a keyword call through a wrapper cost ~0.4 us). Tests replace this module attribute.
+# kda-core's validators take the call's bundle and are called without a wrapper frame (a keyword call through a wrapper
+# cost ~0.4 us). Tests replace these module attributes.
 _validate = validate_recurrent
 _revalidate = revalidate_recurrent_t1
+_named = tuple.__new__  # _named(RecurrentArgs, args): the NamedTuple without its Python-level __new__
 
 
 def recurrent_kda(
@@ -254,92 +270,63 @@ def recurrent_kda(
         >>> o.shape, pool_out is pool, bool(o[3].eq(0).all())
         (torch.Size([4, 1, 12, 128]), True, True)
     """
+    args = (q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens, output)
     if torch.compiler.is_compiling():
-        return _traced(
-            q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-            use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens,
-            output,
-        )
-    return _run_eager(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
-                      use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
-                      ssm_state_indices, num_accepted_tokens, output)
-
-
-def _run_eager(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-               use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens,
-               output):
-    """Validate, route, run. Returns (o, final_state) as :func:`recurrent_kda` documents.
-
-    Hot path first: a T=1 call whose facts kda-core has described before is re-validated from the facts the T=1
-    kernel's compiled wrapper cannot check (``revalidate_recurrent_t1``; the wrapper checks the rest before launch)
-    and launched. When the wrapper rejects an argument nothing has run, and the full path below validates (raising
-    the KDAError that names it) and routes the call. With ``KDA_DEBUG_VALIDATE`` on, every call takes the full path,
-    which checks the slots for duplicates.
-    """
-    call = _revalidate(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
-                       use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
-                       ssm_state_indices, num_accepted_tokens, output)
+        return _traced(_named(RecurrentArgs, args))
+    # The T=1 hot path (see _run_full for the rest): a call whose facts kda-core has described before, re-validated
+    # from the facts the T=1 kernel's compiled wrapper cannot check, launched on the T=1 entry.
+    call = _revalidate(args)
     if (call is not None and knobs.get("KDA_T1_FAST_PATH") and (t1 := _t1()) is not None
             and not knobs.get("KDA_DEBUG_VALIDATE")):
         try:
             return (t1(call, q, k, v, g, beta, initial_state, ssm_state_indices, A_log,
                        dt_bias if dt_bias is not None or not use_gate_in_kernel else _zero_dt_bias(q),
                        use_qk_l2norm_in_kernel, output), initial_state)
-        except WRAPPER_REJECTED:  # the T=1 wrapper refused an argument before launch
+        except WRAPPER_REJECTED:  # the T=1 wrapper refused an argument before launch: the full path names it
             pass
-    call = _validate(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
-                     use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
-                     ssm_state_indices, num_accepted_tokens, output)
+    return _run_full(_named(RecurrentArgs, args))
+
+
+def _run_full(args: RecurrentArgs):
+    """Validate, route, run one call (its bundled arguments); :func:`recurrent_kda` returns what this returns.
+
+    The full path: a call the hot path did not take (new facts, not T=1 eligible, a wrapper rejection, or
+    ``KDA_DEBUG_VALIDATE`` on, which checks the slots for duplicates here). The validator raises the KDAError of a
+    bad call; the description it returns goes with the bundle to the chosen entry.
+    """
+    call = _validate(args)
     if call.mode != "dense" and debug_checks_enabled():
-        debug_check_slots(ssm_state_indices, call.N, argument="ssm_state_indices")
+        debug_check_slots(args.ssm_state_indices, call.N, argument="ssm_state_indices")
     path = _route(call)
     if path is Path.T1:
-        if dt_bias is None and use_gate_in_kernel:
+        q, k, v, g, beta, A_log, dt_bias, _, pool, _, l2norm, use_gate, _, _, _, slots, _, output = args
+        if dt_bias is None and use_gate:
             dt_bias = _zero_dt_bias(q)
-        return (_t1_kernel(call, q, k, v, g, beta, initial_state, ssm_state_indices, A_log, dt_bias,
-                           use_qk_l2norm_in_kernel, output), initial_state)
+        return _t1_kernel(call, q, k, v, g, beta, pool, slots, A_log, dt_bias, l2norm, output), pool
     if path is Path.GENERIC:
-        return _generic_kernel(
-            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, beta_is_logit=beta_is_logit,
-            cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
-            output=output,
-        )
+        return _generic_kernel(call, args)
     if call.on_cuda:
-        _warn_oracle_once(_reason(path, call, q))
-    elif q.is_meta:
-        fail("q", "tensors with data, on the CPU or a CUDA device (meta tensors describe shapes only)", q.device)
-    o, final_state = recurrent_kda_ref(
-        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, beta_is_logit=beta_is_logit,
-        cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
-    )
-    if output is not None:
-        with torch.no_grad():  # the kernels write an output that requires grad as well
-            output.copy_(o)
-        o = output
-    return o, final_state
+        _warn_oracle_once(_reason(path, call, args))
+    elif args.q.is_meta:
+        fail("q", "tensors with data, on the CPU or a CUDA device (meta tensors describe shapes only)", args.q.device)
+    return recurrent_kda_ref_args(args)
 
 
 _OUTPUT_DTYPE = torch.bfloat16
 
 
-def _traced(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-            use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens,
-            output):
+def _traced(args: RecurrentArgs):
     """The facade as a graph: allocate ``output`` when missing, call the ``kda::recurrent_kda`` op (registered by
-    :mod:`kda_recurrent.ops`), return what the facade returns (the op cannot return an alias of its input)."""
+    :mod:`kda_recurrent.ops`; its flat schema is the bundle's order), return what the facade returns (the op cannot
+    return an alias of its input)."""
+    output = args.output
     if output is None:
-        output = v.new_empty(v.shape, dtype=_OUTPUT_DTYPE)
-    final_state = torch.ops.kda.recurrent_kda(
-        q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-        use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens, output,
-    )
-    if ssm_state_indices is not None:
-        return output, initial_state
-    return output, (final_state if output_final_state else None)
+        output = args.v.new_empty(args.v.shape, dtype=_OUTPUT_DTYPE)
+    final_state = torch.ops.kda.recurrent_kda(*args[:-1], output)
+    if args.ssm_state_indices is not None:
+        return output, args.initial_state
+    return output, (final_state if args.output_final_state else None)
 
 
 def explain(
@@ -370,8 +357,9 @@ def explain(
         >>> explain(q, k, v, g, beta, initial_state=pool, ssm_state_indices=slots)  # doctest: +SKIP
         Route(path=<Path.T1: 't1_decode'>, reason='T=1 fast path (...)')
     """
-    call = _validate(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
-                     use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
-                     ssm_state_indices, num_accepted_tokens, output)
+    args = _named(RecurrentArgs, (q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                                  use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit,
+                                  cu_seqlens, ssm_state_indices, num_accepted_tokens, output))
+    call = _validate(args)
     path = _route(call)
-    return Route(path, _reason(path, call, q))
+    return Route(path, _reason(path, call, args))

@@ -1,8 +1,10 @@
 """``torch.library`` custom op of the facade, so ``torch.compile(fullgraph=True)`` traces a decode layer.
 
-``kda::recurrent_kda`` takes every argument of :func:`kda_recurrent.recurrent_kda` and runs the facade's eager
-path (validation, routing, kernel) as one opaque node. It declares what it writes: ``output`` always, and
-``initial_state`` (the pool, written in place when ``ssm_state_indices`` is given). Its return value is the
+``kda::recurrent_kda`` takes every argument of :func:`kda_recurrent.recurrent_kda`, flat (torch.library infers the
+schema from a flat signature), in the facade's order, which is that of :class:`kda_core.call_args.RecurrentArgs`,
+and runs the facade's eager call on them (validation, routing, kernel; the facade bundles them) as one opaque node.
+It declares what it writes: ``output`` always, and ``initial_state`` (the pool, written in place when
+``ssm_state_indices`` is given). Its return value is the
 dense final state (fp32 [N_seq, HV, V, K]) when one is asked for, else an empty tensor: a custom op cannot return
 an alias of its input, so the facade's traced call hands the pool back itself.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from kda_core.call_args import RecurrentArgs
 from kda_recurrent import facade as _facade
 
 __all__ = ["recurrent_kda_traced"]
@@ -47,7 +50,9 @@ def _recurrent_kda_op(
     num_accepted_tokens: torch.Tensor | None,
     output: torch.Tensor,
 ) -> torch.Tensor:
-    o, final_state = _facade._run_eager(
+    # The schema is the bundle's fields in order (torch.library infers it from this signature), which is the facade's
+    # positional order; the graph runs outside tracing, so this is the facade's eager call.
+    o, final_state = _facade.recurrent_kda(
         q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
         use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens, output,
     )
@@ -59,11 +64,12 @@ def _recurrent_kda_op(
 
 
 @_recurrent_kda_op.register_fake
-def _recurrent_kda_fake(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
-                        use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
-                        ssm_state_indices, num_accepted_tokens, output):
-    if ssm_state_indices is None and output_final_state:
-        n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+def _recurrent_kda_fake(*flat):
+    """Shapes only: the op's arguments in the schema's (the bundle's) order."""
+    a = RecurrentArgs(*flat)
+    q, v = a.q, a.v
+    if a.ssm_state_indices is None and a.output_final_state:
+        n_seq = q.shape[0] if a.cu_seqlens is None else a.cu_seqlens.shape[0] - 1
         return q.new_empty((n_seq, v.shape[2], v.shape[3], q.shape[3]), dtype=_FINAL_STATE_DTYPE)
     return q.new_empty((0,), dtype=_FINAL_STATE_DTYPE)
 

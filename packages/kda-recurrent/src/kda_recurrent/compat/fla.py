@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kda_core.call_args import RecurrentArgs
 from kda_core.errors import fail
 from kda_core.oracle import kda_gate_ref
 from kda_core.validation import validate_gate_params, validate_recurrent
@@ -124,9 +125,12 @@ def fused_recurrent_kda_fwd(
             # A_log, so [HV] parameters map one-to-one onto value heads) and hand the kernel a precomputed gate.
             # Everything is validated first, so a malformed call raises its KDAError before any tensor code runs:
             # the call as the kernel will take it, then FLA's per-value-head parameters and the gate's scalar.
-            validate_recurrent(q, k, v, g, beta, None, None, scale, initial_state,
-                               output_final_state and ssm_state_indices is None, use_qk_l2norm_in_kernel, False, None,
-                               use_beta_sigmoid_in_kernel, cu_seqlens, ssm_state_indices, num_accepted_tokens, out)
+            validate_recurrent(RecurrentArgs(
+                q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state and ssm_state_indices is None,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_is_logit=use_beta_sigmoid_in_kernel,
+                cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+                output=out))
             validate_gate_params(A_log, dt_bias, lower_bound, HV, q.shape[3], like=q, heads_text="HV")
             g = kda_gate_ref(g, A_log, dt_bias, lower_bound, use_gate_in_kernel=True)
             A_log = dt_bias = lower_bound = None
