@@ -31,8 +31,6 @@ def _variants():
     for sd, gate, tile, aligned in itertools.product((torch.bfloat16, torch.float32), tuple(GateMode), TILES,
                                                       (True, False)):
         out.append({**base, "state_dtype": sd, "gate": gate, "tile_v": tile, "aligned": aligned})
-    for sd, tile in itertools.product((torch.bfloat16, torch.float32), TILES):
-        out.append({**base, "state_dtype": sd, "tile_v": tile, "smem_stage": True})
     # Tuning variants: every row of the tile in flight, and the non-streaming cache operators.
     for sd, tile, rif, hint in itertools.product((torch.bfloat16, torch.float32), (64, 128), (16,),
                                                  ("stream", "global")):
@@ -41,11 +39,11 @@ def _variants():
                  dict(g_dtype=torch.float32, gate=GateMode.PRECOMPUTED), dict(beta_dtype=torch.float32)):
         out.append({**base, **flag})
     # The packed entry's host wrapper (views built in the traced host code) around the same kernel: every gate and
-    # pool dtype in both alignment classes, the fp32 precomputed gate and beta, the staged and all-rows tiles.
+    # pool dtype in both alignment classes, the fp32 precomputed gate and beta, the all-rows tile.
     for sd, gate, aligned in itertools.product((torch.bfloat16, torch.float32), tuple(GateMode), (True, False)):
         out.append({**base, "state_dtype": sd, "gate": gate, "aligned": aligned, "packed": True})
     for flag in (dict(g_dtype=torch.float32, beta_dtype=torch.float32, gate=GateMode.PRECOMPUTED, beta_is_logit=False),
-                 dict(tile_v=32, smem_stage=True), dict(tile_v=128, rows_in_flight=16, cache_hint="global"),
+                 dict(tile_v=128, rows_in_flight=16, cache_hint="global"),
                  dict(tile_v=8, aligned=False)):
         out.append({**base, **flag, "packed": True})
     # Bulk ring (aligned variants), tile 128: both pool dtypes at three depths (fp32 16 is capped at 11 by shared
@@ -68,7 +66,6 @@ def _variants():
 
 def _ident(v):
     return (f"{str(v['state_dtype'])[6:]}-{v['gate'].value}-tv{v['tile_v']}-{'al' if v['aligned'] else 'unal'}"
-            f"{'-smem' if v.get('smem_stage') else ''}"
             f"{'-rif%d' % v['rows_in_flight'] if v.get('rows_in_flight') else ''}"
             f"{'-' + v['cache_hint'] if v.get('cache_hint', 'stream') != 'stream' else ''}"
             f"{'-bulk%d' % v['bulk_ring'] if v.get('bulk_ring') else ''}"
@@ -94,20 +91,17 @@ def test_decode_t1_variant_compiles(variant, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("tile_v", TILES)
-@pytest.mark.parametrize("aligned, smem_stage, rows_in_flight, packed",
-                         [(True, False, 0, False), (False, False, 0, False), (True, True, 0, False),
-                          (True, False, 16, False), (True, False, 0, True), (False, False, 0, True)],
-                         ids=["aligned", "unaligned", "smem", "allrows", "packed", "packed-unaligned"])
-def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, smem_stage, rows_in_flight, packed, arch,
-                                          tmp_path, ptxas):
+@pytest.mark.parametrize("aligned, rows_in_flight, packed",
+                         [(True, 0, False), (False, 0, False), (True, 16, False), (True, 0, True), (False, 0, True)],
+                         ids=["aligned", "unaligned", "allrows", "packed", "packed-unaligned"])
+def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, rows_in_flight, packed, arch, tmp_path, ptxas):
     from kda_core.contracts import GateMode
     from kda_cute import decode_t1
 
     # The softplus gate is the longest preamble (log1p + exp per channel): the register high-water mark.
     key = decode_t1.variant_key(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
                                 gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
-                                tile_v=tile_v, aligned=aligned, smem_stage=smem_stage,
-                                rows_in_flight=rows_in_flight, packed=packed)
+                                tile_v=tile_v, aligned=aligned, rows_in_flight=rows_in_flight, packed=packed)
     decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
     ptx = sorted(tmp_path.glob("*.ptx"))
     assert ptx, "no PTX kept"

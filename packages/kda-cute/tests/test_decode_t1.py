@@ -29,17 +29,26 @@ def _assert_matches_oracle(case, out, pool_after, ref_out, ref_pool):
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2 * scale, rtol=2e-2)
 
 
-@pytest.mark.parametrize("smem_stage", [False, True], ids=["regs", "smem"])
+def _config(*args, **kwargs):
+    from kda_cute.decode_t1 import DecodeT1Config
+
+    return DecodeT1Config(*args, **kwargs)
+
+
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus", "precomputed"])
 @pytest.mark.parametrize("tile_v", TILES)
-def test_every_tile_gate_stage_and_pool_dtype_matches_oracle(state_dtype, gate, tile_v, smem_stage, monkeypatch,
-                                                              make_case):
-    from kda_cute import decode_t1
-
-    monkeypatch.setenv("KDA_DECODE_TILE_V", str(tile_v))
-    monkeypatch.setattr(decode_t1, "_FORCE_SMEM_STAGE", smem_stage)
+def test_every_tile_gate_and_pool_dtype_matches_oracle(state_dtype, gate, tile_v, make_case):
     case = make_case(5, 12, state_dtype=state_dtype, gate=gate, seed=tile_v)
+    ref_out, ref_pool = case.oracle()
+    out = _decode(case, config=_config(tile_v))
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+@pytest.mark.parametrize("tile_v", [8, 64])
+def test_the_tile_knob_reaches_the_kernel(tile_v, monkeypatch, make_case):
+    monkeypatch.setenv("KDA_DECODE_TILE_V", str(tile_v))
+    case = make_case(5, 12, seed=tile_v + 1)
     ref_out, ref_pool = case.oracle()
     out = _decode(case)
     _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
@@ -58,16 +67,12 @@ TUNING_VARIANTS = [  # (pool dtype, tile_v, rows_in_flight, cache_hint)
 @pytest.mark.parametrize("state_dtype, tile_v, rows_in_flight, cache_hint", TUNING_VARIANTS,
                          ids=[f"{str(d)[6:]}-tv{t}-rif{r}-{c}" for d, t, r, c in TUNING_VARIANTS])
 def test_tuning_variant_matches_oracle_and_leaves_inactive_rows_untouched(state_dtype, tile_v, rows_in_flight,
-                                                                          cache_hint, monkeypatch, make_case):
-    from kda_cute import decode_t1
-
-    monkeypatch.setenv("KDA_DECODE_TILE_V", str(tile_v))
-    monkeypatch.setattr(decode_t1, "_FORCE_ROWS_IN_FLIGHT", rows_in_flight)
-    monkeypatch.setattr(decode_t1, "_FORCE_CACHE_HINT", cache_hint)
+                                                                          cache_hint, make_case):
     case = make_case(7, 12, state_dtype=state_dtype, n_slots=9, slots=[4, -1, 0, 9, 8, 2, 6], seed=tile_v)
     before = case.pool.clone()
     ref_out, ref_pool = case.oracle()
-    out = _decode(case, output=torch.full((7, 1, 12, 128), 3.0, dtype=torch.bfloat16, device="cuda"))
+    out = _decode(case, output=torch.full((7, 1, 12, 128), 3.0, dtype=torch.bfloat16, device="cuda"),
+                  config=_config(tile_v, rows_in_flight=rows_in_flight, cache_hint=cache_hint))
     assert torch.count_nonzero(out[torch.tensor([1, 3], device="cuda")]) == 0
     untouched = [s for s in range(9) if s not in (4, 0, 8, 2, 6)]
     assert torch.equal(case.pool[untouched], before[untouched])
@@ -131,11 +136,13 @@ def test_all_inactive_batch_is_a_bitwise_noop_on_the_pool(state_dtype, make_case
     assert torch.count_nonzero(out) == 0
 
 
-def _decode_packed(case, *, output=None):
+def _decode_packed(case, *, output=None, **over):
     from kda_cute import kda_decode_t1_packed
 
+    kw = case.kwargs()
+    kw.update(over)
     return kda_decode_t1_packed(case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, case.slots,
-                                num_heads=case.raw_beta.shape[1], output=output, **case.kwargs())
+                                num_heads=case.raw_beta.shape[1], output=output, **kw)
 
 
 # (B, row_pad, row_shift, aligned): GEMM rows padded to a 16-byte multiple, padded by an odd count (every row after
@@ -306,7 +313,7 @@ def test_given_output_is_written_and_returned_without_allocation(make_case):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Bulk ring (DecodeT1Config.bulk_ring, _FORCE_BULK_RING): the aligned tile-128 state streamed through a shared-memory
+# Bulk ring (DecodeT1Config.bulk_ring): the aligned tile-128 state streamed through a shared-memory
 # ring by 1-D bulk copies. Same math and rounding as the register path, so the two agree bit for bit; inactive rows
 # must issue no bulk copy (their pool rows and every row not addressed stay bitwise untouched).
 BULK_RINGS = (2, 4, 8, 16)
@@ -325,24 +332,22 @@ def _bulk_slots(B, n_slots, seed):
     return slots, inactive
 
 
-def _register_path_then_bulk_ring(case, ring, monkeypatch, decode=None, tile_v=128):
+def _register_path_then_bulk_ring(case, ring, decode=None, tile_v=128):
     """(output, pool after) of the register path and of the bulk ring of one tile, each from the caller's pool (left
     unchanged); both on the batch-major grid (the slot-major one has its own tests below)."""
     from kda_cute import decode_t1
 
     decode = decode or _decode
     B, H = case.slots.shape[0], case.q.shape[2]
-    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", False)
-    monkeypatch.setenv("KDA_DECODE_TILE_V", str(tile_v))
     start = case.pool.clone()
     results = []
     for depth in (0, ring):
-        monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", depth)
-        cfg = decode_t1.select_config(B, H, case.pool.dtype, True)
-        assert cfg.tile_v == tile_v
+        config = _config(tile_v, bulk_ring=depth)
+        cfg = decode_t1.effective_config(config, B, case.pool.dtype, True, case.pool.shape[0])
+        assert cfg.tile_v == tile_v and not cfg.slot_major
         assert cfg.bulk_ring == decode_t1.bulk_ring_for(tile_v, case.pool.element_size(), True, depth)
         case.pool.copy_(start)
-        out = decode(case, output=torch.full((B, 1, H, 128), 7.0, dtype=torch.bfloat16, device="cuda"))
+        out = decode(case, output=torch.full((B, 1, H, 128), 7.0, dtype=torch.bfloat16, device="cuda"), config=config)
         results.append((out, case.pool.clone()))
     case.pool.copy_(start)  # the caller's pool is left as it was
     return results
@@ -366,20 +371,20 @@ def _assert_same_step(case, baseline, candidate, slots, inactive, before, ref_ou
 @pytest.mark.parametrize("ring", BULK_RINGS)
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_bulk_ring_is_bitwise_the_register_path_and_leaves_unaddressed_rows_untouched(B, ring, state_dtype,
-                                                                                      monkeypatch, make_case):
+                                                                                      make_case):
     n_slots = B + 7
     slots, inactive = _bulk_slots(B, n_slots, seed=B + ring)
     case = make_case(B, 12, state_dtype=state_dtype, n_slots=n_slots, slots=slots, seed=B * 16 + ring)
     before = case.pool.clone()
     ref_out, ref_pool = case.oracle()
-    regs, bulk = _register_path_then_bulk_ring(case, ring, monkeypatch)
+    regs, bulk = _register_path_then_bulk_ring(case, ring)
     _assert_same_step(case, regs, bulk, slots, inactive, before, ref_out, ref_pool)
 
 
 @pytest.mark.parametrize("tile_v, ring", [(64, 4), (64, 8), (32, 2), (32, 4)])
 @pytest.mark.parametrize("B", [5, 300])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_bulk_ring_smaller_tiles_are_bitwise_the_register_path(tile_v, ring, B, state_dtype, monkeypatch, make_case):
+def test_bulk_ring_smaller_tiles_are_bitwise_the_register_path(tile_v, ring, B, state_dtype, make_case):
     """Tiles 64 and 32: several CTAs per (row, head), each streaming its own contiguous rows through its ring."""
     n_slots = B + 7
     slots, inactive = _bulk_slots(B, n_slots, seed=B + ring + tile_v)
@@ -387,19 +392,18 @@ def test_bulk_ring_smaller_tiles_are_bitwise_the_register_path(tile_v, ring, B, 
     before = case.pool.clone()
     ref_out, ref_pool = case.oracle()
     assert inactive
-    regs, bulk = _register_path_then_bulk_ring(case, ring, monkeypatch, tile_v=tile_v)
+    regs, bulk = _register_path_then_bulk_ring(case, ring, tile_v=tile_v)
     _assert_same_step(case, regs, bulk, slots, inactive, before, ref_out, ref_pool)
 
 
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus", "precomputed"])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_bulk_ring_every_gate_on_a_padded_pool_is_bitwise_the_register_path(gate, state_dtype, monkeypatch,
-                                                                           make_case):
+def test_bulk_ring_every_gate_on_a_padded_pool_is_bitwise_the_register_path(gate, state_dtype, make_case):
     g_dtype = torch.float32 if gate == "precomputed" else torch.bfloat16
     case = make_case(9, 12, state_dtype=state_dtype, gate=gate, g_dtype=g_dtype, pool_row_pad=8, seed=41)
     assert case.pool.stride(0) == 12 * 128 * 128 + 8  # chunk addresses off a padded slot stride
     ref_out, ref_pool = case.oracle()
-    (out_regs, pool_regs), (out_bulk, pool_bulk) = _register_path_then_bulk_ring(case, 4, monkeypatch)
+    (out_regs, pool_regs), (out_bulk, pool_bulk) = _register_path_then_bulk_ring(case, 4)
     assert torch.equal(out_bulk, out_regs)
     assert torch.equal(pool_bulk, pool_regs)
     _assert_matches_oracle(case, out_bulk, pool_bulk, ref_out, ref_pool)
@@ -407,28 +411,24 @@ def test_bulk_ring_every_gate_on_a_padded_pool_is_bitwise_the_register_path(gate
 
 @pytest.mark.parametrize("grid", ["batch_major", "slot_major"])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_bulk_ring_packed_entry_is_bitwise_the_unpacked_entry(grid, state_dtype, monkeypatch, make_case):
+def test_bulk_ring_packed_entry_is_bitwise_the_unpacked_entry(grid, state_dtype, make_case):
     """On either grid the packed entry's ring step is bitwise the unpacked entry's, and both are bitwise the
     reference path's (the register path for the batch-major grid, the batch-major grid for the slot-major one)."""
     pair = _register_path_then_bulk_ring if grid == "batch_major" else _batch_major_then_slot_major
     case = make_case(37, 12, state_dtype=state_dtype, n_slots=40, row_pad=24, seed=43)
-    (out_ref, pool_ref), (out_u, pool_u) = pair(case, 8, monkeypatch)
-    (_, _), (out_p, pool_p) = pair(case, 8, monkeypatch, decode=_decode_packed)
+    (out_ref, pool_ref), (out_u, pool_u) = pair(case, 8)
+    (_, _), (out_p, pool_p) = pair(case, 8, decode=_decode_packed)
     assert torch.equal(out_p, out_u) and torch.equal(out_p, out_ref)
     assert torch.equal(pool_p, pool_u) and torch.equal(pool_p, pool_ref)
 
 
 @pytest.mark.parametrize("grid", ["batch_major", "slot_major"])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_bulk_ring_all_inactive_batch_is_a_bitwise_noop_on_the_pool(grid, state_dtype, monkeypatch, make_case):
-    from kda_cute import decode_t1
-
-    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
-    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 8)
-    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", grid == "slot_major")
+def test_bulk_ring_all_inactive_batch_is_a_bitwise_noop_on_the_pool(grid, state_dtype, make_case):
     case = make_case(4, 12, state_dtype=state_dtype, n_slots=5, slots=[-1, 5, INT_MIN, 2147483647])
     before = case.pool.clone()
-    out = _decode(case, output=torch.full((4, 1, 12, 128), 7.0, dtype=torch.bfloat16, device="cuda"))
+    out = _decode(case, output=torch.full((4, 1, 12, 128), 7.0, dtype=torch.bfloat16, device="cuda"),
+                  config=_config(128, bulk_ring=8, slot_major=grid == "slot_major"))
     assert torch.equal(case.pool, before)
     assert torch.count_nonzero(out) == 0
 
@@ -438,15 +438,13 @@ GRAPH_GRIDS = [("batch_major", 16, 40), ("slot_major", 40, 44)]
 
 
 @pytest.mark.parametrize("grid, B, n_slots", GRAPH_GRIDS, ids=[g for g, _, _ in GRAPH_GRIDS])
-def test_bulk_ring_cuda_graph_replay_follows_changed_inputs_and_indices(grid, B, n_slots, monkeypatch, make_case):
-    from kda_cute import decode_t1
+def test_bulk_ring_cuda_graph_replay_follows_changed_inputs_and_indices(grid, B, n_slots, make_case):
+    import functools
 
-    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
-    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 4)
-    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", grid == "slot_major")
+    config = _config(128, bulk_ring=4, slot_major=grid == "slot_major")
     case = make_case(B, 12, n_slots=n_slots, seed=47)
     out = torch.empty(B, 1, 12, 128, dtype=torch.bfloat16, device="cuda")
-    graph = _captured(_decode_packed, case, out)
+    graph = _captured(functools.partial(_decode_packed, config=config), case, out)
     for step in range(3):
         slots, inactive = _bulk_slots(B, n_slots, seed=300 + step)
         _load_step(case, make_case(B, 12, n_slots=n_slots, slots=slots, seed=300 + step))
@@ -462,25 +460,23 @@ def test_bulk_ring_cuda_graph_replay_follows_changed_inputs_and_indices(grid, B,
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Slot-major grid (DecodeT1Config.slot_major, _FORCE_SLOT_MAJOR): CTA z of a head streams pool row z for the first
+# Slot-major grid (DecodeT1Config.slot_major): CTA z of a head streams pool row z for the first
 # batch row naming it, CTAs past the pool rows give zero output to the rows whose slot is outside [0, N). Same per-row
 # math as the batch-major grid, so the two agree bit for bit on distinct slots.
-def _batch_major_then_slot_major(case, ring, monkeypatch, decode=None):
+def _batch_major_then_slot_major(case, ring, decode=None):
     """(output, pool after) of the batch-major and the slot-major grid (tile 128, bulk ring ``ring`` or the register
     path at 0), each from the caller's pool (left unchanged). Outputs start as 7.0 so unwritten rows show."""
     from kda_cute import decode_t1
 
     decode = decode or _decode
     B, H, N = case.slots.shape[0], case.q.shape[2], case.pool.shape[0]
-    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
-    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", ring)
     start = case.pool.clone()
     results = []
     for slot_major in (False, True):
-        monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", slot_major)
-        assert decode_t1.select_config(B, H, case.pool.dtype, True, N).slot_major is slot_major
+        config = _config(128, bulk_ring=ring, slot_major=slot_major)
+        assert decode_t1.effective_config(config, B, case.pool.dtype, True, N).slot_major is slot_major
         case.pool.copy_(start)
-        out = decode(case, output=torch.full((B, 1, H, 128), 7.0, dtype=torch.bfloat16, device="cuda"))
+        out = decode(case, output=torch.full((B, 1, H, 128), 7.0, dtype=torch.bfloat16, device="cuda"), config=config)
         results.append((out, case.pool.clone()))
     case.pool.copy_(start)
     return results
@@ -494,8 +490,7 @@ SLOT_MAJOR_SHAPES = [(1, 3), (5, 12), (37, 44), (300, 300), (40, 16), (1100, 110
 @pytest.mark.parametrize("ring", [8, 0], ids=["ring8", "regs"])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_slot_major_is_bitwise_the_batch_major_grid_and_leaves_unaddressed_rows_untouched(B, n_slots, ring,
-                                                                                         state_dtype, monkeypatch,
-                                                                                         make_case):
+                                                                                         state_dtype, make_case):
     if B > n_slots:  # more rows than pool rows: the first n_slots rows take distinct slots, the rest -1 / N / INT_MIN
         gen = torch.Generator().manual_seed(B)
         slots = torch.randperm(n_slots, generator=gen).tolist() + [(-1, n_slots, INT_MIN)[i % 3]
@@ -506,16 +501,14 @@ def test_slot_major_is_bitwise_the_batch_major_grid_and_leaves_unaddressed_rows_
     case = make_case(B, 12, state_dtype=state_dtype, n_slots=n_slots, slots=slots, seed=B * 16 + ring)
     before = case.pool.clone()
     ref_out, ref_pool = case.oracle()
-    batch_major, slot_major = _batch_major_then_slot_major(case, ring, monkeypatch)
+    batch_major, slot_major = _batch_major_then_slot_major(case, ring)
     _assert_same_step(case, batch_major, slot_major, slots, inactive, before, ref_out, ref_pool)
 
 
-@pytest.mark.parametrize("B", [6, 1030])
-def test_slot_major_duplicate_slots_update_the_first_row_and_zero_the_others(B, monkeypatch, make_case):
+@pytest.mark.parametrize("B, ring", [(6, 0), (1030, 8)])
+def test_slot_major_duplicate_slots_update_the_first_row_and_zero_the_others(B, ring, make_case):
     """A caller error, with a defined answer on this grid: the first batch row naming a slot streams it, later rows
     naming the same slot get zero output (as if inactive); every other row is unaffected."""
-    from kda_cute import decode_t1
-
     n_slots = B + 4
     gen = torch.Generator().manual_seed(B)
     slots = torch.randperm(n_slots, generator=gen)[:B].tolist()
@@ -527,9 +520,8 @@ def test_slot_major_duplicate_slots_update_the_first_row_and_zero_the_others(B, 
     expected_slots[list(dupes)] = -1
     reference = make_case(B, 12, n_slots=n_slots, slots=expected_slots.tolist(), seed=53)
     ref_out, ref_pool = reference.oracle(pool=case.pool)
-    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
-    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", True)
-    out = _decode(case, output=torch.full((B, 1, 12, 128), 7.0, dtype=torch.bfloat16, device="cuda"))
+    out = _decode(case, output=torch.full((B, 1, 12, 128), 7.0, dtype=torch.bfloat16, device="cuda"),
+                  config=_config(128, bulk_ring=ring, slot_major=True))
     assert torch.count_nonzero(out[list(dupes)]) == 0
     _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
 
@@ -616,7 +608,7 @@ def test_wrapper_checked_argument_after_a_good_call_raises_kdaerror_and_writes_n
 
 
 @pytest.mark.parametrize("entry", ["unpacked", "packed"])
-def test_a_batch_past_grid_z_on_the_batch_major_grid_matches_oracle(entry, monkeypatch, make_case):
+def test_a_batch_past_grid_z_on_the_batch_major_grid_matches_oracle(entry, make_case):
     # B > 65535 rows on the batch-major grid (tile 64 is never slot-major) run as two launches; the active rows sit
     # on both sides of the split, every other row is inactive and must get a zero output.
     from kda_core.oracle import recurrent_kda_ref
@@ -624,7 +616,7 @@ def test_a_batch_past_grid_z_on_the_batch_major_grid_matches_oracle(entry, monke
 
     Z = decode_t1.GRID_Z_MAX
     B, H = Z + 6, 8
-    monkeypatch.setenv("KDA_DECODE_TILE_V", "64")
+    config = decode_t1.DecodeT1Config(64)
     rows = [0, 1, Z - 2, Z - 1, Z, Z + 1, B - 1]
     slots = torch.full((B,), -1, dtype=torch.int32)
     slots[rows] = torch.arange(len(rows), dtype=torch.int32) * 3
@@ -633,9 +625,9 @@ def test_a_batch_past_grid_z_on_the_batch_major_grid_matches_oracle(entry, monke
     out = torch.full((B, 1, H, 128), 7.0, dtype=torch.bfloat16, device="cuda")
     if entry == "packed":
         kda_decode_t1_packed(case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, case.slots, num_heads=H,
-                             output=out, **case.kwargs())
+                             output=out, config=config, **case.kwargs())
     else:
-        _decode(case, output=out)
+        _decode(case, output=out, config=config)
     idx = torch.tensor(rows, device="cuda")
     ref_out, ref_pool = recurrent_kda_ref(
         case.q[idx], case.k[idx], case.v[idx], case.g[idx], case.beta[idx], A_log=case.A_log, dt_bias=case.dt_bias,

@@ -54,21 +54,39 @@ def test_variant_key_separates_rows_in_flight_and_cache_hint_and_normalises_the_
     assert _key(rows_in_flight=16) != _key()
     assert _key(rows_in_flight=0) == _key(rows_in_flight=8)  # 0 = 32 registers = 8 bf16 rows
     assert _key(tile_v=16, rows_in_flight=16) == _key(tile_v=16)  # capped at the thread's 2 rows
-    assert _key(tile_v=32, smem_stage=True, rows_in_flight=2) == _key(tile_v=32, smem_stage=True)
     assert _key(cache_hint="global") != _key()
     with pytest.raises(KDAError, match="^cache_hint: expected"):
         _key(cache_hint="default")
 
 
-def test_sweep_hooks_override_the_schedule(monkeypatch):
-    from kda_cute import decode_t1
+def test_a_requested_config_runs_as_asked_where_the_call_can_take_it():
+    from kda_cute.decode_t1 import DecodeT1Config, effective_config
 
-    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 0)  # the ring replaces rows in flight and hints
-    default = decode_t1.select_config(512, 12, torch.bfloat16, True)
-    monkeypatch.setattr(decode_t1, "_FORCE_ROWS_IN_FLIGHT", 16)
-    monkeypatch.setattr(decode_t1, "_FORCE_CACHE_HINT", "global")
-    forced = decode_t1.select_config(512, 12, torch.bfloat16, True)
-    assert (forced.tile_v, forced.rows_in_flight, forced.cache_hint) == (default.tile_v, 16, "global")
+    for cfg in (DecodeT1Config(128, rows_in_flight=16, cache_hint="global"), DecodeT1Config(8),
+                DecodeT1Config(64, rows_in_flight=4), DecodeT1Config(128, bulk_ring=4),
+                DecodeT1Config(128, bulk_ring=8, slot_major=True)):
+        assert effective_config(cfg, 512, torch.bfloat16, True, 512) == cfg
+
+
+@pytest.mark.parametrize("field, bad", [("tile_v", 24), ("tile_v", 256), ("rows_in_flight", -1),
+                                        ("rows_in_flight", 2.0), ("cache_hint", "default"), ("bulk_ring", 1),
+                                        ("bulk_ring", 17)])
+def test_an_illegal_config_raises_naming_its_field(field, bad):
+    from kda_cute.decode_t1 import DecodeT1Config
+
+    with pytest.raises(KDAError, match=rf"^config\.{field}: expected"):
+        DecodeT1Config(**{"tile_v": 32, field: bad})
+
+
+def test_configs_are_frozen_and_hashable():
+    import dataclasses
+
+    from kda_cute.decode_t1 import DecodeT1Config
+
+    cfg = DecodeT1Config(128, bulk_ring=8)
+    assert hash(cfg) == hash(DecodeT1Config(128, bulk_ring=8)) and cfg != DecodeT1Config(128, bulk_ring=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.tile_v = 64
 
 
 def test_bulk_ring_key_exists_only_for_aligned_tiles_of_32_to_128_and_replaces_the_other_staging():
@@ -78,7 +96,7 @@ def test_bulk_ring_key_exists_only_for_aligned_tiles_of_32_to_128_and_replaces_t
     assert _key(tile_v=32, bulk_ring=8) == _key(tile_v=32, bulk_ring=4)
     assert _key(tile_v=16, bulk_ring=4) == _key(tile_v=16)  # two chunks: nothing to refill
     assert _key(aligned=False, bulk_ring=4) == _key(aligned=False)
-    assert _key(bulk_ring=4, rows_in_flight=16, cache_hint="global", smem_stage=True) == _key(bulk_ring=4)
+    assert _key(bulk_ring=4, rows_in_flight=16, cache_hint="global") == _key(bulk_ring=4)
     fp32 = torch.float32
     assert _key(state_dtype=fp32, bulk_ring=16) == _key(state_dtype=fp32, bulk_ring=11)  # 48 KB of shared memory
     assert _key(bulk_ring=16) != _key(bulk_ring=11)  # bf16 chunks are half the size
@@ -87,27 +105,17 @@ def test_bulk_ring_key_exists_only_for_aligned_tiles_of_32_to_128_and_replaces_t
             _key(bulk_ring=bad)
 
 
-def test_bulk_ring_hook_reaches_only_the_aligned_tile_128_schedule(monkeypatch):
-    from kda_cute import decode_t1
+def test_a_requested_bulk_ring_runs_only_on_aligned_tiles_of_32_to_128_and_replaces_the_register_fields():
+    from kda_cute.decode_t1 import DecodeT1Config, effective_config, select_config
 
-    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 0)  # off where the table has it
-    cfg = decode_t1.select_config(512, 12, torch.bfloat16, True)
-    assert (cfg.tile_v, cfg.bulk_ring, cfg.rows_in_flight) == (128, 0, 0)
-    cfg = decode_t1.select_config(512, 12, torch.float32, True)  # the rest of the fp32 row: 16 rows, ld.cg
-    assert (cfg.tile_v, cfg.bulk_ring, cfg.rows_in_flight, cfg.cache_hint) == (128, 0, 16, "global")
-    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 4)
-    cfg = decode_t1.select_config(512, 12, torch.bfloat16, True)
-    assert (cfg.tile_v, cfg.bulk_ring, cfg.smem_stage, cfg.rows_in_flight) == (128, 4, False, 0)
-    cfg = decode_t1.select_config(512, 12, torch.float32, True)  # the table's 16 rows / ld.cg row, replaced
-    assert (cfg.tile_v, cfg.bulk_ring, cfg.rows_in_flight, cfg.cache_hint) == (128, 4, 0, "stream")
-    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 8)
-    assert decode_t1.select_config(1, 12, torch.bfloat16, True).bulk_ring == 0  # the schedule's tile 16
-    assert decode_t1.select_config(512, 12, torch.bfloat16, False).bulk_ring == 0  # unaligned
-    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
-    assert decode_t1.select_config(1, 12, torch.bfloat16, True).bulk_ring == 8
-    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 1)
-    with pytest.raises(KDAError, match="^bulk_ring: expected"):
-        decode_t1.select_config(1, 12, torch.bfloat16, True)
+    fp32_row = DecodeT1Config(128, rows_in_flight=16, cache_hint="global", bulk_ring=4)
+    assert effective_config(fp32_row, 512, torch.float32, True) == DecodeT1Config(128, bulk_ring=4)
+    assert effective_config(fp32_row, 512, torch.float32, False) == DecodeT1Config(128, rows_in_flight=16,
+                                                                                   cache_hint="global")
+    assert effective_config(DecodeT1Config(16, bulk_ring=8), 1, torch.bfloat16, True).bulk_ring == 0  # 2 chunks
+    assert effective_config(DecodeT1Config(64, bulk_ring=16), 1, torch.bfloat16, True).bulk_ring == 8  # its chunks
+    assert effective_config(DecodeT1Config(128, bulk_ring=16), 1, torch.float32, True).bulk_ring == 11  # 48 KB
+    assert select_config(512, 12, torch.bfloat16, False).bulk_ring == 0  # the policy's unaligned row
 
 
 def test_schedule_rows_from_the_tuning_sweep():
@@ -223,13 +231,13 @@ def _packed_call(case, **over):
     from kda_core.validation import validate_packed_decode_t1
     from kda_cute import decode_t1
 
-    kw = {**case.kwargs(), "output": None, "use_qk_l2norm_in_kernel": True, **over}
-    l2norm, output = kw.pop("use_qk_l2norm_in_kernel"), kw.pop("output")
+    kw = {**case.kwargs(), "output": None, "use_qk_l2norm_in_kernel": True, "config": None, **over}
+    l2norm, output, config = kw.pop("use_qk_l2norm_in_kernel"), kw.pop("output"), kw.pop("config")
     H = case.raw_beta.shape[1]
     call = validate_packed_decode_t1(case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, case.slots, num_heads=H,
                                      output=output, device_kind="any", **kw)
     return decode_t1._run_packed(call, case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, case.slots,
-                                 kw["A_log"], kw["dt_bias"], l2norm, output)
+                                 kw["A_log"], kw["dt_bias"], l2norm, output, config)
 
 
 def _unpacked_call(case, **over):
@@ -317,20 +325,22 @@ def test_an_empty_batch_launches_nothing_and_returns_an_empty_output(host_path, 
     assert host_path == []
 
 
-def test_a_changed_bulk_ring_hook_is_honoured_on_the_next_call(host_path, make_case, monkeypatch):
+def test_a_changed_config_is_honoured_on_the_next_call(host_path, make_case):
     from kda_cute import decode_t1
 
-    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
+    fields = decode_t1.variant_key.__code__.co_varnames
     case = make_case(3, 12, device="cpu")
     launched = []
-    for ring in (None, 4, 8, 4):
-        monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", ring)
-        _packed_call(case)
+    for config in (None, decode_t1.DecodeT1Config(128, bulk_ring=4), decode_t1.DecodeT1Config(128, bulk_ring=8),
+                   decode_t1.DecodeT1Config(128, bulk_ring=4), decode_t1.DecodeT1Config(64, rows_in_flight=2), None):
+        _packed_call(case, config=config)
         (fn,) = [fn for fn in host_path if fn.calls]
-        launched.append(fn.key[-3])  # the key's bulk_ring, before slot_major and packed
+        launched.append(tuple(fn.key[fields.index(name)] for name in ("tile_v", "rows_in_flight", "bulk_ring")))
         fn.calls.clear()
-    assert launched == [0, 4, 8, 4]
-    assert len(host_path) == 3  # a value seen before reuses its launch
+    assert launched == [(16, 2, 0), (128, 0, 4), (128, 0, 8), (128, 0, 4), (64, 2, 0), (16, 2, 0)]
+    assert len(host_path) == 4  # a config seen before reuses its launch
+    with pytest.raises(KDAError, match="^config: expected a DecodeT1Config"):
+        _packed_call(case, config=(128, 0))
 
 
 # The public entries on CPU tensors: the launch device floor lowered and the full validators taking any device, so
@@ -402,17 +412,19 @@ def test_slot_major_grid_is_taken_by_the_large_ring_rows_on_a_pool_of_at_most_th
     assert decode_t1.select_config(256, 12, torch.float32, True, 256).slot_major
 
 
-def test_slot_major_hook_and_its_static_conditions(monkeypatch):
-    from kda_cute import decode_t1
+def test_a_requested_slot_major_grid_runs_where_its_static_conditions_and_the_grid_allow():
+    from kda_cute.decode_t1 import GRID_Z_MAX, DecodeT1Config, effective_config
 
-    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", True)
-    assert not decode_t1.select_config(8, 12, torch.bfloat16, True, 8).slot_major  # tile 32 from the table
-    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
-    assert decode_t1.select_config(8, 12, torch.bfloat16, True, 8).slot_major
-    assert decode_t1.select_config(8, 12, torch.bfloat16, True, 100).slot_major  # forced whatever the pool factor
-    assert not decode_t1.select_config(8, 12, torch.bfloat16, True, decode_t1.GRID_Z_MAX).slot_major  # grid limit
-    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", False)
-    assert not decode_t1.select_config(512, 12, torch.bfloat16, True, 512).slot_major
+    def slot_major(cfg, B, N, aligned=True):
+        return effective_config(cfg, B, torch.bfloat16, aligned, N).slot_major
+
+    assert not slot_major(DecodeT1Config(32, slot_major=True), 8, 8)  # tile 128 only
+    assert slot_major(DecodeT1Config(128, slot_major=True), 8, 8)  # the register path too
+    assert slot_major(DecodeT1Config(128, bulk_ring=8, slot_major=True), 8, 100)  # whatever the pool factor
+    assert not slot_major(DecodeT1Config(128, slot_major=True), 8, 8, aligned=False)
+    assert not slot_major(DecodeT1Config(128, slot_major=True), 8, None)  # pool rows unknown
+    assert not slot_major(DecodeT1Config(128, slot_major=True), 8, GRID_Z_MAX)  # N + ceil(B / 128) past the grid
+    assert not slot_major(DecodeT1Config(128, bulk_ring=8), 512, 512)  # not asked for
 
 
 # Launch geometry, absent dt_bias and the debug duplicate check.

@@ -17,15 +17,18 @@ of the tile, so at every step the CTA touches 8 consecutive rows (2 KB contiguou
 Latency decides small calls: the activation loads are issued before the slot index arrives, the state
 rows as soon as it does, and the gate/normalisation preamble runs under the rows' load latency.
 Memory-level parallelism decides large calls (a pure stream of the state): each thread issues the loads
-of ``rows_in_flight`` of its rows before it uses any (or, with ``smem_stage``, all of them by cp.async).
+of ``rows_in_flight`` of its rows before it uses any (or streams them through a shared-memory ring, ``bulk_ring``).
 The state's loads and stores carry a cache hint: streaming (.cs, the state is touched once per step) by
 default, ld.cg / st.wb where the schedule says so (the fp32 large-batch row, measured).
 
-Variants (compile-time): pool dtype x gate mode x beta logit x l2norm x dt_bias present x g/beta
-dtypes x tile_v x alignment x staging x rows in flight x cache hint x bulk ring (1-D bulk copies through a
-shared-memory ring, aligned tiles 32-128; the schedule's large rows). Batch, pool rows and the head count are
+Variants (compile-time): pool dtype x gate mode x beta logit x l2norm x dt_bias present x g/beta dtypes x
+tile_v x alignment x rows in flight x cache hint x bulk ring (1-D bulk copies through a shared-memory ring, aligned
+tiles 32-128; the schedule's large rows) x slot-major grid x packed entry. Batch, pool rows and the head count are
 runtime values (the head count only enters the grid and the index math), so one compiled function serves every B
 and every H.
+
+Schedule: :func:`select_config` (the measured table ``_SCHEDULE``) returns a :class:`DecodeT1Config`; the entries
+take ``config=`` to run another one (benchmarks and tests sweep that way; serving leaves it None).
 """
 
 import dataclasses
@@ -51,16 +54,15 @@ from kda_core.validation import (
 
 from . import _lane_math, _launch
 
-__all__ = ["DecodeT1Config", "select_config", "kda_decode_t1", "kda_decode_t1_packed", "KDADecodeT1",
-           "KDADecodeT1Packed"]
+__all__ = ["DecodeT1Config", "select_config", "effective_config", "kda_decode_t1", "kda_decode_t1_packed",
+           "KDADecodeT1", "KDADecodeT1Packed"]
 
 THREADS = 128  # 8 half-warps of 16 lanes
 HALF_WARP = 16
 ROW_GROUPS = THREADS // HALF_WARP  # state rows a CTA touches per step
 CHANNELS_PER_LANE = HEAD_DIM // HALF_WARP  # 8 -> one 16-byte bf16 vector
 TILE_V_CHOICES = (8, 16, 32, 64, 128)
-SMEM_STAGE_MAX_BYTES = 48 * 1024  # the default dynamic shared-memory limit per CTA
-SMEM_PER_SM_BYTES = 227 * 1024  # usable shared memory per SM on sm_90 / sm_100 (less ~1 KB reserved per CTA)
+SMEM_MAX_BYTES = 48 * 1024  # the default dynamic shared-memory limit per CTA
 ROW_REGS_IN_FLIGHT = 32  # default register budget for raw state rows in flight per thread (8 bf16 / 4 fp32 rows)
 # Cache operators of the state's loads / stores: "stream" = ld.cs / st.cs (evict-first), "global" = ld.cg (L2
 # only) / st.wb. (The plain ld.ca / st.wb measured no better than these on the H200 and was dropped.)
@@ -76,80 +78,55 @@ BULK_TILES = (32, 64, 128)  # tiles of at least 4 chunks (a ring of >= 2 with re
 class DecodeT1Config:
     """Schedule of one launch: state rows per CTA (the grid is (128 / tile_v, H, B)) and how rows are staged.
 
-    ``smem_stage``: the rows travel global -> shared memory by cp.async (16-byte, L1 bypass) and are read back by
-    the thread that copied them (no barrier), so every row of the tile is in flight without holding registers;
-    otherwise each thread keeps ``rows_in_flight`` rows in registers (0 = as many as ``ROW_REGS_IN_FLIGHT``
-    registers hold). cp.async needs the aligned variant. ``cache_hint``: one of ``CACHE_HINTS``.
+    :func:`select_config` returns one; ``kda_decode_t1(..., config=...)`` runs another (sweeps, tests). A requested
+    config is fitted to the call by :func:`effective_config` (a ring or a slot-major grid the call's layout cannot
+    take is dropped), so any legal config runs on any call.
+
+    ``rows_in_flight``: each thread keeps that many rows in registers before it uses any (0 = as many as
+    ``ROW_REGS_IN_FLIGHT`` registers hold; capped at its rows of the tile). ``cache_hint``: one of ``CACHE_HINTS``.
 
     ``bulk_ring`` (0 = off): ring depth, in chunks of ``BULK_CHUNK_ROWS`` rows, of a shared-memory ring that one thread
     fills with 1-D bulk loads (cp.async.bulk + mbarrier) and drains with bulk stores; the threads update each chunk in
     place in shared memory. Only aligned variants of tile 32-128 (see :func:`bulk_ring_for`); it replaces the other
-    staging options; the table uses it for the large rows of both pool dtypes (README, "Bulk ring").
+    staging options; the table uses it for the large rows of both pool dtypes (docs/decode_t1.md, "Bulk ring").
 
-    ``slot_major``: the grid walks the pool's rows instead of the batch's (README, "Slot-major grid"): CTA z of a head
-    streams pool row z for the batch row that names it, so the state is visited in address order whatever the order
-    of ``slot_indices``; tile 128, aligned only (see :func:`slot_major_for`).
+    ``slot_major``: the grid walks the pool's rows instead of the batch's (docs/decode_t1.md, "Slot-major grid"): CTA z
+    of a head streams pool row z for the batch row that names it, so the state is visited in address order whatever
+    the order of ``slot_indices``; tile 128, aligned only (see :func:`slot_major_for`).
     """
 
     tile_v: int
-    smem_stage: bool = False
     rows_in_flight: int = 0
     cache_hint: str = "stream"
     bulk_ring: int = 0
     slot_major: bool = False
 
+    def __post_init__(self):
+        if self.tile_v not in TILE_V_CHOICES:
+            fail("config.tile_v", f"one of {TILE_V_CHOICES}", self.tile_v)
+        if not isinstance(self.rows_in_flight, int) or self.rows_in_flight < 0:
+            fail("config.rows_in_flight", "an integer >= 0", self.rows_in_flight)
+        if self.cache_hint not in CACHE_HINTS:
+            fail("config.cache_hint", f"one of {CACHE_HINTS}", self.cache_hint)
+        if self.bulk_ring and not 2 <= self.bulk_ring <= BULK_RING_MAX:
+            fail("config.bulk_ring", f"0 or an integer in [2, {BULK_RING_MAX}]", self.bulk_ring)
 
-# Schedule table, keyed on the number of (sequence, head) states in the call, B*H, and the pool dtype.
-# Small calls are latency-bound (one CTA's slot -> state -> store chain), so they want small tiles and just
-# enough CTAs to cover the 132 SMs; large calls are bandwidth-bound and want fewer, larger CTAs (the per-CTA
-# preamble amortised). Measured on the H200, CUDA-graph replay, H=12, CUPTI kernel time, 2026-11-29
-# (benchmarks/results/t1_tile_sweep_all_{bf16,fp32}.json, t1_tile_sweep_large_bf16.json):
-# bf16 B=1 tile 16 2.37 us (32: 2.53, 64: 3.20); B=4 16: 3.20 (32: 3.30); B=16 64: 5.18 (32: 5.39, 16: 6.62);
-# B=64 128: 12.2 (64: 12.7, 32: 14.8); B=512 128: 110.2-110.9 (64: 111.6-111.9, 32: 114.5, 16: 158).
-# fp32 B=1 16: 2.46; B=64 64: 26.7; B=512 16/32/64 all 216.9. The shared-memory staging measured within
-# 1-2% of the register path at every size (better only at B=1024, 217.2 vs 220.4), so the table does not
-# use it.
-# Tuning sweep, H200, 2026-11-29, same method (benchmarks/results/t1_tune_h200.json, ci/gpu_t1_tune.sh):
-# bf16 B=2 (24 states): tile 32 2.75 us (16: 2.82, 8: 2.91; FLA 2.69); B=1 16 2.37 (8, 32: 2.56); B=4 16 3.20
-# (32: 3.26, 8: 3.84); B=8 32 3.84 (16: 4.32; FLA 3.87). B=256..1024: tile 128 with 8 rows in flight and the
-# streaming hint stays best (B=512 109.4-110.1 us = 87-88% of the copy; 16 rows in flight 110.3-111.6, ld.cg
-# 109.6, two heads per CTA 117-121). fp32 B=512: tile 128, all 16 rows in flight, ld.cg/st.wb 208.6 us = 91% of
-# the copy (tile 64 / 4 rows / streaming, the previous row: 217.1; 64 / 8 / ld.cg 210.9); B=256 and 1024 were
-# not swept in fp32, so the row starts at 3072 states (B=256 at H=12).
-# Bulk ring, H200, same method (benchmarks/results/t1_bulk_ring_{h200,depths_h200,fp32_h200,small_bf16_h200}
-# .json; us, register path of the same tile / bulk ring of depth 8, same run): bf16 B=48 10.8 / 10.3, B=64 14.7 /
-# 11.6, B=128 29.1 / 28.3, B=256 56.6 / 56.3, B=512 110.3 / 107.9, B=1024 220.6 / 211.9 (depths 4/6/12 within 2%,
-# 2 and 16 slower); below 384 states it loses (B=32 6.9 / 7.9, B=16 5.3 / 7.1). fp32 against the previous rows:
-# B=32 16.2 (tile 64) / 10.2, B=64 32.7 / 24.9, B=128 61.0 / 54.9, B=256 107.1 / 105.8, B=512 209.8 / 207.8,
-# B=1024 414.5 / 411.2; B=16 8.5 / 8.9 keeps tile 64 (the 192..384 boundary is the midpoint, not measured). The
-# ring needs the aligned variant: unaligned calls fall back to the rest of the row (bulk_ring_for).
+
+# Schedule table: per pool dtype, rows (max B*H states, config), the last unbounded. Small calls are latency-bound
+# (small tiles, just enough CTAs for 132 SMs), large ones bandwidth-bound (tile 128, the bulk ring). A ring row
+# keeps its register-path fields for the calls the ring cannot take (unaligned: see effective_config).
+# Measured: H200, 2026-11-29 to 12-01, bench_packed_kda_decode.py --tile-v/--rows-in-flight/--cache-hint/--bulk-ring
+# sweeps, H=12, CUDA graphs (the points: docs/decode_t1.md, "Schedule").
 _SCHEDULE = {
-    # pool dtype: ((max B*H, config), ...) -- the last row is unbounded
     torch.bfloat16: ((12, DecodeT1Config(16)), (24, DecodeT1Config(32)), (48, DecodeT1Config(16)),
                      (96, DecodeT1Config(32)), (384, DecodeT1Config(64)), (1 << 62, DecodeT1Config(128, bulk_ring=8))),
     torch.float32: ((48, DecodeT1Config(16)), (96, DecodeT1Config(32)), (287, DecodeT1Config(64)),
                     (1 << 62, DecodeT1Config(128, rows_in_flight=16, cache_hint="global", bulk_ring=8))),
 }
 
-# Benchmarks' sweep hooks (None = the table's choice). Not knobs: serving never sets them.
-_FORCE_SMEM_STAGE: bool | None = None
-_FORCE_ROWS_IN_FLIGHT: int | None = None
-_FORCE_CACHE_HINT: str | None = None
-_FORCE_MIN_BLOCKS: int = 0  # resident-CTA floor handed to ptxas (caps registers); the sweep clears the caches
-_FORCE_BULK_RING: int | None = None  # bulk-ring depth (0 = off); ignored (0) where bulk_ring_for says so
-_FORCE_SLOT_MAJOR: bool | None = None  # slot-major grid on / off; ignored (off) where slot_major_for says so
-
-# Slot-major grid (README, "Slot-major grid"): taken by the bulk-ring rows from SLOT_MAJOR_MIN_STATES (B*H) states on,
-# when the pool has at most SLOT_MAJOR_MAX_POOL_PER_ROW rows per batch row (every pool row gets a CTA; the rows no
-# batch row names exit after the scan). The scan costs ~1.3 us once per call (the first wave waits for it), the
-# address order gains ~1.1% of the time per state, so it pays from ~300 sequences at H=12. H200, H=12,
-# CUDA graphs, permuted slots, us batch-major / slot-major, two runs each (benchmarks/results/t1_slot_major_{h200,
-# ab_h200,band_h200}.json): dense pool bf16 B=48 10.21-10.22 / 11.55-11.58, B=64 11.58 / 12.83-12.86, B=128
-# 28.16-28.30 / 28.50-28.53, B=256 55.76-56.03 / 56.03-56.40, B=320 69.14-69.20 / 68.64-68.80, B=384 81.62-81.74 /
-# 80.51-80.75, B=448 94.78-94.90 / 92.86-92.96, B=512 107.20-107.25 / 105.79-105.90, B=1024 212.06-212.13 /
-# 206.03-206.43; fp32 B=32 10.21-10.27 / 11.26-11.27, B=64 25.15-25.28 / 24.83-25.60, B=128 54.82-55.07 /
-# 54.67-54.90, B=256 106.29-106.37 / 104.74-105.14, B=512 208.18-208.53 / 204.38-204.51. Pool of 1.25 B rows:
-# B=512 107.97 / 107.06; 1.5 B: 108.19 / 107.70; 2 B: 108.56 / 109.07 (the idle CTAs cost more than the order gains).
+# Slot-major grid, taken by the ring rows from SLOT_MAJOR_MIN_STATES (B*H) on when the pool has at most
+# SLOT_MAJOR_MAX_POOL_PER_ROW rows per batch row. Measured: H200, 2026-12-01, bench_packed_kda_decode.py --slot-major
+# off on --pool-factor 1 1.25 1.5 2, H=12, CUDA graphs, permuted slots (docs/decode_t1.md, "Slot-major grid").
 SLOT_MAJOR_MIN_STATES = {torch.bfloat16: 3840, torch.float32: 3072}
 SLOT_MAJOR_MAX_POOL_PER_ROW = 1.25
 GRID_Z_MAX = 65535  # CUDA's limit on gridDim.z
@@ -170,35 +147,35 @@ def slot_major_for(tile_v: int, aligned: bool, B: int, N: int | None, requested:
 
 
 def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool, N: int | None = None) -> DecodeT1Config:
-    """Pure schedule policy; ``KDA_DECODE_TILE_V`` (if non-zero) forces the tile. ``N``: pool rows (None: the
-    slot-major grid is not considered)."""
+    """The schedule policy: the ``_SCHEDULE`` row of B*H states, fitted to the call (:func:`effective_config`).
+
+    ``KDA_DECODE_TILE_V`` (if non-zero) forces the tile. ``N``: pool rows (None: the slot-major grid is not
+    considered)."""
     states = B * H
     cfg = next(c for limit, c in _SCHEDULE[state_dtype] if states <= limit)
-    tile_v, smem_stage = cfg.tile_v, cfg.smem_stage
     forced = knobs.get("KDA_DECODE_TILE_V")
     if forced:
         if forced not in TILE_V_CHOICES:
             fail("KDA_DECODE_TILE_V", f"one of {TILE_V_CHOICES}", forced)
-        tile_v = forced
-    if _FORCE_SMEM_STAGE is not None:
-        smem_stage = _FORCE_SMEM_STAGE
-    # cp.async needs 16-byte alignment; tiles above 48 KB of shared memory would need an opt-in carveout.
-    smem_stage = smem_stage and aligned and tile_v * HEAD_DIM * state_dtype.itemsize <= SMEM_STAGE_MAX_BYTES
-    overrides = dict(tile_v=tile_v, smem_stage=smem_stage)
-    if _FORCE_ROWS_IN_FLIGHT is not None:
-        overrides["rows_in_flight"] = _FORCE_ROWS_IN_FLIGHT
-    if _FORCE_CACHE_HINT is not None:
-        overrides["cache_hint"] = _FORCE_CACHE_HINT
-    ring = bulk_ring_for(tile_v, state_dtype.itemsize, aligned,
-                         cfg.bulk_ring if _FORCE_BULK_RING is None else _FORCE_BULK_RING)
-    if ring:  # the ring replaces the other staging options
-        overrides.update(bulk_ring=ring, smem_stage=False, rows_in_flight=0, cache_hint="stream")
-    else:
-        overrides["bulk_ring"] = 0
-    wanted = (bool(ring) and states >= SLOT_MAJOR_MIN_STATES[state_dtype] and N is not None
-              and N <= SLOT_MAJOR_MAX_POOL_PER_ROW * B) if _FORCE_SLOT_MAJOR is None else _FORCE_SLOT_MAJOR
-    overrides["slot_major"] = slot_major_for(tile_v, aligned, B, N, wanted)
-    return dataclasses.replace(cfg, **overrides)
+        cfg = dataclasses.replace(cfg, tile_v=forced)
+    ring = bulk_ring_for(cfg.tile_v, state_dtype.itemsize, aligned, cfg.bulk_ring)
+    slot_major = (bool(ring) and states >= SLOT_MAJOR_MIN_STATES[state_dtype] and N is not None
+                  and N <= SLOT_MAJOR_MAX_POOL_PER_ROW * B)
+    return effective_config(dataclasses.replace(cfg, slot_major=slot_major), B, state_dtype, aligned, N)
+
+
+def effective_config(config: DecodeT1Config, B: int, state_dtype: torch.dtype, aligned: bool,
+                     N: int | None = None) -> DecodeT1Config:
+    """What ``config`` runs as on a call of B rows, this pool dtype and alignment class and N pool rows.
+
+    The ring only where :func:`bulk_ring_for` gives one (it then replaces rows in flight and the cache hint, which
+    read as 0 and "stream"); the slot-major grid only where :func:`slot_major_for` allows it. Every other field is
+    kept as requested."""
+    ring = bulk_ring_for(config.tile_v, state_dtype.itemsize, aligned, config.bulk_ring)
+    fields = dict(bulk_ring=ring, slot_major=slot_major_for(config.tile_v, aligned, B, N, config.slot_major))
+    if ring:
+        fields.update(rows_in_flight=0, cache_hint="stream")
+    return dataclasses.replace(config, **fields)
 
 
 def bulk_ring_for(tile_v: int, state_bytes: int, aligned: bool, requested: int) -> int:
@@ -211,7 +188,7 @@ def bulk_ring_for(tile_v: int, state_bytes: int, aligned: bool, requested: int) 
     if not requested or tile_v not in BULK_TILES or not aligned or state_bytes not in (2, 4):
         return 0
     chunk_bytes = BULK_CHUNK_ROWS * HEAD_DIM * state_bytes
-    return min(requested, tile_v // BULK_CHUNK_ROWS, (SMEM_STAGE_MAX_BYTES - 1024) // chunk_bytes)
+    return min(requested, tile_v // BULK_CHUNK_ROWS, (SMEM_MAX_BYTES - 1024) // chunk_bytes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -250,7 +227,6 @@ class KDADecodeT1:
         has_dt_bias: bool,
         tile_v: int,
         aligned: bool,
-        smem_stage: bool = False,
         rows_in_flight: int = 0,
         cache_hint: str = "stream",
         bulk_ring: int = 0,
@@ -263,14 +239,11 @@ class KDADecodeT1:
         self.has_dt_bias = has_dt_bias
         self.tile_v = tile_v
         self.aligned = aligned
-        self.smem_stage = smem_stage and aligned
         self.rows = tile_v // ROW_GROUPS
         self.rows_in_flight = rows_in_flight_for(tile_v, state_dtype.width // 8, rows_in_flight)
         self.load_hints = dict(load_cache_mode=_LOAD_MODES[cache_hint])
         self.store_hints = dict(store_cache_mode=_STORE_MODES[cache_hint])
         self.bulk_ring = bulk_ring_for(tile_v, state_dtype.width // 8, aligned, bulk_ring)
-        if self.bulk_ring:
-            self.smem_stage = False
         self.slot_major = bool(slot_major) and slot_major_compiles(tile_v, aligned)
 
     def _copy_bits(self, dtype, n: int) -> int:
@@ -296,20 +269,10 @@ class KDADecodeT1:
         B = cute.size(mQ, mode=[0])
         H = cute.size(mQ, mode=[2])
         occupancy = {}
-        if const_expr(self.smem_stage):
-            # Bytes in flight = resident CTAs x tile bytes: ask for the largest shared-memory carveout and as
-            # many resident CTAs as it holds, capped where ptxas still needs no spill (80 registers per thread
-            # for 6 CTAs; the 16-row tile needs 96, 5 CTAs).
-            tile_bytes = self.tile_v * HEAD_DIM * self.state_dtype.width // 8
-            max_ctas = 6 if self.rows <= 8 else 5
-            occupancy = dict(min_blocks_per_mp=min(SMEM_PER_SM_BYTES // tile_bytes, max_ctas),
-                             preferred_smem_carveout=100)
-        elif const_expr(self.bulk_ring):
+        if const_expr(self.bulk_ring):
             # The ring is the bytes in flight: take the largest shared-memory carveout so that the resident CTAs
             # (128 threads each, few registers: no row is held in registers) are not capped by it.
-            occupancy = dict(min_blocks_per_mp=_FORCE_MIN_BLOCKS, preferred_smem_carveout=100)
-        elif const_expr(_FORCE_MIN_BLOCKS):
-            occupancy = dict(min_blocks_per_mp=_FORCE_MIN_BLOCKS, preferred_smem_carveout=-1)
+            occupancy = dict(preferred_smem_carveout=100)
         # Slot-major: one CTA per pool row and head, then ceil(B / 128) per head that answer for the batch rows whose
         # slot is outside [0, N) (zero output); else one per batch row and head.
         rows = cute.size(mState, mode=[0]) + (B + THREADS - 1) // THREADS if const_expr(self.slot_major) else B
@@ -436,7 +399,7 @@ class KDADecodeT1:
         lane = tidx % HALF_WARP
         group = tidx // HALF_WARP
         n_slots = cute.size(mState, mode=[0])
-        if const_expr(self.smem_stage or self.bulk_ring or self.slot_major):
+        if const_expr(self.bulk_ring or self.slot_major):
             smem = cutlass.memory.SmemAllocator()
         if const_expr(self.slot_major):
             # CTA z streams pool row z (z < N) for the first batch row naming it; the CTAs past the pool rows have no
@@ -453,10 +416,6 @@ class KDADecodeT1:
             slot = mSlot[b]
             active = (slot >= 0) & (slot < n_slots)
         row0 = v_tile * self.tile_v
-        if const_expr(self.smem_stage):
-            sTile = smem.allocate_tensor(
-                self.state_dtype, cute.make_layout((self.tile_v, HEAD_DIM), stride=(HEAD_DIM, 1)), byte_alignment=16
-            )
         if const_expr(self.bulk_ring):
             sRing = smem.allocate_tensor(  # [slot, row of the chunk, channel]
                 self.state_dtype,
@@ -496,20 +455,7 @@ class KDADecodeT1:
                 gRow = gState[row0 + group + j * ROW_GROUPS, None]
                 row_views.append(cute.logical_divide(cute.local_tile(gRow, (CHANNELS_PER_LANE,), (lane,)), (s_vec,)))
                 row_regs.append(cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt))
-            if const_expr(self.smem_stage):
-                g2s_atom = cute.make_copy_atom(
-                    cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), sdt,
-                    num_bits_per_copy=s_bits,
-                )
-                s2r_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sdt, num_bits_per_copy=s_bits)
-                smem_views = []
-                for j in cutlass.range_constexpr(self.rows):
-                    sRow = sTile[group + j * ROW_GROUPS, None]
-                    smem_views.append(cute.logical_divide(cute.local_tile(sRow, (CHANNELS_PER_LANE,), (lane,)),
-                                                          (s_vec,)))
-                    cute.copy(g2s_atom, row_views[j], smem_views[j])
-                cute.arch.cp_async_commit_group()
-            elif const_expr(self.bulk_ring):
+            if const_expr(self.bulk_ring):
                 # Chunk c = rows [8c, 8c + 8) of the tile, one contiguous run of the state; it lives in ring slot
                 # c % ring and is the (c // ring)-th fill of that slot's mbarrier, so every wait parity is static.
                 chunk_elems = BULK_CHUNK_ROWS * HEAD_DIM
@@ -563,13 +509,8 @@ class KDADecodeT1:
 
             # ---- stream the rows: S' = a S; p, S'q^; u; S_new; o -------------------------------
             s_new = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
-            if const_expr(self.smem_stage):
-                # Each thread reads back only the bytes it copied: its own wait is the only sync needed.
-                cute.arch.cp_async_wait_group(0)
             for j in cutlass.range_constexpr(self.rows):
-                if const_expr(self.smem_stage):
-                    cute.copy(s2r_atom, smem_views[j], cute.logical_divide(row_regs[j], (s_vec,)))
-                elif const_expr(self.bulk_ring):
+                if const_expr(self.bulk_ring):
                     # Row j of this thread is row `group` of chunk j.
                     cute.arch.mbarrier_wait(full[j % self.bulk_ring], (j // self.bulk_ring) % 2)
                     cute.copy(s2r_atom, smem_views[j % self.bulk_ring], cute.logical_divide(row_regs[j], (s_vec,)))
@@ -658,8 +599,8 @@ class KDADecodeT1Packed(KDADecodeT1):
 
 
 def _compile(key, arch):
-    (state_dt, g_dt, beta_dt, gate, beta_is_logit, l2norm, has_dt_bias, tile_v, aligned, smem_stage, rows_in_flight,
-     cache_hint, bulk_ring, slot_major, packed) = key
+    (state_dt, g_dt, beta_dt, gate, beta_is_logit, l2norm, has_dt_bias, tile_v, aligned, rows_in_flight, cache_hint,
+     bulk_ring, slot_major, packed) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     B, N, H = _launch.sym_size(), _launch.sym_size(), _launch.sym_size()
@@ -706,7 +647,6 @@ def _compile(key, arch):
         has_dt_bias=has_dt_bias,
         tile_v=tile_v,
         aligned=aligned,
-        smem_stage=smem_stage,
         rows_in_flight=rows_in_flight,
         cache_hint=cache_hint,
         bulk_ring=bulk_ring,
@@ -719,28 +659,25 @@ _EXTRA_OPTIONS = ""  # tests set "--keep-ptx --dump-dir D" through compile_varia
 
 
 def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk_l2norm, has_dt_bias, tile_v, aligned,
-                smem_stage=False, rows_in_flight=0, cache_hint="stream", bulk_ring=0, slot_major=False, packed=False):
-    """Every code-generation parameter of one variant, in the order ``_compile`` reads them.
+                rows_in_flight=0, cache_hint="stream", bulk_ring=0, slot_major=False, packed=False):
+    """Every code-generation parameter of one variant, in the order ``_compile`` reads them (the signature's).
 
     ``packed``: the compiled function takes the packed GEMM rows (:class:`KDADecodeT1Packed`) instead of five views.
-    ``bulk_ring``: normalised by :func:`bulk_ring_for`; a ring replaces the other staging fields (normalised away).
-    ``slot_major``: normalised to its static conditions (tile 128, aligned).
+    ``rows_in_flight``: normalised to the effective count (:func:`rows_in_flight_for`).
+    ``bulk_ring``: normalised by :func:`bulk_ring_for`; a ring replaces rows in flight and the cache hint (normalised
+    away). ``slot_major``: normalised to its static conditions (tile 128, aligned).
     """
     if gate == GateMode.PRECOMPUTED:
         has_dt_bias = False
     if cache_hint not in CACHE_HINTS:
         fail("cache_hint", f"one of {CACHE_HINTS}", cache_hint)
-    # cp.async needs 16-byte alignment; tiles above 48 KB of shared memory would need an opt-in carveout.
-    smem_stage = smem_stage and aligned and tile_v * HEAD_DIM * state_dtype.itemsize <= SMEM_STAGE_MAX_BYTES
-    # Normalised to the effective count (the staged path keeps every row in flight in shared memory).
-    rows_in_flight = 0 if smem_stage else rows_in_flight_for(tile_v, state_dtype.itemsize, rows_in_flight)
+    rows_in_flight = rows_in_flight_for(tile_v, state_dtype.itemsize, rows_in_flight)
     bulk_ring = bulk_ring_for(tile_v, state_dtype.itemsize, aligned, bulk_ring)
     if bulk_ring:
-        smem_stage, rows_in_flight, cache_hint = False, 0, "stream"
+        rows_in_flight, cache_hint = 0, "stream"
     slot_major = bool(slot_major) and slot_major_compiles(tile_v, aligned)
     return (state_dtype, g_dtype, beta_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm), bool(has_dt_bias),
-            int(tile_v), bool(aligned), bool(smem_stage), int(rows_in_flight), str(cache_hint), int(bulk_ring),
-            slot_major, bool(packed))
+            int(tile_v), bool(aligned), int(rows_in_flight), str(cache_hint), int(bulk_ring), slot_major, bool(packed))
 
 
 def compile_variant(key, arch: str, extra_options: str = ""):
@@ -770,6 +707,7 @@ def kda_decode_t1(
     use_qk_l2norm_in_kernel=True,
     scale=None,
     output=None,
+    config=None,
 ):
     """One T=1 KDA decode step, updating ``state_pool`` in place. Returns ``output``.
 
@@ -783,6 +721,8 @@ def kda_decode_t1(
         lower_bound: float < 0 for the Kimi K3 gate ``lb * sigmoid(exp(A_log) * x)``; None for the softplus gate.
         use_gate_in_kernel: False means ``g`` is already log-space (A_log, dt_bias, lower_bound are ignored).
         scale: query scale, default 128 ** -0.5. output: [B, 1, H, 128] bf16, allocated when None.
+        config: a :class:`DecodeT1Config` to run instead of the schedule's (:func:`select_config`; None = that);
+            fitted to the call by :func:`effective_config`. For sweeps and tests; serving leaves it None.
 
     Duplicate active slots in one call are a caller error (on the batch-major grid two CTAs race on one state; on
     the slot-major grid, see :class:`DecodeT1Config`, the first row naming a slot updates it and the others get zero
@@ -798,7 +738,8 @@ def kda_decode_t1(
     if debug_checks_enabled():  # KDA_DEBUG_VALIDATE (off: one knob lookup): duplicate active slots
         debug_check_slots(slot_indices, call.N)
     try:
-        return _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, use_qk_l2norm_in_kernel, output)
+        return _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, use_qk_l2norm_in_kernel, output,
+                    config)
     except WRAPPER_REJECTED:  # the compiled wrapper refused an argument, nothing launched (kda-core's contract):
         # the full validator names it
         validate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log=A_log, dt_bias=dt_bias,
@@ -823,6 +764,7 @@ def kda_decode_t1_packed(
     use_qk_l2norm_in_kernel=True,
     scale=None,
     output=None,
+    config=None,
 ):
     """:func:`kda_decode_t1` on the packed rows of one GEMM output (the same kernel; no torch views are made).
 
@@ -835,7 +777,7 @@ def kda_decode_t1_packed(
         debug_check_slots(slot_indices, call.N)
     try:
         return _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias,
-                           use_qk_l2norm_in_kernel, output)
+                           use_qk_l2norm_in_kernel, output, config)
     except WRAPPER_REJECTED:  # as in kda_decode_t1
         validate_packed_decode_t1(
             mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, num_heads=num_heads, A_log=A_log,
@@ -846,7 +788,7 @@ def kda_decode_t1_packed(
 
 
 # Per-call launch memo. Key: (id of the validated call description, packed, l2norm, device index, the parsed
-# KDA_DECODE_TILE_V, whether dt_bias is absent, the five sweep hooks). A description (kda-core's DecodeT1Call or
+# KDA_DECODE_TILE_V, whether dt_bias is absent, the requested config or None). A description (kda-core's DecodeT1Call or
 # RecurrentCall) is immutable and remembered by every fact a variant and the schedule depend on (B, H, pool rows, pool
 # dtype, g / beta dtypes, gate mode, lower bound, beta logit, scale, alignment class), so its identity stands for all
 # of them; the entry holds the description itself, so its id cannot be reused by another object while the entry
@@ -856,19 +798,24 @@ _LAUNCH_MEMO: dict[tuple, tuple] = {}
 _LAUNCH_MEMO_MAX = 1024
 
 
-def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bias):
-    """Schedule + compiled variant of one validated call; stores its launch memo entry under ``memo_key`` (built
-    by the caller, ``_run`` / ``_run_packed``, from the facts listed at ``_LAUNCH_MEMO``)."""
+def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bias, config=None):
+    """Schedule (``config`` fitted to the call, or the policy's) + compiled variant of one validated call; stores its
+    launch memo entry under ``memo_key`` (built by the caller, ``_run`` / ``_run_packed``, from the facts listed at
+    ``_LAUNCH_MEMO``)."""
     gated = call.gate_mode is not GateMode.PRECOMPUTED
     fn = compiled = None
     if call.B > 0:  # (H, on grid y, is one of kda-core's HEAD_COUNTS: at least 8, far below the grid's limit)
-        cfg = select_config(call.B, call.H, call.state_dtype, call.aligned, call.N)
+        if config is None:
+            cfg = select_config(call.B, call.H, call.state_dtype, call.aligned, call.N)
+        elif isinstance(config, DecodeT1Config):
+            cfg = effective_config(config, call.B, call.state_dtype, call.aligned, call.N)
+        else:
+            fail("config", "a DecodeT1Config or None", type(config).__name__)
         # dt_bias is optional with the gate in the kernel (absent = zeros), ignored without it.
         key = variant_key(state_dtype=call.state_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=call.gate_mode,
                           beta_is_logit=call.beta_is_logit, use_qk_l2norm=l2norm, has_dt_bias=gated and has_dt_bias,
-                          tile_v=cfg.tile_v, aligned=call.aligned, smem_stage=cfg.smem_stage,
-                          rows_in_flight=cfg.rows_in_flight, cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring,
-                          slot_major=cfg.slot_major, packed=packed)
+                          tile_v=cfg.tile_v, aligned=call.aligned, rows_in_flight=cfg.rows_in_flight,
+                          cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring, slot_major=cfg.slot_major, packed=packed)
         compiled = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(x.device))
         # The positional tvm_ffi.Function under the DSL's kwargs wrapper (same arguments, a few us less per call);
         # the compiled object rides along so that the module outlives any cache clearing.
@@ -917,16 +864,17 @@ def _launch_args(entry, x, A_log, dt_bias, output):
     return fn, output, A_log, dt_bias, scale, lower_bound
 
 
-def _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, l2norm, output):
+def _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, l2norm, output, config=None):
     """Launch a validated unpacked call: ``call`` is kda-core's description of exactly these arguments
-    (``validate_decode_t1``, or ``validate_recurrent`` for the facade, which calls this directly).
+    (``validate_decode_t1``, or ``validate_recurrent`` for the facade, which calls this directly). ``config``: as
+    :func:`kda_decode_t1`'s.
 
     Per call: one memo lookup (the knob read is a dict lookup, see ``kda_core.knobs``) and the FFI call.
     """
     key = (id(call), False, l2norm, q.get_device(), knobs.get("KDA_DECODE_TILE_V"), dt_bias is None,
-           _FORCE_SMEM_STAGE, _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT, _FORCE_BULK_RING,
-           _FORCE_SLOT_MAJOR)  # the _LAUNCH_MEMO key, spelled out: hot path
-    entry = _LAUNCH_MEMO.get(key) or _configure(key, call, False, l2norm, q, g.dtype, beta.dtype, dt_bias is not None)
+           config)  # the _LAUNCH_MEMO key, spelled out: hot path
+    entry = _LAUNCH_MEMO.get(key) or _configure(key, call, False, l2norm, q, g.dtype, beta.dtype, dt_bias is not None,
+                                                config)
     fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, q, A_log, dt_bias, output)
     if fn is None:  # B == 0
         return output
@@ -934,13 +882,13 @@ def _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, l2nor
     return output
 
 
-def _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias, l2norm, output):
+def _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias, l2norm, output,
+                config=None):
     """:func:`_run` for a validated packed call: the GEMM rows go to the compiled function as they are."""
     key = (id(call), True, l2norm, mixed_qkv.get_device(), knobs.get("KDA_DECODE_TILE_V"), dt_bias is None,
-           _FORCE_SMEM_STAGE, _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT, _FORCE_BULK_RING,
-           _FORCE_SLOT_MAJOR)  # as in _run
+           config)  # as in _run
     entry = _LAUNCH_MEMO.get(key) or _configure(key, call, True, l2norm, mixed_qkv, raw_gate.dtype, raw_beta.dtype,
-                                                dt_bias is not None)
+                                                dt_bias is not None, config)
     fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, mixed_qkv, A_log, dt_bias, output)
     if fn is None:  # B == 0
         return output
