@@ -21,8 +21,15 @@ ARCHS = ("sm_90a", "sm_100a")
 TILES = (8, 16, 32, 64, 128)
 
 
+def _field(key, name):
+    """The ``name`` entry of a variant key (the key's order is variant_key's signature)."""
+    from kda_cute import decode_t1
+
+    return key[decode_t1.variant_key.__code__.co_varnames.index(name)]
+
+
 def _variants():
-    from kda_core.contracts import GateMode
+    from kda_core.contracts import GateMode, NullSlotPolicy
 
     base = dict(state_dtype=torch.bfloat16, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
                 gate=GateMode.LOWER_BOUND, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True, tile_v=32,
@@ -61,6 +68,12 @@ def _variants():
     # The smaller tiles' rings (their rows are one contiguous run too; depth capped at the tile's chunks).
     for sd, tile in itertools.product((torch.bfloat16, torch.float32), (32, 64)):
         out.append({**base, "state_dtype": sd, "tile_v": tile, "bulk_ring": 8})
+    # The NONPOSITIVE null policy (slot 0 is null) on each grid and staging: a few representatives.
+    nonpositive = {"null_policy": NullSlotPolicy.NONPOSITIVE}
+    for flag in (dict(tile_v=16), dict(tile_v=64, aligned=False), dict(tile_v=128, bulk_ring=8),
+                 dict(state_dtype=torch.float32, tile_v=128, bulk_ring=8, slot_major=True, packed=True),
+                 dict(tile_v=128, slot_major=True)):
+        out.append({**base, **flag, **nonpositive})
     return out
 
 
@@ -72,7 +85,8 @@ def _ident(v):
             f"{'-slotmajor' if v.get('slot_major') else ''}"
             f"{'' if v['beta_is_logit'] else '-sigbeta'}{'' if v['use_qk_l2norm'] else '-nonorm'}"
             f"{'' if v['has_dt_bias'] else '-nobias'}-g{str(v['g_dtype'])[6:]}-b{str(v['beta_dtype'])[6:]}"
-            f"{'-packed' if v.get('packed') else ''}")
+            f"{'-packed' if v.get('packed') else ''}"
+            f"{'-' + v['null_policy'].value if 'null_policy' in v else ''}")
 
 
 VARIANTS = _variants()
@@ -129,7 +143,7 @@ def test_bulk_ring_variant_does_not_spill(tile_v, bulk_ring, packed, state_dtype
     key = decode_t1.variant_key(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
                                 gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
                                 tile_v=tile_v, aligned=True, bulk_ring=bulk_ring, packed=packed)
-    assert key[-3] == decode_t1.bulk_ring_for(tile_v, state_dtype.itemsize, True, bulk_ring) > 0
+    assert _field(key, "bulk_ring") == decode_t1.bulk_ring_for(tile_v, state_dtype.itemsize, True, bulk_ring) > 0
     decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
     ptx = sorted(tmp_path.glob("*.ptx"))
     assert ptx, "no PTX kept"
@@ -158,8 +172,8 @@ def test_slot_major_variant_does_not_spill(bulk_ring, packed, state_dtype, arch,
                   beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True, tile_v=128, aligned=True,
                   bulk_ring=bulk_ring, packed=packed)
     key = decode_t1.variant_key(**kwargs, slot_major=True)
-    assert key[-2] is True
-    assert decode_t1.variant_key(**kwargs)[-2] is False
+    assert _field(key, "slot_major") is True
+    assert _field(decode_t1.variant_key(**kwargs), "slot_major") is False
     decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
     ptx = sorted(tmp_path.glob("*.ptx"))
     assert ptx, "no PTX kept"
@@ -178,6 +192,41 @@ def test_slot_major_normalised_to_its_static_conditions():
 
     base = dict(state_dtype=torch.bfloat16, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
                 gate=GateMode.LOWER_BOUND, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True, slot_major=True)
-    assert decode_t1.variant_key(**base, tile_v=128, aligned=True)[-2] is True
-    assert decode_t1.variant_key(**base, tile_v=64, aligned=True)[-2] is False
-    assert decode_t1.variant_key(**base, tile_v=128, aligned=False)[-2] is False
+    assert _field(decode_t1.variant_key(**base, tile_v=128, aligned=True), "slot_major") is True
+    assert _field(decode_t1.variant_key(**base, tile_v=64, aligned=True), "slot_major") is False
+    assert _field(decode_t1.variant_key(**base, tile_v=128, aligned=False), "slot_major") is False
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("tile_v, bulk_ring, slot_major", [(16, 0, False), (128, 8, True)],
+                         ids=["tile16", "slot_major_ring8"])
+def test_nonpositive_null_policy_reaches_the_kernel_without_spills(tile_v, bulk_ring, slot_major, state_dtype, arch,
+                                                                   tmp_path, ptxas):
+    """The NONPOSITIVE variant generates other code than OUT_OF_RANGE's (the slot check's low bound; on the slot-major
+    grid also the pool-row CTA's) and stays within a few instructions of it: no spill, no stack frame, at most one
+    ptxas allocation step (8 registers) more (measured: the same count, except fp32 slot-major ring on sm_90a, 72 ->
+    80, where shared memory already caps residency at 6 CTAs)."""
+    from kda_core.contracts import GateMode, NullSlotPolicy
+    from kda_cute import decode_t1
+
+    kwargs = dict(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16, gate=GateMode.SOFTPLUS,
+                  beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True, tile_v=tile_v, aligned=True,
+                  bulk_ring=bulk_ring, slot_major=slot_major)
+    found = {}
+    for policy in NullSlotPolicy:
+        out = tmp_path / policy.value
+        out.mkdir()
+        decode_t1.compile_variant(decode_t1.variant_key(**kwargs, null_policy=policy), arch,
+                                  f"--keep-ptx --dump-dir {out}")
+        (ptx,) = sorted(out.glob("*.ptx"))
+        report = ptxas.report(ptx, arch)
+        assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes stack frame", report)), report
+        body = ptx.read_text()
+        found[policy] = (ptxas.registers_and_spills(ptx, arch), body[body.index(".entry"):])
+    (regs_oor, spills_oor), text_oor = found[NullSlotPolicy.OUT_OF_RANGE]
+    (regs_np, spills_np), text_np = found[NullSlotPolicy.NONPOSITIVE]
+    assert spills_oor == spills_np == 0
+    assert text_np != text_oor
+    assert regs_np <= regs_oor + 8, (regs_np, regs_oor)

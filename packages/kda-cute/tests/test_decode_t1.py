@@ -539,6 +539,89 @@ def test_schedule_takes_slot_major_where_the_pool_is_at_most_the_policy_factor_o
         _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Null-slot policies (docs/design.md §4), a compile-time constant of every variant. The oracle applies OUT_OF_RANGE, so
+# the reference maps every slot that is null under the policy to -1 on the host; the NONPOSITIVE kernel must then be
+# bitwise the OUT_OF_RANGE kernel on those mapped slots, and leave pool row 0 bitwise untouched.
+INT_MAX = 2147483647
+NULL_POLICY_GRIDS = {  # name: (tile_v, bulk_ring, slot_major) of the config, every grid and staging of the kernel
+    "tile16": (16, 0, False), "tile64": (64, 0, False), "ring": (128, 8, False), "slot_major_ring": (128, 8, True),
+    "slot_major_regs": (128, 0, True),
+}
+
+
+def _policy_slots(B, N, policy, seed):
+    """B slots over a pool of N rows: distinct live rows, pool row 0 named once (and, under NONPOSITIVE, by three
+    more rows: vLLM's padding rows), and -1, N, INT_MIN, INT_MAX. Returns (slots, the slots the oracle gets)."""
+    from kda_core.contracts import NullSlotPolicy
+
+    gen = torch.Generator().manual_seed(seed)
+    slots = (torch.randperm(N - 1, generator=gen)[:B] + 1).tolist()
+    slots[3] = 0
+    for row, bad in zip((1, 10, 20, B - 1), (-1, N, INT_MIN, INT_MAX)):
+        slots[row] = bad
+    if policy is NullSlotPolicy.NONPOSITIVE:
+        for row in (6, 12, 25):
+            slots[row] = 0
+    low = 1 if policy is NullSlotPolicy.NONPOSITIVE else 0
+    return slots, [s if low <= s < N else -1 for s in slots]
+
+
+@pytest.mark.parametrize("entry", ["unpacked", "packed"])
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("grid", list(NULL_POLICY_GRIDS))
+@pytest.mark.parametrize("policy", ["out_of_range", "nonpositive"])
+def test_null_policy_matches_the_oracle_on_host_mapped_slots(policy, grid, state_dtype, entry, make_case):
+    import dataclasses
+
+    from kda_core.contracts import NullSlotPolicy
+    from kda_cute import decode_t1
+
+    policy = NullSlotPolicy(policy)
+    B, N, H = 37, 44, 12
+    tile_v, ring, slot_major = NULL_POLICY_GRIDS[grid]
+    config = decode_t1.DecodeT1Config(tile_v, bulk_ring=ring, slot_major=slot_major)
+    cfg = decode_t1.effective_config(config, B, state_dtype, True, N)
+    assert (cfg.bulk_ring > 0, cfg.slot_major) == (ring > 0, slot_major)
+    slots, mapped = _policy_slots(B, N, policy, seed=sum(map(ord, grid + policy.value)))
+    case = make_case(B, H, state_dtype=state_dtype, n_slots=N, slots=slots, seed=61)
+    reference = dataclasses.replace(case, slots=torch.tensor(mapped, dtype=torch.int32, device="cuda"))
+    before = case.pool.clone()
+    ref_out, ref_pool = reference.oracle()
+    decode = _decode_packed if entry == "packed" else _decode
+
+    def run(c, null_policy):
+        c.pool.copy_(before)
+        out = decode(c, output=torch.full((B, 1, H, 128), 7.0, dtype=torch.bfloat16, device="cuda"),
+                     null_policy=null_policy, config=config)
+        return out, c.pool.clone()
+
+    mapped_out, mapped_pool = run(reference, NullSlotPolicy.OUT_OF_RANGE)
+    out, pool = run(case, policy)
+    assert torch.equal(out, mapped_out) and torch.equal(pool, mapped_pool)
+    inactive = [b for b, s in enumerate(mapped) if s < 0]
+    assert torch.count_nonzero(out[torch.tensor(inactive, device="cuda")]) == 0
+    untouched = sorted(set(range(N)) - {s for s in mapped if s >= 0})
+    assert (0 in untouched) is (policy is NullSlotPolicy.NONPOSITIVE)
+    assert torch.equal(pool[untouched], before[untouched])
+    _assert_matches_oracle(case, out, pool, ref_out, ref_pool)
+
+
+@pytest.mark.parametrize("grid", ["tile16", "slot_major_ring"])
+def test_nonpositive_all_null_batch_is_a_bitwise_noop_on_the_pool(grid, make_case):
+    from kda_core.contracts import NullSlotPolicy
+    from kda_cute import decode_t1
+
+    tile_v, ring, slot_major = NULL_POLICY_GRIDS[grid]
+    case = make_case(5, 12, n_slots=4, slots=[0, 0, -1, 4, 0])
+    before = case.pool.clone()
+    out = _decode(case, output=torch.full((5, 1, 12, 128), 7.0, dtype=torch.bfloat16, device="cuda"),
+                  null_policy=NullSlotPolicy.NONPOSITIVE,
+                  config=decode_t1.DecodeT1Config(tile_v, bulk_ring=ring, slot_major=slot_major))
+    assert torch.equal(case.pool, before)
+    assert torch.count_nonzero(out) == 0
+
+
 # Wrapper-checked rules: after a good call has described its facts, kda-core's re-validation reads only what the
 # compiled TVM-FFI wrapper cannot check and the wrapper checks the rest before launch. One broken argument of each
 # kind the wrapper owns must still get the full validator's KDAError naming it, with nothing written.

@@ -40,6 +40,13 @@ def test_invalid_forced_tile_raises_naming_the_knob(bad, monkeypatch):
         select_config(4, 12, torch.bfloat16, True)
 
 
+def _field(key, name):
+    """The ``name`` entry of a variant key (the key's order is variant_key's signature)."""
+    from kda_cute import decode_t1
+
+    return key[decode_t1.variant_key.__code__.co_varnames.index(name)]
+
+
 def _key(**over):
     from kda_core.contracts import GateMode
     from kda_cute import decode_t1
@@ -188,7 +195,7 @@ def test_alignment_classes_follow_pointer_and_strides():
 
 def test_variant_key_separates_the_packed_wrapper():
     assert _key(packed=True) != _key()
-    assert _key(packed=True)[-1] is True and _key()[-1] is False
+    assert _field(_key(packed=True), "packed") is True and _field(_key(), "packed") is False
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -228,16 +235,19 @@ def host_path(monkeypatch):
 
 def _packed_call(case, **over):
     """Validate the packed form of ``case`` on the CPU (the entry points insist on CUDA) and launch it."""
+    from kda_core.contracts import NullSlotPolicy
     from kda_core.validation import validate_packed_decode_t1
     from kda_cute import decode_t1
 
-    kw = {**case.kwargs(), "output": None, "use_qk_l2norm_in_kernel": True, "config": None, **over}
+    kw = {**case.kwargs(), "output": None, "use_qk_l2norm_in_kernel": True, "config": None,
+          "null_policy": NullSlotPolicy.OUT_OF_RANGE, **over}
     l2norm, output, config = kw.pop("use_qk_l2norm_in_kernel"), kw.pop("output"), kw.pop("config")
+    null_policy = kw.pop("null_policy")
     H = case.raw_beta.shape[1]
     call = validate_packed_decode_t1(case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, case.slots, num_heads=H,
                                      output=output, device_kind="any", **kw)
     return decode_t1._run_packed(call, case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, case.slots,
-                                 kw["A_log"], kw["dt_bias"], l2norm, output, config)
+                                 kw["A_log"], kw["dt_bias"], l2norm, output, null_policy, config)
 
 
 def _unpacked_call(case, **over):
@@ -255,7 +265,7 @@ def test_packed_path_hands_the_gemm_rows_to_the_packed_variant(host_path, make_c
     case = make_case(3, 12, row_pad=24, device="cpu")
     out = _packed_call(case)
     (fn,) = host_path
-    assert fn.key[-1] is True  # the packed wrapper
+    assert _field(fn.key, "packed") is True  # the packed wrapper
     (args,) = fn.calls
     assert args[:3] == (case.mixed_qkv, case.raw_gate, case.raw_beta)  # no views: the tensors themselves
     assert args[3] is case.A_log and args[4] is case.dt_bias and args[5] is case.pool and args[6] is case.slots
@@ -264,10 +274,13 @@ def test_packed_path_hands_the_gemm_rows_to_the_packed_variant(host_path, make_c
 
 
 def test_unpacked_path_hands_the_five_views_to_the_unpacked_variant(host_path, make_case):
+    from kda_core.contracts import NullSlotPolicy
+
     case = make_case(3, 12, gate="softplus", device="cpu")
-    _unpacked_call(case, scale=0.25)
+    _unpacked_call(case, scale=0.25)  # _run's positional form (the facade's): the default null policy
     (fn,) = host_path
-    assert fn.key[-1] is False
+    assert _field(fn.key, "packed") is False
+    assert _field(fn.key, "null_policy") is NullSlotPolicy.OUT_OF_RANGE
     (args,) = fn.calls
     assert args[:5] == (case.q, case.k, case.v, case.g, case.beta)
     assert args[10:] == (0.25, -1.0)  # the softplus gate's unused floor
@@ -290,7 +303,7 @@ def test_repeated_calls_reuse_the_launch_and_a_new_shape_configures_again(host_p
     assert len(host_path) == 1 and len(host_path[0].calls) == 3
     _unpacked_call(case)  # the same call through the unpacked entry: another variant
     _packed_call(make_case(5, 12, device="cpu"))
-    assert [fn.key[-1] for fn in host_path] == [True, False, True]
+    assert [_field(fn.key, "packed") for fn in host_path] == [True, False, True]
 
 
 def test_a_changed_forced_tile_is_honoured_on_the_next_call(host_path, make_case, monkeypatch):
@@ -468,7 +481,7 @@ def test_a_large_batch_on_the_slot_major_grid_is_one_launch(host_path):
     entry = decode_t1._configure(("big-slot-major",), _big_call(B, 4), False, True, torch.empty(1), torch.bfloat16,
                                  torch.bfloat16, True)
     (fn,) = host_path
-    assert fn.key[-2] is True  # slot_major: grid z = N + ceil(B / 128)
+    assert _field(fn.key, "slot_major") is True  # grid z = N + ceil(B / 128)
     assert entry[1] is fn  # the compiled function itself, no split
     decode_t1._LAUNCH_MEMO.pop(("big-slot-major",), None)
 
@@ -503,3 +516,44 @@ def test_debug_validate_rejects_duplicate_active_slots_on_the_hot_path(entries_o
     case.slots = torch.tensor([4, 1, 99], dtype=torch.int32)  # an inactive row may repeat nothing: fine
     run(case)
     assert sum(len(fn.calls) for fn in entries_on_cpu) == 2
+
+
+# Null-slot policies: a compile-time constant, in the variant key and the launch memo key.
+
+
+def test_variant_key_separates_the_null_policy():
+    from kda_core.contracts import NullSlotPolicy
+
+    assert _field(_key(), "null_policy") is NullSlotPolicy.OUT_OF_RANGE
+    assert _key(null_policy=NullSlotPolicy.NONPOSITIVE) != _key()
+    assert _key(null_policy="nonpositive") == _key(null_policy=NullSlotPolicy.NONPOSITIVE)
+    assert _key(slot_major=True, null_policy=NullSlotPolicy.NONPOSITIVE) != _key(slot_major=True)
+
+
+def test_each_null_policy_gets_its_own_variant_and_a_repeated_one_reuses_its_launch(host_path, make_case):
+    from kda_core.contracts import NullSlotPolicy
+
+    case = make_case(3, 12, device="cpu")
+    policies = [NullSlotPolicy.OUT_OF_RANGE, NullSlotPolicy.NONPOSITIVE, NullSlotPolicy.OUT_OF_RANGE,
+                NullSlotPolicy.NONPOSITIVE]
+    for policy in policies:
+        _packed_call(case, null_policy=policy)
+    assert [_field(fn.key, "null_policy") for fn in host_path] == policies[:2]
+    assert [len(fn.calls) for fn in host_path] == [2, 2]
+    with pytest.raises(KDAError, match="^null_policy: expected a NullSlotPolicy"):
+        _packed_call(case, null_policy="nonpositive")
+
+
+@pytest.mark.parametrize("entry", ["packed", "unpacked"])
+def test_debug_validate_lets_rows_share_slot_0_only_where_it_is_null(entries_on_cpu, make_case, entry, monkeypatch):
+    from kda_core.contracts import NullSlotPolicy
+
+    run = _packed_entry if entry == "packed" else _unpacked_entry
+    monkeypatch.setenv("KDA_DEBUG_VALIDATE", "1")
+    case = make_case(4, 12, slots=[0, 3, 0, 0], device="cpu")  # vLLM's padding rows name slot 0
+    run(case, null_policy=NullSlotPolicy.NONPOSITIVE)
+    with pytest.raises(KDAError, match="^slot_indices: expected distinct active slots"):
+        run(case)  # OUT_OF_RANGE: slot 0 is live, three rows race on it
+    case.slots = torch.tensor([0, 3, 3, 0], dtype=torch.int32)
+    with pytest.raises(KDAError, match="^slot_indices: expected distinct active slots"):
+        run(case, null_policy=NullSlotPolicy.NONPOSITIVE)

@@ -40,7 +40,7 @@ import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
 from kda_core import knobs
-from kda_core.contracts import HEAD_DIM, GateMode
+from kda_core.contracts import HEAD_DIM, GateMode, NullSlotPolicy
 from kda_core.errors import fail
 from kda_core.validation import (
     WRAPPER_REJECTED,
@@ -231,6 +231,7 @@ class KDADecodeT1:
         cache_hint: str = "stream",
         bulk_ring: int = 0,
         slot_major: bool = False,
+        null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
     ):
         self.state_dtype = state_dtype
         self.gate = gate
@@ -245,6 +246,18 @@ class KDADecodeT1:
         self.store_hints = dict(store_cache_mode=_STORE_MODES[cache_hint])
         self.bulk_ring = bulk_ring_for(tile_v, state_dtype.width // 8, aligned, bulk_ring)
         self.slot_major = bool(slot_major) and slot_major_compiles(tile_v, aligned)
+        self.null_policy = NullSlotPolicy(null_policy)
+
+    def live(self, idx, n_slots):
+        """Whether pool index ``idx`` is a slot under the null policy (compile-time: one compare each side), i.e. its
+        row is active. OUT_OF_RANGE: 0 <= idx < N; NONPOSITIVE: 0 < idx < N (slot 0 is never read or written)."""
+        low = idx > 0 if self.null_policy is NullSlotPolicy.NONPOSITIVE else idx >= 0
+        return low & (idx < n_slots)
+
+    def null(self, idx, n_slots):
+        """``not live(idx, n_slots)``, spelled as the two compares."""
+        low = idx <= 0 if self.null_policy is NullSlotPolicy.NONPOSITIVE else idx < 0
+        return low | (idx >= n_slots)
 
     def _copy_bits(self, dtype, n: int) -> int:
         return min(n * dtype.width, 128) if self.aligned else dtype.width
@@ -357,10 +370,10 @@ class KDADecodeT1:
     def answer_other_rows(self, mSlot: cute.Tensor, mOut: cute.Tensor, z, h, n_slots, first, last, tidx):
         """Slot-major grid: the zero outputs that no pool-row CTA writes, one batch row per thread. A pool-row CTA
         whose slot several batch rows name (a caller error) streams the state for the first of them and gives the
-        others zero output; the CTAs past the pool rows give zero output to the batch rows whose slot is outside
-        [0, N), 128 rows each."""
+        others zero output; the CTAs past the pool rows give zero output to the batch rows whose slot is null (outside
+        [0, N), or [1, N) under NONPOSITIVE), 128 rows each. Under NONPOSITIVE the CTA of pool row 0 owns no row."""
         B = cute.size(mOut, mode=[0])
-        if (z < n_slots) & (last != first):
+        if self.live(z, n_slots) & (last != first):
             for o in cutlass.range((B + THREADS - 1) // THREADS):
                 row = o * THREADS + tidx
                 if (row < B) & (row != first):
@@ -369,7 +382,7 @@ class KDADecodeT1:
         if z >= n_slots:
             row = (z - n_slots) * THREADS + tidx
             found = mSlot[cutlass.min(row, B - 1)]
-            if (row < B) & ((found < 0) | (found >= n_slots)):
+            if (row < B) & self.null(found, n_slots):
                 self.zero_output_row(mOut, row, h)
 
     @cute.jit
@@ -402,19 +415,20 @@ class KDADecodeT1:
         if const_expr(self.bulk_ring or self.slot_major):
             smem = cutlass.memory.SmemAllocator()
         if const_expr(self.slot_major):
-            # CTA z streams pool row z (z < N) for the first batch row naming it; the CTAs past the pool rows have no
-            # state (active is False there even if a row names slot z >= N: that row is inactive).
+            # CTA z streams pool row z (z < N; not 0 under NONPOSITIVE) for the first batch row naming it; the CTAs past
+            # the pool rows have no state (active is False there even if a row names slot z >= N: that row is
+            # inactive).
             sScan = smem.allocate_tensor(Int32, cute.make_layout((2, THREADS // 32), stride=(THREADS // 32, 1)),
                                          byte_alignment=16)
             B = cute.size(mQ, mode=[0])
             first, last = self.find_row(mSlot, z, B, tidx, sScan)
-            active = (first < B) & (z < n_slots)
+            active = (first < B) & self.live(z, n_slots)
             b = cutlass.min(first, B - 1)  # a CTA without a row loads row B - 1's activations and ignores them
             slot = z
         else:
             b = z
             slot = mSlot[b]
-            active = (slot >= 0) & (slot < n_slots)
+            active = self.live(slot, n_slots)
         row0 = v_tile * self.tile_v
         if const_expr(self.bulk_ring):
             sRing = smem.allocate_tensor(  # [slot, row of the chunk, channel]
@@ -600,7 +614,7 @@ class KDADecodeT1Packed(KDADecodeT1):
 
 def _compile(key, arch):
     (state_dt, g_dt, beta_dt, gate, beta_is_logit, l2norm, has_dt_bias, tile_v, aligned, rows_in_flight, cache_hint,
-     bulk_ring, slot_major, packed) = key
+     bulk_ring, slot_major, packed, null_policy) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     B, N, H = _launch.sym_size(), _launch.sym_size(), _launch.sym_size()
@@ -651,6 +665,7 @@ def _compile(key, arch):
         cache_hint=cache_hint,
         bulk_ring=bulk_ring,
         slot_major=slot_major,
+        null_policy=null_policy,
     )
     return cute.compile(kernel, *fake_args, options=_launch.compile_options(arch, _EXTRA_OPTIONS))
 
@@ -659,14 +674,17 @@ _EXTRA_OPTIONS = ""  # tests set "--keep-ptx --dump-dir D" through compile_varia
 
 
 def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk_l2norm, has_dt_bias, tile_v, aligned,
-                rows_in_flight=0, cache_hint="stream", bulk_ring=0, slot_major=False, packed=False):
+                rows_in_flight=0, cache_hint="stream", bulk_ring=0, slot_major=False, packed=False,
+                null_policy=NullSlotPolicy.OUT_OF_RANGE):
     """Every code-generation parameter of one variant, in the order ``_compile`` reads them (the signature's).
 
     ``packed``: the compiled function takes the packed GEMM rows (:class:`KDADecodeT1Packed`) instead of five views.
     ``rows_in_flight``: normalised to the effective count (:func:`rows_in_flight_for`).
     ``bulk_ring``: normalised by :func:`bulk_ring_for`; a ring replaces rows in flight and the cache hint (normalised
-    away). ``slot_major``: normalised to its static conditions (tile 128, aligned).
+    away). ``slot_major``: normalised to its static conditions (tile 128, aligned). ``null_policy``: which slot
+    indices are null (:class:`kda_core.contracts.NullSlotPolicy`, docs/design.md §4).
     """
+    null_policy = NullSlotPolicy(null_policy)  # an enum member, or its value
     if gate == GateMode.PRECOMPUTED:
         has_dt_bias = False
     if cache_hint not in CACHE_HINTS:
@@ -677,7 +695,8 @@ def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk
         rows_in_flight, cache_hint = 0, "stream"
     slot_major = bool(slot_major) and slot_major_compiles(tile_v, aligned)
     return (state_dtype, g_dtype, beta_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm), bool(has_dt_bias),
-            int(tile_v), bool(aligned), int(rows_in_flight), str(cache_hint), int(bulk_ring), slot_major, bool(packed))
+            int(tile_v), bool(aligned), int(rows_in_flight), str(cache_hint), int(bulk_ring), slot_major, bool(packed),
+            null_policy)
 
 
 def compile_variant(key, arch: str, extra_options: str = ""):
@@ -707,6 +726,7 @@ def kda_decode_t1(
     use_qk_l2norm_in_kernel=True,
     scale=None,
     output=None,
+    null_policy=NullSlotPolicy.OUT_OF_RANGE,
     config=None,
 ):
     """One T=1 KDA decode step, updating ``state_pool`` in place. Returns ``output``.
@@ -716,11 +736,14 @@ def kda_decode_t1(
         g: [B, 1, H, 128] bf16 (or fp32): the raw gate (``use_gate_in_kernel=True``) or the log-space decay.
         beta: [B, 1, H] bf16 or fp32: a logit (``beta_is_logit=True``) or already sigmoided.
         state_pool: [N, H, 128, 128] bf16 or fp32, K contiguous, dim-0 stride may be padded (multiple of 8).
-        slot_indices: [B] int32. A slot outside [0, N) makes its row inactive: zero output, pool untouched.
+        slot_indices: [B] int32. A null slot makes its row inactive: zero output, pool neither read nor written.
         A_log: [H] fp32 (in-kernel gate). dt_bias: [H*128] or [H, 128] fp32, optional.
         lower_bound: float < 0 for the Kimi K3 gate ``lb * sigmoid(exp(A_log) * x)``; None for the softplus gate.
         use_gate_in_kernel: False means ``g`` is already log-space (A_log, dt_bias, lower_bound are ignored).
         scale: query scale, default 128 ** -0.5. output: [B, 1, H, 128] bf16, allocated when None.
+        null_policy: which slots are null (docs/design.md §4): ``NullSlotPolicy.OUT_OF_RANGE`` (kda, SGLang:
+            idx < 0 or idx >= N) or ``NullSlotPolicy.NONPOSITIVE`` (vLLM: idx <= 0 or idx >= N; slot 0 is never read
+            or written). A compile-time constant of the kernel.
         config: a :class:`DecodeT1Config` to run instead of the schedule's (:func:`select_config`; None = that);
             fitted to the call by :func:`effective_config`. For sweeps and tests; serving leaves it None.
 
@@ -736,10 +759,10 @@ def kda_decode_t1(
     call = revalidate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound,
                                 use_gate_in_kernel, beta_is_logit, scale, output)
     if debug_checks_enabled():  # KDA_DEBUG_VALIDATE (off: one knob lookup): duplicate active slots
-        debug_check_slots(slot_indices, call.N)
+        _debug_check_slots(slot_indices, call.N, null_policy)
     try:
         return _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, use_qk_l2norm_in_kernel, output,
-                    config)
+                    null_policy, config)
     except WRAPPER_REJECTED:  # the compiled wrapper refused an argument, nothing launched (kda-core's contract):
         # the full validator names it
         validate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log=A_log, dt_bias=dt_bias,
@@ -764,6 +787,7 @@ def kda_decode_t1_packed(
     use_qk_l2norm_in_kernel=True,
     scale=None,
     output=None,
+    null_policy=NullSlotPolicy.OUT_OF_RANGE,
     config=None,
 ):
     """:func:`kda_decode_t1` on the packed rows of one GEMM output (the same kernel; no torch views are made).
@@ -774,10 +798,10 @@ def kda_decode_t1_packed(
     call = revalidate_packed_decode_t1(mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, num_heads, A_log,
                                        dt_bias, lower_bound, use_gate_in_kernel, beta_is_logit, scale, output)
     if debug_checks_enabled():  # as in kda_decode_t1
-        debug_check_slots(slot_indices, call.N)
+        _debug_check_slots(slot_indices, call.N, null_policy)
     try:
         return _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias,
-                           use_qk_l2norm_in_kernel, output, config)
+                           use_qk_l2norm_in_kernel, output, null_policy, config)
     except WRAPPER_REJECTED:  # as in kda_decode_t1
         validate_packed_decode_t1(
             mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, num_heads=num_heads, A_log=A_log,
@@ -787,24 +811,34 @@ def kda_decode_t1_packed(
         raise
 
 
+def _debug_check_slots(slot_indices, N, null_policy):
+    """kda-core's duplicate check (debug mode only: it syncs) on the slots that are live under ``null_policy``."""
+    if null_policy is NullSlotPolicy.NONPOSITIVE:  # slot 0 is null: any number of rows may name it
+        slot_indices = torch.where(slot_indices == 0, -1, slot_indices)
+    debug_check_slots(slot_indices, N)
+
+
 # Per-call launch memo. Key: (id of the validated call description, packed, l2norm, device index, the parsed
-# KDA_DECODE_TILE_V, whether dt_bias is absent, the requested config or None). A description (kda-core's DecodeT1Call or
-# RecurrentCall) is immutable and remembered by every fact a variant and the schedule depend on (B, H, pool rows, pool
-# dtype, g / beta dtypes, gate mode, lower bound, beta logit, scale, alignment class), so its identity stands for all
-# of them; the entry holds the description itself, so its id cannot be reused by another object while the entry
-# lives. Value: (description, compiled function (or its batch-split wrapper) or None when B == 0, scale, lower bound
-# as the kernel's float, gate in kernel, B, H, owner of the compiled module).
+# KDA_DECODE_TILE_V, whether dt_bias is absent, the null policy, the requested config or None). A description
+# (kda-core's DecodeT1Call or RecurrentCall) is immutable and remembered by every fact a variant and the schedule
+# depend on (B, H, pool rows, pool dtype, g / beta dtypes, gate mode, lower bound, beta logit, scale, alignment
+# class), so its identity stands for all of them; the entry holds the description itself, so its id cannot be reused
+# by another object while the entry lives. Value: (description, compiled function (or its batch-split wrapper) or
+# None when B == 0, scale, lower bound as the kernel's float, gate in kernel, B, H, owner of the compiled module).
 _LAUNCH_MEMO: dict[tuple, tuple] = {}
 _LAUNCH_MEMO_MAX = 1024
 
 
-def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bias, config=None):
+def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bias,
+               null_policy=NullSlotPolicy.OUT_OF_RANGE, config=None):
     """Schedule (``config`` fitted to the call, or the policy's) + compiled variant of one validated call; stores its
     launch memo entry under ``memo_key`` (built by the caller, ``_run`` / ``_run_packed``, from the facts listed at
     ``_LAUNCH_MEMO``)."""
     gated = call.gate_mode is not GateMode.PRECOMPUTED
     fn = compiled = None
     if call.B > 0:  # (H, on grid y, is one of kda-core's HEAD_COUNTS: at least 8, far below the grid's limit)
+        if not isinstance(null_policy, NullSlotPolicy):
+            fail("null_policy", "a NullSlotPolicy", repr(null_policy))
         if config is None:
             cfg = select_config(call.B, call.H, call.state_dtype, call.aligned, call.N)
         elif isinstance(config, DecodeT1Config):
@@ -815,7 +849,8 @@ def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bi
         key = variant_key(state_dtype=call.state_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=call.gate_mode,
                           beta_is_logit=call.beta_is_logit, use_qk_l2norm=l2norm, has_dt_bias=gated and has_dt_bias,
                           tile_v=cfg.tile_v, aligned=call.aligned, rows_in_flight=cfg.rows_in_flight,
-                          cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring, slot_major=cfg.slot_major, packed=packed)
+                          cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring, slot_major=cfg.slot_major, packed=packed,
+                          null_policy=null_policy)
         compiled = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(x.device))
         # The positional tvm_ffi.Function under the DSL's kwargs wrapper (same arguments, a few us less per call);
         # the compiled object rides along so that the module outlives any cache clearing.
@@ -864,17 +899,18 @@ def _launch_args(entry, x, A_log, dt_bias, output):
     return fn, output, A_log, dt_bias, scale, lower_bound
 
 
-def _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, l2norm, output, config=None):
+def _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, l2norm, output,
+         null_policy=NullSlotPolicy.OUT_OF_RANGE, config=None):
     """Launch a validated unpacked call: ``call`` is kda-core's description of exactly these arguments
-    (``validate_decode_t1``, or ``validate_recurrent`` for the facade, which calls this directly). ``config``: as
-    :func:`kda_decode_t1`'s.
+    (``validate_decode_t1``, or ``validate_recurrent`` for the facade, which calls this directly). ``null_policy``
+    and ``config``: as :func:`kda_decode_t1`'s.
 
     Per call: one memo lookup (the knob read is a dict lookup, see ``kda_core.knobs``) and the FFI call.
     """
-    key = (id(call), False, l2norm, q.get_device(), knobs.get("KDA_DECODE_TILE_V"), dt_bias is None,
+    key = (id(call), False, l2norm, q.get_device(), knobs.get("KDA_DECODE_TILE_V"), dt_bias is None, null_policy,
            config)  # the _LAUNCH_MEMO key, spelled out: hot path
     entry = _LAUNCH_MEMO.get(key) or _configure(key, call, False, l2norm, q, g.dtype, beta.dtype, dt_bias is not None,
-                                                config)
+                                                null_policy, config)
     fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, q, A_log, dt_bias, output)
     if fn is None:  # B == 0
         return output
@@ -883,12 +919,12 @@ def _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, l2nor
 
 
 def _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias, l2norm, output,
-                config=None):
+                null_policy=NullSlotPolicy.OUT_OF_RANGE, config=None):
     """:func:`_run` for a validated packed call: the GEMM rows go to the compiled function as they are."""
     key = (id(call), True, l2norm, mixed_qkv.get_device(), knobs.get("KDA_DECODE_TILE_V"), dt_bias is None,
-           config)  # as in _run
+           null_policy, config)  # as in _run
     entry = _LAUNCH_MEMO.get(key) or _configure(key, call, True, l2norm, mixed_qkv, raw_gate.dtype, raw_beta.dtype,
-                                                dt_bias is not None, config)
+                                                dt_bias is not None, null_policy, config)
     fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, mixed_qkv, A_log, dt_bias, output)
     if fn is None:  # B == 0
         return output
