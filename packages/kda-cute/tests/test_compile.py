@@ -74,6 +74,11 @@ def _variants():
                  dict(state_dtype=torch.float32, tile_v=128, bulk_ring=8, slot_major=True, packed=True),
                  dict(tile_v=128, slot_major=True)):
         out.append({**base, **flag, **nonpositive})
+    # int64 slot indices (read as they are, compared in 64 bits): each grid and staging, both entries.
+    for flag in (dict(tile_v=16), dict(tile_v=32, aligned=False, packed=True), dict(tile_v=128, bulk_ring=8),
+                 dict(state_dtype=torch.float32, tile_v=128, bulk_ring=8, slot_major=True, packed=True),
+                 dict(tile_v=128, slot_major=True, **nonpositive)):
+        out.append({**base, **flag, "index_dtype": torch.int64})
     return out
 
 
@@ -86,7 +91,8 @@ def _ident(v):
             f"{'' if v['beta_is_logit'] else '-sigbeta'}{'' if v['use_qk_l2norm'] else '-nonorm'}"
             f"{'' if v['has_dt_bias'] else '-nobias'}-g{str(v['g_dtype'])[6:]}-b{str(v['beta_dtype'])[6:]}"
             f"{'-packed' if v.get('packed') else ''}"
-            f"{'-' + v['null_policy'].value if 'null_policy' in v else ''}")
+            f"{'-' + v['null_policy'].value if 'null_policy' in v else ''}"
+            f"{'-idx64' if v.get('index_dtype') is torch.int64 else ''}")
 
 
 VARIANTS = _variants()
@@ -230,3 +236,28 @@ def test_nonpositive_null_policy_reaches_the_kernel_without_spills(tile_v, bulk_
     assert spills_oor == spills_np == 0
     assert text_np != text_oor
     assert regs_np <= regs_oor + 8, (regs_np, regs_oor)
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tile_v, bulk_ring, slot_major", [(16, 0, False), (128, 8, True)],
+                         ids=["tile16", "slot_major_ring8"])
+def test_int64_slot_indices_are_compared_in_64_bits_without_spills(tile_v, bulk_ring, slot_major, arch, tmp_path,
+                                                                   ptxas):
+    """The int64 variant compares the slot with N (batch-major) or the pool row (slot-major scan) in 64 bits, so a
+    value past 2^31 is never truncated onto a live slot; no spill, no stack frame."""
+    from kda_core.contracts import GateMode
+    from kda_cute import decode_t1
+
+    key = decode_t1.variant_key(state_dtype=torch.bfloat16, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
+                                gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
+                                tile_v=tile_v, aligned=True, bulk_ring=bulk_ring, slot_major=slot_major,
+                                index_dtype=torch.int64)
+    decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    (ptx,) = sorted(tmp_path.glob("*.ptx"))
+    text = ptx.read_text()
+    assert re.search(r"setp\.eq\.[bs]64" if slot_major else r"setp\.lt\.s64", text)
+    registers, spills = ptxas.registers_and_spills(ptx, arch)
+    assert spills == 0, (registers, spills)
+    report = ptxas.report(ptx, arch)
+    assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes stack frame", report)), report

@@ -622,6 +622,140 @@ def test_nonpositive_all_null_batch_is_a_bitwise_noop_on_the_pool(grid, make_cas
     assert torch.count_nonzero(out) == 0
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Layouts the engines use that kda-core's validators still reject (docs/design.md §4: never rejected, never read out
+# of bounds): a pool slot stride of any element count, strided and int64 slot indices. The kernel takes them as they
+# are; these tests launch it through _run / _run_packed with the description of the same call in a legal layout,
+# fitted to the real one (the alignment class of an odd pool stride), as kda-core will once it accepts them.
+def _described_run(case, entry, out, *, slots=None, aligned=None, **kw):
+    """Launch ``case`` (its pool and ``slots`` as they are) on the description kda-core gives the same call with a
+    compact pool and contiguous int32 slots (``aligned`` overrides its alignment class)."""
+    import dataclasses
+
+    from kda_core.validation import validate_decode_t1, validate_packed_decode_t1
+    from kda_cute import decode_t1
+
+    slots = case.slots if slots is None else slots
+    legal = dict(state_pool=torch.empty(case.pool.shape, dtype=case.pool.dtype, device="cuda"),
+                 slot_indices=torch.zeros(slots.shape, dtype=torch.int32, device="cuda"), output=out, **case.kwargs())
+    if entry == "packed":
+        call = validate_packed_decode_t1(case.mixed_qkv, case.raw_gate, case.raw_beta, num_heads=case.q.shape[2],
+                                         **legal)
+    else:
+        call = validate_decode_t1(case.q, case.k, case.v, case.g, case.beta, **legal)
+    call = dataclasses.replace(call, aligned=call.aligned if aligned is None else aligned)  # a fresh description
+    if entry == "packed":
+        return decode_t1._run_packed(call, case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, slots, case.A_log,
+                                     case.dt_bias, True, out, **kw)
+    return decode_t1._run(call, case.q, case.k, case.v, case.g, case.beta, case.pool, slots, case.A_log, case.dt_bias,
+                          True, out, **kw)
+
+
+@pytest.mark.parametrize("entry", ["unpacked", "packed"])
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("pad", [17, 1])
+def test_a_pool_slot_stride_of_any_element_count_runs_the_unaligned_variant(pad, state_dtype, entry, make_case):
+    from kda_cute.decode_t1 import DecodeT1Config
+
+    B, N, H = 9, 13, 12
+    slots, inactive = _bulk_slots(B, N, seed=pad)
+    case = make_case(B, H, state_dtype=state_dtype, n_slots=N, slots=slots, pool_row_pad=pad, seed=80 + pad)
+    assert case.pool.stride(0) == H * 128 * 128 + pad
+    storage = case.pool.as_strided((N, H * 128 * 128 + pad), (H * 128 * 128 + pad, 1))
+    before = storage.clone()
+    ref_out, ref_pool = case.oracle()
+    out = torch.full((B, 1, H, 128), 7.0, dtype=torch.bfloat16, device="cuda")
+    # The large-batch schedule asked for: the ring and the slot-major grid need 16-byte strides, so it runs the
+    # register path of tile 128.
+    _described_run(case, entry, out, aligned=False, config=DecodeT1Config(128, bulk_ring=8, slot_major=True))
+    assert torch.count_nonzero(out[torch.tensor(inactive, device="cuda")]) == 0
+    assert torch.equal(storage[:, H * 128 * 128:], before[:, H * 128 * 128:])  # the padding between slots
+    untouched = sorted(set(range(N)) - {s for s in slots if 0 <= s < N})
+    assert torch.equal(storage[untouched], before[untouched])
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+@pytest.mark.parametrize("entry", ["unpacked", "packed"])
+@pytest.mark.parametrize("grid", ["tile16", "ring", "slot_major_ring"])
+def test_strided_slot_indices_are_read_as_they_are(grid, entry, make_case):
+    from kda_cute.decode_t1 import DecodeT1Config
+
+    B, N, H = 37, 44, 12
+    slots, inactive = _bulk_slots(B, N, seed=90)
+    case = make_case(B, H, n_slots=N, slots=slots, seed=91)
+    buffer = torch.full((B, 8), 3, dtype=torch.int32, device="cuda")  # every other entry names a live slot
+    buffer[:, 0] = case.slots
+    strided = buffer[:, 0]
+    assert strided.stride() == (8,)
+    tile_v, ring, slot_major = NULL_POLICY_GRIDS[grid]
+    before = case.pool.clone()
+    ref_out, ref_pool = case.oracle()
+    out = torch.full((B, 1, H, 128), 7.0, dtype=torch.bfloat16, device="cuda")
+    _described_run(case, entry, out, slots=strided,
+                   config=DecodeT1Config(tile_v, bulk_ring=ring, slot_major=slot_major))
+    assert torch.count_nonzero(out[torch.tensor(inactive, device="cuda")]) == 0
+    untouched = sorted(set(range(N)) - {s for s in slots if 0 <= s < N})
+    assert torch.equal(case.pool[untouched], before[untouched])
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+@pytest.mark.parametrize("entry", ["unpacked", "packed"])
+@pytest.mark.parametrize("grid", ["tile16", "ring", "slot_major_ring", "slot_major_regs"])
+@pytest.mark.parametrize("policy", ["out_of_range", "nonpositive"])
+def test_int64_slot_indices_are_compared_in_64_bits(policy, grid, entry, make_case):
+    """Values past the int32 range are null, never truncated onto a live slot (2^32 + s is not slot s); the result is
+    bitwise that of the int32 indices with every null slot mapped to -1."""
+    from kda_core.contracts import NullSlotPolicy
+    from kda_cute.decode_t1 import DecodeT1Config
+
+    policy = NullSlotPolicy(policy)
+    B, N, H = 37, 44, 12
+    slots, mapped = _policy_slots(B, N, policy, seed=95)
+    wide = list(slots)
+    for row, value in zip((2, 15, 22, 30, 33), (2**32 + 5, 2**32, -(2**40) + 7, 2**63 - 1, -(2**63))):
+        wide[row], mapped[row] = value, -1
+    case = make_case(B, H, n_slots=N, slots=mapped, seed=96)
+    tile_v, ring, slot_major = NULL_POLICY_GRIDS[grid]
+    config = DecodeT1Config(tile_v, bulk_ring=ring, slot_major=slot_major)
+    before = case.pool.clone()
+    ref_out, ref_pool = case.oracle()
+    out32 = torch.full((B, 1, H, 128), 7.0, dtype=torch.bfloat16, device="cuda")
+    _described_run(case, entry, out32, config=config)  # OUT_OF_RANGE on the mapped int32 slots
+    pool32 = case.pool.clone()
+    case.pool.copy_(before)
+    out = torch.full((B, 1, H, 128), 7.0, dtype=torch.bfloat16, device="cuda")
+    _described_run(case, entry, out, slots=torch.tensor(wide, dtype=torch.int64, device="cuda"), null_policy=policy,
+                   config=config)
+    assert torch.equal(out, out32) and torch.equal(case.pool, pool32)
+    untouched = sorted(set(range(N)) - {s for s in mapped if s >= 0})
+    assert torch.equal(case.pool[untouched], before[untouched])
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+@pytest.mark.parametrize("entry", ["unpacked", "packed"])
+@pytest.mark.parametrize("layout", ["transposed", "every_other"])
+def test_strided_beta_and_gate_views_match_the_oracle(layout, entry, make_case):
+    """Layouts kda-core already accepts: beta / raw_beta with any strides (a transposed buffer, every other head of a
+    wider row), next to row-padded raw_gate and mixed_qkv rows (vLLM's raw_g [1, B, H, K] with a free token stride)."""
+    from kda_core.oracle import unpack_packed
+
+    B, H = 9, 12
+    case = make_case(B, H, row_pad=24, seed=98)
+    if layout == "transposed":
+        raw_beta = case.raw_beta.t().contiguous().t()
+        assert raw_beta.stride() == (1, B)
+    else:
+        buffer = torch.zeros(B, 2 * H + 1, dtype=case.raw_beta.dtype, device="cuda")
+        buffer[:, 0 : 2 * H : 2] = case.raw_beta
+        raw_beta = buffer[:, 0 : 2 * H : 2]
+        assert raw_beta.stride() == (2 * H + 1, 2)
+    case.raw_beta = raw_beta
+    case.q, case.k, case.v, case.g, case.beta = unpack_packed(case.mixed_qkv, case.raw_gate, raw_beta, H)
+    ref_out, ref_pool = case.oracle()
+    out = _decode_packed(case) if entry == "packed" else _decode(case)
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
 # Wrapper-checked rules: after a good call has described its facts, kda-core's re-validation reads only what the
 # compiled TVM-FFI wrapper cannot check and the wrapper checks the rest before launch. One broken argument of each
 # kind the wrapper owns must still get the full validator's KDAError naming it, with nothing written.

@@ -557,3 +557,35 @@ def test_debug_validate_lets_rows_share_slot_0_only_where_it_is_null(entries_on_
     case.slots = torch.tensor([0, 3, 3, 0], dtype=torch.int32)
     with pytest.raises(KDAError, match="^slot_indices: expected distinct active slots"):
         run(case, null_policy=NullSlotPolicy.NONPOSITIVE)
+
+
+# Layouts kda-core's validators still reject: int64 slot indices are a variant of their own.
+
+
+def test_variant_key_separates_the_index_dtype():
+    assert _field(_key(), "index_dtype") is torch.int32
+    assert _key(index_dtype=torch.int64) != _key()
+    with pytest.raises(KDAError, match="^slot_indices: expected dtype int32 or int64"):
+        _key(index_dtype=torch.int16)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_int64_slot_indices_compile_the_int64_variant(host_path, make_case, packed):
+    import dataclasses
+
+    from kda_core.validation import validate_decode_t1
+    from kda_cute import decode_t1
+
+    case = make_case(3, 12, device="cpu")
+    call = validate_decode_t1(case.q, case.k, case.v, case.g, case.beta, case.pool, case.slots, device_kind="any",
+                              **case.kwargs())
+    for slots in (case.slots, case.slots.long()):
+        described = dataclasses.replace(call)  # as kda-core will: int32 and int64 calls are distinct descriptions
+        if packed:
+            decode_t1._run_packed(described, case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, slots,
+                                  case.A_log, case.dt_bias, True, None)
+        else:
+            decode_t1._run(described, case.q, case.k, case.v, case.g, case.beta, case.pool, slots, case.A_log,
+                           case.dt_bias, True, None)
+    assert [_field(fn.key, "index_dtype") for fn in host_path] == [torch.int32, torch.int64]
+    assert host_path[1].calls[0][6 if packed else 8].dtype is torch.int64  # handed over as it is

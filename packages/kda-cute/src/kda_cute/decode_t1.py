@@ -232,6 +232,7 @@ class KDADecodeT1:
         bulk_ring: int = 0,
         slot_major: bool = False,
         null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+        index_dtype=Int32,
     ):
         self.state_dtype = state_dtype
         self.gate = gate
@@ -247,6 +248,11 @@ class KDADecodeT1:
         self.bulk_ring = bulk_ring_for(tile_v, state_dtype.width // 8, aligned, bulk_ring)
         self.slot_major = bool(slot_major) and slot_major_compiles(tile_v, aligned)
         self.null_policy = NullSlotPolicy(null_policy)
+        self.index64 = index_dtype is Int64  # int64 slot indices: compared with N (and pool rows) in 64 bits
+
+    def idx(self, x):
+        """``x`` (a pool-row count or row number, Int32) in the slot indices' width, for comparing with them."""
+        return Int64(x) if self.index64 else x
 
     def live(self, idx, n_slots):
         """Whether pool index ``idx`` is a slot under the null policy (compile-time: one compare each side), i.e. its
@@ -273,7 +279,7 @@ class KDADecodeT1:
         mALog,  # [H] fp32, or None (precomputed gate)
         mDtBias,  # [H*K] fp32, or None
         mState: cute.Tensor,  # [N, H, V, K]
-        mSlot: cute.Tensor,  # [B] int32
+        mSlot: cute.Tensor,  # [B] int32 or int64, any stride
         mOut: cute.Tensor,  # [B, 1, H, V]
         scale: Float32,
         lower_bound: Float32,
@@ -339,7 +345,7 @@ class KDADecodeT1:
                      for i in range(SCAN_UNROLL)]
             for i in cutlass.range_constexpr(SCAN_UNROLL):
                 row = o * THREADS * SCAN_UNROLL + i * THREADS + tidx
-                hit = (row < B) & (found[i] == z)
+                hit = (row < B) & (found[i] == self.idx(z))
                 first = cutlass.min(first, cutlass.select_(hit, row, B))
                 last = cutlass.max(last, cutlass.select_(hit, row, Int32(-1)))
         first = cute.arch.warp_redux_sync(first, "min")
@@ -377,12 +383,12 @@ class KDADecodeT1:
             for o in cutlass.range((B + THREADS - 1) // THREADS):
                 row = o * THREADS + tidx
                 if (row < B) & (row != first):
-                    if mSlot[row] == z:
+                    if mSlot[row] == self.idx(z):
                         self.zero_output_row(mOut, row, h)
         if z >= n_slots:
             row = (z - n_slots) * THREADS + tidx
             found = mSlot[cutlass.min(row, B - 1)]
-            if (row < B) & self.null(found, n_slots):
+            if (row < B) & self.null(found, self.idx(n_slots)):
                 self.zero_output_row(mOut, row, h)
 
     @cute.jit
@@ -428,7 +434,7 @@ class KDADecodeT1:
         else:
             b = z
             slot = mSlot[b]
-            active = self.live(slot, n_slots)
+            active = self.live(slot, self.idx(n_slots))
         row0 = v_tile * self.tile_v
         if const_expr(self.bulk_ring):
             sRing = smem.allocate_tensor(  # [slot, row of the chunk, channel]
@@ -614,7 +620,7 @@ class KDADecodeT1Packed(KDADecodeT1):
 
 def _compile(key, arch):
     (state_dt, g_dt, beta_dt, gate, beta_is_logit, l2norm, has_dt_bias, tile_v, aligned, rows_in_flight, cache_hint,
-     bulk_ring, slot_major, packed, null_policy) = key
+     bulk_ring, slot_major, packed, null_policy, index_dtype) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     B, N, H = _launch.sym_size(), _launch.sym_size(), _launch.sym_size()
@@ -647,7 +653,7 @@ def _compile(key, arch):
         *gate_params,
         _launch.fake_tensor(cdt(state_dt), (N, H, HEAD_DIM, HEAD_DIM), (None, head_elems, HEAD_DIM, 1),
                             align_bytes=align),
-        _launch.fake_tensor(cutlass.Int32, (B,), (None,), align_bytes=1),
+        _launch.fake_tensor(cdt(index_dtype), (B,), (None,), align_bytes=1),  # slot indices, any stride
         activation(torch.bfloat16),  # output
         cutlass.Float32(1.0),
         cutlass.Float32(-1.0),
@@ -666,6 +672,7 @@ def _compile(key, arch):
         bulk_ring=bulk_ring,
         slot_major=slot_major,
         null_policy=null_policy,
+        index_dtype=cdt(index_dtype),
     )
     return cute.compile(kernel, *fake_args, options=_launch.compile_options(arch, _EXTRA_OPTIONS))
 
@@ -675,16 +682,19 @@ _EXTRA_OPTIONS = ""  # tests set "--keep-ptx --dump-dir D" through compile_varia
 
 def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk_l2norm, has_dt_bias, tile_v, aligned,
                 rows_in_flight=0, cache_hint="stream", bulk_ring=0, slot_major=False, packed=False,
-                null_policy=NullSlotPolicy.OUT_OF_RANGE):
+                null_policy=NullSlotPolicy.OUT_OF_RANGE, index_dtype=torch.int32):
     """Every code-generation parameter of one variant, in the order ``_compile`` reads them (the signature's).
 
     ``packed``: the compiled function takes the packed GEMM rows (:class:`KDADecodeT1Packed`) instead of five views.
     ``rows_in_flight``: normalised to the effective count (:func:`rows_in_flight_for`).
     ``bulk_ring``: normalised by :func:`bulk_ring_for`; a ring replaces rows in flight and the cache hint (normalised
     away). ``slot_major``: normalised to its static conditions (tile 128, aligned). ``null_policy``: which slot
-    indices are null (:class:`kda_core.contracts.NullSlotPolicy`, docs/design.md §4).
+    indices are null (:class:`kda_core.contracts.NullSlotPolicy`, docs/design.md §4). ``index_dtype``: the slot
+    indices' dtype, torch.int32 or torch.int64 (read as they are and compared in their width).
     """
     null_policy = NullSlotPolicy(null_policy)  # an enum member, or its value
+    if index_dtype not in (torch.int32, torch.int64):
+        fail("slot_indices", "dtype int32 or int64", index_dtype)
     if gate == GateMode.PRECOMPUTED:
         has_dt_bias = False
     if cache_hint not in CACHE_HINTS:
@@ -696,7 +706,7 @@ def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk
     slot_major = bool(slot_major) and slot_major_compiles(tile_v, aligned)
     return (state_dtype, g_dtype, beta_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm), bool(has_dt_bias),
             int(tile_v), bool(aligned), int(rows_in_flight), str(cache_hint), int(bulk_ring), slot_major, bool(packed),
-            null_policy)
+            null_policy, index_dtype)
 
 
 def compile_variant(key, arch: str, extra_options: str = ""):
@@ -830,10 +840,11 @@ _LAUNCH_MEMO_MAX = 1024
 
 
 def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bias,
-               null_policy=NullSlotPolicy.OUT_OF_RANGE, config=None):
+               null_policy=NullSlotPolicy.OUT_OF_RANGE, config=None, index_dtype=torch.int32):
     """Schedule (``config`` fitted to the call, or the policy's) + compiled variant of one validated call; stores its
     launch memo entry under ``memo_key`` (built by the caller, ``_run`` / ``_run_packed``, from the facts listed at
-    ``_LAUNCH_MEMO``)."""
+    ``_LAUNCH_MEMO``). ``index_dtype``: the slot indices' (a fact of the description once kda-core accepts int64).
+    """
     gated = call.gate_mode is not GateMode.PRECOMPUTED
     fn = compiled = None
     if call.B > 0:  # (H, on grid y, is one of kda-core's HEAD_COUNTS: at least 8, far below the grid's limit)
@@ -850,7 +861,7 @@ def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bi
                           beta_is_logit=call.beta_is_logit, use_qk_l2norm=l2norm, has_dt_bias=gated and has_dt_bias,
                           tile_v=cfg.tile_v, aligned=call.aligned, rows_in_flight=cfg.rows_in_flight,
                           cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring, slot_major=cfg.slot_major, packed=packed,
-                          null_policy=null_policy)
+                          null_policy=null_policy, index_dtype=index_dtype)
         compiled = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(x.device))
         # The positional tvm_ffi.Function under the DSL's kwargs wrapper (same arguments, a few us less per call);
         # the compiled object rides along so that the module outlives any cache clearing.
@@ -910,7 +921,7 @@ def _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, l2nor
     key = (id(call), False, l2norm, q.get_device(), knobs.get("KDA_DECODE_TILE_V"), dt_bias is None, null_policy,
            config)  # the _LAUNCH_MEMO key, spelled out: hot path
     entry = _LAUNCH_MEMO.get(key) or _configure(key, call, False, l2norm, q, g.dtype, beta.dtype, dt_bias is not None,
-                                                null_policy, config)
+                                                null_policy, config, slot_indices.dtype)
     fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, q, A_log, dt_bias, output)
     if fn is None:  # B == 0
         return output
@@ -924,7 +935,7 @@ def _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A
     key = (id(call), True, l2norm, mixed_qkv.get_device(), knobs.get("KDA_DECODE_TILE_V"), dt_bias is None,
            null_policy, config)  # as in _run
     entry = _LAUNCH_MEMO.get(key) or _configure(key, call, True, l2norm, mixed_qkv, raw_gate.dtype, raw_beta.dtype,
-                                                dt_bias is not None, null_policy, config)
+                                                dt_bias is not None, null_policy, config, slot_indices.dtype)
     fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, mixed_qkv, A_log, dt_bias, output)
     if fn is None:  # B == 0
         return output
