@@ -391,6 +391,63 @@ class KDADecodeT1:
             if (row < B) & self.null(found, self.idx(n_slots)):
                 self.zero_output_row(mOut, row, h)
 
+    def load_token(self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, b, h, lane, row0, group, n_rows):
+        """Issue the loads of token (batch row) ``b``'s activations for head ``h`` and this lane: k, q, g channels
+        [8 lane, 8 lane + 8), v of the state rows ``row0 + group + 8 j`` (j < ``n_rows``), beta, and A_log / dt_bias
+        for the in-kernel gate; the registers are read later (:meth:`prepare_token`). Plain Python, traced inline
+        (its loops unroll at trace time like ``range_constexpr``)."""
+        k_raw = self.load_lane_vector(mK[b, 0, h, None], lane, mK.element_type)
+        q_raw = self.load_lane_vector(mQ[b, 0, h, None], lane, mQ.element_type)
+        g_raw = self.load_lane_vector(mG[b, 0, h, None], lane, mG.element_type)
+        v_raw = cute.make_rmem_tensor((n_rows,), mV.element_type)
+        for j in range(n_rows):
+            v_raw[j] = mV[b, 0, h, row0 + group + j * ROW_GROUPS]
+        beta_raw = mBeta[b, 0, h]
+        a_log = bias_raw = None
+        if const_expr(self.gate != GateMode.PRECOMPUTED):
+            a_log = mALog[h]
+            if const_expr(self.has_dt_bias):
+                bias_raw = self.load_lane_vector(cute.local_tile(mDtBias, (HEAD_DIM,), (h,)), lane, Float32)
+        return k_raw, q_raw, g_raw, v_raw, beta_raw, a_log, bias_raw
+
+    def prepare_token(self, token, scale, lower_bound):
+        """(k^, q^, decay, beta, k^.q^) of a :meth:`load_token` result: this lane's channels (docs/design.md §3
+        steps 1-5). Traced inline."""
+        k_raw, q_raw, g_raw, _, beta_raw, a_log, bias_raw = token
+        kf = self.to_f32(k_raw)
+        qf = self.to_f32(q_raw)
+        gf = self.to_f32(g_raw)
+        beta = beta_raw.to(Float32)
+        if const_expr(self.beta_is_logit):
+            beta = 1.0 / (1.0 + cute.math.exp(-beta))
+
+        decay = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        rate = Float32(0.0)
+        if const_expr(self.gate != GateMode.PRECOMPUTED):
+            rate = cute.math.exp(a_log)
+            if const_expr(self.has_dt_bias):  # added up front: all 8 adds issue before the first exp
+                for c in range(CHANNELS_PER_LANE):
+                    gf[c] = gf[c] + bias_raw[c]
+        _lane_math.gate_decay(decay, gf, gf, rate, lower_bound, self.gate, False)
+        kq = _lane_math.normalize_qk(kf, qf, scale, self.use_qk_l2norm, half_warp_sum)
+        return kf, qf, decay, beta, kq
+
+    def row_step(self, sf, decay, kf, qf, beta, v_raw):
+        """One delta-rule step of the fp32 state row ``sf`` (this lane's 8 channels), in place: S' = a S; p = S'.k^;
+        u = beta (v - p); S_new = S' + u k^. Returns (S'.q^, u): the row's output is S'.q^ + u (k^.q^)."""
+        p = Float32(0.0)
+        sq = Float32(0.0)
+        for c in range(CHANNELS_PER_LANE):
+            sf[c] = sf[c] * decay[c]
+            p = p + sf[c] * kf[c]
+            sq = sq + sf[c] * qf[c]
+        p = half_warp_sum(p)
+        sq = half_warp_sum(sq)
+        u = beta * (v_raw.to(Float32) - p)
+        for c in range(CHANNELS_PER_LANE):
+            sf[c] = sf[c] + u * kf[c]
+        return sq, u
+
     @cute.jit
     def to_f32(self, frag: cute.Tensor):
         out = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
@@ -447,17 +504,8 @@ class KDADecodeT1:
 
         # ---- issue every activation load before the slot is known: the slot -> state chain is the
         # critical path, and these loads (and the gate math below) hide under it ------------------
-        k_raw = self.load_lane_vector(mK[b, 0, h, None], lane, mK.element_type)
-        q_raw = self.load_lane_vector(mQ[b, 0, h, None], lane, mQ.element_type)
-        g_raw = self.load_lane_vector(mG[b, 0, h, None], lane, mG.element_type)
-        v_raw = cute.make_rmem_tensor((self.rows,), mV.element_type)
-        for j in cutlass.range_constexpr(self.rows):
-            v_raw[j] = mV[b, 0, h, row0 + group + j * ROW_GROUPS]
-        beta_raw = mBeta[b, 0, h]
-        if const_expr(self.gate != GateMode.PRECOMPUTED):
-            a_log = mALog[h]
-            if const_expr(self.has_dt_bias):
-                bias_raw = self.load_lane_vector(cute.local_tile(mDtBias, (HEAD_DIM,), (h,)), lane, Float32)
+        token = self.load_token(mQ, mK, mV, mG, mBeta, mALog, mDtBias, b, h, lane, row0, group, self.rows)
+        v_raw = token[3]
 
         if active:
             # ---- then the state rows: they are the whole cost of this kernel -------------------------
@@ -510,22 +558,7 @@ class KDADecodeT1:
                     cute.copy(load_atom, row_views[j], cute.logical_divide(row_regs[j], (s_vec,)))
 
             # ---- per-lane preamble: decay a[c], k^, q^ for channels [8 lane, 8 lane + 8) --------------
-            kf = self.to_f32(k_raw)
-            qf = self.to_f32(q_raw)
-            gf = self.to_f32(g_raw)
-            beta = beta_raw.to(Float32)
-            if const_expr(self.beta_is_logit):
-                beta = 1.0 / (1.0 + cute.math.exp(-beta))
-
-            decay = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
-            rate = Float32(0.0)
-            if const_expr(self.gate != GateMode.PRECOMPUTED):
-                rate = cute.math.exp(a_log)
-                if const_expr(self.has_dt_bias):  # added up front: all 8 adds issue before the first exp
-                    for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                        gf[c] = gf[c] + bias_raw[c]
-            _lane_math.gate_decay(decay, gf, gf, rate, lower_bound, self.gate, False)
-            kq = _lane_math.normalize_qk(kf, qf, scale, self.use_qk_l2norm, half_warp_sum)
+            kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound)
 
             # ---- stream the rows: S' = a S; p, S'q^; u; S_new; o -------------------------------
             s_new = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
@@ -539,17 +572,7 @@ class KDADecodeT1:
                     cute.copy(load_atom, row_views[nxt], cute.logical_divide(row_regs[nxt], (s_vec,)))
                 sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
                 sf.store(row_regs[j].load().to(Float32))
-                p = Float32(0.0)
-                sq = Float32(0.0)
-                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                    sf[c] = sf[c] * decay[c]
-                    p = p + sf[c] * kf[c]
-                    sq = sq + sf[c] * qf[c]
-                p = half_warp_sum(p)
-                sq = half_warp_sum(sq)
-                u = beta * (v_raw[j].to(Float32) - p)
-                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                    sf[c] = sf[c] + u * kf[c]
+                sq, u = self.row_step(sf, decay, kf, qf, beta, v_raw[j])
                 s_new.store(sf.load().to(sdt))
                 if const_expr(self.bulk_ring):
                     self.bulk_ring_step(j, n_chunks, s2r_atom, s_new, s_vec, smem_views, s_slots, g_chunks, full,
