@@ -79,6 +79,14 @@ def _variants():
                  dict(state_dtype=torch.float32, tile_v=128, bulk_ring=8, slot_major=True, packed=True),
                  dict(tile_v=128, slot_major=True, **nonpositive)):
         out.append({**base, **flag, "index_dtype": torch.int64})
+    # The varlen form (tokens [1, T, H, 128] + cu_seqlens): the T=1 path plus the token loop (tile 16 and the rings
+    # are in test_varlen_variant_does_not_spill).
+    for flag in (dict(tile_v=64, aligned=False),
+                 dict(state_dtype=torch.float32, tile_v=128, rows_in_flight=16, cache_hint="global", aligned=False),
+                 dict(gate=GateMode.PRECOMPUTED, g_dtype=torch.float32, beta_dtype=torch.float32, beta_is_logit=False,
+                      index_dtype=torch.int64, **nonpositive)):
+        out.append({**base, **flag, "cu_dtype": torch.int32})
+    out.append({**base, "state_dtype": torch.float32, "tile_v": 128, "bulk_ring": 8, "cu_dtype": torch.int64})
     return out
 
 
@@ -92,7 +100,8 @@ def _ident(v):
             f"{'' if v['has_dt_bias'] else '-nobias'}-g{str(v['g_dtype'])[6:]}-b{str(v['beta_dtype'])[6:]}"
             f"{'-packed' if v.get('packed') else ''}"
             f"{'-' + v['null_policy'].value if 'null_policy' in v else ''}"
-            f"{'-idx64' if v.get('index_dtype') is torch.int64 else ''}")
+            f"{'-idx64' if v.get('index_dtype') is torch.int64 else ''}"
+            f"{'-varlen-' + str(v['cu_dtype'])[6:] if v.get('cu_dtype') else ''}")
 
 
 VARIANTS = _variants()
@@ -257,6 +266,29 @@ def test_int64_slot_indices_are_compared_in_64_bits_without_spills(tile_v, bulk_
     (ptx,) = sorted(tmp_path.glob("*.ptx"))
     text = ptx.read_text()
     assert re.search(r"setp\.eq\.[bs]64" if slot_major else r"setp\.lt\.s64", text)
+    registers, spills = ptxas.registers_and_spills(ptx, arch)
+    assert spills == 0, (registers, spills)
+    report = ptxas.report(ptx, arch)
+    assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes stack frame", report)), report
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("state_dtype, tile_v, bulk_ring, aligned",
+                         [(torch.bfloat16, 16, 0, True), (torch.bfloat16, 128, 8, True), (torch.float32, 128, 8, True),
+                          (torch.float32, 128, 0, False)],
+                         ids=["bf16-tile16", "bf16-ring8", "fp32-ring8", "fp32-tile128-unaligned"])
+def test_varlen_variant_does_not_spill(state_dtype, tile_v, bulk_ring, aligned, arch, tmp_path, ptxas):
+    """The varlen kernel holds the one-token path and the token loop: no spill, no stack frame (measured 76-128
+    registers aligned, the unaligned tile-128 register path 168-243 as without the loop)."""
+    from kda_core.contracts import GateMode
+    from kda_cute import decode_t1
+
+    key = decode_t1.variant_key(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
+                                gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
+                                tile_v=tile_v, aligned=aligned, bulk_ring=bulk_ring, cu_dtype=torch.int32)
+    decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    (ptx,) = sorted(tmp_path.glob("*.ptx"))
     registers, spills = ptxas.registers_and_spills(ptx, arch)
     assert spills == 0, (registers, spills)
     report = ptxas.report(ptx, arch)

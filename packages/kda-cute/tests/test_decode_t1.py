@@ -872,3 +872,148 @@ def test_an_absent_dt_bias_is_zeros(entry, gate, make_case):
     else:
         out = _decode(case, **kw)
     _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Varlen decode on the T=1 kernel (KDADecodeT1Varlen, decode_t1._run_varlen): tokens [1, T, H, 128] + cu_seqlens
+# [S + 1], as FlashInfer and SGLang call decode. Offsets are device data, bounded in the kernel (bos = clamp(cu[n], 0,
+# T), eos = clamp(cu[n + 1], bos, T), in 64 bits); a one-token sequence takes the T=1 path, any other length the
+# token loop, exactly. kda-core does not describe this form yet: the tests launch it through _run_varlen with the
+# description of the same tokens as a dense call, its B set to the sequence count.
+def _varlen_call(case, n_seq, entry_slots):
+    import dataclasses
+
+    from kda_core.validation import validate_decode_t1
+
+    T = case.q.shape[0]
+    call = validate_decode_t1(case.q, case.k, case.v, case.g, case.beta, case.pool,
+                              torch.zeros(T, dtype=torch.int32, device="cuda"), **case.kwargs())
+    return dataclasses.replace(call, B=n_seq)
+
+
+def _tokens(x):
+    """[T, 1, ...] rows -> the varlen form's [1, T, ...] view of the same memory."""
+    return x.transpose(0, 1)
+
+
+def _run_varlen(case, slots, cu, *, output=None, **kw):
+    from kda_cute import decode_t1
+
+    call = _varlen_call(case, slots.shape[0], slots)
+    return decode_t1._run_varlen(call, _tokens(case.q), _tokens(case.k), _tokens(case.v), _tokens(case.g),
+                                 _tokens(case.beta), case.pool, slots, cu, case.A_log, case.dt_bias, True, output, **kw)
+
+
+def _varlen_reference(case, bounds, mapped):
+    """(output [1, T, H, 128], pool after) from kda-core's oracle, one sequence at a time on its clamped token range
+    [bos, eos) at its slot (``mapped``: -1 where null), later sequences overwriting earlier ones' outputs, zeros on
+    the tokens no sequence covers."""
+    from kda_core.oracle import recurrent_kda_ref
+
+    T, H = case.q.shape[0], case.q.shape[2]
+    out = torch.zeros(1, T, H, 128, dtype=torch.bfloat16, device="cuda")
+    pool = case.pool.clone()
+    for (bos, eos), slot in zip(bounds, mapped):
+        if eos <= bos:
+            continue
+        o, pool = recurrent_kda_ref(
+            *(_tokens(x)[:, bos:eos] for x in (case.q, case.k, case.v, case.g, case.beta)), A_log=case.A_log,
+            dt_bias=case.dt_bias, initial_state=pool, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=case.use_gate_in_kernel, lower_bound=case.lower_bound, beta_is_logit=case.beta_is_logit,
+            ssm_state_indices=torch.tensor([slot], device="cuda"))
+        out[:, bos:eos] = o
+    return out, pool
+
+
+def _clamped(cu, T):
+    bounds = []
+    for n in range(len(cu) - 1):
+        bos = min(max(cu[n], 0), T)
+        bounds.append((bos, min(max(cu[n + 1], bos), T)))
+    return bounds
+
+
+VARLEN_GRIDS = {"tile16": (16, 0), "tile64": (64, 0), "ring": (128, 8)}
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("grid", list(VARLEN_GRIDS))
+def test_varlen_of_one_token_sequences_is_bitwise_the_dense_call(grid, state_dtype, make_case):
+    from kda_cute.decode_t1 import DecodeT1Config
+
+    S, N, H = 37, 44, 12
+    slots, inactive = _bulk_slots(S, N, seed=110)
+    case = make_case(S, H, state_dtype=state_dtype, n_slots=N, slots=slots, row_pad=8, seed=111)
+    tile_v, ring = VARLEN_GRIDS[grid]
+    config = DecodeT1Config(tile_v, bulk_ring=ring)
+    before = case.pool.clone()
+    dense = _decode(case, output=torch.full((S, 1, H, 128), 7.0, dtype=torch.bfloat16, device="cuda"), config=config)
+    dense_pool = case.pool.clone()
+    case.pool.copy_(before)
+    cu = torch.arange(S + 1, dtype=torch.int32, device="cuda")
+    out = _run_varlen(case, case.slots, cu, output=torch.full((1, S, H, 128), 7.0, dtype=torch.bfloat16,
+                                                               device="cuda"), config=config)
+    assert torch.equal(out[0], dense[:, 0]) and torch.equal(case.pool, dense_pool)
+    assert torch.count_nonzero(out[0, inactive]) == 0
+
+
+@pytest.mark.parametrize("policy", ["out_of_range", "nonpositive"])
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("grid", list(VARLEN_GRIDS))
+def test_varlen_sequences_of_any_length_match_the_oracle(grid, state_dtype, policy, make_case):
+    """Lengths 0-5 (the token loop for all but 1), null slots of every length, two uncovered tokens before the first
+    sequence and one after the last (zero output); slots no live sequence names stay bitwise untouched."""
+    from kda_core.contracts import NullSlotPolicy
+    from kda_cute.decode_t1 import DecodeT1Config
+
+    policy = NullSlotPolicy(policy)
+    lengths = [1, 3, 0, 1, 5, 1, 2, 1, 4, 1, 1, 2]
+    slots = [7, 3, 9, 0, 12, -1, 5, 13, 2, 11, 0, 1]  # row 3 and 10 name slot 0 (distinct live slots otherwise)
+    if policy is NullSlotPolicy.OUT_OF_RANGE:
+        slots[10] = 6
+    N, H, lead, tail = 14, 12, 2, 1
+    T = lead + sum(lengths) + tail
+    cu = [lead + sum(lengths[:n]) for n in range(len(lengths) + 1)]
+    low = 1 if policy is NullSlotPolicy.NONPOSITIVE else 0
+    mapped = [s if low <= s < N else -1 for s in slots]
+    case = make_case(T, H, state_dtype=state_dtype, n_slots=N, slots=[0] * T, seed=112)
+    before = case.pool.clone()
+    ref_out, ref_pool = _varlen_reference(case, _clamped(cu, T), mapped)
+    tile_v, ring = VARLEN_GRIDS[grid]
+    out = _run_varlen(case, torch.tensor(slots, dtype=torch.int32, device="cuda"),
+                      torch.tensor(cu, dtype=torch.int32, device="cuda"),
+                      output=torch.full((1, T, H, 128), 7.0, dtype=torch.bfloat16, device="cuda"), null_policy=policy,
+                      config=DecodeT1Config(tile_v, bulk_ring=ring))
+    untouched = sorted(set(range(N)) - {s for s, n in zip(mapped, lengths) if s >= 0 and n})
+    assert (0 in untouched) is (policy is NullSlotPolicy.NONPOSITIVE)
+    assert torch.equal(case.pool[untouched], before[untouched])
+    assert torch.count_nonzero(out[0, :lead]) == 0 and torch.count_nonzero(out[0, T - tail:]) == 0
+    _assert_matches_oracle(case, out, case.pool, ref_out, ref_pool)
+
+
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64], ids=["cu32", "cu64"])
+@pytest.mark.parametrize("grid", ["tile16", "ring"])
+def test_varlen_malformed_offsets_are_clamped_and_every_state_stays_exact(grid, cu_dtype, make_case):
+    """Negative offsets, offsets past T (past 2^31 in int64: clamped, not truncated), a decreasing pair: every
+    sequence's state is the recurrence over its clamped token range; outputs stay in bounds (not compared)."""
+    from kda_cute.decode_t1 import DecodeT1Config
+
+    N, H, T = 12, 12, 10
+    big = 2**40 if cu_dtype is torch.int64 else 2**31 - 1
+    cu = [-5, 1, 3, 2, 4, 6, big, -(2**31)]  # [0,1) [1,3) [3,3) [2,4) [4,6) [6,10) [10,10)
+    slots = [4, 8, 1, 10, 2, 6, 0]
+    case = make_case(T, H, n_slots=N, slots=[0] * T, seed=113)
+    before = case.pool.clone()
+    _, ref_pool = _varlen_reference(case, _clamped(cu, T), slots)
+    tile_v, ring = VARLEN_GRIDS[grid]
+    out = torch.full((1, T + 4, H, 128), 7.0, dtype=torch.bfloat16, device="cuda")  # 4 guard tokens past T
+    _run_varlen(case, torch.tensor(slots, dtype=torch.int32, device="cuda"), torch.tensor(cu, dtype=cu_dtype,
+                device="cuda"), output=out[:, :T], config=DecodeT1Config(tile_v, bulk_ring=ring))
+    torch.cuda.synchronize()
+    assert torch.all(out[:, T:] == 7.0)
+    touched = {s for s, (bos, eos) in zip(slots, _clamped(cu, T)) if eos > bos}
+    assert touched == {4, 8, 10, 2, 6}
+    untouched = sorted(set(range(N)) - touched)
+    assert torch.equal(case.pool[untouched], before[untouched])
+    s_tol = dict(atol=2e-3, rtol=1.6e-2)
+    torch.testing.assert_close(case.pool.float(), ref_pool.float(), **s_tol)

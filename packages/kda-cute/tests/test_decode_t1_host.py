@@ -589,3 +589,68 @@ def test_int64_slot_indices_compile_the_int64_variant(host_path, make_case, pack
                            case.dt_bias, True, None)
     assert [_field(fn.key, "index_dtype") for fn in host_path] == [torch.int32, torch.int64]
     assert host_path[1].calls[0][6 if packed else 8].dtype is torch.int64  # handed over as it is
+
+
+# The varlen form (tokens [1, T, H, 128] + cu_seqlens [S + 1]) through _run_varlen.
+
+
+def test_variant_key_of_the_varlen_form():
+    assert _field(_key(), "cu_dtype") is None
+    assert _key(cu_dtype=torch.int32) != _key() and _key(cu_dtype=torch.int64) != _key(cu_dtype=torch.int32)
+    assert _field(_key(cu_dtype=torch.int32, slot_major=True), "slot_major") is False  # never slot-major
+    with pytest.raises(KDAError, match="^cu_seqlens: expected the unpacked entry"):
+        _key(cu_dtype=torch.int32, packed=True)
+    with pytest.raises(KDAError, match="^cu_seqlens: expected dtype int32 or int64"):
+        _key(cu_dtype=torch.int16)
+
+
+def _varlen_call(case, n_seq, slots, cu, output=None, **kw):
+    import dataclasses
+
+    from kda_core.validation import validate_decode_t1
+    from kda_cute import decode_t1
+
+    T = case.q.shape[0]
+    call = validate_decode_t1(case.q, case.k, case.v, case.g, case.beta, case.pool,
+                              torch.zeros(T, dtype=torch.int32), device_kind="any", **case.kwargs())
+    call = dataclasses.replace(call, B=n_seq)
+    tokens = [x.transpose(0, 1) for x in (case.q, case.k, case.v, case.g, case.beta)]
+    return decode_t1._run_varlen(call, *tokens, case.pool, slots, cu, case.A_log, case.dt_bias, True, output, **kw)
+
+
+def test_varlen_path_hands_the_token_views_and_offsets_to_the_varlen_variant(host_path, make_case):
+    from kda_cute import decode_t1
+
+    case = make_case(5, 12, device="cpu")
+    slots = torch.tensor([3, 1, 4], dtype=torch.int32)
+    cu = torch.tensor([0, 1, 3, 5], dtype=torch.int64)
+    out = _varlen_call(case, 3, slots, cu, config=decode_t1.DecodeT1Config(128, bulk_ring=8, slot_major=True))
+    (fn,) = host_path
+    assert _field(fn.key, "cu_dtype") is torch.int64 and _field(fn.key, "slot_major") is False
+    assert _field(fn.key, "bulk_ring") == 8
+    (args,) = fn.calls
+    assert args[0].shape == (1, 5, 12, 128) and args[0].data_ptr() == case.q.data_ptr()
+    assert args[8] is slots and args[9] is cu and args[10] is out and out.shape == (1, 5, 12, 128)
+
+
+def test_varlen_path_checks_the_offsets_length_and_launches_nothing_without_sequences_or_tokens(host_path, make_case):
+    case = make_case(4, 12, device="cpu")
+    with pytest.raises(KDAError, match=r"^cu_seqlens: expected shape \[3\]"):
+        _varlen_call(case, 2, torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32))
+    out = _varlen_call(case, 0, torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+    assert out.shape == (1, 4, 12, 128) and host_path == []  # no sequence
+    empty = make_case(1, 12, device="cpu")
+    for name in ("q", "k", "v", "g", "beta"):
+        setattr(empty, name, getattr(empty, name)[:0])
+    out = _varlen_call(empty, 2, torch.tensor([1, 2], dtype=torch.int32), torch.zeros(3, dtype=torch.int32))
+    assert out.shape == (1, 0, 12, 128)
+    assert all(fn.calls == [] for fn in host_path)  # configured, never launched: no token
+
+
+def test_varlen_refuses_more_sequences_than_grid_z_before_compiling(host_path):
+    from kda_cute import decode_t1
+
+    with pytest.raises(KDAError, match="^cu_seqlens: expected at most 65535 sequences"):
+        decode_t1._configure(("varlen-big",), _big_call(decode_t1.GRID_Z_MAX + 1, 4), False, True, torch.empty(1),
+                             torch.bfloat16, torch.bfloat16, True, cu_dtype=torch.int32)
+    assert host_path == []

@@ -23,7 +23,8 @@ default, ld.cg / st.wb where the schedule says so (the fp32 large-batch row, mea
 
 Variants (compile-time): pool dtype x gate mode x beta logit x l2norm x dt_bias present x g/beta dtypes x
 tile_v x alignment x rows in flight x cache hint x bulk ring (1-D bulk copies through a shared-memory ring, aligned
-tiles 32-128; the schedule's large rows) x slot-major grid x packed entry. Batch, pool rows and the head count are
+tiles 32-128; the schedule's large rows) x slot-major grid x null-slot policy x index dtype x entry (batch rows, the
+packed GEMM rows, or the varlen form's tokens + cu_seqlens). Batch, pool rows and the head count are
 runtime values (the head count only enters the grid and the index math), so one compiled function serves every B
 and every H.
 
@@ -55,7 +56,7 @@ from kda_core.validation import (
 from . import _lane_math, _launch
 
 __all__ = ["DecodeT1Config", "select_config", "effective_config", "kda_decode_t1", "kda_decode_t1_packed",
-           "KDADecodeT1", "KDADecodeT1Packed"]
+           "KDADecodeT1", "KDADecodeT1Packed", "KDADecodeT1Varlen"]
 
 THREADS = 128  # 8 half-warps of 16 lanes
 HALF_WARP = 16
@@ -233,6 +234,7 @@ class KDADecodeT1:
         slot_major: bool = False,
         null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
         index_dtype=Int32,
+        varlen: bool = False,
     ):
         self.state_dtype = state_dtype
         self.gate = gate
@@ -249,6 +251,10 @@ class KDADecodeT1:
         self.slot_major = bool(slot_major) and slot_major_compiles(tile_v, aligned)
         self.null_policy = NullSlotPolicy(null_policy)
         self.index64 = index_dtype is Int64  # int64 slot indices: compared with N (and pool rows) in 64 bits
+        # Varlen: tokens [1, T, H, K] + cu_seqlens [S + 1], one CTA row per sequence; never slot-major.
+        self.varlen = bool(varlen)
+        if self.varlen:
+            self.slot_major = False
 
     def idx(self, x):
         """``x`` (a pool-row count or row number, Int32) in the slot indices' width, for comparing with them."""
@@ -285,6 +291,13 @@ class KDADecodeT1:
         lower_bound: Float32,
         stream,
     ):
+        self.launch(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mSlot, None, mOut, scale, lower_bound, stream)
+
+    @cute.jit
+    def launch(self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mSlot, mCu, mOut, scale: Float32,
+               lower_bound: Float32, stream):
+        """The launch of both entries: q, k, v, g, output [rows, 1, H, 128] and beta [rows, 1, H], one row per batch
+        row (or, varlen, per token: ``mCu`` [S + 1] then gives each of the S sequences its tokens)."""
         B = cute.size(mQ, mode=[0])
         H = cute.size(mQ, mode=[2])
         occupancy = {}
@@ -294,8 +307,11 @@ class KDADecodeT1:
             occupancy = dict(preferred_smem_carveout=100)
         # Slot-major: one CTA per pool row and head, then ceil(B / 128) per head that answer for the batch rows whose
         # slot is outside [0, N) (zero output); else one per batch row and head.
+        # Varlen: one per sequence and head.
         rows = cute.size(mState, mode=[0]) + (B + THREADS - 1) // THREADS if const_expr(self.slot_major) else B
-        self.kernel(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mSlot, mOut, scale, lower_bound).launch(
+        if const_expr(self.varlen):
+            rows = cute.size(mSlot, mode=[0])
+        self.kernel(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mSlot, mCu, mOut, scale, lower_bound).launch(
             grid=[HEAD_DIM // self.tile_v, H, rows], block=[THREADS, 1, 1], stream=stream, **occupancy
         )
 
@@ -466,6 +482,7 @@ class KDADecodeT1:
         mDtBias,
         mState: cute.Tensor,
         mSlot: cute.Tensor,
+        mCu,  # [S + 1] int32 / int64 sequence offsets (varlen), or None
         mOut: cute.Tensor,
         scale: Float32,
         lower_bound: Float32,
@@ -488,6 +505,20 @@ class KDADecodeT1:
             active = (first < B) & self.live(z, n_slots)
             b = cutlass.min(first, B - 1)  # a CTA without a row loads row B - 1's activations and ignores them
             slot = z
+        elif const_expr(self.varlen):
+            # Sequence z owns tokens [bos, bos + seq_len): the offsets clamped to [0, T] and the end to >= the start,
+            # in 64 bits before narrowing (docs/design.md §4, as the generic kernel). The fast path is a sequence of
+            # one token (T=1 decode); any other length runs the token loop, and a null one zeroes its outputs.
+            T = cute.size(mQ, mode=[0])
+            t_total64 = Int64(T)
+            bos64 = cutlass.min(cutlass.max(Int64(mCu[z]), Int64(0)), t_total64)
+            eos64 = cutlass.min(cutlass.max(Int64(mCu[z + 1]), bos64), t_total64)
+            bos = Int32(bos64)
+            seq_len = Int32(eos64 - bos64)
+            b = cutlass.min(bos, T - 1)  # the token whose activations are loaded early (T >= 1: the host checks)
+            slot = mSlot[z]
+            live = self.live(slot, self.idx(n_slots))
+            active = live & (seq_len == 1)
         else:
             b = z
             slot = mSlot[b]
@@ -585,12 +616,63 @@ class KDADecodeT1:
                 if tidx == 0:
                     cute.arch.cp_async_bulk_wait_group(0)  # every bulk store is complete before the CTA exits
         else:
-            if const_expr(not self.slot_major):  # slot-major: answer_other_rows gives the zero outputs
+            if const_expr(self.varlen):
+                if live & (seq_len > 1):
+                    self.token_loop(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mOut, slot, h, bos, seq_len, row0,
+                                    group, lane, scale, lower_bound)
+                else:  # a null sequence (any length) or an empty one
+                    self.zero_tokens(mOut, bos, bos + seq_len, h, row0, group, lane)
+            elif const_expr(not self.slot_major):  # slot-major: answer_other_rows gives the zero outputs
                 if lane == 0:
                     for j in cutlass.range_constexpr(self.rows):
                         mOut[b, 0, h, row0 + group + j * ROW_GROUPS] = Float32(0.0).to(mOut.element_type)
         if const_expr(self.slot_major):
             self.answer_other_rows(mSlot, mOut, z, h, n_slots, first, last, tidx)
+        if const_expr(self.varlen):
+            # Tokens before the first sequence's clamped start and from the last one's clamped end get a zero output
+            # (as the oracle); both ranges lie in [0, T).
+            if z == 0:
+                self.zero_tokens(mOut, Int32(0), bos, h, row0, group, lane)
+            if z == cute.size(mCu, mode=[0]) - 2:
+                self.zero_tokens(mOut, bos + seq_len, T, h, row0, group, lane)
+
+    @cute.jit
+    def zero_tokens(self, mOut: cute.Tensor, t0, t1, h, row0, group, lane):
+        """Output <- 0 on this thread's rows of head ``h`` for tokens [t0, t1)."""
+        if lane == 0:
+            for t in cutlass.range(t0, t1, unroll=1):
+                for j in cutlass.range_constexpr(self.rows):
+                    mOut[t, 0, h, row0 + group + j * ROW_GROUPS] = Float32(0.0).to(mOut.element_type)
+
+    @cute.jit
+    def token_loop(self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState: cute.Tensor, mOut: cute.Tensor, slot, h, bos,
+                   seq_len, row0, group, lane, scale: Float32, lower_bound: Float32):
+        """Varlen, a sequence of ``seq_len`` != 1 tokens from ``bos`` at a live slot: each of this thread's rows is
+        read once, run through the tokens in fp32 registers and stored once (rounded once, as the oracle). Every
+        token's preamble is recomputed for each row: the exact fallback of the T=1 kernel, not a fast path (the
+        generic kernel is the one for multi-token sequences)."""
+        sdt = self.state_dtype
+        s_bits = self._copy_bits(sdt, CHANNELS_PER_LANE)
+        s_vec = s_bits // sdt.width
+        load_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), sdt, num_bits_per_copy=s_bits, **self.load_hints)
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), sdt, num_bits_per_copy=s_bits, **self.store_hints)
+        gState = mState[Int64(slot), h, None, None]  # [V, K]
+        for j in cutlass.range_constexpr(self.rows):
+            row = row0 + group + j * ROW_GROUPS
+            view = cute.logical_divide(cute.local_tile(gState[row, None], (CHANNELS_PER_LANE,), (lane,)), (s_vec,))
+            raw = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
+            cute.copy(load_atom, view, cute.logical_divide(raw, (s_vec,)))
+            sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+            sf.store(raw.load().to(Float32))
+            for t in cutlass.range(bos, bos + seq_len, unroll=1):
+                token = self.load_token(mQ, mK, mV, mG, mBeta, mALog, mDtBias, t, h, lane, row0 + j * ROW_GROUPS,
+                                        group, 1)
+                kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound)
+                sq, u = self.row_step(sf, decay, kf, qf, beta, token[3][0])
+                if lane == 0:
+                    mOut[t, 0, h, row] = (sq + u * kq).to(mOut.element_type)
+            raw.store(sf.load().to(sdt))
+            cute.copy(store_atom, cute.logical_divide(raw, (s_vec,)), view)
 
 
 class KDADecodeT1Packed(KDADecodeT1):
@@ -632,8 +714,44 @@ class KDADecodeT1Packed(KDADecodeT1):
                                                                                             HEAD_DIM, 1)))
         mBeta = cute.make_tensor(mRawBeta.iterator, cute.make_layout((B, 1, H), stride=(mRawBeta.stride[0], 0,
                                                                                         mRawBeta.stride[1])))
-        KDADecodeT1.__call__(self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mSlot, mOut, scale, lower_bound,
-                             stream)
+        self.launch(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mSlot, None, mOut, scale, lower_bound, stream)
+
+
+class KDADecodeT1Varlen(KDADecodeT1):
+    """The varlen entry's host wrapper: tokens [1, T, H, 128] + cu_seqlens [S + 1] (FLA's packed-sequence form, as
+    FlashInfer and SGLang call decode), the same kernel with one CTA row per sequence. The traced host code views the
+    tokens as [T, 1, H, 128] rows (the token stride as the row stride) so the kernel indexes a token as it does a
+    batch row."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [1, T, H, K]
+        mK: cute.Tensor,  # [1, T, H, K]
+        mV: cute.Tensor,  # [1, T, H, V]
+        mG: cute.Tensor,  # [1, T, H, K]
+        mBeta: cute.Tensor,  # [1, T, H]
+        mALog,  # [H] fp32, or None (precomputed gate)
+        mDtBias,  # [H*K] fp32, or None
+        mState: cute.Tensor,  # [N, H, V, K]
+        mSlot: cute.Tensor,  # [S] int32 or int64, any stride
+        mCu: cute.Tensor,  # [S + 1] int32 or int64
+        mOut: cute.Tensor,  # [1, T, H, V]
+        scale: Float32,
+        lower_bound: Float32,
+        stream,
+    ):
+        T = cute.size(mQ, mode=[1])
+        H = cute.size(mQ, mode=[2])
+
+        def rows(t):  # [1, T, H, D] -> [T, 1, H, D]; the single row's stride is never stepped over
+            return cute.make_tensor(t.iterator, cute.make_layout((T, 1, H, HEAD_DIM), stride=(t.stride[1], 0,
+                                                                                           t.stride[2], 1)))
+
+        mBetaRows = cute.make_tensor(mBeta.iterator, cute.make_layout((T, 1, H), stride=(mBeta.stride[1], 0,
+                                                                                        mBeta.stride[2])))
+        self.launch(rows(mQ), rows(mK), rows(mV), rows(mG), mBetaRows, mALog, mDtBias, mState, mSlot, mCu, rows(mOut),
+                    scale, lower_bound, stream)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -643,13 +761,18 @@ class KDADecodeT1Packed(KDADecodeT1):
 
 def _compile(key, arch):
     (state_dt, g_dt, beta_dt, gate, beta_is_logit, l2norm, has_dt_bias, tile_v, aligned, rows_in_flight, cache_hint,
-     bulk_ring, slot_major, packed, null_policy, index_dtype) = key
+     bulk_ring, slot_major, packed, null_policy, index_dtype, cu_dtype) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     B, N, H = _launch.sym_size(), _launch.sym_size(), _launch.sym_size()
     head_elems = HEAD_DIM * HEAD_DIM
+    varlen = cu_dtype is not None
+    if varlen and packed:
+        raise ValueError("decode_t1: the varlen form has no packed entry")
 
     def activation(dtype):
+        if varlen:  # [1, T, H, D]: B symbolic tokens
+            return _launch.fake_tensor(cdt(dtype), (1, B, H, HEAD_DIM), (None, None, None, 1), align_bytes=align)
         return _launch.fake_tensor(cdt(dtype), (B, 1, H, HEAD_DIM), (None, None, None, 1), align_bytes=align)
 
     if packed:  # GEMM rows [B, width] with a padded row stride; the widths are checked by kda-core
@@ -664,7 +787,7 @@ def _compile(key, arch):
             activation(torch.bfloat16),  # k
             activation(torch.bfloat16),  # v
             activation(g_dt),  # g
-            _launch.fake_tensor(cdt(beta_dt), (B, 1, H), (None, None, None), align_bytes=1),
+            _launch.fake_tensor(cdt(beta_dt), (1, B, H) if varlen else (B, 1, H), (None, None, None), align_bytes=1),
         ]
     gate_params = [None, None]
     if gate != GateMode.PRECOMPUTED:
@@ -676,13 +799,15 @@ def _compile(key, arch):
         *gate_params,
         _launch.fake_tensor(cdt(state_dt), (N, H, HEAD_DIM, HEAD_DIM), (None, head_elems, HEAD_DIM, 1),
                             align_bytes=align),
-        _launch.fake_tensor(cdt(index_dtype), (B,), (None,), align_bytes=1),  # slot indices, any stride
+        # slot indices, any stride; varlen: one per sequence, then the S + 1 offsets
+        _launch.fake_tensor(cdt(index_dtype), (_launch.sym_size() if varlen else B,), (None,), align_bytes=1),
+        *([_launch.fake_tensor(cdt(cu_dtype), (_launch.sym_size(),), (None,), align_bytes=1)] if varlen else []),
         activation(torch.bfloat16),  # output
         cutlass.Float32(1.0),
         cutlass.Float32(-1.0),
         _launch.fake_stream(),
     ]
-    kernel = (KDADecodeT1Packed if packed else KDADecodeT1)(
+    kernel = (KDADecodeT1Varlen if varlen else KDADecodeT1Packed if packed else KDADecodeT1)(
         state_dtype=cdt(state_dt),
         gate=gate,
         beta_is_logit=beta_is_logit,
@@ -696,6 +821,7 @@ def _compile(key, arch):
         slot_major=slot_major,
         null_policy=null_policy,
         index_dtype=cdt(index_dtype),
+        varlen=varlen,
     )
     return cute.compile(kernel, *fake_args, options=_launch.compile_options(arch, _EXTRA_OPTIONS))
 
@@ -705,7 +831,7 @@ _EXTRA_OPTIONS = ""  # tests set "--keep-ptx --dump-dir D" through compile_varia
 
 def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk_l2norm, has_dt_bias, tile_v, aligned,
                 rows_in_flight=0, cache_hint="stream", bulk_ring=0, slot_major=False, packed=False,
-                null_policy=NullSlotPolicy.OUT_OF_RANGE, index_dtype=torch.int32):
+                null_policy=NullSlotPolicy.OUT_OF_RANGE, index_dtype=torch.int32, cu_dtype=None):
     """Every code-generation parameter of one variant, in the order ``_compile`` reads them (the signature's).
 
     ``packed``: the compiled function takes the packed GEMM rows (:class:`KDADecodeT1Packed`) instead of five views.
@@ -713,11 +839,19 @@ def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk
     ``bulk_ring``: normalised by :func:`bulk_ring_for`; a ring replaces rows in flight and the cache hint (normalised
     away). ``slot_major``: normalised to its static conditions (tile 128, aligned). ``null_policy``: which slot
     indices are null (:class:`kda_core.contracts.NullSlotPolicy`, docs/design.md §4). ``index_dtype``: the slot
-    indices' dtype, torch.int32 or torch.int64 (read as they are and compared in their width).
+    indices' dtype, torch.int32 or torch.int64 (read as they are and compared in their width). ``cu_dtype``: None,
+    or the varlen form's cu_seqlens dtype (torch.int32 / torch.int64; :class:`KDADecodeT1Varlen`, never slot-major,
+    not packed).
     """
     null_policy = NullSlotPolicy(null_policy)  # an enum member, or its value
     if index_dtype not in (torch.int32, torch.int64):
         fail("slot_indices", "dtype int32 or int64", index_dtype)
+    if cu_dtype is not None:
+        if cu_dtype not in (torch.int32, torch.int64):
+            fail("cu_seqlens", "dtype int32 or int64", cu_dtype)
+        if packed:
+            fail("cu_seqlens", "the unpacked entry (the varlen form has no packed one)", "packed=True")
+        slot_major = False
     if gate == GateMode.PRECOMPUTED:
         has_dt_bias = False
     if cache_hint not in CACHE_HINTS:
@@ -729,7 +863,7 @@ def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk
     slot_major = bool(slot_major) and slot_major_compiles(tile_v, aligned)
     return (state_dtype, g_dtype, beta_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm), bool(has_dt_bias),
             int(tile_v), bool(aligned), int(rows_in_flight), str(cache_hint), int(bulk_ring), slot_major, bool(packed),
-            null_policy, index_dtype)
+            null_policy, index_dtype, cu_dtype)
 
 
 def compile_variant(key, arch: str, extra_options: str = ""):
@@ -863,18 +997,22 @@ _LAUNCH_MEMO_MAX = 1024
 
 
 def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bias,
-               null_policy=NullSlotPolicy.OUT_OF_RANGE, config=None, index_dtype=torch.int32):
+               null_policy=NullSlotPolicy.OUT_OF_RANGE, config=None, index_dtype=torch.int32, cu_dtype=None):
     """Schedule (``config`` fitted to the call, or the policy's) + compiled variant of one validated call; stores its
     launch memo entry under ``memo_key`` (built by the caller, ``_run`` / ``_run_packed``, from the facts listed at
     ``_LAUNCH_MEMO``). ``index_dtype``: the slot indices' (a fact of the description once kda-core accepts int64).
+    ``cu_dtype``: the varlen form's offsets (:func:`_run_varlen`; ``call.B`` is then the number of sequences).
     """
     gated = call.gate_mode is not GateMode.PRECOMPUTED
     fn = compiled = None
     if call.B > 0:  # (H, on grid y, is one of kda-core's HEAD_COUNTS: at least 8, far below the grid's limit)
         if not isinstance(null_policy, NullSlotPolicy):
             fail("null_policy", "a NullSlotPolicy", repr(null_policy))
-        if config is None:
-            cfg = select_config(call.B, call.H, call.state_dtype, call.aligned, call.N)
+        varlen = cu_dtype is not None
+        if varlen and call.B > GRID_Z_MAX:  # one CTA row per sequence on gridDim.z, not split (the edge zeros)
+            fail("cu_seqlens", f"at most {GRID_Z_MAX} sequences per call (grid z limit)", call.B)
+        if config is None:  # (varlen: pool rows not given, so the policy never picks the slot-major grid)
+            cfg = select_config(call.B, call.H, call.state_dtype, call.aligned, None if varlen else call.N)
         elif isinstance(config, DecodeT1Config):
             cfg = effective_config(config, call.B, call.state_dtype, call.aligned, call.N)
         else:
@@ -884,13 +1022,13 @@ def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bi
                           beta_is_logit=call.beta_is_logit, use_qk_l2norm=l2norm, has_dt_bias=gated and has_dt_bias,
                           tile_v=cfg.tile_v, aligned=call.aligned, rows_in_flight=cfg.rows_in_flight,
                           cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring, slot_major=cfg.slot_major, packed=packed,
-                          null_policy=null_policy, index_dtype=index_dtype)
+                          null_policy=null_policy, index_dtype=index_dtype, cu_dtype=cu_dtype)
         compiled = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(x.device))
         # The positional tvm_ffi.Function under the DSL's kwargs wrapper (same arguments, a few us less per call);
         # the compiled object rides along so that the module outlives any cache clearing.
         raw = getattr(compiled, "__tvm_ffi_object__", None)
         fn = (raw() if raw is not None else None) or compiled
-        if not cfg.slot_major and call.B > GRID_Z_MAX:
+        if not cfg.slot_major and not varlen and call.B > GRID_Z_MAX:
             fn = _batch_split(fn, call.B, _PACKED_BATCH_ARGS if packed else _BATCH_ARGS)
     lower_bound = call.lower_bound
     entry = (call, fn, call.scale, -1.0 if lower_bound is None else float(lower_bound), gated, call.B, call.H,
@@ -963,4 +1101,34 @@ def _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A
     if fn is None:  # B == 0
         return output
     fn(mixed_qkv, raw_gate, raw_beta, A_log, dt_bias, state_pool, slot_indices, output, scale, lower_bound)
+    return output
+
+
+def _run_varlen(call, q, k, v, g, beta, state_pool, slot_indices, cu_seqlens, A_log, dt_bias, l2norm, output,
+                null_policy=NullSlotPolicy.OUT_OF_RANGE, config=None):
+    """Launch a validated varlen decode call (:class:`KDADecodeT1Varlen`): q, k, v, g [1, T, H, 128], beta [1, T, H],
+    slot_indices [S], cu_seqlens [S + 1] int32 / int64, output [1, T, H, 128] (allocated when None). Returns output.
+
+    ``call`` describes the S sequences as kda-core's description of a T=1 call does its B rows (B = S; dtypes, gate,
+    scale, pool rows, the alignment class of every pointer and token stride); kda-core does not describe this form
+    yet. The offsets are device data, read and bounded in the kernel (docs/design.md §4): sequence n owns tokens
+    [clamp(cu[n], 0, T), clamp(cu[n + 1], that, T)); tokens before the first and from the end of the last get zero
+    output. A one-token sequence takes the T=1 path; any other length the kernel's token loop (exact; for serving
+    calls that are decode by construction); an empty one leaves its slot untouched; a null slot zeroes its tokens.
+    ``config`` (the slot-major grid never runs here) and ``null_policy`` as :func:`kda_decode_t1`'s.
+    """
+    S = slot_indices.shape[0]
+    if cu_seqlens.shape[0] != S + 1:  # the kernel reads offsets 0..S
+        fail("cu_seqlens", f"shape [{S + 1}] (one more than slot_indices)", tuple(cu_seqlens.shape))
+    T = q.shape[1]
+    if output is None:
+        output = torch.empty((1, T, call.H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
+    key = ("varlen", id(call), l2norm, q.get_device(), knobs.get("KDA_DECODE_TILE_V"), dt_bias is None, null_policy,
+           config)  # as in _run, marked
+    entry = _LAUNCH_MEMO.get(key) or _configure(key, call, False, l2norm, q, g.dtype, beta.dtype, dt_bias is not None,
+                                                null_policy, config, slot_indices.dtype, cu_seqlens.dtype)
+    fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, q, A_log, dt_bias, output)
+    if fn is None or T == 0:  # no sequence, or no token (every sequence empty: nothing to read or write)
+        return output
+    fn(q, k, v, g, beta, A_log, dt_bias, state_pool, slot_indices, cu_seqlens, output, scale, lower_bound)
     return output
