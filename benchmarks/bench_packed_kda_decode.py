@@ -12,15 +12,18 @@ benchmarks/baselines/<gpu>/packed_kda_decode.{json,png}; about a minute on an H2
 
     python benchmarks/bench_packed_kda_decode.py                                  # the baseline
     python benchmarks/bench_packed_kda_decode.py --batch-size 512 --state-dtype bf16 --tile-v 64 128 \
-        --stage regs smem --no-fla --out /tmp/t1_tiles.json                       # a schedule sweep
+        --bulk-ring 0 8 --no-fla --out /tmp/t1_tiles.json                         # a schedule sweep
 
-Each of ``--tile-v``, ``--stage``, ``--rows-in-flight``, ``--cache-hint``, ``--bulk-ring``, ``--slot-major`` and
-``--slot-order`` takes several values: their product is swept at every batch size (FLA and the copy are timed once
-per batch size). A variant that fails the oracle check is recorded with ``check_failed`` and not timed.
+Each of ``--tile-v``, ``--rows-in-flight``, ``--cache-hint``, ``--bulk-ring``, ``--slot-major`` and ``--slot-order``
+takes several values: their product is swept at every batch size (FLA and the copy are timed once per batch size).
+A sweep point is a ``DecodeT1Config``: the schedule's choice (``select_config``) with the given fields replaced,
+passed as ``config=`` and fitted to the call by ``effective_config`` (what ran is recorded). A variant that fails the
+oracle check is recorded with ``check_failed`` and not timed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import sys
@@ -47,9 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--iterations", type=int, default=100)
     p.add_argument("--state-dtype", choices=sorted(DTYPES), nargs="+", default=["bf16", "fp32"])
     p.add_argument("--tile-v", type=int, nargs="+", default=[0],
-                   help="KDA_DECODE_TILE_V values to run (0 = the schedule policy); several make a sweep")
-    p.add_argument("--stage", choices=["auto", "regs", "smem"], nargs="+", default=["auto"],
-                   help="state staging (auto = the schedule policy); several make a sweep")
+                   help="state rows per CTA (0 = the schedule's); several make a sweep")
     p.add_argument("--rows-in-flight", type=int, nargs="+", default=[-1],
                    help="state rows each thread keeps in flight (-1 = the schedule's, 0 = the 32-register default); "
                         "several make a sweep")
@@ -59,8 +60,8 @@ def parse_args(argv=None):
                    help="bulk-ring depth in 8-row chunks (-1 = the schedule's, 0 = off, 2-16; only aligned variants of "
                         "tiles 32-128 have one, elsewhere it reads as 0); several make a sweep")
     p.add_argument("--slot-major", choices=["auto", "on", "off"], nargs="+", default=["auto"],
-                   help="slot-major grid (auto = the schedule's; on only takes where slot_major_for allows); several "
-                        "make a sweep")
+                   help="slot-major grid (auto = the schedule's, off with --bulk-ring 0; on only takes where "
+                        "slot_major_for allows); several make a sweep")
     p.add_argument("--cold-l2", action="store_true", help="flush the L2 (256 MiB write) before every iteration")
     p.add_argument("--slot-order", choices=["perm", "sorted"], nargs="+", default=["perm"],
                    help="slot indices: a random permutation of the pool rows (the default) or the same rows in "
@@ -91,12 +92,35 @@ def make_inputs(B, H, state_dtype, seed=0, slot_order="perm", pool_factor=1):
                 dt_bias=dt_bias)
 
 
-def ours_fn(x, H, out):
+def sweep_config(B, H, state_dtype, N, tile_v, rows_in_flight, cache_hint, bulk_ring, slot_major):
+    """The DecodeT1Config of one sweep point: the schedule's choice with the forced fields replaced (0 / -1 / auto
+    keep the schedule's; the schedule takes the slot-major grid only with the ring, so --bulk-ring 0 turns an auto
+    slot-major off)."""
+    from kda_cute import decode_t1
+
+    forced = {}
+    if tile_v:
+        forced["tile_v"] = tile_v
+    if rows_in_flight >= 0:
+        forced["rows_in_flight"] = rows_in_flight
+    if cache_hint != "auto":
+        forced["cache_hint"] = cache_hint
+    if bulk_ring >= 0:
+        forced["bulk_ring"] = bulk_ring
+    if slot_major != "auto":
+        forced["slot_major"] = slot_major == "on"
+    elif bulk_ring == 0:
+        forced["slot_major"] = False
+    return dataclasses.replace(decode_t1.select_config(B, H, state_dtype, True, N), **forced)
+
+
+def ours_fn(x, H, out, config=None):
     from kda_cute import kda_decode_t1_packed
 
     def call():
         kda_decode_t1_packed(x["mixed"], x["raw_gate"], x["raw_beta"], x["pool"], x["slots"], num_heads=H,
-                             A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=LOWER_BOUND, output=out)
+                             A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=LOWER_BOUND, output=out,
+                             config=config)
 
     return call
 
@@ -119,7 +143,7 @@ def fla_fn(x, H, pool):
     return call, out
 
 
-def check_correctness(x, H, B, with_fla):
+def check_correctness(x, H, B, with_fla, config=None):
     """Ours vs the oracle (and FLA vs ours) on copies of the pool; raises on mismatch."""
     from kda_core.oracle import recurrent_kda_ref, unpack_packed
 
@@ -131,7 +155,7 @@ def check_correctness(x, H, B, with_fla):
                                           ssm_state_indices=x["slots"].long())
     saved = x["pool"].clone()
     out = torch.empty(B, 1, H, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    ours_fn(x, H, out)()
+    ours_fn(x, H, out, config)()
     s_err = (x["pool"].float() - ref_pool.float()).abs().max().item()
     o_err = (out.float() - ref_out.float()).abs().max().item()
     o_scale = ref_out.float().abs().max().item()
@@ -171,8 +195,7 @@ def main(argv=None):
     flush = _timing.L2Flusher() if args.cold_l2 else None
     records = []
     H = args.heads
-    sweep = list(itertools.product(args.tile_v, args.stage, args.rows_in_flight, args.cache_hint, args.bulk_ring,
-                                   args.slot_major))
+    sweep = list(itertools.product(args.tile_v, args.rows_in_flight, args.cache_hint, args.bulk_ring, args.slot_major))
     total = len(args.batch_size) * len(args.slot_order) * len(args.state_dtype) * len(sweep)
     from kda_cute import decode_t1
     done = 0
@@ -187,22 +210,18 @@ def main(argv=None):
                 fla_call, _ = fla_fn(x, H, fla_pool)
             baselines = {}
             for point in sweep:
-                tile_v, stage, rows_in_flight, cache_hint, bulk_ring, slot_major = point
-                os.environ["KDA_DECODE_TILE_V"] = str(tile_v)
-                decode_t1._FORCE_SMEM_STAGE = {"auto": None, "regs": False, "smem": True}[stage]
-                decode_t1._FORCE_ROWS_IN_FLIGHT = None if rows_in_flight < 0 else rows_in_flight
-                decode_t1._FORCE_CACHE_HINT = None if cache_hint == "auto" else cache_hint
-                decode_t1._FORCE_BULK_RING = None if bulk_ring < 0 else bulk_ring
-                decode_t1._FORCE_SLOT_MAJOR = {"auto": None, "on": True, "off": False}[slot_major]
-                cfg = decode_t1.select_config(B, H, DTYPES[dtype_name], True, x["pool"].shape[0])
+                tile_v, rows_in_flight, cache_hint, bulk_ring, slot_major = point
+                N = x["pool"].shape[0]
+                config = sweep_config(B, H, DTYPES[dtype_name], N, *point)
+                cfg = decode_t1.effective_config(config, B, DTYPES[dtype_name], True, N)  # what runs
                 try:
-                    s_err, o_err, fla_err = check_correctness(x, H, B, with_fla)
+                    s_err, o_err, fla_err = check_correctness(x, H, B, with_fla, config)
                 except SystemExit as err:  # a variant that fails the check is reported, not timed; the sweep goes on
                     print(f"{dtype_name} B={B} {cfg}: {err}", flush=True)
                     records.append(dict(B=B, heads=H, state_dtype=dtype_name, config=str(cfg), check_failed=str(err)))
                     continue
                 out = torch.empty(B, 1, H, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-                ours_call = ours_fn(x, H, out)
+                ours_call = ours_fn(x, H, out, config)
                 calls = {"ours": ours_call}
                 if not baselines:  # FLA and the copy once per batch size, in the same process as ours
                     calls["copy"] = copy_call
@@ -218,8 +237,7 @@ def main(argv=None):
                 baselines.update({name: t for name, t in times.items() if name != "ours"})
                 times.update(baselines)
                 rec = dict(B=B, heads=H, state_dtype=dtype_name, mode=args.mode, slot_order=slot_order,
-                           pool_factor=args.pool_factor, tile_v=cfg.tile_v,
-                           smem_stage=cfg.smem_stage, tile_v_forced=tile_v, stage_forced=stage,
+                           pool_factor=args.pool_factor, tile_v=cfg.tile_v, tile_v_forced=tile_v,
                            rows_in_flight=decode_t1.rows_in_flight_for(cfg.tile_v, DTYPES[dtype_name].itemsize,
                                                                        cfg.rows_in_flight),
                            cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring, bulk_ring_forced=bulk_ring,
@@ -244,8 +262,7 @@ def main(argv=None):
                 done += 1
                 fla_txt = f"fla {rec['fla_us']:8.2f} us ({rec['ours_over_fla']:.2f}x)  " if rec["fla_us"] else ""
                 eager = f"  eager {rec['ours_eager_call_us']:.1f} us" if "ours_eager_call_us" in rec else ""
-                tile_txt = (f"{cfg.tile_v:3d}{'s' if cfg.smem_stage else 'r'}"
-                            f"{'' if cfg.smem_stage else rec['rows_in_flight']} {cfg.cache_hint:6s}"
+                tile_txt = (f"{cfg.tile_v:3d}r{rec['rows_in_flight']} {cfg.cache_hint:6s}"
                             f"{f' bulk{cfg.bulk_ring}' if cfg.bulk_ring else ''}"
                             f"{' slotmajor' if cfg.slot_major else ''}")
                 _baseline.progress(done, total, f"{dtype_name} B={B:5d} {slot_order:6s} tile={tile_txt}  "
@@ -254,9 +271,6 @@ def main(argv=None):
                                    f"{fla_txt}copy {rec['copy_us']:8.2f} us{eager}")
             del x
             torch.cuda.empty_cache()
-    os.environ.pop("KDA_DECODE_TILE_V", None)
-    decode_t1._FORCE_SMEM_STAGE = decode_t1._FORCE_ROWS_IN_FLIGHT = decode_t1._FORCE_CACHE_HINT = None
-    decode_t1._FORCE_BULK_RING = decode_t1._FORCE_SLOT_MAJOR = None
     if args.json:
         run.save(records)
         timed = [r for r in records if "ours_us" in r]

@@ -21,8 +21,15 @@ ARCHS = ("sm_90a", "sm_100a")
 TILES = (8, 16, 32, 64, 128)
 
 
+def _field(key, name):
+    """The ``name`` entry of a variant key (the key's order is variant_key's signature)."""
+    from kda_cute import decode_t1
+
+    return key[decode_t1.variant_key.__code__.co_varnames.index(name)]
+
+
 def _variants():
-    from kda_core.contracts import GateMode
+    from kda_core.contracts import GateMode, NullSlotPolicy
 
     base = dict(state_dtype=torch.bfloat16, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
                 gate=GateMode.LOWER_BOUND, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True, tile_v=32,
@@ -31,8 +38,6 @@ def _variants():
     for sd, gate, tile, aligned in itertools.product((torch.bfloat16, torch.float32), tuple(GateMode), TILES,
                                                       (True, False)):
         out.append({**base, "state_dtype": sd, "gate": gate, "tile_v": tile, "aligned": aligned})
-    for sd, tile in itertools.product((torch.bfloat16, torch.float32), TILES):
-        out.append({**base, "state_dtype": sd, "tile_v": tile, "smem_stage": True})
     # Tuning variants: every row of the tile in flight, and the non-streaming cache operators.
     for sd, tile, rif, hint in itertools.product((torch.bfloat16, torch.float32), (64, 128), (16,),
                                                  ("stream", "global")):
@@ -41,11 +46,11 @@ def _variants():
                  dict(g_dtype=torch.float32, gate=GateMode.PRECOMPUTED), dict(beta_dtype=torch.float32)):
         out.append({**base, **flag})
     # The packed entry's host wrapper (views built in the traced host code) around the same kernel: every gate and
-    # pool dtype in both alignment classes, the fp32 precomputed gate and beta, the staged and all-rows tiles.
+    # pool dtype in both alignment classes, the fp32 precomputed gate and beta, the all-rows tile.
     for sd, gate, aligned in itertools.product((torch.bfloat16, torch.float32), tuple(GateMode), (True, False)):
         out.append({**base, "state_dtype": sd, "gate": gate, "aligned": aligned, "packed": True})
     for flag in (dict(g_dtype=torch.float32, beta_dtype=torch.float32, gate=GateMode.PRECOMPUTED, beta_is_logit=False),
-                 dict(tile_v=32, smem_stage=True), dict(tile_v=128, rows_in_flight=16, cache_hint="global"),
+                 dict(tile_v=128, rows_in_flight=16, cache_hint="global"),
                  dict(tile_v=8, aligned=False)):
         out.append({**base, **flag, "packed": True})
     # Bulk ring (aligned variants), tile 128: both pool dtypes at three depths (fp32 16 is capped at 11 by shared
@@ -63,19 +68,40 @@ def _variants():
     # The smaller tiles' rings (their rows are one contiguous run too; depth capped at the tile's chunks).
     for sd, tile in itertools.product((torch.bfloat16, torch.float32), (32, 64)):
         out.append({**base, "state_dtype": sd, "tile_v": tile, "bulk_ring": 8})
+    # The NONPOSITIVE null policy (slot 0 is null) on each grid and staging: a few representatives.
+    nonpositive = {"null_policy": NullSlotPolicy.NONPOSITIVE}
+    for flag in (dict(tile_v=16), dict(tile_v=64, aligned=False), dict(tile_v=128, bulk_ring=8),
+                 dict(state_dtype=torch.float32, tile_v=128, bulk_ring=8, slot_major=True, packed=True),
+                 dict(tile_v=128, slot_major=True)):
+        out.append({**base, **flag, **nonpositive})
+    # int64 slot indices (read as they are, compared in 64 bits): each grid and staging, both entries.
+    for flag in (dict(tile_v=16), dict(tile_v=32, aligned=False, packed=True), dict(tile_v=128, bulk_ring=8),
+                 dict(state_dtype=torch.float32, tile_v=128, bulk_ring=8, slot_major=True, packed=True),
+                 dict(tile_v=128, slot_major=True, **nonpositive)):
+        out.append({**base, **flag, "index_dtype": torch.int64})
+    # The varlen form (tokens [1, T, H, 128] + cu_seqlens): the T=1 path plus the token loop (tile 16 and the rings
+    # are in test_varlen_variant_does_not_spill).
+    for flag in (dict(tile_v=64, aligned=False),
+                 dict(state_dtype=torch.float32, tile_v=128, rows_in_flight=16, cache_hint="global", aligned=False),
+                 dict(gate=GateMode.PRECOMPUTED, g_dtype=torch.float32, beta_dtype=torch.float32, beta_is_logit=False,
+                      index_dtype=torch.int64, **nonpositive)):
+        out.append({**base, **flag, "cu_dtype": torch.int32})
+    out.append({**base, "state_dtype": torch.float32, "tile_v": 128, "bulk_ring": 8, "cu_dtype": torch.int64})
     return out
 
 
 def _ident(v):
     return (f"{str(v['state_dtype'])[6:]}-{v['gate'].value}-tv{v['tile_v']}-{'al' if v['aligned'] else 'unal'}"
-            f"{'-smem' if v.get('smem_stage') else ''}"
             f"{'-rif%d' % v['rows_in_flight'] if v.get('rows_in_flight') else ''}"
             f"{'-' + v['cache_hint'] if v.get('cache_hint', 'stream') != 'stream' else ''}"
             f"{'-bulk%d' % v['bulk_ring'] if v.get('bulk_ring') else ''}"
             f"{'-slotmajor' if v.get('slot_major') else ''}"
             f"{'' if v['beta_is_logit'] else '-sigbeta'}{'' if v['use_qk_l2norm'] else '-nonorm'}"
             f"{'' if v['has_dt_bias'] else '-nobias'}-g{str(v['g_dtype'])[6:]}-b{str(v['beta_dtype'])[6:]}"
-            f"{'-packed' if v.get('packed') else ''}")
+            f"{'-packed' if v.get('packed') else ''}"
+            f"{'-' + v['null_policy'].value if 'null_policy' in v else ''}"
+            f"{'-idx64' if v.get('index_dtype') is torch.int64 else ''}"
+            f"{'-varlen-' + str(v['cu_dtype'])[6:] if v.get('cu_dtype') else ''}")
 
 
 VARIANTS = _variants()
@@ -94,20 +120,17 @@ def test_decode_t1_variant_compiles(variant, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("tile_v", TILES)
-@pytest.mark.parametrize("aligned, smem_stage, rows_in_flight, packed",
-                         [(True, False, 0, False), (False, False, 0, False), (True, True, 0, False),
-                          (True, False, 16, False), (True, False, 0, True), (False, False, 0, True)],
-                         ids=["aligned", "unaligned", "smem", "allrows", "packed", "packed-unaligned"])
-def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, smem_stage, rows_in_flight, packed, arch,
-                                          tmp_path, ptxas):
+@pytest.mark.parametrize("aligned, rows_in_flight, packed",
+                         [(True, 0, False), (False, 0, False), (True, 16, False), (True, 0, True), (False, 0, True)],
+                         ids=["aligned", "unaligned", "allrows", "packed", "packed-unaligned"])
+def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, rows_in_flight, packed, arch, tmp_path, ptxas):
     from kda_core.contracts import GateMode
     from kda_cute import decode_t1
 
     # The softplus gate is the longest preamble (log1p + exp per channel): the register high-water mark.
     key = decode_t1.variant_key(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
                                 gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
-                                tile_v=tile_v, aligned=aligned, smem_stage=smem_stage,
-                                rows_in_flight=rows_in_flight, packed=packed)
+                                tile_v=tile_v, aligned=aligned, rows_in_flight=rows_in_flight, packed=packed)
     decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
     ptx = sorted(tmp_path.glob("*.ptx"))
     assert ptx, "no PTX kept"
@@ -135,7 +158,7 @@ def test_bulk_ring_variant_does_not_spill(tile_v, bulk_ring, packed, state_dtype
     key = decode_t1.variant_key(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
                                 gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
                                 tile_v=tile_v, aligned=True, bulk_ring=bulk_ring, packed=packed)
-    assert key[-3] == decode_t1.bulk_ring_for(tile_v, state_dtype.itemsize, True, bulk_ring) > 0
+    assert _field(key, "bulk_ring") == decode_t1.bulk_ring_for(tile_v, state_dtype.itemsize, True, bulk_ring) > 0
     decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
     ptx = sorted(tmp_path.glob("*.ptx"))
     assert ptx, "no PTX kept"
@@ -164,8 +187,8 @@ def test_slot_major_variant_does_not_spill(bulk_ring, packed, state_dtype, arch,
                   beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True, tile_v=128, aligned=True,
                   bulk_ring=bulk_ring, packed=packed)
     key = decode_t1.variant_key(**kwargs, slot_major=True)
-    assert key[-2] is True
-    assert decode_t1.variant_key(**kwargs)[-2] is False
+    assert _field(key, "slot_major") is True
+    assert _field(decode_t1.variant_key(**kwargs), "slot_major") is False
     decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
     ptx = sorted(tmp_path.glob("*.ptx"))
     assert ptx, "no PTX kept"
@@ -184,6 +207,89 @@ def test_slot_major_normalised_to_its_static_conditions():
 
     base = dict(state_dtype=torch.bfloat16, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
                 gate=GateMode.LOWER_BOUND, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True, slot_major=True)
-    assert decode_t1.variant_key(**base, tile_v=128, aligned=True)[-2] is True
-    assert decode_t1.variant_key(**base, tile_v=64, aligned=True)[-2] is False
-    assert decode_t1.variant_key(**base, tile_v=128, aligned=False)[-2] is False
+    assert _field(decode_t1.variant_key(**base, tile_v=128, aligned=True), "slot_major") is True
+    assert _field(decode_t1.variant_key(**base, tile_v=64, aligned=True), "slot_major") is False
+    assert _field(decode_t1.variant_key(**base, tile_v=128, aligned=False), "slot_major") is False
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("tile_v, bulk_ring, slot_major", [(16, 0, False), (128, 8, True)],
+                         ids=["tile16", "slot_major_ring8"])
+def test_nonpositive_null_policy_reaches_the_kernel_without_spills(tile_v, bulk_ring, slot_major, state_dtype, arch,
+                                                                   tmp_path, ptxas):
+    """The NONPOSITIVE variant generates other code than OUT_OF_RANGE's (the slot check's low bound; on the slot-major
+    grid also the pool-row CTA's) and stays within a few instructions of it: no spill, no stack frame, at most one
+    ptxas allocation step (8 registers) more (measured: the same count, except fp32 slot-major ring on sm_90a, 72 ->
+    80, where shared memory already caps residency at 6 CTAs)."""
+    from kda_core.contracts import GateMode, NullSlotPolicy
+    from kda_cute import decode_t1
+
+    kwargs = dict(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16, gate=GateMode.SOFTPLUS,
+                  beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True, tile_v=tile_v, aligned=True,
+                  bulk_ring=bulk_ring, slot_major=slot_major)
+    found = {}
+    for policy in NullSlotPolicy:
+        out = tmp_path / policy.value
+        out.mkdir()
+        decode_t1.compile_variant(decode_t1.variant_key(**kwargs, null_policy=policy), arch,
+                                  f"--keep-ptx --dump-dir {out}")
+        (ptx,) = sorted(out.glob("*.ptx"))
+        report = ptxas.report(ptx, arch)
+        assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes stack frame", report)), report
+        body = ptx.read_text()
+        found[policy] = (ptxas.registers_and_spills(ptx, arch), body[body.index(".entry"):])
+    (regs_oor, spills_oor), text_oor = found[NullSlotPolicy.OUT_OF_RANGE]
+    (regs_np, spills_np), text_np = found[NullSlotPolicy.NONPOSITIVE]
+    assert spills_oor == spills_np == 0
+    assert text_np != text_oor
+    assert regs_np <= regs_oor + 8, (regs_np, regs_oor)
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tile_v, bulk_ring, slot_major", [(16, 0, False), (128, 8, True)],
+                         ids=["tile16", "slot_major_ring8"])
+def test_int64_slot_indices_are_compared_in_64_bits_without_spills(tile_v, bulk_ring, slot_major, arch, tmp_path,
+                                                                   ptxas):
+    """The int64 variant compares the slot with N (batch-major) or the pool row (slot-major scan) in 64 bits, so a
+    value past 2^31 is never truncated onto a live slot; no spill, no stack frame."""
+    from kda_core.contracts import GateMode
+    from kda_cute import decode_t1
+
+    key = decode_t1.variant_key(state_dtype=torch.bfloat16, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
+                                gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
+                                tile_v=tile_v, aligned=True, bulk_ring=bulk_ring, slot_major=slot_major,
+                                index_dtype=torch.int64)
+    decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    (ptx,) = sorted(tmp_path.glob("*.ptx"))
+    text = ptx.read_text()
+    assert re.search(r"setp\.eq\.[bs]64" if slot_major else r"setp\.lt\.s64", text)
+    registers, spills = ptxas.registers_and_spills(ptx, arch)
+    assert spills == 0, (registers, spills)
+    report = ptxas.report(ptx, arch)
+    assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes stack frame", report)), report
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("state_dtype, tile_v, bulk_ring, aligned",
+                         [(torch.bfloat16, 16, 0, True), (torch.bfloat16, 128, 8, True), (torch.float32, 128, 8, True),
+                          (torch.float32, 128, 0, False)],
+                         ids=["bf16-tile16", "bf16-ring8", "fp32-ring8", "fp32-tile128-unaligned"])
+def test_varlen_variant_does_not_spill(state_dtype, tile_v, bulk_ring, aligned, arch, tmp_path, ptxas):
+    """The varlen kernel holds the one-token path and the token loop: no spill, no stack frame (measured 76-128
+    registers aligned, the unaligned tile-128 register path 168-243 as without the loop)."""
+    from kda_core.contracts import GateMode
+    from kda_cute import decode_t1
+
+    key = decode_t1.variant_key(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
+                                gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
+                                tile_v=tile_v, aligned=aligned, bulk_ring=bulk_ring, cu_dtype=torch.int32)
+    decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    (ptx,) = sorted(tmp_path.glob("*.ptx"))
+    registers, spills = ptxas.registers_and_spills(ptx, arch)
+    assert spills == 0, (registers, spills)
+    report = ptxas.report(ptx, arch)
+    assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes stack frame", report)), report

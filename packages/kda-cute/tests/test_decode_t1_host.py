@@ -40,6 +40,13 @@ def test_invalid_forced_tile_raises_naming_the_knob(bad, monkeypatch):
         select_config(4, 12, torch.bfloat16, True)
 
 
+def _field(key, name):
+    """The ``name`` entry of a variant key (the key's order is variant_key's signature)."""
+    from kda_cute import decode_t1
+
+    return key[decode_t1.variant_key.__code__.co_varnames.index(name)]
+
+
 def _key(**over):
     from kda_core.contracts import GateMode
     from kda_cute import decode_t1
@@ -54,21 +61,39 @@ def test_variant_key_separates_rows_in_flight_and_cache_hint_and_normalises_the_
     assert _key(rows_in_flight=16) != _key()
     assert _key(rows_in_flight=0) == _key(rows_in_flight=8)  # 0 = 32 registers = 8 bf16 rows
     assert _key(tile_v=16, rows_in_flight=16) == _key(tile_v=16)  # capped at the thread's 2 rows
-    assert _key(tile_v=32, smem_stage=True, rows_in_flight=2) == _key(tile_v=32, smem_stage=True)
     assert _key(cache_hint="global") != _key()
     with pytest.raises(KDAError, match="^cache_hint: expected"):
         _key(cache_hint="default")
 
 
-def test_sweep_hooks_override_the_schedule(monkeypatch):
-    from kda_cute import decode_t1
+def test_a_requested_config_runs_as_asked_where_the_call_can_take_it():
+    from kda_cute.decode_t1 import DecodeT1Config, effective_config
 
-    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 0)  # the ring replaces rows in flight and hints
-    default = decode_t1.select_config(512, 12, torch.bfloat16, True)
-    monkeypatch.setattr(decode_t1, "_FORCE_ROWS_IN_FLIGHT", 16)
-    monkeypatch.setattr(decode_t1, "_FORCE_CACHE_HINT", "global")
-    forced = decode_t1.select_config(512, 12, torch.bfloat16, True)
-    assert (forced.tile_v, forced.rows_in_flight, forced.cache_hint) == (default.tile_v, 16, "global")
+    for cfg in (DecodeT1Config(128, rows_in_flight=16, cache_hint="global"), DecodeT1Config(8),
+                DecodeT1Config(64, rows_in_flight=4), DecodeT1Config(128, bulk_ring=4),
+                DecodeT1Config(128, bulk_ring=8, slot_major=True)):
+        assert effective_config(cfg, 512, torch.bfloat16, True, 512) == cfg
+
+
+@pytest.mark.parametrize("field, bad", [("tile_v", 24), ("tile_v", 256), ("rows_in_flight", -1),
+                                        ("rows_in_flight", 2.0), ("cache_hint", "default"), ("bulk_ring", 1),
+                                        ("bulk_ring", 17)])
+def test_an_illegal_config_raises_naming_its_field(field, bad):
+    from kda_cute.decode_t1 import DecodeT1Config
+
+    with pytest.raises(KDAError, match=rf"^config\.{field}: expected"):
+        DecodeT1Config(**{"tile_v": 32, field: bad})
+
+
+def test_configs_are_frozen_and_hashable():
+    import dataclasses
+
+    from kda_cute.decode_t1 import DecodeT1Config
+
+    cfg = DecodeT1Config(128, bulk_ring=8)
+    assert hash(cfg) == hash(DecodeT1Config(128, bulk_ring=8)) and cfg != DecodeT1Config(128, bulk_ring=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.tile_v = 64
 
 
 def test_bulk_ring_key_exists_only_for_aligned_tiles_of_32_to_128_and_replaces_the_other_staging():
@@ -78,7 +103,7 @@ def test_bulk_ring_key_exists_only_for_aligned_tiles_of_32_to_128_and_replaces_t
     assert _key(tile_v=32, bulk_ring=8) == _key(tile_v=32, bulk_ring=4)
     assert _key(tile_v=16, bulk_ring=4) == _key(tile_v=16)  # two chunks: nothing to refill
     assert _key(aligned=False, bulk_ring=4) == _key(aligned=False)
-    assert _key(bulk_ring=4, rows_in_flight=16, cache_hint="global", smem_stage=True) == _key(bulk_ring=4)
+    assert _key(bulk_ring=4, rows_in_flight=16, cache_hint="global") == _key(bulk_ring=4)
     fp32 = torch.float32
     assert _key(state_dtype=fp32, bulk_ring=16) == _key(state_dtype=fp32, bulk_ring=11)  # 48 KB of shared memory
     assert _key(bulk_ring=16) != _key(bulk_ring=11)  # bf16 chunks are half the size
@@ -87,27 +112,17 @@ def test_bulk_ring_key_exists_only_for_aligned_tiles_of_32_to_128_and_replaces_t
             _key(bulk_ring=bad)
 
 
-def test_bulk_ring_hook_reaches_only_the_aligned_tile_128_schedule(monkeypatch):
-    from kda_cute import decode_t1
+def test_a_requested_bulk_ring_runs_only_on_aligned_tiles_of_32_to_128_and_replaces_the_register_fields():
+    from kda_cute.decode_t1 import DecodeT1Config, effective_config, select_config
 
-    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 0)  # off where the table has it
-    cfg = decode_t1.select_config(512, 12, torch.bfloat16, True)
-    assert (cfg.tile_v, cfg.bulk_ring, cfg.rows_in_flight) == (128, 0, 0)
-    cfg = decode_t1.select_config(512, 12, torch.float32, True)  # the rest of the fp32 row: 16 rows, ld.cg
-    assert (cfg.tile_v, cfg.bulk_ring, cfg.rows_in_flight, cfg.cache_hint) == (128, 0, 16, "global")
-    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 4)
-    cfg = decode_t1.select_config(512, 12, torch.bfloat16, True)
-    assert (cfg.tile_v, cfg.bulk_ring, cfg.smem_stage, cfg.rows_in_flight) == (128, 4, False, 0)
-    cfg = decode_t1.select_config(512, 12, torch.float32, True)  # the table's 16 rows / ld.cg row, replaced
-    assert (cfg.tile_v, cfg.bulk_ring, cfg.rows_in_flight, cfg.cache_hint) == (128, 4, 0, "stream")
-    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 8)
-    assert decode_t1.select_config(1, 12, torch.bfloat16, True).bulk_ring == 0  # the schedule's tile 16
-    assert decode_t1.select_config(512, 12, torch.bfloat16, False).bulk_ring == 0  # unaligned
-    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
-    assert decode_t1.select_config(1, 12, torch.bfloat16, True).bulk_ring == 8
-    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 1)
-    with pytest.raises(KDAError, match="^bulk_ring: expected"):
-        decode_t1.select_config(1, 12, torch.bfloat16, True)
+    fp32_row = DecodeT1Config(128, rows_in_flight=16, cache_hint="global", bulk_ring=4)
+    assert effective_config(fp32_row, 512, torch.float32, True) == DecodeT1Config(128, bulk_ring=4)
+    assert effective_config(fp32_row, 512, torch.float32, False) == DecodeT1Config(128, rows_in_flight=16,
+                                                                                   cache_hint="global")
+    assert effective_config(DecodeT1Config(16, bulk_ring=8), 1, torch.bfloat16, True).bulk_ring == 0  # 2 chunks
+    assert effective_config(DecodeT1Config(64, bulk_ring=16), 1, torch.bfloat16, True).bulk_ring == 8  # its chunks
+    assert effective_config(DecodeT1Config(128, bulk_ring=16), 1, torch.float32, True).bulk_ring == 11  # 48 KB
+    assert select_config(512, 12, torch.bfloat16, False).bulk_ring == 0  # the policy's unaligned row
 
 
 def test_schedule_rows_from_the_tuning_sweep():
@@ -180,7 +195,7 @@ def test_alignment_classes_follow_pointer_and_strides():
 
 def test_variant_key_separates_the_packed_wrapper():
     assert _key(packed=True) != _key()
-    assert _key(packed=True)[-1] is True and _key()[-1] is False
+    assert _field(_key(packed=True), "packed") is True and _field(_key(), "packed") is False
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -220,16 +235,19 @@ def host_path(monkeypatch):
 
 def _packed_call(case, **over):
     """Validate the packed form of ``case`` on the CPU (the entry points insist on CUDA) and launch it."""
+    from kda_core.contracts import NullSlotPolicy
     from kda_core.validation import validate_packed_decode_t1
     from kda_cute import decode_t1
 
-    kw = {**case.kwargs(), "output": None, "use_qk_l2norm_in_kernel": True, **over}
-    l2norm, output = kw.pop("use_qk_l2norm_in_kernel"), kw.pop("output")
+    kw = {**case.kwargs(), "output": None, "use_qk_l2norm_in_kernel": True, "config": None,
+          "null_policy": NullSlotPolicy.OUT_OF_RANGE, **over}
+    l2norm, output, config = kw.pop("use_qk_l2norm_in_kernel"), kw.pop("output"), kw.pop("config")
+    null_policy = kw.pop("null_policy")
     H = case.raw_beta.shape[1]
     call = validate_packed_decode_t1(case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, case.slots, num_heads=H,
                                      output=output, device_kind="any", **kw)
     return decode_t1._run_packed(call, case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, case.slots,
-                                 kw["A_log"], kw["dt_bias"], l2norm, output)
+                                 kw["A_log"], kw["dt_bias"], l2norm, output, null_policy, config)
 
 
 def _unpacked_call(case, **over):
@@ -247,7 +265,7 @@ def test_packed_path_hands_the_gemm_rows_to_the_packed_variant(host_path, make_c
     case = make_case(3, 12, row_pad=24, device="cpu")
     out = _packed_call(case)
     (fn,) = host_path
-    assert fn.key[-1] is True  # the packed wrapper
+    assert _field(fn.key, "packed") is True  # the packed wrapper
     (args,) = fn.calls
     assert args[:3] == (case.mixed_qkv, case.raw_gate, case.raw_beta)  # no views: the tensors themselves
     assert args[3] is case.A_log and args[4] is case.dt_bias and args[5] is case.pool and args[6] is case.slots
@@ -256,10 +274,13 @@ def test_packed_path_hands_the_gemm_rows_to_the_packed_variant(host_path, make_c
 
 
 def test_unpacked_path_hands_the_five_views_to_the_unpacked_variant(host_path, make_case):
+    from kda_core.contracts import NullSlotPolicy
+
     case = make_case(3, 12, gate="softplus", device="cpu")
-    _unpacked_call(case, scale=0.25)
+    _unpacked_call(case, scale=0.25)  # _run's positional form (the facade's): the default null policy
     (fn,) = host_path
-    assert fn.key[-1] is False
+    assert _field(fn.key, "packed") is False
+    assert _field(fn.key, "null_policy") is NullSlotPolicy.OUT_OF_RANGE
     (args,) = fn.calls
     assert args[:5] == (case.q, case.k, case.v, case.g, case.beta)
     assert args[10:] == (0.25, -1.0)  # the softplus gate's unused floor
@@ -282,7 +303,7 @@ def test_repeated_calls_reuse_the_launch_and_a_new_shape_configures_again(host_p
     assert len(host_path) == 1 and len(host_path[0].calls) == 3
     _unpacked_call(case)  # the same call through the unpacked entry: another variant
     _packed_call(make_case(5, 12, device="cpu"))
-    assert [fn.key[-1] for fn in host_path] == [True, False, True]
+    assert [_field(fn.key, "packed") for fn in host_path] == [True, False, True]
 
 
 def test_a_changed_forced_tile_is_honoured_on_the_next_call(host_path, make_case, monkeypatch):
@@ -317,20 +338,22 @@ def test_an_empty_batch_launches_nothing_and_returns_an_empty_output(host_path, 
     assert host_path == []
 
 
-def test_a_changed_bulk_ring_hook_is_honoured_on_the_next_call(host_path, make_case, monkeypatch):
+def test_a_changed_config_is_honoured_on_the_next_call(host_path, make_case):
     from kda_cute import decode_t1
 
-    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
+    fields = decode_t1.variant_key.__code__.co_varnames
     case = make_case(3, 12, device="cpu")
     launched = []
-    for ring in (None, 4, 8, 4):
-        monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", ring)
-        _packed_call(case)
+    for config in (None, decode_t1.DecodeT1Config(128, bulk_ring=4), decode_t1.DecodeT1Config(128, bulk_ring=8),
+                   decode_t1.DecodeT1Config(128, bulk_ring=4), decode_t1.DecodeT1Config(64, rows_in_flight=2), None):
+        _packed_call(case, config=config)
         (fn,) = [fn for fn in host_path if fn.calls]
-        launched.append(fn.key[-3])  # the key's bulk_ring, before slot_major and packed
+        launched.append(tuple(fn.key[fields.index(name)] for name in ("tile_v", "rows_in_flight", "bulk_ring")))
         fn.calls.clear()
-    assert launched == [0, 4, 8, 4]
-    assert len(host_path) == 3  # a value seen before reuses its launch
+    assert launched == [(16, 2, 0), (128, 0, 4), (128, 0, 8), (128, 0, 4), (64, 2, 0), (16, 2, 0)]
+    assert len(host_path) == 4  # a config seen before reuses its launch
+    with pytest.raises(KDAError, match="^config: expected a DecodeT1Config"):
+        _packed_call(case, config=(128, 0))
 
 
 # The public entries on CPU tensors: the launch device floor lowered and the full validators taking any device, so
@@ -402,17 +425,19 @@ def test_slot_major_grid_is_taken_by_the_large_ring_rows_on_a_pool_of_at_most_th
     assert decode_t1.select_config(256, 12, torch.float32, True, 256).slot_major
 
 
-def test_slot_major_hook_and_its_static_conditions(monkeypatch):
-    from kda_cute import decode_t1
+def test_a_requested_slot_major_grid_runs_where_its_static_conditions_and_the_grid_allow():
+    from kda_cute.decode_t1 import GRID_Z_MAX, DecodeT1Config, effective_config
 
-    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", True)
-    assert not decode_t1.select_config(8, 12, torch.bfloat16, True, 8).slot_major  # tile 32 from the table
-    monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
-    assert decode_t1.select_config(8, 12, torch.bfloat16, True, 8).slot_major
-    assert decode_t1.select_config(8, 12, torch.bfloat16, True, 100).slot_major  # forced whatever the pool factor
-    assert not decode_t1.select_config(8, 12, torch.bfloat16, True, decode_t1.GRID_Z_MAX).slot_major  # grid limit
-    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", False)
-    assert not decode_t1.select_config(512, 12, torch.bfloat16, True, 512).slot_major
+    def slot_major(cfg, B, N, aligned=True):
+        return effective_config(cfg, B, torch.bfloat16, aligned, N).slot_major
+
+    assert not slot_major(DecodeT1Config(32, slot_major=True), 8, 8)  # tile 128 only
+    assert slot_major(DecodeT1Config(128, slot_major=True), 8, 8)  # the register path too
+    assert slot_major(DecodeT1Config(128, bulk_ring=8, slot_major=True), 8, 100)  # whatever the pool factor
+    assert not slot_major(DecodeT1Config(128, slot_major=True), 8, 8, aligned=False)
+    assert not slot_major(DecodeT1Config(128, slot_major=True), 8, None)  # pool rows unknown
+    assert not slot_major(DecodeT1Config(128, slot_major=True), 8, GRID_Z_MAX)  # N + ceil(B / 128) past the grid
+    assert not slot_major(DecodeT1Config(128, bulk_ring=8), 512, 512)  # not asked for
 
 
 # Launch geometry, absent dt_bias and the debug duplicate check.
@@ -456,7 +481,7 @@ def test_a_large_batch_on_the_slot_major_grid_is_one_launch(host_path):
     entry = decode_t1._configure(("big-slot-major",), _big_call(B, 4), False, True, torch.empty(1), torch.bfloat16,
                                  torch.bfloat16, True)
     (fn,) = host_path
-    assert fn.key[-2] is True  # slot_major: grid z = N + ceil(B / 128)
+    assert _field(fn.key, "slot_major") is True  # grid z = N + ceil(B / 128)
     assert entry[1] is fn  # the compiled function itself, no split
     decode_t1._LAUNCH_MEMO.pop(("big-slot-major",), None)
 
@@ -491,3 +516,141 @@ def test_debug_validate_rejects_duplicate_active_slots_on_the_hot_path(entries_o
     case.slots = torch.tensor([4, 1, 99], dtype=torch.int32)  # an inactive row may repeat nothing: fine
     run(case)
     assert sum(len(fn.calls) for fn in entries_on_cpu) == 2
+
+
+# Null-slot policies: a compile-time constant, in the variant key and the launch memo key.
+
+
+def test_variant_key_separates_the_null_policy():
+    from kda_core.contracts import NullSlotPolicy
+
+    assert _field(_key(), "null_policy") is NullSlotPolicy.OUT_OF_RANGE
+    assert _key(null_policy=NullSlotPolicy.NONPOSITIVE) != _key()
+    assert _key(null_policy="nonpositive") == _key(null_policy=NullSlotPolicy.NONPOSITIVE)
+    assert _key(slot_major=True, null_policy=NullSlotPolicy.NONPOSITIVE) != _key(slot_major=True)
+
+
+def test_each_null_policy_gets_its_own_variant_and_a_repeated_one_reuses_its_launch(host_path, make_case):
+    from kda_core.contracts import NullSlotPolicy
+
+    case = make_case(3, 12, device="cpu")
+    policies = [NullSlotPolicy.OUT_OF_RANGE, NullSlotPolicy.NONPOSITIVE, NullSlotPolicy.OUT_OF_RANGE,
+                NullSlotPolicy.NONPOSITIVE]
+    for policy in policies:
+        _packed_call(case, null_policy=policy)
+    assert [_field(fn.key, "null_policy") for fn in host_path] == policies[:2]
+    assert [len(fn.calls) for fn in host_path] == [2, 2]
+    with pytest.raises(KDAError, match="^null_policy: expected a NullSlotPolicy"):
+        _packed_call(case, null_policy="nonpositive")
+
+
+@pytest.mark.parametrize("entry", ["packed", "unpacked"])
+def test_debug_validate_lets_rows_share_slot_0_only_where_it_is_null(entries_on_cpu, make_case, entry, monkeypatch):
+    from kda_core.contracts import NullSlotPolicy
+
+    run = _packed_entry if entry == "packed" else _unpacked_entry
+    monkeypatch.setenv("KDA_DEBUG_VALIDATE", "1")
+    case = make_case(4, 12, slots=[0, 3, 0, 0], device="cpu")  # vLLM's padding rows name slot 0
+    run(case, null_policy=NullSlotPolicy.NONPOSITIVE)
+    with pytest.raises(KDAError, match="^slot_indices: expected distinct active slots"):
+        run(case)  # OUT_OF_RANGE: slot 0 is live, three rows race on it
+    case.slots = torch.tensor([0, 3, 3, 0], dtype=torch.int32)
+    with pytest.raises(KDAError, match="^slot_indices: expected distinct active slots"):
+        run(case, null_policy=NullSlotPolicy.NONPOSITIVE)
+
+
+# Layouts kda-core's validators still reject: int64 slot indices are a variant of their own.
+
+
+def test_variant_key_separates_the_index_dtype():
+    assert _field(_key(), "index_dtype") is torch.int32
+    assert _key(index_dtype=torch.int64) != _key()
+    with pytest.raises(KDAError, match="^slot_indices: expected dtype int32 or int64"):
+        _key(index_dtype=torch.int16)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_int64_slot_indices_compile_the_int64_variant(host_path, make_case, packed):
+    import dataclasses
+
+    from kda_core.validation import validate_decode_t1
+    from kda_cute import decode_t1
+
+    case = make_case(3, 12, device="cpu")
+    call = validate_decode_t1(case.q, case.k, case.v, case.g, case.beta, case.pool, case.slots, device_kind="any",
+                              **case.kwargs())
+    for slots in (case.slots, case.slots.long()):
+        described = dataclasses.replace(call)  # as kda-core will: int32 and int64 calls are distinct descriptions
+        if packed:
+            decode_t1._run_packed(described, case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, slots,
+                                  case.A_log, case.dt_bias, True, None)
+        else:
+            decode_t1._run(described, case.q, case.k, case.v, case.g, case.beta, case.pool, slots, case.A_log,
+                           case.dt_bias, True, None)
+    assert [_field(fn.key, "index_dtype") for fn in host_path] == [torch.int32, torch.int64]
+    assert host_path[1].calls[0][6 if packed else 8].dtype is torch.int64  # handed over as it is
+
+
+# The varlen form (tokens [1, T, H, 128] + cu_seqlens [S + 1]) through _run_varlen.
+
+
+def test_variant_key_of_the_varlen_form():
+    assert _field(_key(), "cu_dtype") is None
+    assert _key(cu_dtype=torch.int32) != _key() and _key(cu_dtype=torch.int64) != _key(cu_dtype=torch.int32)
+    assert _field(_key(cu_dtype=torch.int32, slot_major=True), "slot_major") is False  # never slot-major
+    with pytest.raises(KDAError, match="^cu_seqlens: expected the unpacked entry"):
+        _key(cu_dtype=torch.int32, packed=True)
+    with pytest.raises(KDAError, match="^cu_seqlens: expected dtype int32 or int64"):
+        _key(cu_dtype=torch.int16)
+
+
+def _varlen_call(case, n_seq, slots, cu, output=None, **kw):
+    import dataclasses
+
+    from kda_core.validation import validate_decode_t1
+    from kda_cute import decode_t1
+
+    T = case.q.shape[0]
+    call = validate_decode_t1(case.q, case.k, case.v, case.g, case.beta, case.pool,
+                              torch.zeros(T, dtype=torch.int32), device_kind="any", **case.kwargs())
+    call = dataclasses.replace(call, B=n_seq)
+    tokens = [x.transpose(0, 1) for x in (case.q, case.k, case.v, case.g, case.beta)]
+    return decode_t1._run_varlen(call, *tokens, case.pool, slots, cu, case.A_log, case.dt_bias, True, output, **kw)
+
+
+def test_varlen_path_hands_the_token_views_and_offsets_to_the_varlen_variant(host_path, make_case):
+    from kda_cute import decode_t1
+
+    case = make_case(5, 12, device="cpu")
+    slots = torch.tensor([3, 1, 4], dtype=torch.int32)
+    cu = torch.tensor([0, 1, 3, 5], dtype=torch.int64)
+    out = _varlen_call(case, 3, slots, cu, config=decode_t1.DecodeT1Config(128, bulk_ring=8, slot_major=True))
+    (fn,) = host_path
+    assert _field(fn.key, "cu_dtype") is torch.int64 and _field(fn.key, "slot_major") is False
+    assert _field(fn.key, "bulk_ring") == 8
+    (args,) = fn.calls
+    assert args[0].shape == (1, 5, 12, 128) and args[0].data_ptr() == case.q.data_ptr()
+    assert args[8] is slots and args[9] is cu and args[10] is out and out.shape == (1, 5, 12, 128)
+
+
+def test_varlen_path_checks_the_offsets_length_and_launches_nothing_without_sequences_or_tokens(host_path, make_case):
+    case = make_case(4, 12, device="cpu")
+    with pytest.raises(KDAError, match=r"^cu_seqlens: expected shape \[3\]"):
+        _varlen_call(case, 2, torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32))
+    out = _varlen_call(case, 0, torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+    assert out.shape == (1, 4, 12, 128) and host_path == []  # no sequence
+    empty = make_case(1, 12, device="cpu")
+    for name in ("q", "k", "v", "g", "beta"):
+        setattr(empty, name, getattr(empty, name)[:0])
+    out = _varlen_call(empty, 2, torch.tensor([1, 2], dtype=torch.int32), torch.zeros(3, dtype=torch.int32))
+    assert out.shape == (1, 0, 12, 128)
+    assert all(fn.calls == [] for fn in host_path)  # configured, never launched: no token
+
+
+def test_varlen_refuses_more_sequences_than_grid_z_before_compiling(host_path):
+    from kda_cute import decode_t1
+
+    with pytest.raises(KDAError, match="^cu_seqlens: expected at most 65535 sequences"):
+        decode_t1._configure(("varlen-big",), _big_call(decode_t1.GRID_Z_MAX + 1, 4), False, True, torch.empty(1),
+                             torch.bfloat16, torch.bfloat16, True, cu_dtype=torch.int32)
+    assert host_path == []

@@ -297,23 +297,23 @@ def _assert_zero(t, ctx: str, what: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # T=1 kernel
 
-# name: (KDA_DECODE_TILE_V, _FORCE_BULK_RING, _FORCE_SLOT_MAJOR); the last two are the schedule of large aligned
-# batches (bulk ring on the batch-major grid, or the slot-major grid)
-T1_GRIDS = {"batch_major": (None, None, False), "batch_major_ring": ("128", 8, False), "slot_major": ("128", 8, True)}
+# name: (tile_v, bulk_ring, slot_major) of the DecodeT1Config the entry gets (None: the schedule's, batch-major at these
+# sizes); the other two are the schedule of large aligned batches (bulk ring on the batch-major grid, or the slot-major
+# grid)
+T1_GRIDS = {"batch_major": None, "batch_major_ring": (128, 8, False), "slot_major": (128, 8, True)}
 
 
 @pytest.mark.parametrize("grid", list(T1_GRIDS))
 @pytest.mark.parametrize("state_dtype", [BF16, FP32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("entry", ["unpacked", "packed"])
-def test_decode_t1_keeps_malformed_slots_in_bounds(entry, state_dtype, grid, monkeypatch, make_case):
+def test_decode_t1_keeps_malformed_slots_in_bounds(entry, state_dtype, grid, make_case):
     from kda_core.validation import validate_decode_t1, validate_packed_decode_t1
     from kda_cute import decode_t1, kda_decode_t1, kda_decode_t1_packed
 
-    tile, ring, slot_major = T1_GRIDS[grid]
-    if tile:
-        monkeypatch.setenv("KDA_DECODE_TILE_V", tile)
-    monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", ring)
-    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", slot_major)
+    config = None if T1_GRIDS[grid] is None else decode_t1.DecodeT1Config(T1_GRIDS[grid][0],
+                                                                          bulk_ring=T1_GRIDS[grid][1],
+                                                                          slot_major=T1_GRIDS[grid][2])
+    ring, slot_major = (None, False) if config is None else (config.bulk_ring, config.slot_major)
     for i, seed in enumerate(_seeds(1000)):
         rng = random.Random(seed)
         H, B = HEADS_AND_ROWS[i % 2]
@@ -331,7 +331,8 @@ def test_decode_t1_keeps_malformed_slots_in_bounds(entry, state_dtype, grid, mon
         else:
             call = validate_decode_t1(case.q, case.k, case.v, case.g, case.beta, pool.t, idx.t, output=out.t,
                                       **case.kwargs())
-        cfg = decode_t1.select_config(B, H, state_dtype, call.aligned, N)
+        cfg = (decode_t1.select_config(B, H, state_dtype, call.aligned, N) if config is None
+               else decode_t1.effective_config(config, B, state_dtype, call.aligned, N))
         assert cfg.slot_major is slot_major and (ring is None or cfg.bulk_ring > 0), f"{ctx}: would run {cfg}"
         ref_out, ref_pool = case.oracle()
         active = [b for b, s in enumerate(slots) if _in_pool(s, N)]
@@ -340,9 +341,10 @@ def test_decode_t1_keeps_malformed_slots_in_bounds(entry, state_dtype, grid, mon
         _snapshot(pool, idx, out)
         if entry == "packed":
             kda_decode_t1_packed(case.mixed_qkv, case.raw_gate, case.raw_beta, pool.t, idx.t, num_heads=H,
-                                 output=out.t, **case.kwargs())
+                                 output=out.t, config=config, **case.kwargs())
         else:
-            kda_decode_t1(case.q, case.k, case.v, case.g, case.beta, pool.t, idx.t, output=out.t, **case.kwargs())
+            kda_decode_t1(case.q, case.k, case.v, case.g, case.beta, pool.t, idx.t, output=out.t, config=config,
+                          **case.kwargs())
         _sync(ctx)
         _assert_intact(ctx, state_pool=pool, slot_indices=idx, output=out)
         _assert_zero(out.t[[b for b in range(B) if b not in active]], ctx, "output of inactive rows")

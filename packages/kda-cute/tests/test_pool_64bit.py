@@ -173,20 +173,19 @@ def _nat_column(nat: int, t_idx: int) -> int:
 
 @pytest.mark.parametrize("grid", ["batch_major", "slot_major"])
 @pytest.mark.parametrize("state_dtype", [BF16, FP32], ids=["bf16", "fp32"])
-def test_decode_t1_updates_pool_rows_past_2_31_elements(state_dtype, grid, monkeypatch):
+def test_decode_t1_updates_pool_rows_past_2_31_elements(state_dtype, grid):
     from kda_core.oracle import recurrent_kda_ref
     from kda_cute import decode_t1, kda_decode_t1
 
     N = POOL_ROWS[state_dtype]
     _require_free(N * H * K * K * state_dtype.itemsize)
     slot_major = grid == "slot_major"
-    if slot_major:  # the large-batch schedule, forced: tile 128, bulk ring, slot-major grid
-        monkeypatch.setenv("KDA_DECODE_TILE_V", "128")
-        monkeypatch.setattr(decode_t1, "_FORCE_BULK_RING", 8)
-    monkeypatch.setattr(decode_t1, "_FORCE_SLOT_MAJOR", slot_major)
+    # the large-batch schedule, forced: tile 128, bulk ring, slot-major grid; else the schedule's batch-major one
+    config = decode_t1.DecodeT1Config(128, bulk_ring=8, slot_major=True) if slot_major else None
     slots = _pool_slots(N)
     B = len(slots)
-    assert decode_t1.select_config(B, H, state_dtype, True, N).slot_major is slot_major
+    cfg = decode_t1.select_config(B, H, state_dtype, True, N) if config is None else config
+    assert decode_t1.effective_config(cfg, B, state_dtype, True, N).slot_major is slot_major
     touched = sorted(s for s in slots if 0 <= s < N)
     pool = CanaryRows((N, H, K, K), state_dtype)
     sentinels, sentinels_before, start = _setup_rows(pool, touched, seed=11)
@@ -194,7 +193,8 @@ def test_decode_t1_updates_pool_rows_past_2_31_elements(state_dtype, grid, monke
     ref_out, ref_rows = recurrent_kda_ref(**act, initial_state=start.clone(),
                                           ssm_state_indices=_small_indices(slots, touched))
     q, k, v, g, beta = (act.pop(name) for name in ("q", "k", "v", "g", "beta"))
-    out = kda_decode_t1(q, k, v, g, beta, pool.t, torch.tensor(slots, dtype=torch.int32, device=DEV), **act)
+    out = kda_decode_t1(q, k, v, g, beta, pool.t, torch.tensor(slots, dtype=torch.int32, device=DEV), config=config,
+                        **act)
     torch.cuda.synchronize()
     _assert_rows_confined("state pool", pool, touched, sentinels, sentinels_before)
     _assert_touched_rows("state pool", pool, touched, set(touched), start, ref_rows, STATE_TOL[state_dtype])

@@ -17,15 +17,19 @@ of the tile, so at every step the CTA touches 8 consecutive rows (2 KB contiguou
 Latency decides small calls: the activation loads are issued before the slot index arrives, the state
 rows as soon as it does, and the gate/normalisation preamble runs under the rows' load latency.
 Memory-level parallelism decides large calls (a pure stream of the state): each thread issues the loads
-of ``rows_in_flight`` of its rows before it uses any (or, with ``smem_stage``, all of them by cp.async).
+of ``rows_in_flight`` of its rows before it uses any (or streams them through a shared-memory ring, ``bulk_ring``).
 The state's loads and stores carry a cache hint: streaming (.cs, the state is touched once per step) by
 default, ld.cg / st.wb where the schedule says so (the fp32 large-batch row, measured).
 
-Variants (compile-time): pool dtype x gate mode x beta logit x l2norm x dt_bias present x g/beta
-dtypes x tile_v x alignment x staging x rows in flight x cache hint x bulk ring (1-D bulk copies through a
-shared-memory ring, aligned tiles 32-128; the schedule's large rows). Batch, pool rows and the head count are
+Variants (compile-time): pool dtype x gate mode x beta logit x l2norm x dt_bias present x g/beta dtypes x
+tile_v x alignment x rows in flight x cache hint x bulk ring (1-D bulk copies through a shared-memory ring, aligned
+tiles 32-128; the schedule's large rows) x slot-major grid x null-slot policy x index dtype x entry (batch rows, the
+packed GEMM rows, or the varlen form's tokens + cu_seqlens). Batch, pool rows and the head count are
 runtime values (the head count only enters the grid and the index math), so one compiled function serves every B
 and every H.
+
+Schedule: :func:`select_config` (the measured table ``_SCHEDULE``) returns a :class:`DecodeT1Config`; the entries
+take ``config=`` to run another one (benchmarks and tests sweep that way; serving leaves it None).
 """
 
 import dataclasses
@@ -37,7 +41,7 @@ import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
 from kda_core import knobs
-from kda_core.contracts import HEAD_DIM, GateMode
+from kda_core.contracts import HEAD_DIM, GateMode, NullSlotPolicy
 from kda_core.errors import fail
 from kda_core.validation import (
     WRAPPER_REJECTED,
@@ -51,16 +55,15 @@ from kda_core.validation import (
 
 from . import _lane_math, _launch
 
-__all__ = ["DecodeT1Config", "select_config", "kda_decode_t1", "kda_decode_t1_packed", "KDADecodeT1",
-           "KDADecodeT1Packed"]
+__all__ = ["DecodeT1Config", "select_config", "effective_config", "kda_decode_t1", "kda_decode_t1_packed",
+           "KDADecodeT1", "KDADecodeT1Packed", "KDADecodeT1Varlen"]
 
 THREADS = 128  # 8 half-warps of 16 lanes
 HALF_WARP = 16
 ROW_GROUPS = THREADS // HALF_WARP  # state rows a CTA touches per step
 CHANNELS_PER_LANE = HEAD_DIM // HALF_WARP  # 8 -> one 16-byte bf16 vector
 TILE_V_CHOICES = (8, 16, 32, 64, 128)
-SMEM_STAGE_MAX_BYTES = 48 * 1024  # the default dynamic shared-memory limit per CTA
-SMEM_PER_SM_BYTES = 227 * 1024  # usable shared memory per SM on sm_90 / sm_100 (less ~1 KB reserved per CTA)
+SMEM_MAX_BYTES = 48 * 1024  # the default dynamic shared-memory limit per CTA
 ROW_REGS_IN_FLIGHT = 32  # default register budget for raw state rows in flight per thread (8 bf16 / 4 fp32 rows)
 # Cache operators of the state's loads / stores: "stream" = ld.cs / st.cs (evict-first), "global" = ld.cg (L2
 # only) / st.wb. (The plain ld.ca / st.wb measured no better than these on the H200 and was dropped.)
@@ -76,80 +79,55 @@ BULK_TILES = (32, 64, 128)  # tiles of at least 4 chunks (a ring of >= 2 with re
 class DecodeT1Config:
     """Schedule of one launch: state rows per CTA (the grid is (128 / tile_v, H, B)) and how rows are staged.
 
-    ``smem_stage``: the rows travel global -> shared memory by cp.async (16-byte, L1 bypass) and are read back by
-    the thread that copied them (no barrier), so every row of the tile is in flight without holding registers;
-    otherwise each thread keeps ``rows_in_flight`` rows in registers (0 = as many as ``ROW_REGS_IN_FLIGHT``
-    registers hold). cp.async needs the aligned variant. ``cache_hint``: one of ``CACHE_HINTS``.
+    :func:`select_config` returns one; ``kda_decode_t1(..., config=...)`` runs another (sweeps, tests). A requested
+    config is fitted to the call by :func:`effective_config` (a ring or a slot-major grid the call's layout cannot
+    take is dropped), so any legal config runs on any call.
+
+    ``rows_in_flight``: each thread keeps that many rows in registers before it uses any (0 = as many as
+    ``ROW_REGS_IN_FLIGHT`` registers hold; capped at its rows of the tile). ``cache_hint``: one of ``CACHE_HINTS``.
 
     ``bulk_ring`` (0 = off): ring depth, in chunks of ``BULK_CHUNK_ROWS`` rows, of a shared-memory ring that one thread
     fills with 1-D bulk loads (cp.async.bulk + mbarrier) and drains with bulk stores; the threads update each chunk in
     place in shared memory. Only aligned variants of tile 32-128 (see :func:`bulk_ring_for`); it replaces the other
-    staging options; the table uses it for the large rows of both pool dtypes (README, "Bulk ring").
+    staging options; the table uses it for the large rows of both pool dtypes (docs/decode_t1.md, "Bulk ring").
 
-    ``slot_major``: the grid walks the pool's rows instead of the batch's (README, "Slot-major grid"): CTA z of a head
-    streams pool row z for the batch row that names it, so the state is visited in address order whatever the order
-    of ``slot_indices``; tile 128, aligned only (see :func:`slot_major_for`).
+    ``slot_major``: the grid walks the pool's rows instead of the batch's (docs/decode_t1.md, "Slot-major grid"): CTA z
+    of a head streams pool row z for the batch row that names it, so the state is visited in address order whatever
+    the order of ``slot_indices``; tile 128, aligned only (see :func:`slot_major_for`).
     """
 
     tile_v: int
-    smem_stage: bool = False
     rows_in_flight: int = 0
     cache_hint: str = "stream"
     bulk_ring: int = 0
     slot_major: bool = False
 
+    def __post_init__(self):
+        if self.tile_v not in TILE_V_CHOICES:
+            fail("config.tile_v", f"one of {TILE_V_CHOICES}", self.tile_v)
+        if not isinstance(self.rows_in_flight, int) or self.rows_in_flight < 0:
+            fail("config.rows_in_flight", "an integer >= 0", self.rows_in_flight)
+        if self.cache_hint not in CACHE_HINTS:
+            fail("config.cache_hint", f"one of {CACHE_HINTS}", self.cache_hint)
+        if self.bulk_ring and not 2 <= self.bulk_ring <= BULK_RING_MAX:
+            fail("config.bulk_ring", f"0 or an integer in [2, {BULK_RING_MAX}]", self.bulk_ring)
 
-# Schedule table, keyed on the number of (sequence, head) states in the call, B*H, and the pool dtype.
-# Small calls are latency-bound (one CTA's slot -> state -> store chain), so they want small tiles and just
-# enough CTAs to cover the 132 SMs; large calls are bandwidth-bound and want fewer, larger CTAs (the per-CTA
-# preamble amortised). Measured on the H200, CUDA-graph replay, H=12, CUPTI kernel time, 2026-11-29
-# (benchmarks/results/t1_tile_sweep_all_{bf16,fp32}.json, t1_tile_sweep_large_bf16.json):
-# bf16 B=1 tile 16 2.37 us (32: 2.53, 64: 3.20); B=4 16: 3.20 (32: 3.30); B=16 64: 5.18 (32: 5.39, 16: 6.62);
-# B=64 128: 12.2 (64: 12.7, 32: 14.8); B=512 128: 110.2-110.9 (64: 111.6-111.9, 32: 114.5, 16: 158).
-# fp32 B=1 16: 2.46; B=64 64: 26.7; B=512 16/32/64 all 216.9. The shared-memory staging measured within
-# 1-2% of the register path at every size (better only at B=1024, 217.2 vs 220.4), so the table does not
-# use it.
-# Tuning sweep, H200, 2026-11-29, same method (benchmarks/results/t1_tune_h200.json, ci/gpu_t1_tune.sh):
-# bf16 B=2 (24 states): tile 32 2.75 us (16: 2.82, 8: 2.91; FLA 2.69); B=1 16 2.37 (8, 32: 2.56); B=4 16 3.20
-# (32: 3.26, 8: 3.84); B=8 32 3.84 (16: 4.32; FLA 3.87). B=256..1024: tile 128 with 8 rows in flight and the
-# streaming hint stays best (B=512 109.4-110.1 us = 87-88% of the copy; 16 rows in flight 110.3-111.6, ld.cg
-# 109.6, two heads per CTA 117-121). fp32 B=512: tile 128, all 16 rows in flight, ld.cg/st.wb 208.6 us = 91% of
-# the copy (tile 64 / 4 rows / streaming, the previous row: 217.1; 64 / 8 / ld.cg 210.9); B=256 and 1024 were
-# not swept in fp32, so the row starts at 3072 states (B=256 at H=12).
-# Bulk ring, H200, same method (benchmarks/results/t1_bulk_ring_{h200,depths_h200,fp32_h200,small_bf16_h200}
-# .json; us, register path of the same tile / bulk ring of depth 8, same run): bf16 B=48 10.8 / 10.3, B=64 14.7 /
-# 11.6, B=128 29.1 / 28.3, B=256 56.6 / 56.3, B=512 110.3 / 107.9, B=1024 220.6 / 211.9 (depths 4/6/12 within 2%,
-# 2 and 16 slower); below 384 states it loses (B=32 6.9 / 7.9, B=16 5.3 / 7.1). fp32 against the previous rows:
-# B=32 16.2 (tile 64) / 10.2, B=64 32.7 / 24.9, B=128 61.0 / 54.9, B=256 107.1 / 105.8, B=512 209.8 / 207.8,
-# B=1024 414.5 / 411.2; B=16 8.5 / 8.9 keeps tile 64 (the 192..384 boundary is the midpoint, not measured). The
-# ring needs the aligned variant: unaligned calls fall back to the rest of the row (bulk_ring_for).
+
+# Schedule table: per pool dtype, rows (max B*H states, config), the last unbounded. Small calls are latency-bound
+# (small tiles, just enough CTAs for 132 SMs), large ones bandwidth-bound (tile 128, the bulk ring). A ring row
+# keeps its register-path fields for the calls the ring cannot take (unaligned: see effective_config).
+# Measured: H200, 2026-11-29 to 12-01, bench_packed_kda_decode.py --tile-v/--rows-in-flight/--cache-hint/--bulk-ring
+# sweeps, H=12, CUDA graphs (the points: docs/decode_t1.md, "Schedule").
 _SCHEDULE = {
-    # pool dtype: ((max B*H, config), ...) -- the last row is unbounded
     torch.bfloat16: ((12, DecodeT1Config(16)), (24, DecodeT1Config(32)), (48, DecodeT1Config(16)),
                      (96, DecodeT1Config(32)), (384, DecodeT1Config(64)), (1 << 62, DecodeT1Config(128, bulk_ring=8))),
     torch.float32: ((48, DecodeT1Config(16)), (96, DecodeT1Config(32)), (287, DecodeT1Config(64)),
                     (1 << 62, DecodeT1Config(128, rows_in_flight=16, cache_hint="global", bulk_ring=8))),
 }
 
-# Benchmarks' sweep hooks (None = the table's choice). Not knobs: serving never sets them.
-_FORCE_SMEM_STAGE: bool | None = None
-_FORCE_ROWS_IN_FLIGHT: int | None = None
-_FORCE_CACHE_HINT: str | None = None
-_FORCE_MIN_BLOCKS: int = 0  # resident-CTA floor handed to ptxas (caps registers); the sweep clears the caches
-_FORCE_BULK_RING: int | None = None  # bulk-ring depth (0 = off); ignored (0) where bulk_ring_for says so
-_FORCE_SLOT_MAJOR: bool | None = None  # slot-major grid on / off; ignored (off) where slot_major_for says so
-
-# Slot-major grid (README, "Slot-major grid"): taken by the bulk-ring rows from SLOT_MAJOR_MIN_STATES (B*H) states on,
-# when the pool has at most SLOT_MAJOR_MAX_POOL_PER_ROW rows per batch row (every pool row gets a CTA; the rows no
-# batch row names exit after the scan). The scan costs ~1.3 us once per call (the first wave waits for it), the
-# address order gains ~1.1% of the time per state, so it pays from ~300 sequences at H=12. H200, H=12,
-# CUDA graphs, permuted slots, us batch-major / slot-major, two runs each (benchmarks/results/t1_slot_major_{h200,
-# ab_h200,band_h200}.json): dense pool bf16 B=48 10.21-10.22 / 11.55-11.58, B=64 11.58 / 12.83-12.86, B=128
-# 28.16-28.30 / 28.50-28.53, B=256 55.76-56.03 / 56.03-56.40, B=320 69.14-69.20 / 68.64-68.80, B=384 81.62-81.74 /
-# 80.51-80.75, B=448 94.78-94.90 / 92.86-92.96, B=512 107.20-107.25 / 105.79-105.90, B=1024 212.06-212.13 /
-# 206.03-206.43; fp32 B=32 10.21-10.27 / 11.26-11.27, B=64 25.15-25.28 / 24.83-25.60, B=128 54.82-55.07 /
-# 54.67-54.90, B=256 106.29-106.37 / 104.74-105.14, B=512 208.18-208.53 / 204.38-204.51. Pool of 1.25 B rows:
-# B=512 107.97 / 107.06; 1.5 B: 108.19 / 107.70; 2 B: 108.56 / 109.07 (the idle CTAs cost more than the order gains).
+# Slot-major grid, taken by the ring rows from SLOT_MAJOR_MIN_STATES (B*H) on when the pool has at most
+# SLOT_MAJOR_MAX_POOL_PER_ROW rows per batch row. Measured: H200, 2026-12-01, bench_packed_kda_decode.py --slot-major
+# off on --pool-factor 1 1.25 1.5 2, H=12, CUDA graphs, permuted slots (docs/decode_t1.md, "Slot-major grid").
 SLOT_MAJOR_MIN_STATES = {torch.bfloat16: 3840, torch.float32: 3072}
 SLOT_MAJOR_MAX_POOL_PER_ROW = 1.25
 GRID_Z_MAX = 65535  # CUDA's limit on gridDim.z
@@ -170,35 +148,35 @@ def slot_major_for(tile_v: int, aligned: bool, B: int, N: int | None, requested:
 
 
 def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool, N: int | None = None) -> DecodeT1Config:
-    """Pure schedule policy; ``KDA_DECODE_TILE_V`` (if non-zero) forces the tile. ``N``: pool rows (None: the
-    slot-major grid is not considered)."""
+    """The schedule policy: the ``_SCHEDULE`` row of B*H states, fitted to the call (:func:`effective_config`).
+
+    ``KDA_DECODE_TILE_V`` (if non-zero) forces the tile. ``N``: pool rows (None: the slot-major grid is not
+    considered)."""
     states = B * H
     cfg = next(c for limit, c in _SCHEDULE[state_dtype] if states <= limit)
-    tile_v, smem_stage = cfg.tile_v, cfg.smem_stage
     forced = knobs.get("KDA_DECODE_TILE_V")
     if forced:
         if forced not in TILE_V_CHOICES:
             fail("KDA_DECODE_TILE_V", f"one of {TILE_V_CHOICES}", forced)
-        tile_v = forced
-    if _FORCE_SMEM_STAGE is not None:
-        smem_stage = _FORCE_SMEM_STAGE
-    # cp.async needs 16-byte alignment; tiles above 48 KB of shared memory would need an opt-in carveout.
-    smem_stage = smem_stage and aligned and tile_v * HEAD_DIM * state_dtype.itemsize <= SMEM_STAGE_MAX_BYTES
-    overrides = dict(tile_v=tile_v, smem_stage=smem_stage)
-    if _FORCE_ROWS_IN_FLIGHT is not None:
-        overrides["rows_in_flight"] = _FORCE_ROWS_IN_FLIGHT
-    if _FORCE_CACHE_HINT is not None:
-        overrides["cache_hint"] = _FORCE_CACHE_HINT
-    ring = bulk_ring_for(tile_v, state_dtype.itemsize, aligned,
-                         cfg.bulk_ring if _FORCE_BULK_RING is None else _FORCE_BULK_RING)
-    if ring:  # the ring replaces the other staging options
-        overrides.update(bulk_ring=ring, smem_stage=False, rows_in_flight=0, cache_hint="stream")
-    else:
-        overrides["bulk_ring"] = 0
-    wanted = (bool(ring) and states >= SLOT_MAJOR_MIN_STATES[state_dtype] and N is not None
-              and N <= SLOT_MAJOR_MAX_POOL_PER_ROW * B) if _FORCE_SLOT_MAJOR is None else _FORCE_SLOT_MAJOR
-    overrides["slot_major"] = slot_major_for(tile_v, aligned, B, N, wanted)
-    return dataclasses.replace(cfg, **overrides)
+        cfg = dataclasses.replace(cfg, tile_v=forced)
+    ring = bulk_ring_for(cfg.tile_v, state_dtype.itemsize, aligned, cfg.bulk_ring)
+    slot_major = (bool(ring) and states >= SLOT_MAJOR_MIN_STATES[state_dtype] and N is not None
+                  and N <= SLOT_MAJOR_MAX_POOL_PER_ROW * B)
+    return effective_config(dataclasses.replace(cfg, slot_major=slot_major), B, state_dtype, aligned, N)
+
+
+def effective_config(config: DecodeT1Config, B: int, state_dtype: torch.dtype, aligned: bool,
+                     N: int | None = None) -> DecodeT1Config:
+    """What ``config`` runs as on a call of B rows, this pool dtype and alignment class and N pool rows.
+
+    The ring only where :func:`bulk_ring_for` gives one (it then replaces rows in flight and the cache hint, which
+    read as 0 and "stream"); the slot-major grid only where :func:`slot_major_for` allows it. Every other field is
+    kept as requested."""
+    ring = bulk_ring_for(config.tile_v, state_dtype.itemsize, aligned, config.bulk_ring)
+    fields = dict(bulk_ring=ring, slot_major=slot_major_for(config.tile_v, aligned, B, N, config.slot_major))
+    if ring:
+        fields.update(rows_in_flight=0, cache_hint="stream")
+    return dataclasses.replace(config, **fields)
 
 
 def bulk_ring_for(tile_v: int, state_bytes: int, aligned: bool, requested: int) -> int:
@@ -211,7 +189,7 @@ def bulk_ring_for(tile_v: int, state_bytes: int, aligned: bool, requested: int) 
     if not requested or tile_v not in BULK_TILES or not aligned or state_bytes not in (2, 4):
         return 0
     chunk_bytes = BULK_CHUNK_ROWS * HEAD_DIM * state_bytes
-    return min(requested, tile_v // BULK_CHUNK_ROWS, (SMEM_STAGE_MAX_BYTES - 1024) // chunk_bytes)
+    return min(requested, tile_v // BULK_CHUNK_ROWS, (SMEM_MAX_BYTES - 1024) // chunk_bytes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -250,11 +228,13 @@ class KDADecodeT1:
         has_dt_bias: bool,
         tile_v: int,
         aligned: bool,
-        smem_stage: bool = False,
         rows_in_flight: int = 0,
         cache_hint: str = "stream",
         bulk_ring: int = 0,
         slot_major: bool = False,
+        null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+        index_dtype=Int32,
+        varlen: bool = False,
     ):
         self.state_dtype = state_dtype
         self.gate = gate
@@ -263,15 +243,33 @@ class KDADecodeT1:
         self.has_dt_bias = has_dt_bias
         self.tile_v = tile_v
         self.aligned = aligned
-        self.smem_stage = smem_stage and aligned
         self.rows = tile_v // ROW_GROUPS
         self.rows_in_flight = rows_in_flight_for(tile_v, state_dtype.width // 8, rows_in_flight)
         self.load_hints = dict(load_cache_mode=_LOAD_MODES[cache_hint])
         self.store_hints = dict(store_cache_mode=_STORE_MODES[cache_hint])
         self.bulk_ring = bulk_ring_for(tile_v, state_dtype.width // 8, aligned, bulk_ring)
-        if self.bulk_ring:
-            self.smem_stage = False
         self.slot_major = bool(slot_major) and slot_major_compiles(tile_v, aligned)
+        self.null_policy = NullSlotPolicy(null_policy)
+        self.index64 = index_dtype is Int64  # int64 slot indices: compared with N (and pool rows) in 64 bits
+        # Varlen: tokens [1, T, H, K] + cu_seqlens [S + 1], one CTA row per sequence; never slot-major.
+        self.varlen = bool(varlen)
+        if self.varlen:
+            self.slot_major = False
+
+    def idx(self, x):
+        """``x`` (a pool-row count or row number, Int32) in the slot indices' width, for comparing with them."""
+        return Int64(x) if self.index64 else x
+
+    def live(self, idx, n_slots):
+        """Whether pool index ``idx`` is a slot under the null policy (compile-time: one compare each side), i.e. its
+        row is active. OUT_OF_RANGE: 0 <= idx < N; NONPOSITIVE: 0 < idx < N (slot 0 is never read or written)."""
+        low = idx > 0 if self.null_policy is NullSlotPolicy.NONPOSITIVE else idx >= 0
+        return low & (idx < n_slots)
+
+    def null(self, idx, n_slots):
+        """``not live(idx, n_slots)``, spelled as the two compares."""
+        low = idx <= 0 if self.null_policy is NullSlotPolicy.NONPOSITIVE else idx < 0
+        return low | (idx >= n_slots)
 
     def _copy_bits(self, dtype, n: int) -> int:
         return min(n * dtype.width, 128) if self.aligned else dtype.width
@@ -287,33 +285,33 @@ class KDADecodeT1:
         mALog,  # [H] fp32, or None (precomputed gate)
         mDtBias,  # [H*K] fp32, or None
         mState: cute.Tensor,  # [N, H, V, K]
-        mSlot: cute.Tensor,  # [B] int32
+        mSlot: cute.Tensor,  # [B] int32 or int64, any stride
         mOut: cute.Tensor,  # [B, 1, H, V]
         scale: Float32,
         lower_bound: Float32,
         stream,
     ):
+        self.launch(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mSlot, None, mOut, scale, lower_bound, stream)
+
+    @cute.jit
+    def launch(self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mSlot, mCu, mOut, scale: Float32,
+               lower_bound: Float32, stream):
+        """The launch of both entries: q, k, v, g, output [rows, 1, H, 128] and beta [rows, 1, H], one row per batch
+        row (or, varlen, per token: ``mCu`` [S + 1] then gives each of the S sequences its tokens)."""
         B = cute.size(mQ, mode=[0])
         H = cute.size(mQ, mode=[2])
         occupancy = {}
-        if const_expr(self.smem_stage):
-            # Bytes in flight = resident CTAs x tile bytes: ask for the largest shared-memory carveout and as
-            # many resident CTAs as it holds, capped where ptxas still needs no spill (80 registers per thread
-            # for 6 CTAs; the 16-row tile needs 96, 5 CTAs).
-            tile_bytes = self.tile_v * HEAD_DIM * self.state_dtype.width // 8
-            max_ctas = 6 if self.rows <= 8 else 5
-            occupancy = dict(min_blocks_per_mp=min(SMEM_PER_SM_BYTES // tile_bytes, max_ctas),
-                             preferred_smem_carveout=100)
-        elif const_expr(self.bulk_ring):
+        if const_expr(self.bulk_ring):
             # The ring is the bytes in flight: take the largest shared-memory carveout so that the resident CTAs
             # (128 threads each, few registers: no row is held in registers) are not capped by it.
-            occupancy = dict(min_blocks_per_mp=_FORCE_MIN_BLOCKS, preferred_smem_carveout=100)
-        elif const_expr(_FORCE_MIN_BLOCKS):
-            occupancy = dict(min_blocks_per_mp=_FORCE_MIN_BLOCKS, preferred_smem_carveout=-1)
+            occupancy = dict(preferred_smem_carveout=100)
         # Slot-major: one CTA per pool row and head, then ceil(B / 128) per head that answer for the batch rows whose
         # slot is outside [0, N) (zero output); else one per batch row and head.
+        # Varlen: one per sequence and head.
         rows = cute.size(mState, mode=[0]) + (B + THREADS - 1) // THREADS if const_expr(self.slot_major) else B
-        self.kernel(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mSlot, mOut, scale, lower_bound).launch(
+        if const_expr(self.varlen):
+            rows = cute.size(mSlot, mode=[0])
+        self.kernel(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mSlot, mCu, mOut, scale, lower_bound).launch(
             grid=[HEAD_DIM // self.tile_v, H, rows], block=[THREADS, 1, 1], stream=stream, **occupancy
         )
 
@@ -363,7 +361,7 @@ class KDADecodeT1:
                      for i in range(SCAN_UNROLL)]
             for i in cutlass.range_constexpr(SCAN_UNROLL):
                 row = o * THREADS * SCAN_UNROLL + i * THREADS + tidx
-                hit = (row < B) & (found[i] == z)
+                hit = (row < B) & (found[i] == self.idx(z))
                 first = cutlass.min(first, cutlass.select_(hit, row, B))
                 last = cutlass.max(last, cutlass.select_(hit, row, Int32(-1)))
         first = cute.arch.warp_redux_sync(first, "min")
@@ -394,20 +392,77 @@ class KDADecodeT1:
     def answer_other_rows(self, mSlot: cute.Tensor, mOut: cute.Tensor, z, h, n_slots, first, last, tidx):
         """Slot-major grid: the zero outputs that no pool-row CTA writes, one batch row per thread. A pool-row CTA
         whose slot several batch rows name (a caller error) streams the state for the first of them and gives the
-        others zero output; the CTAs past the pool rows give zero output to the batch rows whose slot is outside
-        [0, N), 128 rows each."""
+        others zero output; the CTAs past the pool rows give zero output to the batch rows whose slot is null (outside
+        [0, N), or [1, N) under NONPOSITIVE), 128 rows each. Under NONPOSITIVE the CTA of pool row 0 owns no row."""
         B = cute.size(mOut, mode=[0])
-        if (z < n_slots) & (last != first):
+        if self.live(z, n_slots) & (last != first):
             for o in cutlass.range((B + THREADS - 1) // THREADS):
                 row = o * THREADS + tidx
                 if (row < B) & (row != first):
-                    if mSlot[row] == z:
+                    if mSlot[row] == self.idx(z):
                         self.zero_output_row(mOut, row, h)
         if z >= n_slots:
             row = (z - n_slots) * THREADS + tidx
             found = mSlot[cutlass.min(row, B - 1)]
-            if (row < B) & ((found < 0) | (found >= n_slots)):
+            if (row < B) & self.null(found, self.idx(n_slots)):
                 self.zero_output_row(mOut, row, h)
+
+    def load_token(self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, b, h, lane, row0, group, n_rows):
+        """Issue the loads of token (batch row) ``b``'s activations for head ``h`` and this lane: k, q, g channels
+        [8 lane, 8 lane + 8), v of the state rows ``row0 + group + 8 j`` (j < ``n_rows``), beta, and A_log / dt_bias
+        for the in-kernel gate; the registers are read later (:meth:`prepare_token`). Plain Python, traced inline
+        (its loops unroll at trace time like ``range_constexpr``)."""
+        k_raw = self.load_lane_vector(mK[b, 0, h, None], lane, mK.element_type)
+        q_raw = self.load_lane_vector(mQ[b, 0, h, None], lane, mQ.element_type)
+        g_raw = self.load_lane_vector(mG[b, 0, h, None], lane, mG.element_type)
+        v_raw = cute.make_rmem_tensor((n_rows,), mV.element_type)
+        for j in range(n_rows):
+            v_raw[j] = mV[b, 0, h, row0 + group + j * ROW_GROUPS]
+        beta_raw = mBeta[b, 0, h]
+        a_log = bias_raw = None
+        if const_expr(self.gate != GateMode.PRECOMPUTED):
+            a_log = mALog[h]
+            if const_expr(self.has_dt_bias):
+                bias_raw = self.load_lane_vector(cute.local_tile(mDtBias, (HEAD_DIM,), (h,)), lane, Float32)
+        return k_raw, q_raw, g_raw, v_raw, beta_raw, a_log, bias_raw
+
+    def prepare_token(self, token, scale, lower_bound):
+        """(k^, q^, decay, beta, k^.q^) of a :meth:`load_token` result: this lane's channels (docs/design.md §3
+        steps 1-5). Traced inline."""
+        k_raw, q_raw, g_raw, _, beta_raw, a_log, bias_raw = token
+        kf = self.to_f32(k_raw)
+        qf = self.to_f32(q_raw)
+        gf = self.to_f32(g_raw)
+        beta = beta_raw.to(Float32)
+        if const_expr(self.beta_is_logit):
+            beta = 1.0 / (1.0 + cute.math.exp(-beta))
+
+        decay = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        rate = Float32(0.0)
+        if const_expr(self.gate != GateMode.PRECOMPUTED):
+            rate = cute.math.exp(a_log)
+            if const_expr(self.has_dt_bias):  # added up front: all 8 adds issue before the first exp
+                for c in range(CHANNELS_PER_LANE):
+                    gf[c] = gf[c] + bias_raw[c]
+        _lane_math.gate_decay(decay, gf, gf, rate, lower_bound, self.gate, False)
+        kq = _lane_math.normalize_qk(kf, qf, scale, self.use_qk_l2norm, half_warp_sum)
+        return kf, qf, decay, beta, kq
+
+    def row_step(self, sf, decay, kf, qf, beta, v_raw):
+        """One delta-rule step of the fp32 state row ``sf`` (this lane's 8 channels), in place: S' = a S; p = S'.k^;
+        u = beta (v - p); S_new = S' + u k^. Returns (S'.q^, u): the row's output is S'.q^ + u (k^.q^)."""
+        p = Float32(0.0)
+        sq = Float32(0.0)
+        for c in range(CHANNELS_PER_LANE):
+            sf[c] = sf[c] * decay[c]
+            p = p + sf[c] * kf[c]
+            sq = sq + sf[c] * qf[c]
+        p = half_warp_sum(p)
+        sq = half_warp_sum(sq)
+        u = beta * (v_raw.to(Float32) - p)
+        for c in range(CHANNELS_PER_LANE):
+            sf[c] = sf[c] + u * kf[c]
+        return sq, u
 
     @cute.jit
     def to_f32(self, frag: cute.Tensor):
@@ -427,6 +482,7 @@ class KDADecodeT1:
         mDtBias,
         mState: cute.Tensor,
         mSlot: cute.Tensor,
+        mCu,  # [S + 1] int32 / int64 sequence offsets (varlen), or None
         mOut: cute.Tensor,
         scale: Float32,
         lower_bound: Float32,
@@ -436,27 +492,38 @@ class KDADecodeT1:
         lane = tidx % HALF_WARP
         group = tidx // HALF_WARP
         n_slots = cute.size(mState, mode=[0])
-        if const_expr(self.smem_stage or self.bulk_ring or self.slot_major):
+        if const_expr(self.bulk_ring or self.slot_major):
             smem = cutlass.memory.SmemAllocator()
         if const_expr(self.slot_major):
-            # CTA z streams pool row z (z < N) for the first batch row naming it; the CTAs past the pool rows have no
-            # state (active is False there even if a row names slot z >= N: that row is inactive).
+            # CTA z streams pool row z (z < N; not 0 under NONPOSITIVE) for the first batch row naming it; the CTAs past
+            # the pool rows have no state (active is False there even if a row names slot z >= N: that row is
+            # inactive).
             sScan = smem.allocate_tensor(Int32, cute.make_layout((2, THREADS // 32), stride=(THREADS // 32, 1)),
                                          byte_alignment=16)
             B = cute.size(mQ, mode=[0])
             first, last = self.find_row(mSlot, z, B, tidx, sScan)
-            active = (first < B) & (z < n_slots)
+            active = (first < B) & self.live(z, n_slots)
             b = cutlass.min(first, B - 1)  # a CTA without a row loads row B - 1's activations and ignores them
             slot = z
+        elif const_expr(self.varlen):
+            # Sequence z owns tokens [bos, bos + seq_len): the offsets clamped to [0, T] and the end to >= the start,
+            # in 64 bits before narrowing (docs/design.md §4, as the generic kernel). The fast path is a sequence of
+            # one token (T=1 decode); any other length runs the token loop, and a null one zeroes its outputs.
+            T = cute.size(mQ, mode=[0])
+            t_total64 = Int64(T)
+            bos64 = cutlass.min(cutlass.max(Int64(mCu[z]), Int64(0)), t_total64)
+            eos64 = cutlass.min(cutlass.max(Int64(mCu[z + 1]), bos64), t_total64)
+            bos = Int32(bos64)
+            seq_len = Int32(eos64 - bos64)
+            b = cutlass.min(bos, T - 1)  # the token whose activations are loaded early (T >= 1: the host checks)
+            slot = mSlot[z]
+            live = self.live(slot, self.idx(n_slots))
+            active = live & (seq_len == 1)
         else:
             b = z
             slot = mSlot[b]
-            active = (slot >= 0) & (slot < n_slots)
+            active = self.live(slot, self.idx(n_slots))
         row0 = v_tile * self.tile_v
-        if const_expr(self.smem_stage):
-            sTile = smem.allocate_tensor(
-                self.state_dtype, cute.make_layout((self.tile_v, HEAD_DIM), stride=(HEAD_DIM, 1)), byte_alignment=16
-            )
         if const_expr(self.bulk_ring):
             sRing = smem.allocate_tensor(  # [slot, row of the chunk, channel]
                 self.state_dtype,
@@ -468,17 +535,8 @@ class KDADecodeT1:
 
         # ---- issue every activation load before the slot is known: the slot -> state chain is the
         # critical path, and these loads (and the gate math below) hide under it ------------------
-        k_raw = self.load_lane_vector(mK[b, 0, h, None], lane, mK.element_type)
-        q_raw = self.load_lane_vector(mQ[b, 0, h, None], lane, mQ.element_type)
-        g_raw = self.load_lane_vector(mG[b, 0, h, None], lane, mG.element_type)
-        v_raw = cute.make_rmem_tensor((self.rows,), mV.element_type)
-        for j in cutlass.range_constexpr(self.rows):
-            v_raw[j] = mV[b, 0, h, row0 + group + j * ROW_GROUPS]
-        beta_raw = mBeta[b, 0, h]
-        if const_expr(self.gate != GateMode.PRECOMPUTED):
-            a_log = mALog[h]
-            if const_expr(self.has_dt_bias):
-                bias_raw = self.load_lane_vector(cute.local_tile(mDtBias, (HEAD_DIM,), (h,)), lane, Float32)
+        token = self.load_token(mQ, mK, mV, mG, mBeta, mALog, mDtBias, b, h, lane, row0, group, self.rows)
+        v_raw = token[3]
 
         if active:
             # ---- then the state rows: they are the whole cost of this kernel -------------------------
@@ -496,20 +554,7 @@ class KDADecodeT1:
                 gRow = gState[row0 + group + j * ROW_GROUPS, None]
                 row_views.append(cute.logical_divide(cute.local_tile(gRow, (CHANNELS_PER_LANE,), (lane,)), (s_vec,)))
                 row_regs.append(cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt))
-            if const_expr(self.smem_stage):
-                g2s_atom = cute.make_copy_atom(
-                    cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), sdt,
-                    num_bits_per_copy=s_bits,
-                )
-                s2r_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sdt, num_bits_per_copy=s_bits)
-                smem_views = []
-                for j in cutlass.range_constexpr(self.rows):
-                    sRow = sTile[group + j * ROW_GROUPS, None]
-                    smem_views.append(cute.logical_divide(cute.local_tile(sRow, (CHANNELS_PER_LANE,), (lane,)),
-                                                          (s_vec,)))
-                    cute.copy(g2s_atom, row_views[j], smem_views[j])
-                cute.arch.cp_async_commit_group()
-            elif const_expr(self.bulk_ring):
+            if const_expr(self.bulk_ring):
                 # Chunk c = rows [8c, 8c + 8) of the tile, one contiguous run of the state; it lives in ring slot
                 # c % ring and is the (c // ring)-th fill of that slot's mbarrier, so every wait parity is static.
                 chunk_elems = BULK_CHUNK_ROWS * HEAD_DIM
@@ -544,32 +589,12 @@ class KDADecodeT1:
                     cute.copy(load_atom, row_views[j], cute.logical_divide(row_regs[j], (s_vec,)))
 
             # ---- per-lane preamble: decay a[c], k^, q^ for channels [8 lane, 8 lane + 8) --------------
-            kf = self.to_f32(k_raw)
-            qf = self.to_f32(q_raw)
-            gf = self.to_f32(g_raw)
-            beta = beta_raw.to(Float32)
-            if const_expr(self.beta_is_logit):
-                beta = 1.0 / (1.0 + cute.math.exp(-beta))
-
-            decay = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
-            rate = Float32(0.0)
-            if const_expr(self.gate != GateMode.PRECOMPUTED):
-                rate = cute.math.exp(a_log)
-                if const_expr(self.has_dt_bias):  # added up front: all 8 adds issue before the first exp
-                    for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                        gf[c] = gf[c] + bias_raw[c]
-            _lane_math.gate_decay(decay, gf, gf, rate, lower_bound, self.gate, False)
-            kq = _lane_math.normalize_qk(kf, qf, scale, self.use_qk_l2norm, half_warp_sum)
+            kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound)
 
             # ---- stream the rows: S' = a S; p, S'q^; u; S_new; o -------------------------------
             s_new = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
-            if const_expr(self.smem_stage):
-                # Each thread reads back only the bytes it copied: its own wait is the only sync needed.
-                cute.arch.cp_async_wait_group(0)
             for j in cutlass.range_constexpr(self.rows):
-                if const_expr(self.smem_stage):
-                    cute.copy(s2r_atom, smem_views[j], cute.logical_divide(row_regs[j], (s_vec,)))
-                elif const_expr(self.bulk_ring):
+                if const_expr(self.bulk_ring):
                     # Row j of this thread is row `group` of chunk j.
                     cute.arch.mbarrier_wait(full[j % self.bulk_ring], (j // self.bulk_ring) % 2)
                     cute.copy(s2r_atom, smem_views[j % self.bulk_ring], cute.logical_divide(row_regs[j], (s_vec,)))
@@ -578,17 +603,7 @@ class KDADecodeT1:
                     cute.copy(load_atom, row_views[nxt], cute.logical_divide(row_regs[nxt], (s_vec,)))
                 sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
                 sf.store(row_regs[j].load().to(Float32))
-                p = Float32(0.0)
-                sq = Float32(0.0)
-                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                    sf[c] = sf[c] * decay[c]
-                    p = p + sf[c] * kf[c]
-                    sq = sq + sf[c] * qf[c]
-                p = half_warp_sum(p)
-                sq = half_warp_sum(sq)
-                u = beta * (v_raw[j].to(Float32) - p)
-                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                    sf[c] = sf[c] + u * kf[c]
+                sq, u = self.row_step(sf, decay, kf, qf, beta, v_raw[j])
                 s_new.store(sf.load().to(sdt))
                 if const_expr(self.bulk_ring):
                     self.bulk_ring_step(j, n_chunks, s2r_atom, s_new, s_vec, smem_views, s_slots, g_chunks, full,
@@ -601,12 +616,63 @@ class KDADecodeT1:
                 if tidx == 0:
                     cute.arch.cp_async_bulk_wait_group(0)  # every bulk store is complete before the CTA exits
         else:
-            if const_expr(not self.slot_major):  # slot-major: answer_other_rows gives the zero outputs
+            if const_expr(self.varlen):
+                if live & (seq_len > 1):
+                    self.token_loop(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mOut, slot, h, bos, seq_len, row0,
+                                    group, lane, scale, lower_bound)
+                else:  # a null sequence (any length) or an empty one
+                    self.zero_tokens(mOut, bos, bos + seq_len, h, row0, group, lane)
+            elif const_expr(not self.slot_major):  # slot-major: answer_other_rows gives the zero outputs
                 if lane == 0:
                     for j in cutlass.range_constexpr(self.rows):
                         mOut[b, 0, h, row0 + group + j * ROW_GROUPS] = Float32(0.0).to(mOut.element_type)
         if const_expr(self.slot_major):
             self.answer_other_rows(mSlot, mOut, z, h, n_slots, first, last, tidx)
+        if const_expr(self.varlen):
+            # Tokens before the first sequence's clamped start and from the last one's clamped end get a zero output
+            # (as the oracle); both ranges lie in [0, T).
+            if z == 0:
+                self.zero_tokens(mOut, Int32(0), bos, h, row0, group, lane)
+            if z == cute.size(mCu, mode=[0]) - 2:
+                self.zero_tokens(mOut, bos + seq_len, T, h, row0, group, lane)
+
+    @cute.jit
+    def zero_tokens(self, mOut: cute.Tensor, t0, t1, h, row0, group, lane):
+        """Output <- 0 on this thread's rows of head ``h`` for tokens [t0, t1)."""
+        if lane == 0:
+            for t in cutlass.range(t0, t1, unroll=1):
+                for j in cutlass.range_constexpr(self.rows):
+                    mOut[t, 0, h, row0 + group + j * ROW_GROUPS] = Float32(0.0).to(mOut.element_type)
+
+    @cute.jit
+    def token_loop(self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState: cute.Tensor, mOut: cute.Tensor, slot, h, bos,
+                   seq_len, row0, group, lane, scale: Float32, lower_bound: Float32):
+        """Varlen, a sequence of ``seq_len`` != 1 tokens from ``bos`` at a live slot: each of this thread's rows is
+        read once, run through the tokens in fp32 registers and stored once (rounded once, as the oracle). Every
+        token's preamble is recomputed for each row: the exact fallback of the T=1 kernel, not a fast path (the
+        generic kernel is the one for multi-token sequences)."""
+        sdt = self.state_dtype
+        s_bits = self._copy_bits(sdt, CHANNELS_PER_LANE)
+        s_vec = s_bits // sdt.width
+        load_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), sdt, num_bits_per_copy=s_bits, **self.load_hints)
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), sdt, num_bits_per_copy=s_bits, **self.store_hints)
+        gState = mState[Int64(slot), h, None, None]  # [V, K]
+        for j in cutlass.range_constexpr(self.rows):
+            row = row0 + group + j * ROW_GROUPS
+            view = cute.logical_divide(cute.local_tile(gState[row, None], (CHANNELS_PER_LANE,), (lane,)), (s_vec,))
+            raw = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
+            cute.copy(load_atom, view, cute.logical_divide(raw, (s_vec,)))
+            sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+            sf.store(raw.load().to(Float32))
+            for t in cutlass.range(bos, bos + seq_len, unroll=1):
+                token = self.load_token(mQ, mK, mV, mG, mBeta, mALog, mDtBias, t, h, lane, row0 + j * ROW_GROUPS,
+                                        group, 1)
+                kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound)
+                sq, u = self.row_step(sf, decay, kf, qf, beta, token[3][0])
+                if lane == 0:
+                    mOut[t, 0, h, row] = (sq + u * kq).to(mOut.element_type)
+            raw.store(sf.load().to(sdt))
+            cute.copy(store_atom, cute.logical_divide(raw, (s_vec,)), view)
 
 
 class KDADecodeT1Packed(KDADecodeT1):
@@ -648,8 +714,44 @@ class KDADecodeT1Packed(KDADecodeT1):
                                                                                             HEAD_DIM, 1)))
         mBeta = cute.make_tensor(mRawBeta.iterator, cute.make_layout((B, 1, H), stride=(mRawBeta.stride[0], 0,
                                                                                         mRawBeta.stride[1])))
-        KDADecodeT1.__call__(self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mSlot, mOut, scale, lower_bound,
-                             stream)
+        self.launch(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mSlot, None, mOut, scale, lower_bound, stream)
+
+
+class KDADecodeT1Varlen(KDADecodeT1):
+    """The varlen entry's host wrapper: tokens [1, T, H, 128] + cu_seqlens [S + 1] (FLA's packed-sequence form, as
+    FlashInfer and SGLang call decode), the same kernel with one CTA row per sequence. The traced host code views the
+    tokens as [T, 1, H, 128] rows (the token stride as the row stride) so the kernel indexes a token as it does a
+    batch row."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [1, T, H, K]
+        mK: cute.Tensor,  # [1, T, H, K]
+        mV: cute.Tensor,  # [1, T, H, V]
+        mG: cute.Tensor,  # [1, T, H, K]
+        mBeta: cute.Tensor,  # [1, T, H]
+        mALog,  # [H] fp32, or None (precomputed gate)
+        mDtBias,  # [H*K] fp32, or None
+        mState: cute.Tensor,  # [N, H, V, K]
+        mSlot: cute.Tensor,  # [S] int32 or int64, any stride
+        mCu: cute.Tensor,  # [S + 1] int32 or int64
+        mOut: cute.Tensor,  # [1, T, H, V]
+        scale: Float32,
+        lower_bound: Float32,
+        stream,
+    ):
+        T = cute.size(mQ, mode=[1])
+        H = cute.size(mQ, mode=[2])
+
+        def rows(t):  # [1, T, H, D] -> [T, 1, H, D]; the single row's stride is never stepped over
+            return cute.make_tensor(t.iterator, cute.make_layout((T, 1, H, HEAD_DIM), stride=(t.stride[1], 0,
+                                                                                           t.stride[2], 1)))
+
+        mBetaRows = cute.make_tensor(mBeta.iterator, cute.make_layout((T, 1, H), stride=(mBeta.stride[1], 0,
+                                                                                        mBeta.stride[2])))
+        self.launch(rows(mQ), rows(mK), rows(mV), rows(mG), mBetaRows, mALog, mDtBias, mState, mSlot, mCu, rows(mOut),
+                    scale, lower_bound, stream)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -658,14 +760,19 @@ class KDADecodeT1Packed(KDADecodeT1):
 
 
 def _compile(key, arch):
-    (state_dt, g_dt, beta_dt, gate, beta_is_logit, l2norm, has_dt_bias, tile_v, aligned, smem_stage, rows_in_flight,
-     cache_hint, bulk_ring, slot_major, packed) = key
+    (state_dt, g_dt, beta_dt, gate, beta_is_logit, l2norm, has_dt_bias, tile_v, aligned, rows_in_flight, cache_hint,
+     bulk_ring, slot_major, packed, null_policy, index_dtype, cu_dtype) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     B, N, H = _launch.sym_size(), _launch.sym_size(), _launch.sym_size()
     head_elems = HEAD_DIM * HEAD_DIM
+    varlen = cu_dtype is not None
+    if varlen and packed:
+        raise ValueError("decode_t1: the varlen form has no packed entry")
 
     def activation(dtype):
+        if varlen:  # [1, T, H, D]: B symbolic tokens
+            return _launch.fake_tensor(cdt(dtype), (1, B, H, HEAD_DIM), (None, None, None, 1), align_bytes=align)
         return _launch.fake_tensor(cdt(dtype), (B, 1, H, HEAD_DIM), (None, None, None, 1), align_bytes=align)
 
     if packed:  # GEMM rows [B, width] with a padded row stride; the widths are checked by kda-core
@@ -680,7 +787,7 @@ def _compile(key, arch):
             activation(torch.bfloat16),  # k
             activation(torch.bfloat16),  # v
             activation(g_dt),  # g
-            _launch.fake_tensor(cdt(beta_dt), (B, 1, H), (None, None, None), align_bytes=1),
+            _launch.fake_tensor(cdt(beta_dt), (1, B, H) if varlen else (B, 1, H), (None, None, None), align_bytes=1),
         ]
     gate_params = [None, None]
     if gate != GateMode.PRECOMPUTED:
@@ -692,13 +799,15 @@ def _compile(key, arch):
         *gate_params,
         _launch.fake_tensor(cdt(state_dt), (N, H, HEAD_DIM, HEAD_DIM), (None, head_elems, HEAD_DIM, 1),
                             align_bytes=align),
-        _launch.fake_tensor(cutlass.Int32, (B,), (None,), align_bytes=1),
+        # slot indices, any stride; varlen: one per sequence, then the S + 1 offsets
+        _launch.fake_tensor(cdt(index_dtype), (_launch.sym_size() if varlen else B,), (None,), align_bytes=1),
+        *([_launch.fake_tensor(cdt(cu_dtype), (_launch.sym_size(),), (None,), align_bytes=1)] if varlen else []),
         activation(torch.bfloat16),  # output
         cutlass.Float32(1.0),
         cutlass.Float32(-1.0),
         _launch.fake_stream(),
     ]
-    kernel = (KDADecodeT1Packed if packed else KDADecodeT1)(
+    kernel = (KDADecodeT1Varlen if varlen else KDADecodeT1Packed if packed else KDADecodeT1)(
         state_dtype=cdt(state_dt),
         gate=gate,
         beta_is_logit=beta_is_logit,
@@ -706,11 +815,13 @@ def _compile(key, arch):
         has_dt_bias=has_dt_bias,
         tile_v=tile_v,
         aligned=aligned,
-        smem_stage=smem_stage,
         rows_in_flight=rows_in_flight,
         cache_hint=cache_hint,
         bulk_ring=bulk_ring,
         slot_major=slot_major,
+        null_policy=null_policy,
+        index_dtype=cdt(index_dtype),
+        varlen=varlen,
     )
     return cute.compile(kernel, *fake_args, options=_launch.compile_options(arch, _EXTRA_OPTIONS))
 
@@ -719,28 +830,40 @@ _EXTRA_OPTIONS = ""  # tests set "--keep-ptx --dump-dir D" through compile_varia
 
 
 def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk_l2norm, has_dt_bias, tile_v, aligned,
-                smem_stage=False, rows_in_flight=0, cache_hint="stream", bulk_ring=0, slot_major=False, packed=False):
-    """Every code-generation parameter of one variant, in the order ``_compile`` reads them.
+                rows_in_flight=0, cache_hint="stream", bulk_ring=0, slot_major=False, packed=False,
+                null_policy=NullSlotPolicy.OUT_OF_RANGE, index_dtype=torch.int32, cu_dtype=None):
+    """Every code-generation parameter of one variant, in the order ``_compile`` reads them (the signature's).
 
     ``packed``: the compiled function takes the packed GEMM rows (:class:`KDADecodeT1Packed`) instead of five views.
-    ``bulk_ring``: normalised by :func:`bulk_ring_for`; a ring replaces the other staging fields (normalised away).
-    ``slot_major``: normalised to its static conditions (tile 128, aligned).
+    ``rows_in_flight``: normalised to the effective count (:func:`rows_in_flight_for`).
+    ``bulk_ring``: normalised by :func:`bulk_ring_for`; a ring replaces rows in flight and the cache hint (normalised
+    away). ``slot_major``: normalised to its static conditions (tile 128, aligned). ``null_policy``: which slot
+    indices are null (:class:`kda_core.contracts.NullSlotPolicy`, docs/design.md §4). ``index_dtype``: the slot
+    indices' dtype, torch.int32 or torch.int64 (read as they are and compared in their width). ``cu_dtype``: None,
+    or the varlen form's cu_seqlens dtype (torch.int32 / torch.int64; :class:`KDADecodeT1Varlen`, never slot-major,
+    not packed).
     """
+    null_policy = NullSlotPolicy(null_policy)  # an enum member, or its value
+    if index_dtype not in (torch.int32, torch.int64):
+        fail("slot_indices", "dtype int32 or int64", index_dtype)
+    if cu_dtype is not None:
+        if cu_dtype not in (torch.int32, torch.int64):
+            fail("cu_seqlens", "dtype int32 or int64", cu_dtype)
+        if packed:
+            fail("cu_seqlens", "the unpacked entry (the varlen form has no packed one)", "packed=True")
+        slot_major = False
     if gate == GateMode.PRECOMPUTED:
         has_dt_bias = False
     if cache_hint not in CACHE_HINTS:
         fail("cache_hint", f"one of {CACHE_HINTS}", cache_hint)
-    # cp.async needs 16-byte alignment; tiles above 48 KB of shared memory would need an opt-in carveout.
-    smem_stage = smem_stage and aligned and tile_v * HEAD_DIM * state_dtype.itemsize <= SMEM_STAGE_MAX_BYTES
-    # Normalised to the effective count (the staged path keeps every row in flight in shared memory).
-    rows_in_flight = 0 if smem_stage else rows_in_flight_for(tile_v, state_dtype.itemsize, rows_in_flight)
+    rows_in_flight = rows_in_flight_for(tile_v, state_dtype.itemsize, rows_in_flight)
     bulk_ring = bulk_ring_for(tile_v, state_dtype.itemsize, aligned, bulk_ring)
     if bulk_ring:
-        smem_stage, rows_in_flight, cache_hint = False, 0, "stream"
+        rows_in_flight, cache_hint = 0, "stream"
     slot_major = bool(slot_major) and slot_major_compiles(tile_v, aligned)
     return (state_dtype, g_dtype, beta_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm), bool(has_dt_bias),
-            int(tile_v), bool(aligned), bool(smem_stage), int(rows_in_flight), str(cache_hint), int(bulk_ring),
-            slot_major, bool(packed))
+            int(tile_v), bool(aligned), int(rows_in_flight), str(cache_hint), int(bulk_ring), slot_major, bool(packed),
+            null_policy, index_dtype, cu_dtype)
 
 
 def compile_variant(key, arch: str, extra_options: str = ""):
@@ -770,6 +893,8 @@ def kda_decode_t1(
     use_qk_l2norm_in_kernel=True,
     scale=None,
     output=None,
+    null_policy=NullSlotPolicy.OUT_OF_RANGE,
+    config=None,
 ):
     """One T=1 KDA decode step, updating ``state_pool`` in place. Returns ``output``.
 
@@ -778,11 +903,16 @@ def kda_decode_t1(
         g: [B, 1, H, 128] bf16 (or fp32): the raw gate (``use_gate_in_kernel=True``) or the log-space decay.
         beta: [B, 1, H] bf16 or fp32: a logit (``beta_is_logit=True``) or already sigmoided.
         state_pool: [N, H, 128, 128] bf16 or fp32, K contiguous, dim-0 stride may be padded (multiple of 8).
-        slot_indices: [B] int32. A slot outside [0, N) makes its row inactive: zero output, pool untouched.
+        slot_indices: [B] int32. A null slot makes its row inactive: zero output, pool neither read nor written.
         A_log: [H] fp32 (in-kernel gate). dt_bias: [H*128] or [H, 128] fp32, optional.
         lower_bound: float < 0 for the Kimi K3 gate ``lb * sigmoid(exp(A_log) * x)``; None for the softplus gate.
         use_gate_in_kernel: False means ``g`` is already log-space (A_log, dt_bias, lower_bound are ignored).
         scale: query scale, default 128 ** -0.5. output: [B, 1, H, 128] bf16, allocated when None.
+        null_policy: which slots are null (docs/design.md §4): ``NullSlotPolicy.OUT_OF_RANGE`` (kda, SGLang:
+            idx < 0 or idx >= N) or ``NullSlotPolicy.NONPOSITIVE`` (vLLM: idx <= 0 or idx >= N; slot 0 is never read
+            or written). A compile-time constant of the kernel.
+        config: a :class:`DecodeT1Config` to run instead of the schedule's (:func:`select_config`; None = that);
+            fitted to the call by :func:`effective_config`. For sweeps and tests; serving leaves it None.
 
     Duplicate active slots in one call are a caller error (on the batch-major grid two CTAs race on one state; on
     the slot-major grid, see :class:`DecodeT1Config`, the first row naming a slot updates it and the others get zero
@@ -796,9 +926,10 @@ def kda_decode_t1(
     call = revalidate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound,
                                 use_gate_in_kernel, beta_is_logit, scale, output)
     if debug_checks_enabled():  # KDA_DEBUG_VALIDATE (off: one knob lookup): duplicate active slots
-        debug_check_slots(slot_indices, call.N)
+        _debug_check_slots(slot_indices, call.N, null_policy)
     try:
-        return _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, use_qk_l2norm_in_kernel, output)
+        return _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, use_qk_l2norm_in_kernel, output,
+                    null_policy, config)
     except WRAPPER_REJECTED:  # the compiled wrapper refused an argument, nothing launched (kda-core's contract):
         # the full validator names it
         validate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log=A_log, dt_bias=dt_bias,
@@ -823,6 +954,8 @@ def kda_decode_t1_packed(
     use_qk_l2norm_in_kernel=True,
     scale=None,
     output=None,
+    null_policy=NullSlotPolicy.OUT_OF_RANGE,
+    config=None,
 ):
     """:func:`kda_decode_t1` on the packed rows of one GEMM output (the same kernel; no torch views are made).
 
@@ -832,10 +965,10 @@ def kda_decode_t1_packed(
     call = revalidate_packed_decode_t1(mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, num_heads, A_log,
                                        dt_bias, lower_bound, use_gate_in_kernel, beta_is_logit, scale, output)
     if debug_checks_enabled():  # as in kda_decode_t1
-        debug_check_slots(slot_indices, call.N)
+        _debug_check_slots(slot_indices, call.N, null_policy)
     try:
         return _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias,
-                           use_qk_l2norm_in_kernel, output)
+                           use_qk_l2norm_in_kernel, output, null_policy, config)
     except WRAPPER_REJECTED:  # as in kda_decode_t1
         validate_packed_decode_t1(
             mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, num_heads=num_heads, A_log=A_log,
@@ -845,36 +978,57 @@ def kda_decode_t1_packed(
         raise
 
 
+def _debug_check_slots(slot_indices, N, null_policy):
+    """kda-core's duplicate check (debug mode only: it syncs) on the slots that are live under ``null_policy``."""
+    if null_policy is NullSlotPolicy.NONPOSITIVE:  # slot 0 is null: any number of rows may name it
+        slot_indices = torch.where(slot_indices == 0, -1, slot_indices)
+    debug_check_slots(slot_indices, N)
+
+
 # Per-call launch memo. Key: (id of the validated call description, packed, l2norm, device index, the parsed
-# KDA_DECODE_TILE_V, whether dt_bias is absent, the five sweep hooks). A description (kda-core's DecodeT1Call or
-# RecurrentCall) is immutable and remembered by every fact a variant and the schedule depend on (B, H, pool rows, pool
-# dtype, g / beta dtypes, gate mode, lower bound, beta logit, scale, alignment class), so its identity stands for all
-# of them; the entry holds the description itself, so its id cannot be reused by another object while the entry
-# lives. Value: (description, compiled function (or its batch-split wrapper) or None when B == 0, scale, lower bound
-# as the kernel's float, gate in kernel, B, H, owner of the compiled module).
+# KDA_DECODE_TILE_V, whether dt_bias is absent, the null policy, the requested config or None). A description
+# (kda-core's DecodeT1Call or RecurrentCall) is immutable and remembered by every fact a variant and the schedule
+# depend on (B, H, pool rows, pool dtype, g / beta dtypes, gate mode, lower bound, beta logit, scale, alignment
+# class), so its identity stands for all of them; the entry holds the description itself, so its id cannot be reused
+# by another object while the entry lives. Value: (description, compiled function (or its batch-split wrapper) or
+# None when B == 0, scale, lower bound as the kernel's float, gate in kernel, B, H, owner of the compiled module).
 _LAUNCH_MEMO: dict[tuple, tuple] = {}
 _LAUNCH_MEMO_MAX = 1024
 
 
-def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bias):
-    """Schedule + compiled variant of one validated call; stores its launch memo entry under ``memo_key`` (built
-    by the caller, ``_run`` / ``_run_packed``, from the facts listed at ``_LAUNCH_MEMO``)."""
+def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bias,
+               null_policy=NullSlotPolicy.OUT_OF_RANGE, config=None, index_dtype=torch.int32, cu_dtype=None):
+    """Schedule (``config`` fitted to the call, or the policy's) + compiled variant of one validated call; stores its
+    launch memo entry under ``memo_key`` (built by the caller, ``_run`` / ``_run_packed``, from the facts listed at
+    ``_LAUNCH_MEMO``). ``index_dtype``: the slot indices' (a fact of the description once kda-core accepts int64).
+    ``cu_dtype``: the varlen form's offsets (:func:`_run_varlen`; ``call.B`` is then the number of sequences).
+    """
     gated = call.gate_mode is not GateMode.PRECOMPUTED
     fn = compiled = None
     if call.B > 0:  # (H, on grid y, is one of kda-core's HEAD_COUNTS: at least 8, far below the grid's limit)
-        cfg = select_config(call.B, call.H, call.state_dtype, call.aligned, call.N)
+        if not isinstance(null_policy, NullSlotPolicy):
+            fail("null_policy", "a NullSlotPolicy", repr(null_policy))
+        varlen = cu_dtype is not None
+        if varlen and call.B > GRID_Z_MAX:  # one CTA row per sequence on gridDim.z, not split (the edge zeros)
+            fail("cu_seqlens", f"at most {GRID_Z_MAX} sequences per call (grid z limit)", call.B)
+        if config is None:  # (varlen: pool rows not given, so the policy never picks the slot-major grid)
+            cfg = select_config(call.B, call.H, call.state_dtype, call.aligned, None if varlen else call.N)
+        elif isinstance(config, DecodeT1Config):
+            cfg = effective_config(config, call.B, call.state_dtype, call.aligned, call.N)
+        else:
+            fail("config", "a DecodeT1Config or None", type(config).__name__)
         # dt_bias is optional with the gate in the kernel (absent = zeros), ignored without it.
         key = variant_key(state_dtype=call.state_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=call.gate_mode,
                           beta_is_logit=call.beta_is_logit, use_qk_l2norm=l2norm, has_dt_bias=gated and has_dt_bias,
-                          tile_v=cfg.tile_v, aligned=call.aligned, smem_stage=cfg.smem_stage,
-                          rows_in_flight=cfg.rows_in_flight, cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring,
-                          slot_major=cfg.slot_major, packed=packed)
+                          tile_v=cfg.tile_v, aligned=call.aligned, rows_in_flight=cfg.rows_in_flight,
+                          cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring, slot_major=cfg.slot_major, packed=packed,
+                          null_policy=null_policy, index_dtype=index_dtype, cu_dtype=cu_dtype)
         compiled = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(x.device))
         # The positional tvm_ffi.Function under the DSL's kwargs wrapper (same arguments, a few us less per call);
         # the compiled object rides along so that the module outlives any cache clearing.
         raw = getattr(compiled, "__tvm_ffi_object__", None)
         fn = (raw() if raw is not None else None) or compiled
-        if not cfg.slot_major and call.B > GRID_Z_MAX:
+        if not cfg.slot_major and not varlen and call.B > GRID_Z_MAX:
             fn = _batch_split(fn, call.B, _PACKED_BATCH_ARGS if packed else _BATCH_ARGS)
     lower_bound = call.lower_bound
     entry = (call, fn, call.scale, -1.0 if lower_bound is None else float(lower_bound), gated, call.B, call.H,
@@ -917,16 +1071,18 @@ def _launch_args(entry, x, A_log, dt_bias, output):
     return fn, output, A_log, dt_bias, scale, lower_bound
 
 
-def _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, l2norm, output):
+def _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, l2norm, output,
+         null_policy=NullSlotPolicy.OUT_OF_RANGE, config=None):
     """Launch a validated unpacked call: ``call`` is kda-core's description of exactly these arguments
-    (``validate_decode_t1``, or ``validate_recurrent`` for the facade, which calls this directly).
+    (``validate_decode_t1``, or ``validate_recurrent`` for the facade, which calls this directly). ``null_policy``
+    and ``config``: as :func:`kda_decode_t1`'s.
 
     Per call: one memo lookup (the knob read is a dict lookup, see ``kda_core.knobs``) and the FFI call.
     """
-    key = (id(call), False, l2norm, q.get_device(), knobs.get("KDA_DECODE_TILE_V"), dt_bias is None,
-           _FORCE_SMEM_STAGE, _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT, _FORCE_BULK_RING,
-           _FORCE_SLOT_MAJOR)  # the _LAUNCH_MEMO key, spelled out: hot path
-    entry = _LAUNCH_MEMO.get(key) or _configure(key, call, False, l2norm, q, g.dtype, beta.dtype, dt_bias is not None)
+    key = (id(call), False, l2norm, q.get_device(), knobs.get("KDA_DECODE_TILE_V"), dt_bias is None, null_policy,
+           config)  # the _LAUNCH_MEMO key, spelled out: hot path
+    entry = _LAUNCH_MEMO.get(key) or _configure(key, call, False, l2norm, q, g.dtype, beta.dtype, dt_bias is not None,
+                                                null_policy, config, slot_indices.dtype)
     fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, q, A_log, dt_bias, output)
     if fn is None:  # B == 0
         return output
@@ -934,15 +1090,45 @@ def _run(call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, l2nor
     return output
 
 
-def _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias, l2norm, output):
+def _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias, l2norm, output,
+                null_policy=NullSlotPolicy.OUT_OF_RANGE, config=None):
     """:func:`_run` for a validated packed call: the GEMM rows go to the compiled function as they are."""
     key = (id(call), True, l2norm, mixed_qkv.get_device(), knobs.get("KDA_DECODE_TILE_V"), dt_bias is None,
-           _FORCE_SMEM_STAGE, _FORCE_ROWS_IN_FLIGHT, _FORCE_CACHE_HINT, _FORCE_BULK_RING,
-           _FORCE_SLOT_MAJOR)  # as in _run
+           null_policy, config)  # as in _run
     entry = _LAUNCH_MEMO.get(key) or _configure(key, call, True, l2norm, mixed_qkv, raw_gate.dtype, raw_beta.dtype,
-                                                dt_bias is not None)
+                                                dt_bias is not None, null_policy, config, slot_indices.dtype)
     fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, mixed_qkv, A_log, dt_bias, output)
     if fn is None:  # B == 0
         return output
     fn(mixed_qkv, raw_gate, raw_beta, A_log, dt_bias, state_pool, slot_indices, output, scale, lower_bound)
+    return output
+
+
+def _run_varlen(call, q, k, v, g, beta, state_pool, slot_indices, cu_seqlens, A_log, dt_bias, l2norm, output,
+                null_policy=NullSlotPolicy.OUT_OF_RANGE, config=None):
+    """Launch a validated varlen decode call (:class:`KDADecodeT1Varlen`): q, k, v, g [1, T, H, 128], beta [1, T, H],
+    slot_indices [S], cu_seqlens [S + 1] int32 / int64, output [1, T, H, 128] (allocated when None). Returns output.
+
+    ``call`` describes the S sequences as kda-core's description of a T=1 call does its B rows (B = S; dtypes, gate,
+    scale, pool rows, the alignment class of every pointer and token stride); kda-core does not describe this form
+    yet. The offsets are device data, read and bounded in the kernel (docs/design.md §4): sequence n owns tokens
+    [clamp(cu[n], 0, T), clamp(cu[n + 1], that, T)); tokens before the first and from the end of the last get zero
+    output. A one-token sequence takes the T=1 path; any other length the kernel's token loop (exact; for serving
+    calls that are decode by construction); an empty one leaves its slot untouched; a null slot zeroes its tokens.
+    ``config`` (the slot-major grid never runs here) and ``null_policy`` as :func:`kda_decode_t1`'s.
+    """
+    S = slot_indices.shape[0]
+    if cu_seqlens.shape[0] != S + 1:  # the kernel reads offsets 0..S
+        fail("cu_seqlens", f"shape [{S + 1}] (one more than slot_indices)", tuple(cu_seqlens.shape))
+    T = q.shape[1]
+    if output is None:
+        output = torch.empty((1, T, call.H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
+    key = ("varlen", id(call), l2norm, q.get_device(), knobs.get("KDA_DECODE_TILE_V"), dt_bias is None, null_policy,
+           config)  # as in _run, marked
+    entry = _LAUNCH_MEMO.get(key) or _configure(key, call, False, l2norm, q, g.dtype, beta.dtype, dt_bias is not None,
+                                                null_policy, config, slot_indices.dtype, cu_seqlens.dtype)
+    fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, q, A_log, dt_bias, output)
+    if fn is None or T == 0:  # no sequence, or no token (every sequence empty: nothing to read or write)
+        return output
+    fn(q, k, v, g, beta, A_log, dt_bias, state_pool, slot_indices, cu_seqlens, output, scale, lower_bound)
     return output
