@@ -2,9 +2,10 @@
 
 The JSON is ``{"provenance": {...}, "records": [...]}``; the provenance says what produced the records:
 
-- ``commit``: ``git rev-parse HEAD`` of this repository, with ``-dirty`` when a tracked file differs from it
-  (changes under ``benchmarks/baselines/`` do not count: a run of every benchmark rewrites them); in a tree without
-  ``.git`` the ``KDA_COMMIT`` environment variable, else null;
+- ``commit``: the ``KDA_COMMIT`` environment variable when it is set (a copy of the tree whose ``.git`` is absent or
+  not the tree's own, as on a GPU host the tree was copied to), else ``git rev-parse HEAD`` of this repository, with
+  ``-dirty`` when a tracked file differs from it (changes under ``benchmarks/baselines/`` do not count: a run of
+  every benchmark rewrites them), else null;
 - ``command``: the command line, from the repository root (``python benchmarks/bench_x.py ...``), without the
   output options ``--out`` and ``--no-save``;
 - ``gpu``, ``compute_capability``, ``driver`` (``nvidia-smi``), ``cuda`` (torch's CUDA runtime), ``timer``
@@ -56,9 +57,12 @@ def _git(*args: str) -> str | None:
 
 
 def commit() -> str | None:
+    given = os.environ.get("KDA_COMMIT")
+    if given:
+        return given
     head = _git("rev-parse", "HEAD")
     if head is None:
-        return os.environ.get("KDA_COMMIT") or None
+        return None
     changed = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/baselines")
     return head + ("-dirty" if changed else "")
 
