@@ -134,6 +134,30 @@ def make_case(B, H, *, state_dtype=torch.bfloat16, gate="lower_bound", n_slots=N
                       use_gate_in_kernel=not precomputed, beta_is_logit=not precomputed)
 
 
+def _lower_bound_activations(B: int, T: int, H: int, seed: int, device: str = "cuda") -> dict:
+    """bf16 q, k, v, raw gate, beta logits [B, T, H, ...] and the lower-bound gate's parameters, as keyword arguments
+    of the oracle and of the kernel entries (``recurrent_kda_ref``, ``kda_decode_t1``, ``kda_recurrent_fwd``)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, device=device) * scale
+
+    K = HEAD_DIM
+    return dict(
+        q=randn(B, T, H, K).to(torch.bfloat16), k=randn(B, T, H, K).to(torch.bfloat16),
+        v=randn(B, T, H, K).to(torch.bfloat16), g=randn(B, T, H, K).to(torch.bfloat16),
+        beta=randn(B, T, H).to(torch.bfloat16),
+        A_log=torch.log(torch.rand(H, generator=gen, device=device) * 15 + 1), dt_bias=randn(H * K, scale=0.5),
+        lower_bound=-5.0, use_gate_in_kernel=True, beta_is_logit=True, use_qk_l2norm_in_kernel=True,
+    )
+
+
+@pytest.fixture(scope="session")
+def activations():
+    """``activations(B, T, H, seed, device="cuda") -> dict``: random bf16 inputs of a lower-bound-gate call."""
+    return _lower_bound_activations
+
+
 @pytest.fixture(name="make_case")
 def make_case_fixture():
     """The :func:`make_case` factory."""

@@ -243,21 +243,6 @@ def _segments(cu: list[int], T: int) -> tuple[list[tuple[int, int]], bool]:
     return segs, all(c[i] <= c[i + 1] for i in range(len(c) - 1))
 
 
-def _activations(B: int, T: int, H: int, seed: int) -> dict:
-    """bf16 q, k, v, raw gate, beta logits [B, T, H, ...] and the lower-bound gate's parameters, as keyword arguments
-    of the oracle and of ``kda_recurrent_fwd``."""
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-
-    def randn(*shape, scale=1.0):
-        return torch.randn(*shape, generator=gen, device=DEV) * scale
-
-    return dict(
-        q=randn(B, T, H, K).to(BF16), k=randn(B, T, H, K).to(BF16), v=randn(B, T, H, K).to(BF16),
-        g=randn(B, T, H, K).to(BF16), beta=randn(B, T, H).to(BF16),
-        A_log=torch.log(torch.rand(H, generator=gen, device=DEV) * 15 + 1), dt_bias=randn(H * K, scale=0.5),
-        lower_bound=-5.0, use_gate_in_kernel=True, beta_is_logit=True, use_qk_l2norm_in_kernel=True,
-    )
-
 
 def _random_rows(N: int, H: int, dtype, seed: int, row_shape=(K, K)) -> torch.Tensor:
     gen = torch.Generator(device=DEV).manual_seed(seed + 7919)
@@ -385,7 +370,7 @@ def _spec_indices(rng, rows: int, t_idx: int, N: int, p_null: float):
 
 
 @pytest.mark.parametrize("pool_dtype", [BF16, FP32], ids=["bf16", "fp32"])
-def test_generic_pool_mode_keeps_malformed_slots_in_bounds(pool_dtype):
+def test_generic_pool_mode_keeps_malformed_slots_in_bounds(pool_dtype, activations):
     T = 4
     for i, seed in enumerate(_seeds(2000)):
         rng = random.Random(seed)
@@ -393,7 +378,7 @@ def test_generic_pool_mode_keeps_malformed_slots_in_bounds(pool_dtype):
         N = rng.choice(POOL_ROWS)
         slots = _fuzz_slots(rng, B, N, P_NULL[i % len(P_NULL)])
         ctx = f"seed {seed} (B={B}, T={T}, H={H}, N={N}, slots {slots})"
-        inputs = _activations(B, T, H, seed)
+        inputs = activations(B, T, H, seed)
         pool = Guarded.copy_of(_random_rows(N, H, pool_dtype, seed), row_pad=8)
         idx = _int32(slots)
         out = Guarded((B, T, H, K), BF16)
@@ -407,7 +392,7 @@ def test_generic_pool_mode_keeps_malformed_slots_in_bounds(pool_dtype):
         _close(pool.t.float(), ref_pool.float(), ctx, "state pool", **GENERIC_STATE_TOL[pool_dtype])
 
 
-def test_generic_spec_mode_keeps_malformed_slots_and_accepted_counts_in_bounds():
+def test_generic_spec_mode_keeps_malformed_slots_and_accepted_counts_in_bounds(activations):
     B, T = 8, 4  # B * T entries, all distinct when valid: at most the 32 pool rows
     for i, seed in enumerate(_seeds(3000)):
         rng = random.Random(seed)
@@ -415,7 +400,7 @@ def test_generic_spec_mode_keeps_malformed_slots_and_accepted_counts_in_bounds()
         N = rng.choice(POOL_ROWS)
         rows, nats = _spec_indices(rng, B, T, N, P_NULL[i % len(P_NULL)])
         ctx = f"seed {seed} (B={B}, T={T}, H={H}, N={N}, slots {rows}, num_accepted_tokens {nats})"
-        inputs = _activations(B, T, H, seed)
+        inputs = activations(B, T, H, seed)
         pool = Guarded.copy_of(_random_rows(N, H, BF16, seed), row_pad=8)
         idx, nat = _int32(rows), _int32(nats)
         out = Guarded((B, T, H, K), BF16)
@@ -433,7 +418,7 @@ def test_generic_spec_mode_keeps_malformed_slots_and_accepted_counts_in_bounds()
 
 @pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
 @pytest.mark.parametrize("mode", ["pool", "spec", "dense"])
-def test_generic_varlen_keeps_malformed_cu_seqlens_in_bounds(mode, cu_dtype):
+def test_generic_varlen_keeps_malformed_cu_seqlens_in_bounds(mode, cu_dtype, activations):
     """Every cu_seqlens form in every seed: pool mode with 1-D slots, spec mode with 2 index columns (a longer
     sequence's later tokens are skipped), dense mode with a bf16 initial state and the fp32 final state."""
     T_total, t_idx = 24, 2
@@ -447,7 +432,7 @@ def test_generic_varlen_keeps_malformed_cu_seqlens_in_bounds(mode, cu_dtype):
             segs, monotonic = _segments(offsets, T_total)
             lengths = [eos - bos for bos, eos in segs]
             ctx = f"seed {seed}, {form} (T={T_total}, H={H}, N={N}, cu_seqlens {offsets}"
-            inputs = _activations(1, T_total, H, seed)
+            inputs = activations(1, T_total, H, seed)
             cu = Guarded.copy_of(torch.tensor(offsets, dtype=cu_dtype, device=DEV))
             out = Guarded((1, T_total, H, K), BF16)
             out.allowed().fill_(True)
@@ -499,13 +484,13 @@ def test_generic_varlen_keeps_malformed_cu_seqlens_in_bounds(mode, cu_dtype):
             _assert_output_close(out.t, ref_o, ctx)
 
 
-def test_generic_dense_mode_keeps_its_tensors_in_bounds():
+def test_generic_dense_mode_keeps_its_tensors_in_bounds(activations):
     """Dense states have no device indices; the output's and the initial state's margins are checked all the same."""
     T = 4
     for i, seed in enumerate(_seeds(5000)):
         H, B = HEADS_AND_ROWS[i % 2]
         ctx = f"seed {seed} (B={B}, T={T}, H={H})"
-        inputs = _activations(B, T, H, seed)
+        inputs = activations(B, T, H, seed)
         init = Guarded.copy_of(_random_rows(B, H, BF16, seed), row_pad=8)
         out = Guarded((B, T, H, K), BF16)
         out.allowed().fill_(True)
@@ -538,7 +523,7 @@ def _fuzz_base(rng: random.Random) -> int:
 
 @pytest.mark.parametrize("restart", [False, True], ids=["verify", "restart"])
 @pytest.mark.parametrize("H, T, w_ring", UCACHE_SHAPES, ids=[f"H{h}-T{t}-w{w}" for h, t, w in UCACHE_SHAPES])
-def test_ucache_keeps_malformed_slots_and_cursors_in_bounds(H, T, w_ring, restart):
+def test_ucache_keeps_malformed_slots_and_cursors_in_bounds(H, T, w_ring, restart, activations):
     from kda_core.contracts import RING_SLOTS, default_flush_min, max_hist_len
     from kda_core.oracle import ucache_verify_flush_ref
     from kda_core.validation import validate_ucache
@@ -559,7 +544,7 @@ def test_ucache_keeps_malformed_slots_and_cursors_in_bounds(H, T, w_ring, restar
         flush = [b for b in active if P[b] >= flush_min]
         appends = {b: [(base[b] + P[b] + s) % RING_SLOTS for s in range(T)] for b in active}
 
-        act = _activations(B, T, H, seed)
+        act = activations(B, T, H, seed)
         gen = torch.Generator(device=DEV).manual_seed(seed + 104729)
         pool = Guarded.copy_of(_random_rows(N, H, BF16, seed), row_pad=8)
         # Rings stale everywhere (inf / NaN: a read of a row outside the live window shows), then the live windows

@@ -98,20 +98,6 @@ def _sentinels(touched, t: torch.Tensor) -> list[int]:
     return sorted(r for r in rows if 0 <= r < N and r not in touched)
 
 
-def _activations(B: int, T: int, seed: int) -> dict:
-    """bf16 q, k, v, raw gate, beta logits and the lower-bound gate's parameters (oracle / kernel keyword names)."""
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-
-    def randn(*shape, scale=1.0):
-        return torch.randn(*shape, generator=gen, device=DEV) * scale
-
-    return dict(
-        q=randn(B, T, H, K).to(BF16), k=randn(B, T, H, K).to(BF16), v=randn(B, T, H, K).to(BF16),
-        g=randn(B, T, H, K).to(BF16), beta=randn(B, T, H).to(BF16),
-        A_log=torch.log(torch.rand(H, generator=gen, device=DEV) * 15 + 1), dt_bias=randn(H * K, scale=0.5),
-        lower_bound=-5.0, use_gate_in_kernel=True, beta_is_logit=True, use_qk_l2norm_in_kernel=True,
-    )
-
 
 def _random(shape, dtype, seed: int) -> torch.Tensor:
     gen = torch.Generator(device=DEV).manual_seed(seed)
@@ -173,7 +159,7 @@ def _nat_column(nat: int, t_idx: int) -> int:
 
 @pytest.mark.parametrize("grid", ["batch_major", "slot_major"])
 @pytest.mark.parametrize("state_dtype", [BF16, FP32], ids=["bf16", "fp32"])
-def test_decode_t1_updates_pool_rows_past_2_31_elements(state_dtype, grid):
+def test_decode_t1_updates_pool_rows_past_2_31_elements(state_dtype, grid, activations):
     from kda_core.oracle import recurrent_kda_ref
     from kda_cute import decode_t1, kda_decode_t1
 
@@ -189,7 +175,7 @@ def test_decode_t1_updates_pool_rows_past_2_31_elements(state_dtype, grid):
     touched = sorted(s for s in slots if 0 <= s < N)
     pool = CanaryRows((N, H, K, K), state_dtype)
     sentinels, sentinels_before, start = _setup_rows(pool, touched, seed=11)
-    act = _activations(B, 1, seed=12)
+    act = activations(B, 1, H, seed=12)
     ref_out, ref_rows = recurrent_kda_ref(**act, initial_state=start.clone(),
                                           ssm_state_indices=_small_indices(slots, touched))
     q, k, v, g, beta = (act.pop(name) for name in ("q", "k", "v", "g", "beta"))
@@ -202,7 +188,7 @@ def test_decode_t1_updates_pool_rows_past_2_31_elements(state_dtype, grid):
 
 
 @pytest.mark.parametrize("state_dtype", [BF16, FP32], ids=["bf16", "fp32"])
-def test_generic_pool_mode_updates_rows_past_2_31_elements(state_dtype):
+def test_generic_pool_mode_updates_rows_past_2_31_elements(state_dtype, activations):
     from kda_core.oracle import recurrent_kda_ref
     from kda_cute.generic import kda_recurrent_fwd
 
@@ -212,7 +198,7 @@ def test_generic_pool_mode_updates_rows_past_2_31_elements(state_dtype):
     touched = sorted(s for s in slots if 0 <= s < N)
     pool = CanaryRows((N, H, K, K), state_dtype)
     sentinels, sentinels_before, start = _setup_rows(pool, touched, seed=21)
-    act = _activations(len(slots), 2, seed=22)
+    act = activations(len(slots), 2, H, seed=22)
     ref_out, ref_rows = recurrent_kda_ref(**act, initial_state=start.clone(),
                                           ssm_state_indices=_small_indices(slots, touched))
     out, _ = kda_recurrent_fwd(**act, initial_state=pool.t,
@@ -235,7 +221,7 @@ def _spec_rows(N: int) -> tuple[list[list[int]], list[int]]:
 
 
 @pytest.mark.parametrize("state_dtype", [BF16, FP32], ids=["bf16", "fp32"])
-def test_generic_spec_mode_updates_checkpoint_rows_past_2_31_elements(state_dtype):
+def test_generic_spec_mode_updates_checkpoint_rows_past_2_31_elements(state_dtype, activations):
     from kda_core.oracle import recurrent_kda_ref
     from kda_cute.generic import kda_recurrent_fwd
 
@@ -250,7 +236,7 @@ def test_generic_spec_mode_updates_checkpoint_rows_past_2_31_elements(state_dtyp
     assert written != set(touched)  # an inactive request's checkpoints are gathered too, and must stay
     pool = CanaryRows((N, H, K, K), state_dtype)
     sentinels, sentinels_before, start = _setup_rows(pool, touched, seed=31)
-    act = _activations(B, T, seed=32)
+    act = activations(B, T, H, seed=32)
     nat = torch.tensor(nats, dtype=torch.int32, device=DEV)
     ref_out, ref_rows = recurrent_kda_ref(**act, initial_state=start.clone(),
                                           ssm_state_indices=_small_indices(rows, touched), num_accepted_tokens=nat)
@@ -263,7 +249,7 @@ def test_generic_spec_mode_updates_checkpoint_rows_past_2_31_elements(state_dtyp
     _assert_output(out, ref_out, [b for b in range(B) if b not in active])
 
 
-def test_ucache_updates_pool_and_ring_rows_past_2_31_elements():
+def test_ucache_updates_pool_and_ring_rows_past_2_31_elements(activations):
     from kda_core.contracts import RING_SLOTS, default_flush_min, max_hist_len
     from kda_core.oracle import ucache_verify_flush_ref
     from kda_core.validation import validate_ucache
@@ -310,7 +296,7 @@ def test_ucache_updates_pool_and_ring_rows_past_2_31_elements():
         ring.fill(ring_sentinels[name], _random((len(ring_sentinels[name]), H, RING_SLOTS, K), ring.t.dtype, 43))
     ring_sentinels_before = {name: ring.t[_rows_tensor(ring_sentinels[name])].clone() for name, ring in rings.items()}
 
-    act = _activations(B, T, seed=44)
+    act = activations(B, T, H, seed=44)
     slot_t = torch.tensor(slots, dtype=torch.int32, device=DEV)
     hist_t = torch.tensor(hist, dtype=torch.int32, device=DEV)
     base_t = torch.tensor(bases, dtype=torch.int32, device=DEV)
