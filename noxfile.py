@@ -35,8 +35,10 @@ folder that holds test files but collects nothing (pytest exit 5) fails its sess
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
+import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -200,20 +202,51 @@ def integration(session: nox.Session) -> None:
 def compile(session: nox.Session) -> None:
     """kda-cute's kernel compile checks for sm_90a and sm_100a, on the CPU (CUTE_DSL_ARCH, no GPU).
 
-    Runs kda-cute's tests/test*compile*.py once per target with CUTE_DSL_ARCH set and ``-k <arch>``: their test
-    ids name the target, so each run compiles that target's variants only (and a file whose ids don't fails here,
-    having collected nothing). The tests whose ids name no target (cache keys, schedules, shared-memory sizes, host
-    paths with a recording compile step) run once, with the first target's run.
+    Runs each of kda-cute's tests/test*compile*.py once per target with CUTE_DSL_ARCH set and ``-k <arch>``: their
+    test ids name the target, so each run compiles that target's variants only (and a file whose ids don't fails
+    here, having collected nothing). The tests whose ids name no target (cache keys, schedules, shared-memory sizes,
+    host paths with a recording compile step) run once, with the first target's run.
+
+    A compile is one single-threaded process, so the (file, target) runs go to one worker per CPU core (the largest
+    first); each writes its own log, printed when it ends, and its JUnit file.
     """
     tests = _compile_tests()
     if not tests:
         session.skip("packages/kda-cute/tests/test*compile*.py do not exist yet: no compile check to run")
     _install_cpu(session, _package("kda-cute", "[test]"))
     untargeted = f"not ({' or '.join(COMPILE_ARCHS)})"
-    for i, arch in enumerate(COMPILE_ARCHS):
-        session.log(f"compile checks for {arch}: {', '.join(path.name for path in tests)}")
-        selection = arch if i else f"{arch} or {untargeted}"
-        _pytest(session, tests, "-k", selection, label=f"compile-{arch}", env={"CUTE_DSL_ARCH": arch})
+    jobs = [(arch, path, arch if i else f"{arch} or {untargeted}")
+            for i, arch in enumerate(COMPILE_ARCHS) for path in tests]
+    jobs.sort(key=lambda job: (job[0] != COMPILE_ARCHS[0], -job[1].stat().st_size))  # sm_90a's biggest files first
+    JUNIT_DIR.mkdir(parents=True, exist_ok=True)
+    python = str(Path(session.bin) / "python")
+
+    def run(job):
+        arch, path, selection = job
+        label = f"compile-{arch}-{path.stem}"
+        junit = JUNIT_DIR / f"{label}.xml"
+        junit.unlink(missing_ok=True)
+        log = JUNIT_DIR / f"{label}.log"
+        cmd = [python, "-m", "pytest", str(path.relative_to(ROOT)), f"--junitxml={junit}", "-o",
+               "junit_family=xunit2", "-k", selection, *session.posargs]
+        env = {**os.environ, "PATH": f"{session.bin}{os.pathsep}{os.environ.get('PATH', '')}", "CUTE_DSL_ARCH": arch}
+        with open(log, "w") as out:
+            code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+        ran = _junit_counts([junit])["tests"] if junit.exists() else 0
+        return label, code, ran, log
+
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    session.log(f"compile checks: {len(jobs)} runs ({', '.join(COMPILE_ARCHS)} x {len(tests)} files) "
+                f"on {workers} workers")
+    failed = []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        for label, code, ran, log in pool.map(run, jobs):
+            print(log.read_text(), end="", flush=True)
+            session.log(f"{label}: exit {code}, {ran} tests")
+            if code != 0 or ran == 0:
+                failed.append(label if ran else f"{label} (collected nothing)")
+    if failed:
+        session.error(f"compile checks failed: {', '.join(failed)}")
 
 
 @nox.session
