@@ -113,15 +113,14 @@ def fused_recurrent_kda_packed_decode(
     zero-copy views, i.e. kda-core's oracle.
     """
     try:
-        _, H, V, K = initial_state.shape
-        B = mixed_qkv.shape[0]
-        if (raw_g.dim() != 4 or raw_g.shape[0] != 1 or raw_g.shape[3] != K or raw_beta.dim() != 3
-                or raw_beta.shape[0] != 1):
+        # B, H, K from raw_g: the kernel's validator checks them against mixed_qkv and the pool (and K = 128).
+        one, B, H, K = raw_g.shape
+        if one != 1 or raw_beta.shape[0] != 1:
             raise ValueError
         gate = raw_g.view(B, H * K)  # [1, B, H, K] with each token's [H, K] compact: a view
-        beta = raw_beta[0]
+        beta = raw_beta[0]  # [B, H] (any other rank is refused by the kernel's validator, naming raw_beta)
         if out is None:
-            out = torch.empty((1, B, H, V), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+            out = torch.empty((1, B, H, initial_state.shape[2]), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
         output = out.transpose(0, 1)  # [B, 1, H, V]: the kernel's output form (a size-1 dim's stride is not read)
     except (AttributeError, TypeError, ValueError, IndexError, RuntimeError):
         _refuse_packed(mixed_qkv, raw_g, raw_beta, initial_state, out)
