@@ -125,6 +125,13 @@ def test_gqa_takes_the_gate_per_value_head(lower_bound):
     check(x, o_ref, pool_ref, before, [4, 1])
 
 
+def test_empty_batch():
+    x = inputs(0, 8, slots=[], n_slots=3)
+    before = x["initial_state"].clone()
+    out, pool = call(x)
+    assert out is x["out"] and out.shape == (0, 1, 8, D) and torch.equal(pool, before)
+
+
 def test_kernel_branch_gets_the_arguments_as_they_are(monkeypatch):
     # H == HV, K = V = 128: kda-cute's packed entry (a recorder here, CPU tensors) takes SGLang's tensors unchanged,
     # with SGLang's null policy; a GQA call does not reach it.

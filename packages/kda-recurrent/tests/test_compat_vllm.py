@@ -184,6 +184,15 @@ def test_k3_packed_decode_calls_the_packed_kernel_with_views(monkeypatch):
     assert seen["lower_bound"] is None and seen["scale"] is None
 
 
+def test_k3_packed_decode_empty_batch():
+    x = packed_inputs(0, 8)
+    before = x["initial_state"].clone()
+    out, pool = kimi_k3.fused_recurrent_kda_packed_decode(
+        x["mixed_qkv"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"], -5.0, x["initial_state"],
+        x["state_indices"])
+    assert out.shape == (1, 0, 8, D) and pool is x["initial_state"] and torch.equal(pool, before)
+
+
 @pytest.mark.parametrize("argument, change", [
     ("raw_g", lambda x: dict(raw_g=x["raw_g"][0])),  # [B, H, K]: not vLLM's [1, B, H, K]
     ("raw_g", lambda x: dict(raw_g=x["raw_g"].transpose(2, 3))),  # [H, K] of a token not compact
