@@ -82,9 +82,16 @@ class Patcher:
         self._patched: dict[tuple[str, str], Target] = {}  # (module, name) -> target, for every replaced attribute
 
     def _engine_modules(self):
+        """(name, namespace dict) of every loaded module of the engine's package (entries without a plain
+        ``__dict__``, e.g. a None placeholder, are skipped)."""
         prefix = self.package + "."
-        return [(name, module) for name, module in list(sys.modules.items())
-                if module is not None and (name == self.package or name.startswith(prefix))]
+        found = []
+        for name, module in list(sys.modules.items()):
+            if name == self.package or name.startswith(prefix):
+                namespace = getattr(module, "__dict__", None)
+                if isinstance(namespace, dict):
+                    found.append((name, namespace))
+        return found
 
     def enable(self) -> list[str]:
         """Install every adapter whose engine module imports; returns the ``module.name`` attributes replaced now."""
@@ -112,9 +119,9 @@ class Patcher:
             if original is None:  # the adapter was installed by another Patcher, or by hand: not ours to manage
                 continue
             modules = self._engine_modules() if modules is None else modules
-            for module_name, module in modules:
-                if module.__dict__.get(target.name) is original:
-                    setattr(module, target.name, adapter)
+            for module_name, namespace in modules:
+                if namespace.get(target.name) is original:
+                    namespace[target.name] = adapter
                     self._patched[(module_name, target.name)] = target
                     replaced.append(f"{module_name}.{target.name}")
                     logger.info("kda: %s.%s -> %s", module_name, target.name, target.adapter.replace(":", "."))
@@ -126,9 +133,9 @@ class Patcher:
         modules = self._engine_modules()
         for target, original in self._originals.items():
             adapter = target.load_adapter()
-            for module_name, module in modules:
-                if module.__dict__.get(target.name) is adapter:
-                    setattr(module, target.name, original)
+            for module_name, namespace in modules:
+                if namespace.get(target.name) is adapter:
+                    namespace[target.name] = original
                     restored.append(f"{module_name}.{target.name}")
                     logger.info("kda: %s.%s restored", module_name, target.name)
         self._originals.clear()
