@@ -122,9 +122,10 @@ def fused_recurrent_kda_packed_decode(
         if out is None:
             out = torch.empty((1, B, H, initial_state.shape[2]), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
         output = out.transpose(0, 1)  # [B, 1, H, V]: the kernel's output form (a size-1 dim's stride is not read)
+        device = mixed_qkv.get_device()
     except (AttributeError, TypeError, ValueError, IndexError, RuntimeError):
         _refuse_packed(mixed_qkv, raw_g, raw_beta, initial_state, out)
-    if mixed_qkv.get_device() >= _KERNEL_DEVICE_MIN:
+    if device >= _KERNEL_DEVICE_MIN:
         fn = _packed_entry
         if fn is _UNLOADED:
             fn = _load_packed()
@@ -142,7 +143,7 @@ def fused_recurrent_kda_packed_decode(
 def _unpacked_views(mixed_qkv, gate, beta, H, K):
     """q, k, v, g [B, 1, H, K] and beta [B, 1, H]: views of the packed rows (the facade's T=1 form)."""
     if not isinstance(mixed_qkv, torch.Tensor) or mixed_qkv.dim() != 2 or mixed_qkv.shape[1] != 3 * H * K:
-        fail("mixed_qkv", f"shape [B, {3 * H * K}] (3 * H * K, H and K from initial_state)", _shape(mixed_qkv))
+        fail("mixed_qkv", f"shape [B, {3 * H * K}] (3 * H * K, H and K from raw_g)", _shape(mixed_qkv))
     if mixed_qkv.stride(1) != 1:
         fail("mixed_qkv", "a contiguous last dim", mixed_qkv.stride())
     q, k, v = (part.unflatten(1, (H, K)).unsqueeze(1) for part in mixed_qkv.split(H * K, dim=1))
