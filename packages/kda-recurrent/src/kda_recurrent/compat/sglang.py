@@ -1,0 +1,154 @@
+"""SGLang's KDA T=1 decode call ``fused_recurrent_kda_packed_decode``, on kda's kernels.
+
+Read from the stored engine sources:
+
+- The function replaced: sgl-project/sglang ``python/sglang/kernels/ops/attention/fla/fused_recurrent.py``
+  @ 047d31af2516212c09b8ce356fae8298ba8526d7 (the version with ``lower_bound``; an older copy
+  @ 576695168ffae8ce50c14939f4836bc72ecc12f6 lacks it, and this signature takes both call forms).
+- Its caller: ``TritonKDAKernel.packed_decode`` in
+  ``python/sglang/srt/layers/attention/linear/kernels/kda_triton.py`` @ 007d1d93beabe99478bc855e6ccdc4ac0bfcdf7d,
+  which imports the name at module level, allocates ``out = mixed_qkv.new_empty(B, 1, HV, V)``, flattens ``a`` to
+  [B, HV * K] and ``b`` to [B, HV], and calls with every argument by keyword, ``use_qk_l2norm_in_kernel=True`` and
+  no ``lower_bound`` (softplus gate); it returns ``out.transpose(0, 1)``.
+- docs/serving.md §4.
+
+Semantics kept: ``b`` is a beta logit (the kernel applies sigmoid in fp32; the source docstring's "post-sigmoid" is
+not what its kernel does); ``A_log`` [HV] and ``dt_bias`` [HV * K] are per value head; value head hv reads query
+head ``hv // (HV // H)``; the L2 norm is off unless asked for (SGLang's default; its call site asks for it); an
+index ``< 0`` is null and slot 0 is live (``NullSlotPolicy.OUT_OF_RANGE``, docs/design.md §4; kda also nulls an
+index ``>= slots``, which SGLang reads past the pool). ``out`` is written in place; the pool is updated in place.
+
+Paths: H == HV with K = V = 128 on CUDA runs kda-cute's packed T=1 kernel on the arguments as they are (its
+per-head gate indexing is SGLang's when H == HV). Any other call (GQA, HV > H; K = 64; the CPU) runs through
+:func:`kda_recurrent.recurrent_kda` on zero-copy views; with HV != H the gate is computed per value head first (fp32,
+kda-core's gate formula: a few elementwise kernels) because kda's in-kernel gate reads its parameters per query
+head. Both are exact up to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kda_core.call_args import RecurrentArgs
+from kda_core.contracts import NullSlotPolicy
+from kda_core.errors import fail
+from kda_core.oracle import kda_gate_ref
+from kda_core.validation import validate_gate_params, validate_recurrent
+from kda_recurrent.facade import recurrent_kda
+
+__all__ = ["fused_recurrent_kda_packed_decode"]
+
+_NULL_POLICY = NullSlotPolicy.OUT_OF_RANGE
+
+# As in kda_recurrent.compat.vllm.kimi_k3: the kernel branch's device threshold and the lazily imported entry.
+_KERNEL_DEVICE_MIN = 0
+_UNLOADED = object()
+_packed_entry = _UNLOADED
+
+
+def _load_packed():
+    global _packed_entry
+    try:
+        from kda_cute.decode_t1 import kda_decode_t1_packed as fn
+    except ImportError:
+        fn = None
+    _packed_entry = fn
+    return fn
+
+
+def _shape(x):
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _heads(mixed_qkv, initial_state):
+    """(H, HV, V, K) from the pool [slots, HV, V, K] and the packed width 2 * H * K + HV * V, as SGLang infers them."""
+    if not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4:
+        fail("initial_state", "the state pool [slots, HV, V, K]", _shape(initial_state))
+    if not isinstance(mixed_qkv, torch.Tensor) or mixed_qkv.dim() != 2:
+        fail("mixed_qkv", "a 2-D tensor [B, 2 * H * K + HV * V]", _shape(mixed_qkv))
+    _, HV, V, K = initial_state.shape
+    qk = mixed_qkv.shape[1] - HV * V
+    H = qk // (2 * K) if K else 0
+    if qk <= 0 or H * 2 * K != qk or HV % H:
+        fail("mixed_qkv", f"a last dim 2 * H * K + HV * V with HV % H == 0 (HV = {HV}, V = {V}, K = {K} from "
+             "initial_state)", _shape(mixed_qkv))
+    return H, HV, V, K
+
+
+def _views(mixed_qkv, a, b, H, HV, V, K):
+    """q, k [B, 1, H, K], v [B, 1, HV, V], the raw gate [B, 1, HV, K] and the beta logit [B, 1, HV]: views."""
+    B = mixed_qkv.shape[0]
+    if mixed_qkv.stride(1) != 1:
+        fail("mixed_qkv", "a contiguous last dim", mixed_qkv.stride())
+    if not isinstance(a, torch.Tensor) or tuple(a.shape) != (B, HV * K):
+        fail("a", f"shape [{B}, {HV * K}] ([B, HV * K])", _shape(a))
+    if a.stride(1) != 1:
+        fail("a", "a contiguous last dim", a.stride())
+    if not isinstance(b, torch.Tensor) or tuple(b.shape) != (B, HV):
+        fail("b", f"shape [{B}, {HV}] ([B, HV])", _shape(b))
+    q, k, v = mixed_qkv.split((H * K, H * K, HV * V), dim=1)
+    return (q.unflatten(1, (H, K)).unsqueeze(1), k.unflatten(1, (H, K)).unsqueeze(1),
+            v.unflatten(1, (HV, V)).unsqueeze(1), a.unflatten(1, (HV, K)).unsqueeze(1), b.unsqueeze(1))
+
+
+def fused_recurrent_kda_packed_decode(
+    mixed_qkv,
+    a,
+    b,
+    A_log,
+    dt_bias,
+    scale,
+    initial_state,
+    out,
+    ssm_state_indices,
+    use_qk_l2norm_in_kernel=False,
+    lower_bound=None,
+):
+    """SGLang's KDA packed T=1 decode (same arguments, defaults and return).
+
+    Args (B requests; H query/key heads, HV value heads, K = V = 128, or 64 on the generic path):
+        mixed_qkv: [B, 2 * H * K + HV * V] bf16 ``[q heads | k heads | v heads]``, last dim contiguous, row stride
+            free.
+        a: [B, HV * K] raw gate; b: [B, HV] beta logit.
+        A_log: [HV] fp32; dt_bias: [HV * K] fp32 (per value head).
+        scale: the query scale (None: K ** -0.5).
+        initial_state: the pool [slots, HV, V, K], last dim contiguous; updated in place.
+        out: bf16 [B, 1, HV, V], written in place.
+        ssm_state_indices: [B] int32 / int64. An index ``< 0`` (or ``>= slots``) makes its row null: zero output, the
+            pool neither read nor written; slot 0 is live.
+        use_qk_l2norm_in_kernel: L2-normalise q and k (SGLang's default False; its call site passes True).
+        lower_bound: None (softplus gate ``-exp(A_log) * softplus(a + dt_bias)``) or a negative float
+            (``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``).
+
+    Returns ``(out, initial_state)``, the tensors passed.
+    """
+    H, HV, V, K = _heads(mixed_qkv, initial_state)
+    if H == HV and K == 128 and V == 128 and mixed_qkv.get_device() >= _KERNEL_DEVICE_MIN:
+        fn = _packed_entry
+        if fn is _UNLOADED:
+            fn = _load_packed()
+        if fn is not None:
+            fn(mixed_qkv, a, b, initial_state, ssm_state_indices, num_heads=H, A_log=A_log, dt_bias=dt_bias,
+               lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, scale=scale, output=out,
+               null_policy=_NULL_POLICY)
+            return out, initial_state
+    q, k, v, g, beta = _views(mixed_qkv, a, b, H, HV, V, K)
+    use_gate = H == HV
+    if not use_gate:
+        # kda's in-kernel gate reads A_log / dt_bias per query head; SGLang's are per value head. Validate the call
+        # as the kernel will take it (the raw gate stands in for the precomputed one: same shape) and the
+        # per-value-head parameters, then compute the decay per value head (kda_gate_ref infers the head count
+        # from A_log, so [HV] parameters map one-to-one onto value heads).
+        validate_recurrent(RecurrentArgs(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_is_logit=True, ssm_state_indices=ssm_state_indices,
+            output=out))
+        validate_gate_params(A_log, dt_bias, lower_bound, HV, K, like=q, heads_text="HV")
+        g = kda_gate_ref(g, A_log, dt_bias, lower_bound)
+    recurrent_kda(
+        q, k, v, g, beta, A_log=A_log if use_gate else None, dt_bias=dt_bias if use_gate else None, scale=scale,
+        initial_state=initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate,
+        lower_bound=lower_bound if use_gate else None, beta_is_logit=True, ssm_state_indices=ssm_state_indices,
+        output=out, null_policy=_NULL_POLICY,
+    )
+    return out, initial_state

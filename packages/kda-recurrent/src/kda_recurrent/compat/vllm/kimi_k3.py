@@ -1,0 +1,213 @@
+"""vLLM Kimi K3's two recurrent KDA decode calls, on kda's kernels.
+
+Read from the stored engine sources (signatures, defaults, returns, null slots):
+
+- ``fused_recurrent_kda_packed_decode`` and ``fused_recurrent_kda``: vllm-project/vllm
+  ``vllm/models/kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py`` @ 03c20345bb2534b98224519afacb78a4baa6ccfa
+  (an older copy @ a4929f1367bf43620919e3c0cf13f883331ff98f has no ``out`` in the packed decode: the signature here
+  takes both), re-exported by the package ``vllm/models/kimi_k3/nvidia/ops/third_party/kda/__init__.py``
+  @ 3f9a13d44d92a4535c34d186dce79edcb1e41b2f.
+- The caller, ``KimiK3DeltaAttention._forward`` in ``vllm/models/kimi_k3/nvidia/kda.py``
+  @ 3a1f05ba17aa4715f4020a4d304d57cfc1e37ebb: it imports both names from that package at call time and passes every
+  argument by keyword; ``state_indices`` is a slice of the decode rows' block ids, ``out`` is None or a slice of
+  ``core_attn_out`` [1, N, H, 128], and the result is read as ``[1, B, H, V]``.
+- docs/serving.md §1 summarises both calls and the layer's tensors.
+
+Semantics kept: the null policy is vLLM's (``NullSlotPolicy.NONPOSITIVE``: an index ``<= 0`` is null, block 0 is
+never read or written; docs/design.md §4); scale defaults to K ** -0.5; q and k are L2-normalised; the pool is
+updated in place and returned. Where kda differs on purpose: an index ``>= N`` is null too (vLLM reads past the
+pool); in spec decode a row whose accepted count is outside ``[1, T]`` is null as a whole (vLLM bounds it by the
+index row's stride instead, docs/serving.md §1); outputs are bf16 (what the layer allocates).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kda_core.call_args import RecurrentArgs
+from kda_core.contracts import NullSlotPolicy
+from kda_core.errors import fail
+from kda_core.oracle import kda_gate_ref
+from kda_core.validation import validate_recurrent
+from kda_recurrent.facade import recurrent_kda
+
+__all__ = ["fused_recurrent_kda", "fused_recurrent_kda_packed_decode"]
+
+_NULL_POLICY = NullSlotPolicy.NONPOSITIVE
+
+# Tensors whose device index is at least this take the kernel branch (CUDA: >= 0). The host-cost measurement sets
+# -1 (CPU tensors, a stubbed launch), as kda-core's ``validation._LAUNCH_DEVICE_MIN`` is set by its CPU tests.
+_KERNEL_DEVICE_MIN = 0
+
+# kda-cute's packed T=1 entry, imported on the first CUDA call (importing the CuTe DSL is slow); None when kda-cute
+# is not installed (the facade's oracle path then runs, with its warning). Tests replace it with a recorder.
+_UNLOADED = object()
+_packed_entry = _UNLOADED
+
+
+def _load_packed():
+    global _packed_entry
+    try:
+        from kda_cute.decode_t1 import kda_decode_t1_packed as fn
+    except ImportError:
+        fn = None
+    _packed_entry = fn
+    return fn
+
+
+def _shape(x):
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _refuse_packed(mixed_qkv, raw_g, raw_beta, initial_state, out):
+    """Name the argument whose layout the packed call cannot view (the slow path of a malformed call)."""
+    if not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4:
+        fail("initial_state", "the state pool [slots, H, V, K]", _shape(initial_state))
+    _, H, _, K = initial_state.shape
+    if not isinstance(mixed_qkv, torch.Tensor) or mixed_qkv.dim() != 2:
+        fail("mixed_qkv", "a 2-D tensor [B, 3 * H * K]", _shape(mixed_qkv))
+    B = mixed_qkv.shape[0]
+    if not isinstance(raw_g, torch.Tensor) or tuple(raw_g.shape) != (1, B, H, K):
+        fail("raw_g", f"shape [1, {B}, {H}, {K}] (B from mixed_qkv, H and K from initial_state)", _shape(raw_g))
+    if raw_g.stride()[2:] != (K, 1):
+        fail("raw_g", f"each token's [H, K] contiguous (strides [*, *, {K}, 1])", raw_g.stride())
+    if not isinstance(raw_beta, torch.Tensor) or raw_beta.dim() != 3 or raw_beta.shape[0] != 1:
+        fail("raw_beta", f"shape [1, {B}, {H}]", _shape(raw_beta))
+    fail("out", f"None or a tensor [1, {B}, {H}, V]", _shape(out))
+
+
+def fused_recurrent_kda_packed_decode(
+    mixed_qkv,
+    raw_g,
+    raw_beta,
+    A_log,
+    dt_bias,
+    lower_bound,
+    initial_state,
+    state_indices,
+    scale=None,
+    out=None,
+):
+    """vLLM Kimi K3's plain-decode call (one token per request, straight from the packed post-conv rows).
+
+    Args (B requests, H heads, K = V = 128, as vLLM passes them):
+        mixed_qkv: [B, 3 * H * K] bf16 ``[q heads | k heads | v heads]``, last dim contiguous, row stride free.
+        raw_g: [1, B, H, K] raw gate (bf16 or fp32), each token's [H, K] contiguous, token stride free.
+        raw_beta: [1, B, H] beta logit, any strides.
+        A_log: [H] fp32. dt_bias: [H * K] or [H, K] fp32, or None (zeros).
+        lower_bound: negative float (Kimi K3's ``lb * sigmoid(exp(A_log) * x)`` gate) or None (softplus gate).
+        initial_state: the pool [slots, H, V, K] (fp32 or bf16, inner dims compact, slot stride free); updated in
+            place.
+        state_indices: [B] int32 / int64, any stride. An index ``<= 0`` (or ``>= slots``) makes its row null: zero
+            output, the pool neither read nor written there.
+        scale: None (K ** -0.5) or a float.
+        out: None (allocated [1, B, H, V] in ``mixed_qkv``'s dtype) or a bf16 [1, B, H, V] buffer (row and head
+            strides free) written in place.
+
+    Returns ``(out, initial_state)``: ``out`` is the tensor passed (or allocated), the pool the one passed.
+
+    On CUDA this is kda-cute's packed T=1 kernel itself (:func:`kda_cute.decode_t1.kda_decode_t1_packed`) on views
+    of ``raw_g`` as [B, H * K], ``raw_beta`` as [B, H] and ``out`` as [B, 1, H, V]: no copy, no allocation when
+    ``out`` is given. Its validator names the arguments as it sees them (``raw_gate``, ``raw_beta``, ``output``).
+    On the CPU (and on CUDA without kda-cute) the same call runs through :func:`kda_recurrent.recurrent_kda` on
+    zero-copy views, i.e. kda-core's oracle.
+    """
+    try:
+        # B, H, K from raw_g: the kernel's validator checks them against mixed_qkv and the pool (and K = 128).
+        one, B, H, K = raw_g.shape
+        if one != 1 or raw_beta.shape[0] != 1:
+            raise ValueError
+        gate = raw_g.view(B, H * K)  # [1, B, H, K] with each token's [H, K] compact: a view
+        beta = raw_beta[0]  # [B, H] (any other rank is refused by the kernel's validator, naming raw_beta)
+        if out is None:
+            out = torch.empty((1, B, H, initial_state.shape[2]), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+        output = out.transpose(0, 1)  # [B, 1, H, V]: the kernel's output form (a size-1 dim's stride is not read)
+        device = mixed_qkv.get_device()
+    except (AttributeError, TypeError, ValueError, IndexError, RuntimeError):
+        _refuse_packed(mixed_qkv, raw_g, raw_beta, initial_state, out)
+    if device >= _KERNEL_DEVICE_MIN:
+        fn = _packed_entry
+        if fn is _UNLOADED:
+            fn = _load_packed()
+        if fn is not None:
+            fn(mixed_qkv, gate, beta, initial_state, state_indices, num_heads=H, A_log=A_log, dt_bias=dt_bias,
+               lower_bound=lower_bound, scale=scale, output=output, null_policy=_NULL_POLICY)
+            return out, initial_state
+    q, k, v, g, b = _unpacked_views(mixed_qkv, gate, beta, H, K)
+    recurrent_kda(q, k, v, g, b, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+                  use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=lower_bound, beta_is_logit=True,
+                  ssm_state_indices=state_indices, output=output, null_policy=_NULL_POLICY)
+    return out, initial_state
+
+
+def _unpacked_views(mixed_qkv, gate, beta, H, K):
+    """q, k, v, g [B, 1, H, K] and beta [B, 1, H]: views of the packed rows (the facade's T=1 form)."""
+    if not isinstance(mixed_qkv, torch.Tensor) or mixed_qkv.dim() != 2 or mixed_qkv.shape[1] != 3 * H * K:
+        fail("mixed_qkv", f"shape [B, {3 * H * K}] (3 * H * K, H and K from raw_g)", _shape(mixed_qkv))
+    if mixed_qkv.stride(1) != 1:
+        fail("mixed_qkv", "a contiguous last dim", mixed_qkv.stride())
+    q, k, v = (part.unflatten(1, (H, K)).unsqueeze(1) for part in mixed_qkv.split(H * K, dim=1))
+    return q, k, v, gate.unflatten(1, (H, K)).unsqueeze(1), beta.unsqueeze(1)
+
+
+def fused_recurrent_kda(
+    q,
+    k,
+    v,
+    raw_g,
+    raw_beta,
+    A_log,
+    dt_bias,
+    lower_bound,
+    initial_state,
+    cu_seqlens,
+    ssm_state_indices,
+    num_accepted_tokens=None,
+    out=None,
+    fuse_gate=None,
+):
+    """vLLM Kimi K3's speculative-decode call: per-token checkpoints from raw gate and beta.
+
+    Args (n requests, 1 + S tokens each at most, concatenated; H heads, K = V = 128):
+        q, k, v: [1, Ntok, H, K] bf16, strided views of the post-conv rows (head dims compact).
+        raw_g: [1, Ntok, H, K] raw gate; raw_beta: [1, Ntok, H] beta logit.
+        A_log [H] fp32, dt_bias [H * K] fp32 or None, lower_bound (negative float or None): the gate's parameters.
+        initial_state: the pool [slots, H, V, K], updated in place.
+        cu_seqlens: [n + 1] int offsets (device data, bounded in the kernel).
+        ssm_state_indices: [n, 1 + S] rows of the block table (column stride 1, row stride free): the first state is
+            read from column ``num_accepted_tokens[n] - 1`` and the state after token t written to column t.
+            Under vLLM's policy an index ``<= 0`` is null (its token is skipped, no write), and a row whose accepted
+            count is ``<= 0`` or ``> 1 + S`` is null as a whole.
+        num_accepted_tokens: [n] int or None (column 0).
+        out: None (a new bf16 [1, Ntok, H, V]) or a bf16 [1, Ntok, H, V] buffer written in place.
+        fuse_gate: None or True (vLLM's default): the gate and sigmoid(beta) are computed in the kernel. False: as
+            vLLM does, the fp32 gate ``gate(raw_g)`` and beta ``sigmoid(raw_beta)`` are materialised first
+            (kda-core's gate formula, the same as vLLM's fused gate kernel) and the kernel takes them precomputed.
+            Both give the same results up to rounding.
+
+    The scale is K ** -0.5 and the L2 norm is on, as vLLM fixes them. Returns ``(out, initial_state)``.
+    Runs through :func:`kda_recurrent.recurrent_kda` (the generic kernel on CUDA, the oracle on the CPU).
+    """
+    if fuse_gate is None:
+        fuse_gate = True
+    elif fuse_gate is not True and fuse_gate is not False:
+        fail("fuse_gate", "None, True or False", repr(fuse_gate))
+    if fuse_gate:
+        g, beta = raw_g, raw_beta
+    else:
+        # Validate the call as vLLM makes it (the raw gate with its parameters) before any tensor code runs, then
+        # materialise the gate and beta; the facade then validates the precomputed form.
+        validate_recurrent(RecurrentArgs(
+            q, k, v, raw_g, raw_beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=lower_bound, beta_is_logit=True,
+            cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+            output=out))
+        g = kda_gate_ref(raw_g, A_log, dt_bias, lower_bound)
+        beta = torch.sigmoid(raw_beta.float())
+        A_log = dt_bias = lower_bound = None
+    return recurrent_kda(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=fuse_gate, lower_bound=lower_bound, beta_is_logit=fuse_gate, cu_seqlens=cu_seqlens,
+        ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens, output=out,
+        null_policy=_NULL_POLICY,
+    )

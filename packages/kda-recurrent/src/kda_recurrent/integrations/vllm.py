@@ -1,0 +1,66 @@
+"""Run vLLM's KDA decode on kda: ``enable()`` replaces vLLM's vendored functions by kda's adapters.
+
+    from kda_recurrent.integrations import vllm as kda_vllm
+    kda_vllm.enable()    # in every process that runs the model, before its first forward; returns what it replaced
+
+Replaced (each where the module imports; see :mod:`kda_recurrent.integrations` for how, and docs/serving.md):
+
+- Kimi K3, ``vllm/models/kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py``
+  @ 03c20345bb2534b98224519afacb78a4baa6ccfa: ``fused_recurrent_kda_packed_decode`` (plain decode) and
+  ``fused_recurrent_kda`` (speculative decode) by :mod:`kda_recurrent.compat.vllm.kimi_k3`; also in the package
+  ``...third_party/kda/__init__.py`` @ 3f9a13d44d92a4535c34d186dce79edcb1e41b2f that re-exports them, which is where
+  the layer (``vllm/models/kimi_k3/nvidia/kda.py`` @ 3a1f05ba17aa4715f4020a4d304d57cfc1e37ebb) imports them from
+  at call time.
+- Kimi-Linear (the shared KDA layer), ``vllm/third_party/flash_linear_attention/ops/kda.py``
+  @ 933876c388fb129ad82590660e6506614559cb86: ``fused_recurrent_kda`` by
+  :mod:`kda_recurrent.compat.vllm.kimi_linear`; also the name the layer module
+  ``vllm/model_executor/layers/mamba/gdn/kda_linear_attn.py`` @ eda8c32aa92dc346443a4b9890f9dc71633af9c4 binds by
+  ``from ... import fused_recurrent_kda`` at import.
+
+Not replaced: the native fused CUDA op (``torch.ops._C.fused_kda_decode``: conv, norm and gate in one kernel; select
+``additional_config={"kda_decode_backend": "triton"}`` so that the layer takes the packed-decode call kda replaces),
+FlashInfer's decode ops, RecoverSSM, and prefill. Every replacement treats slot ``<= 0`` as null (vLLM's
+``NULL_BLOCK_ID``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+from kda_recurrent.integrations import Patcher, Target
+
+__all__ = ["TARGETS", "disable", "enable", "patched"]
+
+logger = logging.getLogger(__name__)
+
+_K3 = "vllm.models.kimi_k3.nvidia.ops.third_party.kda.fused_recurrent"
+TARGETS = (
+    Target(_K3, "fused_recurrent_kda_packed_decode",
+           "kda_recurrent.compat.vllm.kimi_k3:fused_recurrent_kda_packed_decode"),
+    Target(_K3, "fused_recurrent_kda", "kda_recurrent.compat.vllm.kimi_k3:fused_recurrent_kda"),
+    Target("vllm.third_party.flash_linear_attention.ops.kda", "fused_recurrent_kda",
+           "kda_recurrent.compat.vllm.kimi_linear:fused_recurrent_kda"),
+)
+
+_patcher = Patcher("vllm", TARGETS)
+
+
+def enable(*, require_kernels: bool = True) -> list[str]:
+    """Replace vLLM's KDA decode functions by kda's; returns the ``module.name`` attributes replaced by this call
+    (empty when vLLM's modules do not import, or when everything is replaced already). ``require_kernels``: do
+    nothing (with a warning) when kda-cute is not installed, since the adapters would run kda-core's oracle."""
+    if require_kernels and importlib.util.find_spec("kda_cute") is None:
+        logger.warning("kda: kda-cute is not installed; vLLM keeps its own KDA decode (install kda-recurrent[cute])")
+        return []
+    return _patcher.enable()
+
+
+def disable() -> list[str]:
+    """Put vLLM's own functions back; returns the ``module.name`` attributes restored."""
+    return _patcher.disable()
+
+
+def patched() -> list[str]:
+    """The ``module.name`` attributes that hold a kda adapter now."""
+    return _patcher.patched()

@@ -1,0 +1,170 @@
+"""``kda_recurrent.integrations``: replacing the engines' vendored KDA decode functions, and putting them back.
+
+The engines are not imported: stand-in modules (``tests/standins/``, the engines' dotted names and function
+signatures) are inserted into ``sys.modules``, with the binding patterns of the engine files (a package that
+re-exports, a caller that imports the name at import, a caller that imports it at call time).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from kda_recurrent.compat import sglang as sglang_adapters
+from kda_recurrent.compat.vllm import kimi_k3, kimi_linear
+from kda_recurrent.integrations import sglang as sglang_integration
+from kda_recurrent.integrations import signature_mismatch
+from kda_recurrent.integrations import vllm as vllm_integration
+
+STANDINS = Path(__file__).parent / "standins"
+K3 = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
+FLA_OPS = "vllm.third_party.flash_linear_attention.ops.kda"
+LINEAR_LAYER = "vllm.model_executor.layers.mamba.gdn.kda_linear_attn"
+SGL = "sglang.kernels.ops.attention.fla.fused_recurrent"
+SGL_CALLER = "sglang.srt.layers.attention.linear.kernels.kda_triton"
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    """``load(dotted_name, standin_file)``: a stand-in module under the engine's name (parents as empty packages);
+    both integrations are disabled again before the modules are removed."""
+
+    def load(name: str, filename: str):
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            parent = ".".join(parts[:i])
+            if not isinstance(sys.modules.get(parent), types.ModuleType):
+                package = types.ModuleType(parent)
+                package.__path__ = []
+                monkeypatch.setitem(sys.modules, parent, package)
+        spec = importlib.util.spec_from_file_location(name, STANDINS / filename)
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, module)
+        spec.loader.exec_module(module)
+        return module
+
+    yield load
+    vllm_integration.disable()
+    sglang_integration.disable()
+
+
+def load_vllm(load):
+    return dict(
+        k3=load(f"{K3}.fused_recurrent", "vllm_k3_fused_recurrent.py"),
+        k3_package=load(K3, "vllm_k3_kda_package.py"),
+        k3_layer=load("vllm.models.kimi_k3.nvidia.kda", "vllm_k3_layer.py"),
+        fla=load(FLA_OPS, "vllm_fla_ops_kda.py"),
+        linear_layer=load(LINEAR_LAYER, "vllm_kda_linear_attn.py"),
+    )
+
+
+def test_vllm_enable_replaces_every_binding(engine, caplog):
+    m = load_vllm(engine)
+    originals = (m["k3"].fused_recurrent_kda_packed_decode, m["k3"].fused_recurrent_kda, m["fla"].fused_recurrent_kda)
+    with caplog.at_level(logging.INFO, logger="kda_recurrent.integrations"):
+        replaced = vllm_integration.enable()
+    assert sorted(replaced) == sorted([
+        f"{K3}.fused_recurrent.fused_recurrent_kda_packed_decode", f"{K3}.fused_recurrent_kda_packed_decode",
+        f"{K3}.fused_recurrent.fused_recurrent_kda", f"{K3}.fused_recurrent_kda",
+        f"{FLA_OPS}.fused_recurrent_kda", f"{LINEAR_LAYER}.fused_recurrent_kda",
+    ])
+    assert len([r for r in caplog.records if " -> " in r.getMessage()]) == len(replaced)  # one line each
+    for module in (m["k3"], m["k3_package"]):
+        assert module.fused_recurrent_kda_packed_decode is kimi_k3.fused_recurrent_kda_packed_decode
+        assert module.fused_recurrent_kda is kimi_k3.fused_recurrent_kda
+    assert m["k3_layer"].decode_functions() == (kimi_k3.fused_recurrent_kda_packed_decode,
+                                                kimi_k3.fused_recurrent_kda)  # the layer's call-time import
+    assert m["fla"].fused_recurrent_kda is kimi_linear.fused_recurrent_kda
+    assert m["linear_layer"].fused_recurrent_kda is kimi_linear.fused_recurrent_kda  # bound by name at import
+    assert m["k3"].fused_recurrent_kda_fwd(*[None] * 5) == ("vllm-k3", "fused_recurrent_kda_fwd")  # not a target
+    assert sorted(vllm_integration.patched()) == sorted(replaced)
+
+    assert vllm_integration.enable() == []  # idempotent: nothing left to replace
+    assert sorted(vllm_integration.disable()) == sorted(replaced)
+    assert m["k3_layer"].decode_functions() == originals[:2]
+    assert m["fla"].fused_recurrent_kda is originals[2] and m["linear_layer"].fused_recurrent_kda is originals[2]
+    assert vllm_integration.disable() == [] and vllm_integration.patched() == []
+    assert len(vllm_integration.enable()) == len(replaced)  # and again after a disable
+
+
+def test_vllm_module_imported_after_enable_is_restored_too(engine):
+    fla = engine(FLA_OPS, "vllm_fla_ops_kda.py")
+    original = fla.fused_recurrent_kda
+    assert vllm_integration.enable() == [f"{FLA_OPS}.fused_recurrent_kda"]  # K3 absent: skipped quietly
+    layer = engine(LINEAR_LAYER, "vllm_kda_linear_attn.py")
+    assert layer.fused_recurrent_kda is kimi_linear.fused_recurrent_kda
+    restored = vllm_integration.disable()
+    assert sorted(restored) == sorted([f"{FLA_OPS}.fused_recurrent_kda", f"{LINEAR_LAYER}.fused_recurrent_kda"])
+    assert layer.fused_recurrent_kda is original
+
+
+def test_vllm_changed_signature_is_left_alone(engine, caplog):
+    fla = engine(FLA_OPS, "vllm_fla_ops_kda.py")
+
+    def fused_recurrent_kda(q, k, v, g, beta, new_first_option, scale=None):  # an engine whose call changed
+        return "vllm-fla", "changed"
+
+    fla.fused_recurrent_kda = fused_recurrent_kda
+    with caplog.at_level(logging.WARNING, logger="kda_recurrent.integrations"):
+        assert vllm_integration.enable() == []
+    assert fla.fused_recurrent_kda is fused_recurrent_kda
+    assert any("kept" in r.getMessage() for r in caplog.records)
+
+
+def test_enable_without_the_engine_or_the_kernels(engine, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # vLLM not importable
+    monkeypatch.setitem(sys.modules, "sglang", None)
+    assert vllm_integration.enable() == [] and sglang_integration.enable() == []
+    assert vllm_integration.disable() == []
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "kda_cute" else real_find_spec(name, *a))
+    monkeypatch.delitem(sys.modules, "vllm")
+    fla = engine(FLA_OPS, "vllm_fla_ops_kda.py")
+    assert vllm_integration.enable() == []  # kda-cute missing: the engine keeps its own function
+    assert fla.fused_recurrent_kda is not kimi_linear.fused_recurrent_kda
+    assert vllm_integration.enable(require_kernels=False) == [f"{FLA_OPS}.fused_recurrent_kda"]
+
+
+def test_sglang_enable_and_disable(engine, caplog):
+    defining = engine(SGL, "sglang_fused_recurrent.py")
+    caller = engine(SGL_CALLER, "sglang_kda_triton.py")
+    original = defining.fused_recurrent_kda_packed_decode
+    with caplog.at_level(logging.INFO, logger="kda_recurrent.integrations"):
+        replaced = sglang_integration.enable()
+    assert sorted(replaced) == sorted([f"{SGL}.fused_recurrent_kda_packed_decode",
+                                       f"{SGL_CALLER}.fused_recurrent_kda_packed_decode"])
+    assert len([r for r in caplog.records if " -> " in r.getMessage()]) == 2
+    adapter = sglang_adapters.fused_recurrent_kda_packed_decode
+    assert defining.fused_recurrent_kda_packed_decode is adapter and caller.fused_recurrent_kda_packed_decode is adapter
+    assert sglang_integration.enable() == []
+    assert sorted(sglang_integration.disable()) == sorted(replaced)
+    assert defining.fused_recurrent_kda_packed_decode is original
+    assert caller.fused_recurrent_kda_packed_decode is original
+
+
+def test_adapters_take_the_engines_signatures():
+    # The engines' signatures (the stand-ins) against the adapters: every positional parameter in place, the
+    # keywords present; an adapter that dropped or moved one would be refused.
+    spec = importlib.util.spec_from_file_location("k3_signatures", STANDINS / "vllm_k3_fused_recurrent.py")
+    k3 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(k3)
+    assert signature_mismatch(k3.fused_recurrent_kda_packed_decode, kimi_k3.fused_recurrent_kda_packed_decode) is None
+    assert signature_mismatch(k3.fused_recurrent_kda, kimi_k3.fused_recurrent_kda) is None
+
+    def packed_without_out(mixed_qkv, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, state_indices,
+                           scale=None):  # the older vLLM form: also taken
+        pass
+
+    assert signature_mismatch(packed_without_out, kimi_k3.fused_recurrent_kda_packed_decode) is None
+    assert "prefix" in signature_mismatch(kimi_k3.fused_recurrent_kda, kimi_k3.fused_recurrent_kda_packed_decode)
+
+    def takes_kwargs(q, **kwargs):
+        pass
+
+    assert "**kwargs" in signature_mismatch(takes_kwargs, lambda q: None)
