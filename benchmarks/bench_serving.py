@@ -8,7 +8,7 @@ distinct slots of a pool of B + 1 slots (slot 0 unused, so every form reads the 
   elements (vLLM's test pool), the slot indices a stride-8 column of a block table;
 - ``vllm_kimi_linear``: ``kda_recurrent.compat.vllm.kimi_linear.fused_recurrent_kda`` on ``[1, B, H, D]`` +
   ``cu_seqlens`` (one token per sequence), fp32 log decay and sigmoided beta precomputed, the same pool and index
-  layout, no ``out`` (the layer passes none);
+  layout, ``out`` given (the layer passes none; the vendored op takes one);
 - ``sglang``: ``kda_recurrent.compat.sglang.fused_recurrent_kda_packed_decode`` (null -1): contiguous packed rows,
   raw gate (softplus, no lower bound), beta logits, a contiguous pool and index tensor, ``out`` given.
 
@@ -28,7 +28,7 @@ kernel (vLLM K3 inputs), each against ``default`` (contiguous pool and int32 ind
 row + 17: the unaligned variant), ``vllm`` (all three). To keep the run short they use a subset grid,
 ``--variant-batch-size`` (default 1, 32, 256, 512) x ``--variant-heads`` (default 12) x both state dtypes.
 
-Eager host cost: each adapter at B=1 (``out`` given where the form has one), the median over rounds of back-to-back
+Eager host cost: each adapter at B=1 (``out`` given), the median over rounds of back-to-back
 calls (``_timing.eager_wall_us``), with the bare kernel's for comparison, once per (engine, H, dtype).
 
 Before timing, every point checks the adapter against the kda-core oracle (B <= ``--check-max-batch``) and FLA
@@ -143,7 +143,7 @@ def make_case(engine, B, H, dtype, seed=0, layout=None):
                  g=torch.nn.functional.logsigmoid(randn(1, B, H, K, to=torch.float32) + 2.0),
                  beta=torch.rand(1, B, H, generator=gen, device=DEVICE),
                  cu=torch.arange(B + 1, dtype=torch.int32, device=DEVICE),
-                 out=torch.empty(B, 1, H, K, dtype=torch.bfloat16, device=DEVICE))
+                 out=torch.empty(1, B, H, K, dtype=torch.bfloat16, device=DEVICE))
     return x
 
 
@@ -192,8 +192,8 @@ def adapter_fn(x):
         def call():
             return kimi_linear.fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["pool"],
                                                    inplace_final_state=True, use_qk_l2norm_in_kernel=True,
-                                                   cu_seqlens=x["cu"], ssm_state_indices=x["slots"])[0].view(B, 1, H,
-                                                                                                              K)
+                                                   cu_seqlens=x["cu"], ssm_state_indices=x["slots"],
+                                                   out=x["out"])[0].view(B, 1, H, K)
     return call
 
 
@@ -207,7 +207,8 @@ def bare_fn(x):
 
         def call():
             return decode_t1.kda_decode_t1(q, k, v, g, beta, x["pool"], x["slots"], use_gate_in_kernel=False,
-                                           beta_is_logit=False, output=x["out"], null_policy=x["policy"])
+                                           beta_is_logit=False, output=x["out"].view(B, 1, H, K),
+                                           null_policy=x["policy"])
         return call
     raw_g, raw_beta = ((x["raw_g"].view(B, H * K), x["raw_beta"].view(B, H)) if x["engine"] == "vllm_k3"
                        else (x["a"], x["b"]))
@@ -332,7 +333,6 @@ def engine_point(x, dtype_name, args, timer, with_fla):
         with timer.paused():
             rec["adapter_eager_call_us"] = _timing.eager_wall_us(adapter, calls=args.eager_calls)
             rec["bare_eager_call_us"] = _timing.eager_wall_us(calls["bare"], calls=args.eager_calls)
-        rec["out_given"] = x["engine"] != "vllm_kimi_linear"
     return rec
 
 
