@@ -1,8 +1,10 @@
 """FlashInfer's padded-slot regression inputs through ``kda_recurrent.recurrent_kda`` (docs/serving.md §5).
 
-FlashInfer's ``tests/kda/test_recurrent_kda_dense_padded_ssi.py`` (flashinfer-ai/flashinfer, read at
-aaea00240397d7718f9a5b8332abb0fc132b7051) guards against its dense T=1 path wrapping a -1 slot index to the last
-pool slot (flashinfer-ai/flashinfer#5042). Its inputs, rebuilt here (no code taken from it):
+FlashInfer's ``tests/kda/test_recurrent_kda_dense_padded_ssi.py`` (flashinfer-ai/flashinfer; two stored versions
+read: @ aaea00240397d7718f9a5b8332abb0fc132b7051, the one docs/serving.md cites, and
+@ 3f257633153f9f08457fee61aec38085486ce9ea, which adds the D = 128 softplus case and expects the pool back as the
+final state) guards against its dense T=1 path wrapping a -1 slot index to the last pool slot
+(flashinfer-ai/flashinfer#5042). Its inputs, rebuilt here (no code taken from it):
 
 - dense T=1, H = 32, D = 64, bf16 activations and a bf16 pool of 5 slots (8 in the CUDA-graph case), all zero but
   for the last slot, filled with the sentinel 7.0, and the active slots, 0.01 * randn;
@@ -155,8 +157,8 @@ def test_gpu_flashinfer_padded_slot_inputs_under_cuda_graph_replay(case, backend
     out = torch.empty_like(kw["v"])
     extra = {} if backend is None else {"backend": backend}
 
-    def run():
-        recurrent_kda(**kw, output=out, **extra)
+    def run():  # with output_final_state=True, as FlashInfer's graph case calls it
+        recurrent_kda(**kw, output=out, output_final_state=True, **extra)
 
     run()  # eager first (compiles the kernel), as FlashInfer's test does
     torch.cuda.synchronize()
