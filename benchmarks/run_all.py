@@ -1,13 +1,15 @@
 """Run every benchmark (benchmarks/bench_*.py) with its defaults, one process each: the baselines, regenerated.
 
 Each benchmark prints its provenance, checks its kernels against the kda-core oracle and FLA, and writes
-benchmarks/baselines/<gpu>/<name>.{json,png} (``<gpu>`` from the GPU's name: ``h200`` on an H200). All of them take
-about 6 minutes on an H200. ``nox -s bench`` runs this script; it needs a CUDA GPU, the host's torch with CUDA,
+benchmarks/baselines/<gpu>/<name>.{json,png} (``<gpu>`` from the GPU's name: ``h200`` on an H200). All of them but
+bench_serving.py (the engine adapters' call forms, sized for about 150 s, not yet measured) take about 6 minutes on
+an H200. ``nox -s bench`` runs this script; it needs a CUDA GPU, the host's torch with CUDA,
 nvidia-cutlass-dsl, apache-tvm-ffi, and for the FLA columns fla-core (matplotlib for the PNGs, cupti-python for
 CUPTI kernel times); nothing is installed, and the kda packages are the repository's own sources.
 
     python benchmarks/run_all.py                                  # every baseline
     python benchmarks/run_all.py --only packed_kda_decode ucache  # those whose name holds one of the words
+    python benchmarks/run_all.py --only serving                   # the engine adapters (bench_serving.py)
     python benchmarks/run_all.py --out /tmp/bench                 # write /tmp/bench/<name>.json instead
 
 A benchmark that fails (or passes ``--timeout``) is reported and the next one still runs; the exit status says
