@@ -25,10 +25,11 @@ HEAD_DIM = 128
 
 # The compile checks run for sm_90a and sm_100a. The kernels have no arch-dependent source (one source, no sm_100
 # branch yet), so the sm_100a build differs only in the backend's lowering and register allocation; a compile check
-# marked ``sm100_share(keep)`` runs its sm_100a cases only where ``keep(params, indices)`` (the case's parameter
-# values and their indices in each list) is true. The full cross product cost 25 of CI's 30 minutes on the 2-core
+# marked ``sm100_share(keep)`` runs its sm_100a cases only where ``keep(params, indices)`` (pytest's callspec: the
+# parameter values and indices) is true. The full cross product cost 25 of CI's 30 minutes on the 2-core
 # machine; the share keeps every kernel family, gate, pool dtype and alignment class on both targets.
-# The long variant lists keep every third case (``indices[name] % 3 == 0``; test modules cannot import from here).
+# The long variant lists keep every third case by its position in the list (``VARIANTS.index(params[name]) % 3``;
+# ``indices`` counts a case's position in the whole parametrization, not in one list).
 
 
 def _sm100_deselected(item) -> bool:
