@@ -207,7 +207,7 @@ class KDAFusedDecode(KDADecodeT1):
                                       byte_alignment=16)
         sO = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((HEAD_DIM,)), byte_alignment=16)
         sSum = smem.allocate_tensor(Float32, cute.make_layout((WARPS,)), byte_alignment=16)
-        sRing, sFull = self.allocate_ring(smem if const_expr(self.bulk_ring) else None)
+        sRing, sFull = self.allocate_ring(smem)
 
         # ---- phase 0: every activation and parameter of this thread, before the slot is known -------------------
         slot = mSlot[b]
