@@ -92,7 +92,7 @@ BAD = [
     ("raw_beta", dict(raw_beta=torch.zeros(1, 3, H, dtype=F32)), "dtype bfloat16"),
     ("raw_beta", dict(raw_beta=torch.zeros(3, H, dtype=BF16)), "[1, B, H]"),
     ("A_log", dict(A_log=torch.zeros(H + 1)), "[H]"),
-    ("A_log", dict(A_log=None), "fp32 tensor"),
+    ("A_log", dict(A_log=None), "computed in the kernel"),
     ("dt_bias", dict(dt_bias=torch.zeros(H * D, dtype=BF16)), "float32"),
     ("lower_bound", dict(lower_bound=1.0), "negative"),
     ("state_indices", dict(state_indices=torch.zeros(4, dtype=torch.int32)), "[B]"),

@@ -65,11 +65,12 @@ def _clone(t):
 
 
 def _run_both(inputs, **kwargs):
-    """(kernel output, reference output, kernel caches, reference caches); both start from the same caches."""
+    """(kernel output, reference output, kernel caches, reference caches); both start from the same caches. The
+    reference never gets the caller's ``output`` (it returns its own)."""
     from kda_core.oracle_fused import fused_kda_decode_ref
     from kda_cute.fused_decode import fused_kda_decode
 
-    ref_kwargs = {k: v for k, v in kwargs.items() if k != "config"}
+    ref_kwargs = {k: v for k, v in kwargs.items() if k not in ("config", "output")}
     ref_conv, ref_state = _clone(inputs["conv_state"]), _clone(inputs["state"])
     expected = fused_kda_decode_ref(**{**inputs, "conv_state": ref_conv, "state": ref_state}, **ref_kwargs)
     actual = fused_kda_decode(**inputs, **kwargs)
@@ -153,7 +154,7 @@ def test_strided_and_unaligned_inputs():
     output = out_storage[..., :D]
     bias = 0.1 * torch.randn(3 * H * D, device="cuda")
     actual, expected, caches, ref_caches = _run_both(inputs, bias=bias, output=output)
-    assert actual.data_ptr() == output.data_ptr()
+    assert actual.data_ptr() == output.data_ptr() != expected.data_ptr()
     _assert_matches(actual, expected, caches, ref_caches)
     assert torch.equal(out_storage[..., D:], torch.zeros_like(out_storage[..., D:]))  # the padding is not written
 

@@ -221,6 +221,8 @@ def validate_fused_decode(
     _activation("raw_gate", raw_gate, (1, B, H, HEAD_DIM), "[1, B, H, 128]", dev)
     _last_contiguous("raw_gate", raw_gate)
     _activation("raw_beta", raw_beta, (1, B, H), "[1, B, H]", dev)
+    if A_log is None:
+        fail("A_log", f"an fp32 tensor [H] = ({H},) (the layer's gate is computed in the kernel)", None)
     _check_gate_params(A_log, dt_bias, H, HEAD_DIM, True, dev)
     _check_scalar_args(lower_bound, None, HEAD_DIM, True)
 
