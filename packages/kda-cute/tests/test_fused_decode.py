@@ -226,3 +226,24 @@ def test_slot_offset_past_two_to_the_31_elements():
     torch.testing.assert_close(actual, expected, **OUT_TOL)
     torch.testing.assert_close(conv[slot], ref_conv[0], rtol=0, atol=0)
     torch.testing.assert_close(state[slot], ref_state[0], **STATE_TOL)
+
+
+@pytest.mark.gpu
+def test_debug_validate_names_duplicate_live_slots(monkeypatch):
+    """With KDA_DEBUG_VALIDATE=1 two rows naming one live slot are refused before launch (both caches untouched);
+    rows sharing the null slot 0 are not duplicates under NONPOSITIVE."""
+    from kda_core.errors import KDAError
+    from kda_cute.fused_decode import fused_kda_decode
+
+    inputs = _inputs(12, 3, slots=4)
+    monkeypatch.setenv("KDA_DEBUG_VALIDATE", "1")
+    inputs["state_indices"] = torch.tensor([2, 1, 2], dtype=torch.int32, device="cuda")
+    before = _clone(inputs["conv_state"]), _clone(inputs["state"])
+    with pytest.raises(KDAError, match="^state_indices: expected distinct active slots"):
+        fused_kda_decode(**inputs)
+    torch.cuda.synchronize()
+    assert torch.equal(inputs["conv_state"], before[0]) and torch.equal(inputs["state"], before[1])
+    inputs["state_indices"] = torch.tensor([0, 1, 0], dtype=torch.int32, device="cuda")
+    out = fused_kda_decode(**inputs)
+    torch.cuda.synchronize()
+    assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0])) and torch.equal(out[0, 2], out[0, 0])
