@@ -407,6 +407,20 @@ class KDADecodeT1:
             if (row < B) & self.null(found, self.idx(n_slots)):
                 self.zero_output_row(mOut, row, h)
 
+    def allocate_ring(self, smem):
+        """(ring [slot, row of the chunk, channel], its mbarriers) in shared memory, or (None, None) without a bulk
+        ring. Traced inline."""
+        if const_expr(not self.bulk_ring):
+            return None, None
+        sRing = smem.allocate_tensor(
+            self.state_dtype,
+            cute.make_layout((self.bulk_ring, BULK_CHUNK_ROWS, HEAD_DIM),
+                             stride=(BULK_CHUNK_ROWS * HEAD_DIM, HEAD_DIM, 1)),
+            byte_alignment=128,
+        )
+        sFull = smem.allocate_tensor(Int64, cute.make_layout((self.bulk_ring,)), byte_alignment=8)  # mbarriers
+        return sRing, sFull
+
     def load_token(self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, b, h, lane, row0, group, n_rows):
         """Issue the loads of token (batch row) ``b``'s activations for head ``h`` and this lane: k, q, g channels
         [8 lane, 8 lane + 8), v of the state rows ``row0 + group + 8 j`` (j < ``n_rows``), beta, and A_log / dt_bias
@@ -524,97 +538,16 @@ class KDADecodeT1:
             slot = mSlot[b]
             active = self.live(slot, self.idx(n_slots))
         row0 = v_tile * self.tile_v
-        if const_expr(self.bulk_ring):
-            sRing = smem.allocate_tensor(  # [slot, row of the chunk, channel]
-                self.state_dtype,
-                cute.make_layout((self.bulk_ring, BULK_CHUNK_ROWS, HEAD_DIM),
-                                 stride=(BULK_CHUNK_ROWS * HEAD_DIM, HEAD_DIM, 1)),
-                byte_alignment=128,
-            )
-            sFull = smem.allocate_tensor(Int64, cute.make_layout((self.bulk_ring,)), byte_alignment=8)  # mbarriers
+        sRing, sFull = self.allocate_ring(smem if const_expr(self.bulk_ring) else None)
 
         # ---- issue every activation load before the slot is known: the slot -> state chain is the
         # critical path, and these loads (and the gate math below) hide under it ------------------
         token = self.load_token(mQ, mK, mV, mG, mBeta, mALog, mDtBias, b, h, lane, row0, group, self.rows)
-        v_raw = token[3]
 
         if active:
             # ---- then the state rows: they are the whole cost of this kernel -------------------------
-            sdt = self.state_dtype
-            s_bits = self._copy_bits(sdt, CHANNELS_PER_LANE)
-            s_vec = s_bits // sdt.width
-            load_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), sdt, num_bits_per_copy=s_bits, **self.load_hints)
-            store_atom = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), sdt, num_bits_per_copy=s_bits,
-                                             **self.store_hints)
-            # Int64 slot: slot * (H*V*K) overflows 32 bits past ~4.3 GB of pool.
-            gState = mState[Int64(slot), h, None, None]  # [V, K]
-            row_views = []
-            row_regs = []
-            for j in cutlass.range_constexpr(self.rows):
-                gRow = gState[row0 + group + j * ROW_GROUPS, None]
-                row_views.append(cute.logical_divide(cute.local_tile(gRow, (CHANNELS_PER_LANE,), (lane,)), (s_vec,)))
-                row_regs.append(cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt))
-            if const_expr(self.bulk_ring):
-                # Chunk c = rows [8c, 8c + 8) of the tile, one contiguous run of the state; it lives in ring slot
-                # c % ring and is the (c // ring)-th fill of that slot's mbarrier, so every wait parity is static.
-                chunk_elems = BULK_CHUNK_ROWS * HEAD_DIM
-                chunk_bytes = chunk_elems * sdt.width // 8
-                n_chunks = self.tile_v // BULK_CHUNK_ROWS
-                bulk_load = cute.make_copy_atom(cute.nvgpu.cpasync.CopyBulkG2SOp(), sdt,
-                                                num_bits_per_copy=chunk_elems * sdt.width)
-                bulk_store = cute.make_copy_atom(cute.nvgpu.cpasync.CopyBulkS2GOp(), sdt,
-                                                 num_bits_per_copy=chunk_elems * sdt.width)
-                s2r_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sdt, num_bits_per_copy=s_bits)
-                g_chunks = [cute.make_tensor(gState.iterator + (row0 + c * BULK_CHUNK_ROWS) * HEAD_DIM,
-                                             cute.make_layout((chunk_elems,))) for c in range(n_chunks)]
-                s_slots = [cute.make_tensor(sRing.iterator + r * chunk_elems, cute.make_layout((chunk_elems,)))
-                           for r in range(self.bulk_ring)]
-                full = [sFull.iterator + r for r in range(self.bulk_ring)]
-                smem_views = []  # the thread's 8 channels of its row in every slot
-                for r in cutlass.range_constexpr(self.bulk_ring):
-                    smem_views.append(cute.logical_divide(
-                        cute.local_tile(sRing[r, group, None], (CHANNELS_PER_LANE,), (lane,)), (s_vec,)))
-                # One thread: the mbarriers (arrival count 1: its own arrive.expect_tx), then the first `ring`
-                # chunks. Inactive rows never get here, so they issue no bulk copy.
-                if tidx == 0:
-                    for r in cutlass.range_constexpr(self.bulk_ring):
-                        cute.arch.mbarrier_init(full[r], 1)
-                    cute.arch.mbarrier_init_fence()
-                    for c in cutlass.range_constexpr(self.bulk_ring):
-                        cute.arch.mbarrier_arrive_and_expect_tx(full[c], chunk_bytes)
-                        cute.copy(bulk_load, g_chunks[c], s_slots[c], mbar_ptr=full[c])
-                cute.arch.sync_threads()  # the mbarrier inits are visible before anyone waits on them
-            else:
-                for j in cutlass.range_constexpr(self.rows_in_flight):
-                    cute.copy(load_atom, row_views[j], cute.logical_divide(row_regs[j], (s_vec,)))
-
-            # ---- per-lane preamble: decay a[c], k^, q^ for channels [8 lane, 8 lane + 8) --------------
-            kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound)
-
-            # ---- stream the rows: S' = a S; p, S'q^; u; S_new; o -------------------------------
-            s_new = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
-            for j in cutlass.range_constexpr(self.rows):
-                if const_expr(self.bulk_ring):
-                    # Row j of this thread is row `group` of chunk j.
-                    cute.arch.mbarrier_wait(full[j % self.bulk_ring], (j // self.bulk_ring) % 2)
-                    cute.copy(s2r_atom, smem_views[j % self.bulk_ring], cute.logical_divide(row_regs[j], (s_vec,)))
-                elif const_expr(j + self.rows_in_flight < self.rows):
-                    nxt = j + self.rows_in_flight
-                    cute.copy(load_atom, row_views[nxt], cute.logical_divide(row_regs[nxt], (s_vec,)))
-                sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
-                sf.store(row_regs[j].load().to(Float32))
-                sq, u = self.row_step(sf, decay, kf, qf, beta, v_raw[j])
-                s_new.store(sf.load().to(sdt))
-                if const_expr(self.bulk_ring):
-                    self.bulk_ring_step(j, n_chunks, s2r_atom, s_new, s_vec, smem_views, s_slots, g_chunks, full,
-                                        bulk_load, bulk_store, chunk_bytes, tidx)
-                else:
-                    cute.copy(store_atom, cute.logical_divide(s_new, (s_vec,)), row_views[j])
-                if lane == 0:
-                    mOut[b, 0, h, row0 + group + j * ROW_GROUPS] = (sq + u * kq).to(mOut.element_type)
-            if const_expr(self.bulk_ring):
-                if tidx == 0:
-                    cute.arch.cp_async_bulk_wait_group(0)  # every bulk store is complete before the CTA exits
+            self.update_state(mState, slot, h, row0, group, lane, tidx, token, scale, lower_bound, sRing, sFull, mOut,
+                              b, None)
         else:
             if const_expr(self.varlen):
                 if live & (seq_len > 1):
@@ -635,6 +568,102 @@ class KDADecodeT1:
                 self.zero_tokens(mOut, Int32(0), bos, h, row0, group, lane)
             if z == cute.size(mCu, mode=[0]) - 2:
                 self.zero_tokens(mOut, bos + seq_len, T, h, row0, group, lane)
+
+    @cute.jit
+    def update_state(self, mState: cute.Tensor, slot, h, row0, group, lane, tidx, token, scale: Float32,
+                     lower_bound: Float32, sRing, sFull, mOut, b, ctx):
+        """The state stream of an active row: issue this thread's state rows (or fill the bulk ring), finish the
+        token (:meth:`complete_token`, under the rows' latency), run its preamble, update each row in place and hand
+        each row's output to :meth:`emit_row`. ``sRing`` / ``sFull``: the ring and its mbarriers (None without a
+        ring); ``ctx``: what a subclass's :meth:`complete_token` needs (None here)."""
+        sdt = self.state_dtype
+        s_bits = self._copy_bits(sdt, CHANNELS_PER_LANE)
+        s_vec = s_bits // sdt.width
+        load_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), sdt, num_bits_per_copy=s_bits, **self.load_hints)
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), sdt, num_bits_per_copy=s_bits,
+                                         **self.store_hints)
+        # Int64 slot: slot * (H*V*K) overflows 32 bits past ~4.3 GB of pool.
+        gState = mState[Int64(slot), h, None, None]  # [V, K]
+        row_views = []
+        row_regs = []
+        for j in cutlass.range_constexpr(self.rows):
+            gRow = gState[row0 + group + j * ROW_GROUPS, None]
+            row_views.append(cute.logical_divide(cute.local_tile(gRow, (CHANNELS_PER_LANE,), (lane,)), (s_vec,)))
+            row_regs.append(cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt))
+        if const_expr(self.bulk_ring):
+            # Chunk c = rows [8c, 8c + 8) of the tile, one contiguous run of the state; it lives in ring slot
+            # c % ring and is the (c // ring)-th fill of that slot's mbarrier, so every wait parity is static.
+            chunk_elems = BULK_CHUNK_ROWS * HEAD_DIM
+            chunk_bytes = chunk_elems * sdt.width // 8
+            n_chunks = self.tile_v // BULK_CHUNK_ROWS
+            bulk_load = cute.make_copy_atom(cute.nvgpu.cpasync.CopyBulkG2SOp(), sdt,
+                                            num_bits_per_copy=chunk_elems * sdt.width)
+            bulk_store = cute.make_copy_atom(cute.nvgpu.cpasync.CopyBulkS2GOp(), sdt,
+                                             num_bits_per_copy=chunk_elems * sdt.width)
+            s2r_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sdt, num_bits_per_copy=s_bits)
+            g_chunks = [cute.make_tensor(gState.iterator + (row0 + c * BULK_CHUNK_ROWS) * HEAD_DIM,
+                                         cute.make_layout((chunk_elems,))) for c in range(n_chunks)]
+            s_slots = [cute.make_tensor(sRing.iterator + r * chunk_elems, cute.make_layout((chunk_elems,)))
+                       for r in range(self.bulk_ring)]
+            full = [sFull.iterator + r for r in range(self.bulk_ring)]
+            smem_views = []  # the thread's 8 channels of its row in every slot
+            for r in cutlass.range_constexpr(self.bulk_ring):
+                smem_views.append(cute.logical_divide(
+                    cute.local_tile(sRing[r, group, None], (CHANNELS_PER_LANE,), (lane,)), (s_vec,)))
+            # One thread: the mbarriers (arrival count 1: its own arrive.expect_tx), then the first `ring`
+            # chunks. Inactive rows never get here, so they issue no bulk copy.
+            if tidx == 0:
+                for r in cutlass.range_constexpr(self.bulk_ring):
+                    cute.arch.mbarrier_init(full[r], 1)
+                cute.arch.mbarrier_init_fence()
+                for c in cutlass.range_constexpr(self.bulk_ring):
+                    cute.arch.mbarrier_arrive_and_expect_tx(full[c], chunk_bytes)
+                    cute.copy(bulk_load, g_chunks[c], s_slots[c], mbar_ptr=full[c])
+            cute.arch.sync_threads()  # the mbarrier inits are visible before anyone waits on them
+        else:
+            for j in cutlass.range_constexpr(self.rows_in_flight):
+                cute.copy(load_atom, row_views[j], cute.logical_divide(row_regs[j], (s_vec,)))
+
+        # ---- per-lane preamble: decay a[c], k^, q^ for channels [8 lane, 8 lane + 8) --------------
+        token = self.complete_token(token, ctx)
+        kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound)
+        v_raw = token[3]
+
+        # ---- stream the rows: S' = a S; p, S'q^; u; S_new; o -------------------------------
+        s_new = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
+        for j in cutlass.range_constexpr(self.rows):
+            if const_expr(self.bulk_ring):
+                # Row j of this thread is row `group` of chunk j.
+                cute.arch.mbarrier_wait(full[j % self.bulk_ring], (j // self.bulk_ring) % 2)
+                cute.copy(s2r_atom, smem_views[j % self.bulk_ring], cute.logical_divide(row_regs[j], (s_vec,)))
+            elif const_expr(j + self.rows_in_flight < self.rows):
+                nxt = j + self.rows_in_flight
+                cute.copy(load_atom, row_views[nxt], cute.logical_divide(row_regs[nxt], (s_vec,)))
+            sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+            sf.store(row_regs[j].load().to(Float32))
+            sq, u = self.row_step(sf, decay, kf, qf, beta, v_raw[j])
+            s_new.store(sf.load().to(sdt))
+            if const_expr(self.bulk_ring):
+                self.bulk_ring_step(j, n_chunks, s2r_atom, s_new, s_vec, smem_views, s_slots, g_chunks, full,
+                                    bulk_load, bulk_store, chunk_bytes, tidx)
+            else:
+                cute.copy(store_atom, cute.logical_divide(s_new, (s_vec,)), row_views[j])
+            self.emit_row(mOut, b, h, row0 + group + j * ROW_GROUPS, sq + u * kq, lane)
+        if const_expr(self.bulk_ring):
+            if tidx == 0:
+                cute.arch.cp_async_bulk_wait_group(0)  # every bulk store is complete before the CTA exits
+
+    def complete_token(self, token, ctx):
+        """Hook run once the state rows are issued and before the preamble. The T=1 kernel's token is already
+        complete (every activation was loaded up front); a subclass whose q, k, v are computed in the kernel (the
+        fused layer) produces them here. Traced inline."""
+        return token
+
+    @cute.jit
+    def emit_row(self, mOut: cute.Tensor, b, h, row, value: Float32, lane):
+        """Output of state row ``row`` (already summed over the half-warp): lane 0 stores it."""
+        if lane == 0:
+            mOut[b, 0, h, row] = value.to(mOut.element_type)
 
     @cute.jit
     def zero_tokens(self, mOut: cute.Tensor, t0, t1, h, row0, group, lane):
