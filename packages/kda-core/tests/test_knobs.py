@@ -11,7 +11,7 @@ import pytest
 from kda_core import knobs
 from kda_core.errors import KDAError
 
-NAMES = ("KDA_T1_FAST_PATH", "KDA_DECODE_TILE_V", "KDA_UCACHE_WRING", "KDA_DEBUG_VALIDATE")
+NAMES = ("KDA_T1_FAST_PATH", "KDA_DECODE_TILE_V", "KDA_UCACHE_WRING", "KDA_DEBUG_VALIDATE", "KDA_ENGINE_PATCH")
 
 
 @pytest.fixture(autouse=True)

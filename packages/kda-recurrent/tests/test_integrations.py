@@ -168,3 +168,25 @@ def test_adapters_take_the_engines_signatures():
         pass
 
     assert "**kwargs" in signature_mismatch(takes_kwargs, lambda q: None)
+
+
+def test_vllm_plugin_entry_point_enables_only_with_the_knob(engine, monkeypatch):
+    from kda_core import knobs
+
+    fla = engine(FLA_OPS, "vllm_fla_ops_kda.py")
+    original = fla.fused_recurrent_kda
+    monkeypatch.setenv("KDA_ENGINE_PATCH", "0")
+    assert vllm_integration.register() == [] and fla.fused_recurrent_kda is original
+    monkeypatch.setenv("KDA_ENGINE_PATCH", "1")
+    assert knobs.get("KDA_ENGINE_PATCH") is True
+    assert vllm_integration.register() == [f"{FLA_OPS}.fused_recurrent_kda"]
+    assert fla.fused_recurrent_kda is kimi_linear.fused_recurrent_kda
+
+
+def test_the_entry_point_is_declared_for_vllm():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    meta = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    group = meta["project"]["entry-points"]["vllm.general_plugins"]
+    module, _, name = group["kda"].partition(":")
+    assert module == vllm_integration.__name__ and callable(getattr(vllm_integration, name))

@@ -93,6 +93,15 @@ KNOBS: dict[str, Knob] = {
             "opt-in value checks that synchronise the device: duplicate active slots, ucache cursor ranges",
             "never on inside CUDA-graph capture (the checks are skipped there)",
         ),
+        Knob(
+            "KDA_ENGINE_PATCH",
+            bool,
+            False,
+            (True, False),
+            "vLLM's plugin entry point (kda_recurrent.integrations.vllm:register, loaded in every vLLM process) "
+            "replaces vLLM's vendored KDA decode functions with kda's adapters",
+            "off: the entry point does nothing, so installing kda-recurrent never changes an engine by itself",
+        ),
     )
 }
 

@@ -3,6 +3,10 @@
     from kda_recurrent.integrations import vllm as kda_vllm
     kda_vllm.enable()    # in every process that runs the model, before its first forward; returns what it replaced
 
+or, in every vLLM process at once, through vLLM's plugin entry points (group ``vllm.general_plugins``, which vLLM
+loads in each process it starts): with kda-recurrent installed, ``KDA_ENGINE_PATCH=1 vllm serve ...`` makes
+:func:`register` call :func:`enable`. Without the knob the entry point does nothing.
+
 Replaced (each where the module imports; see :mod:`kda_recurrent.integrations` for how, and docs/serving.md):
 
 - Kimi K3, ``vllm/models/kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py``
@@ -28,9 +32,10 @@ from __future__ import annotations
 import importlib.util
 import logging
 
+from kda_core import knobs
 from kda_recurrent.integrations import Patcher, Target
 
-__all__ = ["TARGETS", "disable", "enable", "patched"]
+__all__ = ["TARGETS", "disable", "enable", "patched", "register"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,3 +69,11 @@ def disable() -> list[str]:
 def patched() -> list[str]:
     """The ``module.name`` attributes that hold a kda adapter now."""
     return _patcher.patched()
+
+
+def register() -> list[str]:
+    """vLLM's ``vllm.general_plugins`` entry point (kda-recurrent's pyproject declares it): :func:`enable` when the
+    knob ``KDA_ENGINE_PATCH`` is on, else nothing. Returns what was replaced."""
+    if not knobs.get("KDA_ENGINE_PATCH"):
+        return []
+    return enable()
