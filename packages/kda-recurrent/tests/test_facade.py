@@ -203,7 +203,7 @@ FACADE_WRAPPER_CHECKED = [
     ("v", lambda kw: kw["v"][:2]),
     ("beta", lambda kw: kw["beta"][..., :4]),
     ("A_log", lambda kw: kw["A_log"].half()),
-    ("ssm_state_indices", lambda kw: kw["ssm_state_indices"].long()),
+    ("ssm_state_indices", lambda kw: kw["ssm_state_indices"].short()),
     ("initial_state", lambda kw: kw["initial_state"].transpose(2, 3)),
     ("output", lambda kw: torch.zeros(kw["v"].shape, device="cuda")),
 ]

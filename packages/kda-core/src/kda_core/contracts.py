@@ -11,8 +11,6 @@ GENERIC_HEAD_DIMS = (64, 128)
 T1_HEAD_COUNTS = (8, 12, 16, 24, 32, 48, 64, 96)
 """H == HV values the T=1 kernel and the ucache kernel are built and tested for (Kimi K3: 12 at TP=8, 24 at TP=4)."""
 L2NORM_EPS = 1e-6
-POOL_ROW_STRIDE_MULTIPLE = 8
-"""A padded pool's dim-0 stride must be a multiple of 8 elements."""
 RING_SLOTS = 32
 """Physical slots of each ucache ring (the logical row j lives at (base + j) & 31)."""
 UCACHE_T = (4, 8)

@@ -902,8 +902,10 @@ def kda_decode_t1(
         q, k, v: [B, 1, H, 128] bf16, last dim contiguous (other strides free: views of a fused QKV output).
         g: [B, 1, H, 128] bf16 (or fp32): the raw gate (``use_gate_in_kernel=True``) or the log-space decay.
         beta: [B, 1, H] bf16 or fp32: a logit (``beta_is_logit=True``) or already sigmoided.
-        state_pool: [N, H, 128, 128] bf16 or fp32, K contiguous, dim-0 stride may be padded (multiple of 8).
-        slot_indices: [B] int32. A null slot makes its row inactive: zero output, pool neither read nor written.
+        state_pool: [N, H, 128, 128] bf16 or fp32, K contiguous, dim-0 stride any number of elements >= the row
+            (one that is not a 16-byte multiple takes the unaligned variant).
+        slot_indices: [B] int32 or int64, any stride. A null slot makes its row inactive: zero output, pool
+            neither read nor written.
         A_log: [H] fp32 (in-kernel gate). dt_bias: [H*128] or [H, 128] fp32, optional.
         lower_bound: float < 0 for the Kimi K3 gate ``lb * sigmoid(exp(A_log) * x)``; None for the softplus gate.
         use_gate_in_kernel: False means ``g`` is already log-space (A_log, dt_bias, lower_bound are ignored).

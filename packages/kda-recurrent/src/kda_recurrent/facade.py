@@ -222,8 +222,9 @@ def recurrent_kda(
             ``use_gate_in_kernel``.
         scale: query scale; default K ** -0.5.
         initial_state: with ``ssm_state_indices``, the state POOL [N, HV, V, K] (bf16 or fp32, K contiguous,
-            dim-0 stride may be padded to a multiple of 8 elements), updated in place. Without indices, dense
-            initial states [N_seq, HV, V, K] (read only) or None (zeros).
+            inner dims compact, dim-0 (slot) stride any number of elements >= HV*V*K; one that is not a 16-byte
+            multiple takes the kernels' unaligned variant), updated in place. Without indices, dense initial
+            states [N_seq, HV, V, K] (read only) or None (zeros).
         output_final_state: dense mode only: also return the final states, fp32 [N_seq, HV, V, K].
         use_qk_l2norm_in_kernel: L2-normalise q and k per head (eps 1e-6) before use.
         use_gate_in_kernel: compute the log-space decay from ``g`` in the kernel:
@@ -233,12 +234,14 @@ def recurrent_kda(
         beta_is_logit: apply ``sigmoid`` to ``beta`` in the kernel (in fp32).
         cu_seqlens: [N_seq + 1] int cumulative lengths; then B == 1 and the N_seq sequences are concatenated
             along T. Zero-length sequences are allowed.
-        ssm_state_indices: [N_seq] int32 slot of each sequence (read, then the final state written back), or
-            [N_seq, T] int32 for speculative decode: the first state is read from slot
-            ``idx[n, max(min(num_accepted_tokens[n], T), 1) - 1]`` and the state after token t is written to
-            slot ``idx[n, t]``. A slot outside [0, N) makes its sequence (1-D) or token (2-D) inactive: zero
-            output, the pool is neither read nor written for it, and a skipped token is not absorbed.
-        num_accepted_tokens: [N_seq] int32 accepted draft count per sequence (2-D indices only).
+        ssm_state_indices: [N_seq] slot of each sequence (read, then the final state written back), or
+            [N_seq, T] for speculative decode (int32 or int64, any strides: a view of a wider table): the
+            first state is read from slot ``idx[n, max(min(num_accepted_tokens[n], T), 1) - 1]`` and the state
+            after token t is written to slot ``idx[n, t]``. A null slot (see ``null_policy``) makes its sequence
+            (1-D) or token (2-D) inactive: zero output, the pool is neither read nor written for it, and a
+            skipped token is not absorbed.
+        num_accepted_tokens: [N_seq] int32 or int64 (any stride) accepted draft count per sequence (2-D
+            indices only).
         output: [B, T, HV, V] bf16 buffer to write into (no allocation then); it shares no byte with another
             argument, and no two of its elements share bytes.
 
