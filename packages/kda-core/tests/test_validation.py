@@ -510,7 +510,14 @@ def test_recurrent_varlen_spec_indices_take_any_column_count():
 
 ELIGIBILITY = [
     ("T > 1", dict(T=2), None, "T=2"),
-    ("varlen", dict(B=1), lambda a: a.update(cu_seqlens=torch.tensor([0, 1], dtype=I32)), "cu_seqlens"),
+    ("varlen spec", dict(B=1, T=3, mode="spec"), lambda a: a.update(
+        cu_seqlens=torch.tensor([0, 3], dtype=I32)), "2-D ssm_state_indices"),
+    ("varlen dense", dict(B=1, T=3, mode="dense"), lambda a: a.update(
+        cu_seqlens=torch.tensor([0, 1, 3], dtype=I32)), "no ssm_state_indices"),
+    ("varlen GQA", dict(B=1, T=3, Hq=4, HV=H), lambda a: a.update(
+        cu_seqlens=torch.tensor([0, 3], dtype=I32)), "GQA"),
+    ("varlen fp32", dict(B=1, T=3), lambda a: a.update(
+        cu_seqlens=torch.tensor([0, 3], dtype=I32), **{n: a[n].float() for n in ("q", "k", "v")}), "bfloat16"),
     ("dense", dict(mode="dense"), None, "no ssm_state_indices"),
     ("spec", dict(mode="spec"), None, "2-D ssm_state_indices"),
     ("GQA", dict(Hq=4, HV=H), None, "GQA"),
@@ -532,6 +539,19 @@ def test_t1_ineligibility_reason(shape, mutate, reason):
     call = rec(a)
     assert not call.t1_eligible
     assert call.t1_reason.startswith("not eligible") and reason in call.t1_reason, call.t1_reason
+
+
+@pytest.mark.parametrize("cu_dtype", [I32, torch.int64])
+def test_varlen_decode_in_pool_mode_is_for_the_t1_kernels_varlen_entry(cu_dtype):
+    """[1, T, H, 128] + cu_seqlens, 1-D indices: eligible but for the device, whatever the (unread) offsets hold."""
+    for n_seq, T in ((3, 3), (3, 7), (4, 0)):
+        a = _with(rec_args(B=1, T=T), cu_seqlens=torch.zeros(n_seq + 1, dtype=cu_dtype),
+                  ssm_state_indices=torch.zeros(n_seq, dtype=I32))
+        call = rec(a)
+        assert call.varlen and call.mode == "pool" and call.N_seq == n_seq and call.T == T
+        assert call.t1_reason == "not eligible: tensors not on a CUDA device (the oracle runs the call)"
+    a["ssm_state_indices"] = _index_view(4, torch.int64)  # any index layout, as the batch entry
+    assert rec(a).index_dtype is torch.int64 and "CUDA" in rec(a).t1_reason
 
 
 def test_precomputed_fp32_gate_is_not_a_reason_to_leave_the_t1_path():
@@ -725,6 +745,22 @@ def test_debug_check_slots_finds_duplicate_active_slots():
                   "distinct active slots")
     assert "[2]" in msg
     _raises(lambda: V.debug_check_slots(torch.tensor([[0, 1], [2, 1]], dtype=I32), 4), "slot_indices", "distinct")
+
+
+def test_debug_check_slots_under_the_nonpositive_policy_lets_slot_0_repeat():
+    padded = torch.tensor([0, 3, 0, 0, 1], dtype=torch.int64)
+    V.debug_check_slots(padded, 4, null_policy="nonpositive")
+    V.debug_check_slots(torch.tensor([[0, 2], [0, 3]], dtype=I32), 4, null_policy=V.NullSlotPolicy.NONPOSITIVE)
+    _raises(lambda: V.debug_check_slots(padded, 4), "slot_indices", "distinct active slots in [0, 4)")
+    _raises(lambda: V.debug_check_slots(torch.tensor([0, 2, 2]), 4, null_policy="nonpositive"), "slot_indices",
+            "distinct active slots in [1, 4)")
+    _raises(lambda: V.debug_check_slots(padded, 4, null_policy="vllm"), "null_policy", "NullSlotPolicy")
+    # ucache cursors of a row at slot 0 are padding under NONPOSITIVE
+    V.debug_check_ucache_cursors(torch.tensor([99, 0], dtype=I32), torch.tensor([0, 0], dtype=I32), 4, 16,
+                                 slot_indices=torch.tensor([0, 1], dtype=I32), N=2, null_policy="nonpositive")
+    _raises(lambda: V.debug_check_ucache_cursors(torch.tensor([99, 0], dtype=I32), torch.tensor([0, 0], dtype=I32),
+                                                 4, 16, slot_indices=torch.tensor([0, 1], dtype=I32), N=2),
+            "hist_len", "at row 0")
 
 
 def test_debug_check_ucache_cursors():

@@ -35,6 +35,26 @@ class NullSlotPolicy(enum.Enum):
     NONPOSITIVE = "nonpositive"  # vLLM (NULL_BLOCK_ID = 0): null iff idx <= 0 or idx >= N; slot 0 never touched
 
 
+def null_policy_of(value) -> NullSlotPolicy:
+    """``value`` as a :class:`NullSlotPolicy`: the enum member itself or its string value ("out_of_range",
+    "nonpositive"); anything else raises :class:`kda_core.errors.KDAError` naming ``null_policy``."""
+    if type(value) is NullSlotPolicy:
+        return value
+    if type(value) is str:
+        for policy in NullSlotPolicy:
+            if policy.value == value:
+                return policy
+    from kda_core.errors import fail
+
+    fail("null_policy", f"a kda_core.contracts.NullSlotPolicy or one of {[p.value for p in NullSlotPolicy]}",
+         repr(value))
+
+
+def first_live_slot(policy: NullSlotPolicy) -> int:
+    """The smallest slot index that is not null under ``policy`` (1 under NONPOSITIVE, whose slot 0 is null)."""
+    return 1 if policy is NullSlotPolicy.NONPOSITIVE else 0
+
+
 def gate_mode(use_gate_in_kernel: bool, lower_bound: float | None) -> GateMode:
     if not use_gate_in_kernel:
         return GateMode.PRECOMPUTED

@@ -58,10 +58,13 @@ from kda_core.contracts import (
     UCACHE_T,
     UCACHE_WRING,
     GateMode,
+    NullSlotPolicy,
     default_flush_min,
+    first_live_slot,
     gate_mode,
     max_flush_min,
     max_hist_len,
+    null_policy_of,
 )
 from kda_core.errors import KDAError, fail
 
@@ -1182,7 +1185,8 @@ def validate_recurrent(args: RecurrentArgs, *, device_kind="any") -> RecurrentCa
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, output_final_state=output_final_state,
             state_dtype=state_dtype, act_dtype=act, scale=scale,
             aligned=aligned, alignment=alignment, on_cuda=on_cuda, t1_eligible=reason is None,
-            t1_reason=reason or _T1_OK[aligned], has_dt_bias=has_dt_bias, index_dtype=index_dtype,
+            t1_reason=reason or (_T1_VARLEN_OK if varlen else _T1_OK)[aligned], has_dt_bias=has_dt_bias,
+            index_dtype=index_dtype,
         ))
     return call
 
@@ -1224,6 +1228,13 @@ def revalidate_recurrent_t1(args: tuple) -> RecurrentCall | None:
     return None
 
 
+_T1_VARLEN_OK = {
+    aligned: "eligible (varlen entry): [1, T, H, 128] tokens + cu_seqlens, pool with 1-D slot indices, H == HV in "
+    "T1_HEAD_COUNTS, K = V = 128, bf16" + ("" if aligned else "; misaligned tensors take the unaligned variant")
+    + "; the offsets are device data, read and bounded in the kernel, never on the host (a one-token sequence "
+    "takes the T=1 step, any other length the kernel's exact token loop)"
+    for aligned in (True, False)
+}
 _T1_OK = {
     True: "eligible: T=1, pool with 1-D slot indices, H == HV in T1_HEAD_COUNTS, K = V = 128, bf16, aligned",
     False: "eligible: T=1, pool with 1-D slot indices, H == HV in T1_HEAD_COUNTS, K = V = 128, bf16; misaligned "
@@ -1232,11 +1243,10 @@ _T1_OK = {
 
 
 def _t1_reason(T, varlen, mode, H, HV, K, act, g_dtype, beta_dtype, gmode, l2norm, on_cuda):
-    """Why the T=1 kernel cannot take the call, or None when it can (mirrors :func:`validate_decode_t1`)."""
-    if T != 1:
-        return f"not eligible: T={T} tokens per sequence (the T=1 kernel takes one)"
-    if varlen:
-        return "not eligible: cu_seqlens given (sequence lengths live on the device and are not read on the host)"
+    """Why the T=1 kernel cannot take the call, or None when it can (mirrors :func:`validate_decode_t1`). With
+    ``cu_seqlens`` (B == 1 then) the T tokens are the sequences' concatenation: its varlen entry takes them."""
+    if T != 1 and not varlen:
+        return f"not eligible: T={T} tokens per sequence (the T=1 kernel takes one, or [1, T] with cu_seqlens)"
     if mode == "dense":
         return "not eligible: no ssm_state_indices (the T=1 kernel updates a state pool in place by slot)"
     if mode == "spec":
@@ -1386,14 +1396,18 @@ def debug_checks_enabled() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def debug_check_slots(slot_indices: torch.Tensor, N: int, *, argument: str = "slot_indices") -> None:
-    """Raise when two active entries (in [0, N)) of ``slot_indices`` name the same pool slot.
+def debug_check_slots(slot_indices: torch.Tensor, N: int, *, argument: str = "slot_indices",
+                      null_policy=NullSlotPolicy.OUT_OF_RANGE) -> None:
+    """Raise when two active entries of ``slot_indices`` name the same pool slot.
 
     1-D indices [B] (one slot per row) and 2-D indices [B, T] (spec decode: one checkpoint slot per token) are
-    flattened, so a slot two rows share and a slot one row names for two of its checkpoints both count; entries
-    outside [0, N) are inactive and never count. Two writers of one slot race on the device and corrupt a
-    request's state (docs/design.md §4). Reads values: syncs (run it only where :func:`debug_checks_enabled`).
+    flattened, so a slot two rows share and a slot one row names for two of its checkpoints both count; null
+    entries are inactive and never count: under ``null_policy`` ``OUT_OF_RANGE`` those outside [0, N), under
+    ``NONPOSITIVE`` (vLLM's padding slot 0) those <= 0 or >= N, so slot 0 may repeat. Two writers of one slot
+    race on the device and corrupt a request's state (docs/design.md §4). Reads values: syncs (run it only where
+    :func:`debug_checks_enabled`).
     """
+    first = first_live_slot(null_policy_of(null_policy))
     if not isinstance(slot_indices, _Tensor):
         fail(argument, "a torch.Tensor of slot indices", type(slot_indices).__name__)
     if slot_indices.dim() not in (1, 2):
@@ -1401,16 +1415,16 @@ def debug_check_slots(slot_indices: torch.Tensor, N: int, *, argument: str = "sl
     if slot_indices.dtype.is_floating_point or slot_indices.dtype is torch.bool:
         fail(argument, "an integer tensor of slot indices", slot_indices.dtype)
     flat = slot_indices.reshape(-1).to(torch.int64)
-    active = flat[(flat >= 0) & (flat < N)]
+    active = flat[(flat >= first) & (flat < N)]
     if active.numel() < 2:
         return
     uniq, counts = torch.unique(active, return_counts=True)
     dup = uniq[counts > 1]
     if dup.numel():
-        first = int(dup[0])
-        where = (slot_indices == first).nonzero().tolist()
-        fail(argument, f"distinct active slots in [0, {N}) (duplicates race on the pool)",
-             f"slots {dup[:8].tolist()} more than once (slot {first} at {where[:4]})")
+        slot = int(dup[0])
+        where = (slot_indices == slot).nonzero().tolist()
+        fail(argument, f"distinct active slots in [{first}, {N}) (duplicates race on the pool)",
+             f"slots {dup[:8].tolist()} more than once (slot {slot} at {where[:4]})")
 
 
 def debug_check_ucache_cursors(
@@ -1421,17 +1435,19 @@ def debug_check_ucache_cursors(
     *,
     slot_indices: torch.Tensor | None = None,
     N: int | None = None,
+    null_policy=NullSlotPolicy.OUT_OF_RANGE,
 ) -> None:
     """Raise when a cursor is out of range: hist_len in [0, min(w_ring, 32 - T)], cache_base in [0, 32).
 
-    With ``slot_indices`` and ``N`` only active rows (slot in [0, N)) are checked. Reads values: syncs.
+    With ``slot_indices`` and ``N`` only active rows (a slot that is not null under ``null_policy``) are checked.
+    Reads values: syncs.
     """
     top = max_hist_len(T, w_ring)
     rows = torch.ones(hist_len.shape, dtype=torch.bool, device=hist_len.device)
     if slot_indices is not None:
         if N is None:
             raise KDAError("N: expected the pool row count when slot_indices is given, got None")
-        rows = (slot_indices >= 0) & (slot_indices < N)
+        rows = (slot_indices >= first_live_slot(null_policy_of(null_policy))) & (slot_indices < N)
     bad_len = rows & ((hist_len < 0) | (hist_len > top))
     if bool(bad_len.any()):
         i = int(bad_len.nonzero()[0, 0])
