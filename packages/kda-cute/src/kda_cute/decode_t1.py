@@ -981,10 +981,9 @@ def kda_decode_t1_packed(
 
 
 def _debug_check_slots(slot_indices, N, null_policy):
-    """kda-core's duplicate check (debug mode only: it syncs) on the slots that are live under ``null_policy``."""
-    if null_policy is NullSlotPolicy.NONPOSITIVE:  # slot 0 is null: any number of rows may name it
-        slot_indices = torch.where(slot_indices == 0, -1, slot_indices)
-    debug_check_slots(slot_indices, N)
+    """kda-core's duplicate check (debug mode only: it syncs) on the slots that are live under ``null_policy``
+    (under NONPOSITIVE slot 0 is null: any number of rows may name it)."""
+    debug_check_slots(slot_indices, N, null_policy=null_policy)
 
 
 # Per-call launch memo. Key: (id of the validated call description, packed, l2norm, device index, the parsed
