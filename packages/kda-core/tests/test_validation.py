@@ -154,6 +154,78 @@ def test_t1_padded_pool_row_stride_is_legal():
     assert t1(_with(t1_args(), state_pool=pool)).N == 8
 
 
+# Relaxed serving layouts: a pool slot stride of any number of elements >= the row (the unaligned variant when its
+# bytes are not a 16-byte multiple), slot indices int32 or int64 with any stride (a column of a wider table).
+
+ODD_ROW = H * D * D + 17  # elements: 2 * ODD_ROW bytes is not a 16-byte multiple (nor 4-byte)
+
+
+def _index_view(n, dtype=I32, stride=8, cols=None):
+    """[n] (or [n, cols]) indices viewed out of a wider table: row stride ``stride`` elements."""
+    if cols is None:
+        return torch.arange(n * stride, dtype=dtype)[::stride]
+    return torch.arange(n * stride * max(cols, 1), dtype=dtype).view(n, -1)[:, :cols * 2:2]
+
+
+@pytest.mark.parametrize("state_dtype", [BF16, F32])
+def test_an_odd_pool_slot_stride_is_legal_and_unaligned(state_dtype):
+    pool = _padded_rows((8, H, D, D), state_dtype, ODD_ROW)
+    call = t1(_with(t1_args(state_dtype=state_dtype), state_pool=pool))
+    assert call.N == 8 and not call.aligned and call.alignment == (4 if state_dtype is F32 else 2)
+    assert call is not t1(t1_args(state_dtype=state_dtype))  # the description is keyed on the alignment class
+    assert packed(_with(packed_args(), state_pool=_padded_rows((8, H, D, D), BF16, ODD_ROW))).aligned is False
+    r = rec(_with(rec_args(), initial_state=_padded_rows((8, H, D, D), state_dtype, ODD_ROW)))
+    assert r.N == 8 and not r.aligned
+    spec = rec(_with(rec_args(mode="spec"), initial_state=_padded_rows((8, H, D, D), state_dtype, ODD_ROW)))
+    assert spec.mode == "spec" and not spec.aligned
+    # one slot: its stride is never stepped over, so it does not decide the class
+    assert t1(_with(t1_args(state_dtype=state_dtype), state_pool=_padded_rows((1, H, D, D), state_dtype,
+                                                                               ODD_ROW))).aligned
+
+
+def test_an_odd_ucache_pool_or_ring_stride_is_legal_and_unaligned():
+    assert uc(uc_args()).aligned
+    call = uc(_with(uc_args(), initial_state_source=_padded_rows((5, H, D, D), BF16, ODD_ROW)))
+    assert not call.aligned
+    ring = _padded_rows((5, H, 32, D), BF16, H * 32 * D + 3)
+    assert not uc(_with(uc_args(), k_cache=ring)).aligned
+    assert uc(_with(uc_args(), g_cache=_padded_rows((5, H, 32, D), F32, H * 32 * D + 4))).aligned  # 16 bytes
+
+
+@pytest.mark.parametrize("dtype", [I32, torch.int64])
+def test_slot_index_views_of_any_stride_and_int64_are_legal(dtype):
+    a = _with(t1_args(), slot_indices=_index_view(3, dtype))
+    call = t1(a)
+    assert call.index_dtype is dtype and call.aligned  # indices are read as scalars: not in the alignment class
+    assert packed(_with(packed_args(), slot_indices=_index_view(3, dtype))).index_dtype is dtype
+    r = rec(_with(rec_args(B=3), ssm_state_indices=_index_view(3, dtype)))
+    assert r.mode == "pool" and r.index_dtype is dtype
+    spec = _with(rec_args(B=3, T=2, mode="spec"), ssm_state_indices=_index_view(3, dtype, cols=2),
+                 num_accepted_tokens=_index_view(3, dtype, stride=3))
+    assert spec["ssm_state_indices"].stride() == (16, 2) and spec["num_accepted_tokens"].stride() == (3,)
+    r = rec(spec)
+    assert r.mode == "spec" and r.index_dtype is dtype
+    col = torch.zeros(3, 4, dtype=dtype)[:, 1]  # a column of a [B, 4] table
+    assert uc(_with(uc_args(B=3), initial_state_indices=col)).index_dtype is dtype
+    # a stride-0 broadcast is legal metadata (duplicates are a caller error, found under KDA_DEBUG_VALIDATE)
+    assert t1(_with(t1_args(), slot_indices=torch.zeros(1, dtype=dtype).expand(3))).B == 3
+
+
+def test_int32_and_int64_indices_are_different_descriptions():
+    """The launchers key their compiled variant on the description's identity: the index dtype is one of its facts."""
+    a32, a64 = t1_args(), _with(t1_args(), slot_indices=torch.zeros(3, dtype=torch.int64))
+    assert t1(a32) is not t1(a64) and t1(a32) is t1(t1_args()) and t1(a64).index_dtype is torch.int64
+    assert rec(rec_args()) is not rec(_with(rec_args(), ssm_state_indices=torch.zeros(2, dtype=torch.int64)))
+    assert rec(rec_args(mode="dense")).index_dtype is None
+    u64 = _with(uc_args(), initial_state_indices=torch.zeros(2, dtype=torch.int64))
+    assert uc(uc_args()) is not uc(u64) and uc(u64).index_dtype is torch.int64
+
+
+def test_cursors_stay_int32_and_contiguous():
+    _raises(lambda: uc(_with(uc_args(), hist_len=torch.zeros(2, dtype=torch.int64))), "hist_len", "dtype int32")
+    _raises(lambda: uc(_with(uc_args(), hist_len=torch.zeros(4, dtype=I32)[::2])), "hist_len", "contiguous")
+
+
 def test_packed_call_with_padded_row_strides_is_described():
     call = packed(packed_args(pad=8))
     assert call.packed and call.aligned and call.B == 3 and call.H == H
@@ -240,16 +312,13 @@ T1_RULES = [
      "compact inner dims"),
     ("pool heads compact", lambda a: a.update(
         state_pool=torch.zeros(8, 2 * H, D, D, dtype=BF16)[:, ::2]), "state_pool", "compact inner dims"),
-    ("pool row stride multiple of 8", lambda a: a.update(
-        state_pool=_padded_rows((8, H, D, D), BF16, H * D * D + 4)), "state_pool", "a multiple of 8"),
     ("pool rows do not overlap", lambda a: a.update(
         state_pool=_padded_rows((8, H, D, D), BF16, H * D * D - 8)), "state_pool", f">= {H * D * D}"),
-    ("slots int32", lambda a: a.update(slot_indices=torch.zeros(3, dtype=torch.int64)), "slot_indices",
-     "dtype int32"),
+    ("slots an integer dtype kda reads", lambda a: a.update(slot_indices=torch.zeros(3, dtype=torch.int16)),
+     "slot_indices", "dtype int32 or int64"),
+    ("slots a tensor", lambda a: a.update(slot_indices=[0, 1, 2]), "slot_indices", "a torch.Tensor"),
     ("slots [B]", lambda a: a.update(slot_indices=torch.zeros(4, dtype=I32)), "slot_indices", "shape [B]"),
     ("slots 1-D", lambda a: a.update(slot_indices=torch.zeros(3, 1, dtype=I32)), "slot_indices", "shape [B]"),
-    ("slots contiguous", lambda a: a.update(slot_indices=torch.zeros(6, dtype=I32)[::2]), "slot_indices",
-     "contiguous 1-D"),
     ("A_log required", lambda a: a.update(A_log=None), "A_log", "when use_gate_in_kernel=True"),
     ("A_log fp32", lambda a: a.update(A_log=torch.zeros(H, dtype=BF16)), "A_log", "dtype float32"),
     ("A_log [H]", lambda a: a.update(A_log=torch.zeros(H + 1)), "A_log", "shape [H]"),
@@ -286,8 +355,8 @@ def test_t1_rule(mutate, argument, fragment):
 
 
 def test_t1_message_says_what_was_given():
-    a = _with(t1_args(), slot_indices=torch.zeros(3, dtype=torch.int64))
-    assert _raises(lambda: t1(a), "slot_indices", "int32").endswith("got torch.int64")
+    a = _with(t1_args(), slot_indices=torch.zeros(3, dtype=torch.uint8))
+    assert _raises(lambda: t1(a), "slot_indices", "int32 or int64").endswith("got torch.uint8")
     a = _with(t1_args(), q=torch.zeros(3, 1, 10, D, dtype=BF16))
     assert _raises(lambda: t1(a), "q", "head count").endswith("got 10")
 
@@ -380,12 +449,12 @@ REC_RULES = [
         cu_seqlens=torch.zeros(3)), "cu_seqlens", "int32 or int64"),
     ("cu_seqlens needs B == 1", "dense", lambda a: a.update(cu_seqlens=torch.zeros(3, dtype=I32)), "q",
      "B == 1"),
-    ("indices int32", "pool", lambda a: a.update(ssm_state_indices=torch.zeros(2, dtype=torch.int64)),
-     "ssm_state_indices", "dtype int32"),
+    ("indices int32 or int64", "pool", lambda a: a.update(ssm_state_indices=torch.zeros(2, dtype=torch.int16)),
+     "ssm_state_indices", "dtype int32 or int64"),
+    ("2-D indices int32 or int64", "spec", lambda a: a.update(ssm_state_indices=torch.zeros(2, 1)),
+     "ssm_state_indices", "dtype int32 or int64"),
     ("1-D indices [N_seq]", "pool", lambda a: a.update(ssm_state_indices=torch.zeros(3, dtype=I32)),
      "ssm_state_indices", "[N_seq]"),
-    ("1-D indices contiguous", "pool", lambda a: a.update(ssm_state_indices=torch.zeros(4, dtype=I32)[::2]),
-     "ssm_state_indices", "contiguous"),
     ("2-D indices [N_seq, T]", "spec", lambda a: a.update(ssm_state_indices=torch.zeros(2, 2, dtype=I32)),
      "ssm_state_indices", "[N_seq, T]"),
     ("indices at most 2-D", "pool", lambda a: a.update(ssm_state_indices=torch.zeros(2, 1, 1, dtype=I32)),
@@ -398,14 +467,14 @@ REC_RULES = [
      "initial_state", "bfloat16 or float32"),
     ("pool K contiguous", "spec", lambda a: a.update(initial_state=a["initial_state"].transpose(2, 3)),
      "initial_state", "compact inner dims"),
-    ("pool row stride", "pool", lambda a: a.update(
-        initial_state=_padded_rows((8, H, D, D), BF16, H * D * D + 2)), "initial_state", "multiple of 8"),
+    ("pool rows do not overlap", "pool", lambda a: a.update(
+        initial_state=_padded_rows((8, H, D, D), BF16, H * D * D - 2)), "initial_state", f">= {H * D * D}"),
     ("dense state shape", "dense", lambda a: a.update(initial_state=torch.zeros(3, H, D, D)), "initial_state",
      "[N_seq, HV, V, K]"),
     ("accepted tokens need 2-D indices", "pool", lambda a: a.update(
         num_accepted_tokens=torch.ones(2, dtype=I32)), "num_accepted_tokens", "2-D"),
-    ("accepted tokens int32", "spec", lambda a: a.update(num_accepted_tokens=torch.ones(2, dtype=torch.int64)),
-     "num_accepted_tokens", "dtype int32"),
+    ("accepted tokens int32 or int64", "spec", lambda a: a.update(num_accepted_tokens=torch.ones(2)),
+     "num_accepted_tokens", "dtype int32 or int64"),
     ("accepted tokens [N_seq]", "spec", lambda a: a.update(num_accepted_tokens=torch.ones(3, dtype=I32)),
      "num_accepted_tokens", "[N_seq]"),
     ("A_log with in-kernel gate", "pool", lambda a: a.update(A_log=None), "A_log", "use_gate_in_kernel=True"),
@@ -441,7 +510,14 @@ def test_recurrent_varlen_spec_indices_take_any_column_count():
 
 ELIGIBILITY = [
     ("T > 1", dict(T=2), None, "T=2"),
-    ("varlen", dict(B=1), lambda a: a.update(cu_seqlens=torch.tensor([0, 1], dtype=I32)), "cu_seqlens"),
+    ("varlen spec", dict(B=1, T=3, mode="spec"), lambda a: a.update(
+        cu_seqlens=torch.tensor([0, 3], dtype=I32)), "2-D ssm_state_indices"),
+    ("varlen dense", dict(B=1, T=3, mode="dense"), lambda a: a.update(
+        cu_seqlens=torch.tensor([0, 1, 3], dtype=I32)), "no ssm_state_indices"),
+    ("varlen GQA", dict(B=1, T=3, Hq=4, HV=H), lambda a: a.update(
+        cu_seqlens=torch.tensor([0, 3], dtype=I32)), "GQA"),
+    ("varlen fp32", dict(B=1, T=3), lambda a: a.update(
+        cu_seqlens=torch.tensor([0, 3], dtype=I32), **{n: a[n].float() for n in ("q", "k", "v")}), "bfloat16"),
     ("dense", dict(mode="dense"), None, "no ssm_state_indices"),
     ("spec", dict(mode="spec"), None, "2-D ssm_state_indices"),
     ("GQA", dict(Hq=4, HV=H), None, "GQA"),
@@ -463,6 +539,19 @@ def test_t1_ineligibility_reason(shape, mutate, reason):
     call = rec(a)
     assert not call.t1_eligible
     assert call.t1_reason.startswith("not eligible") and reason in call.t1_reason, call.t1_reason
+
+
+@pytest.mark.parametrize("cu_dtype", [I32, torch.int64])
+def test_varlen_decode_in_pool_mode_is_for_the_t1_kernels_varlen_entry(cu_dtype):
+    """[1, T, H, 128] + cu_seqlens, 1-D indices: eligible but for the device, whatever the (unread) offsets hold."""
+    for n_seq, T in ((3, 3), (3, 7), (4, 0)):
+        a = _with(rec_args(B=1, T=T), cu_seqlens=torch.zeros(n_seq + 1, dtype=cu_dtype),
+                  ssm_state_indices=torch.zeros(n_seq, dtype=I32))
+        call = rec(a)
+        assert call.varlen and call.mode == "pool" and call.N_seq == n_seq and call.T == T
+        assert call.t1_reason == "not eligible: tensors not on a CUDA device (the oracle runs the call)"
+    a["ssm_state_indices"] = _index_view(4, torch.int64)  # any index layout, as the batch entry
+    assert rec(a).index_dtype is torch.int64 and "CUDA" in rec(a).t1_reason
 
 
 def test_precomputed_fp32_gate_is_not_a_reason_to_leave_the_t1_path():
@@ -492,9 +581,11 @@ UC_RULES = [
      "dtype bfloat16"),
     ("pool shape", lambda a: a.update(initial_state_source=torch.zeros(5, H, D, 64, dtype=BF16)),
      "initial_state_source", "shape"),
-    ("pool row stride", lambda a: a.update(
-        initial_state_source=_padded_rows((5, H, D, D), BF16, H * D * D + 3)), "initial_state_source",
-     "multiple of 8"),
+    ("pool rows do not overlap", lambda a: a.update(
+        initial_state_source=_padded_rows((5, H, D, D), BF16, H * D * D - 3)), "initial_state_source",
+     f">= {H * D * D}"),
+    ("ring rows do not overlap", lambda a: a.update(
+        g_cache=_padded_rows((5, H, 32, D), F32, H * 32 * D - 1)), "g_cache", f">= {H * 32 * D}"),
     ("k ring N = pool rows", lambda a: a.update(k_cache=torch.zeros(4, H, 32, D, dtype=BF16)), "k_cache",
      "N = pool rows"),
     ("k ring 32 slots", lambda a: a.update(k_cache=torch.zeros(5, H, 16, D, dtype=BF16)), "k_cache", "32"),
@@ -502,8 +593,8 @@ UC_RULES = [
     ("g ring fp32", lambda a: a.update(g_cache=torch.zeros(5, H, 32, D, dtype=BF16)), "g_cache", "dtype float32"),
     ("ring compact", lambda a: a.update(g_cache=torch.zeros(5, H, D, 32).transpose(2, 3)), "g_cache",
      "compact inner dims"),
-    ("indices int32", lambda a: a.update(initial_state_indices=torch.zeros(2, dtype=torch.int64)),
-     "initial_state_indices", "dtype int32"),
+    ("indices int32 or int64", lambda a: a.update(initial_state_indices=torch.zeros(2, dtype=torch.int16)),
+     "initial_state_indices", "dtype int32 or int64"),
     ("hist_len [B]", lambda a: a.update(hist_len=torch.zeros(3, dtype=I32)), "hist_len", "shape [B]"),
     ("cache_base int32", lambda a: a.update(cache_base=torch.zeros(2, dtype=torch.int16)), "cache_base",
      "dtype int32"),
@@ -656,6 +747,22 @@ def test_debug_check_slots_finds_duplicate_active_slots():
     _raises(lambda: V.debug_check_slots(torch.tensor([[0, 1], [2, 1]], dtype=I32), 4), "slot_indices", "distinct")
 
 
+def test_debug_check_slots_under_the_nonpositive_policy_lets_slot_0_repeat():
+    padded = torch.tensor([0, 3, 0, 0, 1], dtype=torch.int64)
+    V.debug_check_slots(padded, 4, null_policy="nonpositive")
+    V.debug_check_slots(torch.tensor([[0, 2], [0, 3]], dtype=I32), 4, null_policy=V.NullSlotPolicy.NONPOSITIVE)
+    _raises(lambda: V.debug_check_slots(padded, 4), "slot_indices", "distinct active slots in [0, 4)")
+    _raises(lambda: V.debug_check_slots(torch.tensor([0, 2, 2]), 4, null_policy="nonpositive"), "slot_indices",
+            "distinct active slots in [1, 4)")
+    _raises(lambda: V.debug_check_slots(padded, 4, null_policy="vllm"), "null_policy", "NullSlotPolicy")
+    # ucache cursors of a row at slot 0 are padding under NONPOSITIVE
+    V.debug_check_ucache_cursors(torch.tensor([99, 0], dtype=I32), torch.tensor([0, 0], dtype=I32), 4, 16,
+                                 slot_indices=torch.tensor([0, 1], dtype=I32), N=2, null_policy="nonpositive")
+    _raises(lambda: V.debug_check_ucache_cursors(torch.tensor([99, 0], dtype=I32), torch.tensor([0, 0], dtype=I32),
+                                                 4, 16, slot_indices=torch.tensor([0, 1], dtype=I32), N=2),
+            "hist_len", "at row 0")
+
+
 def test_debug_check_ucache_cursors():
     V.debug_check_ucache_cursors(torch.tensor([0, 16], dtype=I32), torch.tensor([0, 31], dtype=I32), 8, 16)
     _raises(lambda: V.debug_check_ucache_cursors(torch.tensor([17], dtype=I32), torch.tensor([0], dtype=I32), 8, 16),
@@ -779,6 +886,25 @@ def test_revalidation_returns_the_full_validators_description(on_cpu):
     assert not _reval_t1(shifted_out).aligned and _reval_t1(b).aligned
 
 
+def test_revalidation_takes_the_relaxed_layouts_and_keys_them(on_cpu):
+    a = _with(t1_args(B=4), slot_indices=_index_view(4, torch.int64),
+              state_pool=_padded_rows((8, H, D, D), BF16, ODD_ROW))
+    call = _reval_t1(a)
+    assert call is t1(a) and call.index_dtype is torch.int64 and not call.aligned
+    assert _reval_t1(_with(a, slot_indices=_index_view(4, I32))).index_dtype is I32
+    assert _reval_t1(_with(a, state_pool=torch.zeros(8, H, D, D, dtype=BF16))).aligned
+    p = _with(packed_args(B=4), slot_indices=_index_view(4, torch.int64))
+    assert _reval_packed(p) is packed(p) and _reval_packed(p).index_dtype is torch.int64
+    # An output overlapping a strided index view is found by the index view's span (not B elements from its
+    # start), after a good call of the same facts described them.
+    good = _with(t1_args(B=4), output=torch.zeros(4, 1, H, D, dtype=BF16),
+                 slot_indices=torch.zeros(4 * 64, dtype=torch.int64)[::64])
+    assert _reval_t1(good).has_output
+    buf = torch.zeros(4 * H * D + 512, dtype=BF16)  # slot 0 at byte 0, slot 3 at byte 1536: inside the output
+    bad = _with(good, output=buf[512:].view(4, 1, H, D), slot_indices=buf.view(torch.int64)[::64][:4])
+    _raises(lambda: _reval_t1(bad), "output", "slot_indices")
+
+
 def test_a_described_call_is_not_validated_again(on_cpu, monkeypatch):
     a, b = packed_args(B=5), t1_args(B=5)
     first_packed, first_t1 = _reval_packed(a), _reval_t1(b)
@@ -803,10 +929,8 @@ REVALIDATED_RULES = [
     ("raw_gate overlap", lambda a: a.update(
         raw_gate=torch.zeros(2 * H * D, dtype=BF16).as_strided((3, H * D), (8, 1))), "raw_gate", "row stride >="),
     ("pool heads", lambda a: a.update(state_pool=torch.zeros(8, 8, D, D, dtype=BF16)), "state_pool", "shape"),
-    ("pool row stride", lambda a: a.update(state_pool=_padded_rows((8, H, D, D), BF16, H * D * D + 4)),
-     "state_pool", "multiple of"),
-    ("slots contiguous", lambda a: a.update(slot_indices=torch.zeros(6, dtype=I32)[::2]), "slot_indices",
-     "contiguous"),
+    ("pool rows overlap", lambda a: a.update(state_pool=_padded_rows((8, H, D, D), BF16, H * D * D - 4)),
+     "state_pool", f">= {H * D * D}"),
     ("dt_bias size", lambda a: a.update(dt_bias=torch.zeros(100)), "dt_bias", "shape"),
     ("dt_bias 2-D contiguous", lambda a: a.update(dt_bias=torch.zeros(D, H).t()), "dt_bias", "contiguous"),
     ("lower_bound", lambda a: a.update(lower_bound=0.5), "lower_bound", "negative"),
@@ -863,8 +987,10 @@ def test_recurrent_revalidation_finds_a_cuda_description_by_its_facts(on_cpu, mo
     monkeypatch.setitem(V._MEMO, (*key[:-1], True), cuda_call)
     assert V.revalidate_recurrent_t1(args) is cuda_call
     assert V.revalidate_recurrent_t1(args._replace(use_qk_l2norm_in_kernel=False)) is None  # another key
-    bad_slots = torch.zeros(6, dtype=I32)[::2]
-    assert V.revalidate_recurrent_t1(args._replace(ssm_state_indices=bad_slots)) is None  # the wrapper cannot check
+    overlapping = _padded_rows((8, H, D, D), BF16, H * D * D - 8)
+    assert V.revalidate_recurrent_t1(args._replace(initial_state=overlapping)) is None  # the wrapper cannot check
+    # int64 indices are another compiled variant: another description, not this one
+    assert V.revalidate_recurrent_t1(args._replace(ssm_state_indices=torch.zeros(3, dtype=torch.int64))) is None
 
 
 # ---------------------------------------------------------------------------------------------------------------

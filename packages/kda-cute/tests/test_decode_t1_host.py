@@ -654,3 +654,44 @@ def test_varlen_refuses_more_sequences_than_grid_z_before_compiling(host_path):
         decode_t1._configure(("varlen-big",), _big_call(decode_t1.GRID_Z_MAX + 1, 4), False, True, torch.empty(1),
                              torch.bfloat16, torch.bfloat16, True, cu_dtype=torch.int32)
     assert host_path == []
+
+
+# The public entries take the serving layouts kda-core now accepts (any pool slot stride >= the row, int32 or int64
+# slot indices of any stride) and compile the variant of what they were given: the index dtype, the alignment class
+# of the pool stride, the null policy.
+
+
+@pytest.mark.parametrize("entry", [_packed_entry, _unpacked_entry], ids=["packed", "unpacked"])
+def test_the_entries_compile_the_variant_of_the_serving_layout_they_get(entries_on_cpu, make_case, entry):
+    from kda_core.contracts import NullSlotPolicy
+
+    case = make_case(3, 12, device="cpu")
+    entry(case)
+    case64 = make_case(3, 12, device="cpu", pool_row_pad=17)
+    wide = torch.full((3, 4), -9, dtype=torch.int64)
+    wide[:, 2] = case64.slots.long()
+    case64.slots = wide[:, 2]
+    entry(case64, null_policy=NullSlotPolicy.NONPOSITIVE)
+    entry(case64, null_policy=NullSlotPolicy.NONPOSITIVE)  # the same facts: no new variant
+    first, second = entries_on_cpu
+    assert _field(first.key, "index_dtype") is torch.int32 and _field(first.key, "aligned") is True
+    assert _field(first.key, "null_policy") is NullSlotPolicy.OUT_OF_RANGE
+    assert _field(second.key, "index_dtype") is torch.int64 and _field(second.key, "aligned") is False
+    assert _field(second.key, "null_policy") is NullSlotPolicy.NONPOSITIVE
+    assert len(second.calls) == 2
+    slots_arg = second.calls[0][6 if entry is _packed_entry else 8]
+    assert slots_arg is case64.slots and slots_arg.stride() == (4,)  # handed to the kernel as it is
+
+
+def test_debug_validation_of_the_entries_lets_slot_0_repeat_under_nonpositive(entries_on_cpu, make_case,
+                                                                                monkeypatch):
+    from kda_core.contracts import NullSlotPolicy
+    from kda_core.errors import KDAError
+
+    monkeypatch.setenv("KDA_DEBUG_VALIDATE", "1")
+    case = make_case(3, 12, device="cpu")
+    case.slots = torch.tensor([0, 2, 0], dtype=torch.int64)
+    with pytest.raises(KDAError, match="^slot_indices: expected distinct active slots"):
+        _unpacked_entry(case)
+    _unpacked_entry(case, null_policy=NullSlotPolicy.NONPOSITIVE)
+    assert len(entries_on_cpu) == 1

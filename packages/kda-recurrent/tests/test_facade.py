@@ -68,9 +68,13 @@ def flat_storage(state):
     return state.as_strided((state.untyped_storage().nbytes() // state.element_size(),), (1,), 0)
 
 
+_READ_ONLY = ("ssm_state_indices", "num_accepted_tokens", "cu_seqlens")
+
+
 def copy_call(kw):
-    """A deep copy of the call; the pool keeps its strides (and its padding) in a storage of its own."""
-    out = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    """A deep copy of the call; the pool keeps its strides (and its padding) in a storage of its own, and the index
+    tensors (never written) are shared as they are, strided views included."""
+    out = {n: (t.clone() if isinstance(t, torch.Tensor) and n not in _READ_ONLY else t) for n, t in kw.items()}
     s = kw.get("initial_state")
     if s is not None:
         out["initial_state"] = flat_storage(s).clone().as_strided(s.shape, s.stride(), s.storage_offset())
@@ -88,10 +92,14 @@ def tol(dtype):
     return dict(rtol=2e-2, atol=2e-2) if dtype == BF16 else dict(rtol=1e-3, atol=1e-3)
 
 
-def check_against_oracle(kw, exact):
+def check_against_oracle(kw, exact, *, ran=None, **policy):
+    """Run the facade and the oracle on copies of ``kw`` and compare; ``ran``: a dict that receives the facade's
+    copy of the call."""
     mine, ref = copy_call(kw), copy_call(kw)
-    o, final = recurrent_kda(**mine)
-    o_ref, final_ref = recurrent_kda_ref(**ref)
+    if ran is not None:
+        ran.update(mine)
+    o, final = recurrent_kda(**mine, **policy)
+    o_ref, final_ref = recurrent_kda_ref(**ref, **policy)
     t = dict(rtol=0, atol=0) if exact else tol(BF16)
     torch.testing.assert_close(o, o_ref, **t)
     if "ssm_state_indices" in kw:
@@ -203,7 +211,7 @@ FACADE_WRAPPER_CHECKED = [
     ("v", lambda kw: kw["v"][:2]),
     ("beta", lambda kw: kw["beta"][..., :4]),
     ("A_log", lambda kw: kw["A_log"].half()),
-    ("ssm_state_indices", lambda kw: kw["ssm_state_indices"].long()),
+    ("ssm_state_indices", lambda kw: kw["ssm_state_indices"].short()),
     ("initial_state", lambda kw: kw["initial_state"].transpose(2, 3)),
     ("output", lambda kw: torch.zeros(kw["v"].shape, device="cuda")),
 ]
@@ -234,3 +242,117 @@ def test_gpu_a_legal_call_the_t1_wrapper_refuses_takes_its_full_route():
     spec = {**kw, "ssm_state_indices": kw["ssm_state_indices"].view(4, 1)}  # 2-D slots, T=1: spec decode
     assert explain(**spec).path is Path.GENERIC
     check_against_oracle(spec, exact=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: both null-slot policies and the serving layouts (odd pool slot strides, strided int64 index views), on the
+# T=1 kernel and the generic kernel, and the varlen decode form on the T=1 kernel's varlen entry.
+
+
+def serving_layout(kw, pool_pad=17):
+    """The same call with the pool in storage whose slot stride is ``pool_pad`` elements longer than the row (not a
+    16-byte multiple for odd pads: the unaligned variant) and int64 slot indices / accepted counts as strided views
+    of wider tables."""
+    out = dict(kw)
+    pool = kw["initial_state"]
+    row = pool[0].numel()
+    storage = torch.zeros(pool.shape[0] * (row + pool_pad), dtype=pool.dtype, device=pool.device)
+    out["initial_state"] = storage.as_strided(pool.shape, (row + pool_pad, *pool.stride()[1:]))
+    out["initial_state"].copy_(pool)
+    idx = kw["ssm_state_indices"]
+    if idx.dim() == 1:
+        wide = torch.full((idx.shape[0], 3), -7, dtype=torch.int64, device=idx.device)
+        out["ssm_state_indices"] = wide[:, 1]
+    else:
+        wide = torch.full((idx.shape[0], 2 * idx.shape[1] + 1), -7, dtype=torch.int64, device=idx.device)
+        out["ssm_state_indices"] = wide[:, 1::2]
+    out["ssm_state_indices"].copy_(idx)
+    if kw.get("num_accepted_tokens") is not None:
+        nat = kw["num_accepted_tokens"]
+        out["num_accepted_tokens"] = torch.zeros(nat.shape[0], 2, dtype=torch.int64, device=nat.device)[:, 0]
+        out["num_accepted_tokens"].copy_(nat)
+    return out
+
+
+def with_slot_zero(kw):
+    """Point the first live row (or token) at slot 0: live under OUT_OF_RANGE, null under NONPOSITIVE."""
+    kw = dict(kw)
+    idx = kw["ssm_state_indices"].clone()
+    idx.view(-1)[0] = 0
+    kw["ssm_state_indices"] = idx
+    return kw
+
+
+POLICY_PATHS = {
+    "t1": (dict(mode="pool"), Path.T1),
+    "generic-pool-T2": (dict(mode="pool", T=2), Path.GENERIC),
+    "generic-spec-T4": (dict(mode="spec", T=4), Path.GENERIC),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", ["compact", "serving"])
+@pytest.mark.parametrize("pool_dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("policy", ["out_of_range", "nonpositive"])
+@pytest.mark.parametrize("case", list(POLICY_PATHS))
+def test_gpu_null_policy_and_serving_layouts_match_the_oracle(case, policy, pool_dtype, layout):
+    shape, path = POLICY_PATHS[case]
+    kw = with_slot_zero(make_call("cuda", pool_dtype=pool_dtype, seed=11, **shape))
+    if layout == "serving":
+        kw = serving_layout(kw)
+    assert explain(**kw, null_policy=policy).path is path
+    ran = {}
+    o = check_against_oracle(kw, exact=False, ran=ran, null_policy=policy)
+    # row 0 reads slot 0 (1-D), or reads and writes it at token 0 (2-D, accepted count 1): null under NONPOSITIVE
+    assert torch.equal(ran["initial_state"][0], kw["initial_state"][0]) is (policy == "nonpositive")
+    assert bool(o[0].eq(0).all()) is (policy == "nonpositive")
+
+
+def varlen_decode(device, lens, cu_dtype, seed=0, pool_dtype=BF16):
+    """[1, T, 12, 128] tokens of sequences of the given lengths + cu_seqlens, pool mode; slot 0 on sequence 1."""
+    T = sum(lens)
+    kw = make_call(device, B=1, T=T, seed=seed, pool_dtype=pool_dtype)
+    n = len(lens)
+    kw["cu_seqlens"] = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=cu_dtype, device=device)
+    slots = [(2 * i + 3) % 16 for i in range(n)]
+    slots[1] = 0
+    if n > 3:
+        slots[3] = -1  # a padding sequence
+    kw["ssm_state_indices"] = torch.tensor(slots, dtype=torch.int32, device=device)
+    return kw
+
+
+VARLEN_LENS = {"decode": [1, 1, 1, 1, 1, 1], "mixed": [0, 1, 3, 1, 0, 3]}
+
+
+@pytest.mark.parametrize("lens", list(VARLEN_LENS))
+@pytest.mark.parametrize("policy", ["out_of_range", "nonpositive"])
+def test_cpu_varlen_decode_matches_the_oracle(lens, policy):
+    check_against_oracle(varlen_decode("cpu", VARLEN_LENS[lens], torch.int32), exact=True, null_policy=policy)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pool_dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64], ids=["cu32", "cu64"])
+@pytest.mark.parametrize("policy", ["out_of_range", "nonpositive"])
+@pytest.mark.parametrize("lens", list(VARLEN_LENS))
+def test_gpu_varlen_decode_takes_the_t1_kernel_and_matches_the_oracle(lens, policy, cu_dtype, pool_dtype):
+    kw = varlen_decode("cuda", VARLEN_LENS[lens], cu_dtype, seed=5, pool_dtype=pool_dtype)
+    route = explain(**kw, null_policy=policy)
+    assert route.path is Path.T1_VARLEN, route
+    o = check_against_oracle(kw, exact=False, null_policy=policy)
+    cu = kw["cu_seqlens"].tolist()
+    seq1 = o[:, cu[1]:cu[2]]  # the sequence at slot 0
+    if seq1.numel():
+        assert bool(seq1.eq(0).all()) is (policy == "nonpositive")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_varlen_decode_with_serving_layouts_matches_the_oracle():
+    kw = serving_layout(varlen_decode("cuda", VARLEN_LENS["mixed"], torch.int64, seed=6))
+    assert explain(**kw).path is Path.T1_VARLEN
+    check_against_oracle(kw, exact=False)
+    check_against_oracle(kw, exact=False, null_policy="nonpositive")

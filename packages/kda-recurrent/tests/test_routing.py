@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kda_core.call_args import RecurrentArgs
-from kda_core.contracts import GateMode
+from kda_core.contracts import GateMode, NullSlotPolicy
 from kda_core.errors import KDAError
 from kda_core.oracle import recurrent_kda_ref, recurrent_kda_ref_args
 from kda_core.validation import validate_recurrent
@@ -31,34 +31,57 @@ class Recorder:
     def __init__(self):
         self.paths: list[Path] = []
 
-    def t1(self, call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, use_qk_l2norm_in_kernel, output):
+        self.policies: list[NullSlotPolicy] = []
+
+    def t1(self, call, q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, use_qk_l2norm_in_kernel, output,
+           null_policy):
         """The T=1 kernel's contract: gate mode, lower bound, beta convention and scale come from the validated
-        call (a wrong description shows as a mismatch with the oracle run on the facade's own arguments)."""
-        self.paths.append(Path.T1)
+        call (a wrong description shows as a mismatch with the oracle run on the facade's own arguments); the null
+        policy is the trailing argument of decode_t1._run, a NullSlotPolicy member."""
+        return self._t1(Path.T1, call, q, k, v, g, beta, state_pool, slot_indices, None, A_log, dt_bias,
+                        use_qk_l2norm_in_kernel, output, null_policy)
+
+    def t1_varlen(self, call, q, k, v, g, beta, state_pool, slot_indices, cu_seqlens, A_log, dt_bias,
+                  use_qk_l2norm_in_kernel, output, null_policy):
+        """decode_t1._run_varlen's contract: [1, T, H, 128] tokens, the offsets as given (never read on the host)."""
+        assert call.varlen and call.mode == "pool" and q.shape[0] == 1
+        return self._t1(Path.T1_VARLEN, call, q, k, v, g, beta, state_pool, slot_indices, cu_seqlens, A_log,
+                        dt_bias, use_qk_l2norm_in_kernel, output, null_policy)
+
+    def _t1(self, path, call, q, k, v, g, beta, state_pool, slot_indices, cu_seqlens, A_log, dt_bias, l2norm, output,
+            null_policy):
+        assert type(null_policy) is NullSlotPolicy
+        self.paths.append(path)
+        self.policies.append(null_policy)
         o, _ = recurrent_kda_ref(
             q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=call.scale, initial_state=state_pool,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_qk_l2norm_in_kernel=l2norm,
             use_gate_in_kernel=call.gate_mode is not GateMode.PRECOMPUTED, lower_bound=call.lower_bound,
-            beta_is_logit=call.beta_is_logit, ssm_state_indices=slot_indices,
+            beta_is_logit=call.beta_is_logit, ssm_state_indices=slot_indices, cu_seqlens=cu_seqlens,
+            null_policy=null_policy,
         )
         if output is None:
             return o
         output.copy_(o)
         return output
 
-    def generic(self, call, args):
-        """The generic kernel's contract: the validated description of exactly the bundle it gets."""
+    def generic(self, call, args, *, null_policy):
+        """The generic kernel's contract: the validated description of exactly the bundle it gets, and the policy
+        as kda_cute.generic.run's keyword."""
+        assert type(null_policy) is NullSlotPolicy
         self.paths.append(Path.GENERIC)
+        self.policies.append(null_policy)
         assert type(args) is RecurrentArgs
         described = validate_recurrent(args)  # kda-core's own validator: the facade's may be a counting stand-in
         assert call == dataclasses.replace(described, on_cuda=call.on_cuda, t1_eligible=call.t1_eligible)
-        return recurrent_kda_ref_args(args)
+        return recurrent_kda_ref_args(args, null_policy=null_policy)
 
 
 @pytest.fixture
 def kernels(monkeypatch):
     rec = Recorder()
     monkeypatch.setattr(facade, "_t1_kernel", rec.t1)
+    monkeypatch.setattr(facade, "_t1_varlen_kernel", rec.t1_varlen)
     monkeypatch.setattr(facade, "_generic_kernel", rec.generic)
     monkeypatch.delenv("KDA_T1_FAST_PATH", raising=False)
     return rec
@@ -85,8 +108,8 @@ def make_call(B=3, T=1, H=12, HV=None, K=128, mode="pool", N=8, act=BF16, gate=T
     def rnd(*shape, dtype=act):
         return torch.randn(*shape, generator=gen).to(dtype)
 
-    Bq = 1 if mode == "varlen" else B
-    Tq = 2 * B if mode == "varlen" else T
+    Bq = 1 if mode.startswith("varlen") else B
+    Tq = 2 * B if mode.startswith("varlen") else T
     kw = dict(q=rnd(Bq, Tq, H, K), k=rnd(Bq, Tq, H, K), v=rnd(Bq, Tq, HV, K), g=rnd(Bq, Tq, HV, K, dtype=BF16),
               beta=rnd(Bq, Tq, HV, dtype=BF16), use_qk_l2norm_in_kernel=l2norm)
     if gate:
@@ -104,6 +127,9 @@ def make_call(B=3, T=1, H=12, HV=None, K=128, mode="pool", N=8, act=BF16, gate=T
     elif mode == "varlen":
         kw.update(cu_seqlens=torch.tensor([0, 2, 2, 2 * B][: B + 1], dtype=torch.int32),
                   initial_state=pool, ssm_state_indices=torch.tensor([1, 4, 6][:B], dtype=torch.int32))
+    elif mode == "varlen_spec":
+        kw.update(cu_seqlens=torch.tensor([0, 2, 2, 2 * B][: B + 1], dtype=torch.int32), initial_state=pool,
+                  ssm_state_indices=torch.arange(B * 4, dtype=torch.int32).reshape(B, 4) % N)
     else:
         kw.update(initial_state=rnd(B, HV, K, K, dtype=torch.float32), output_final_state=True)
     return kw
@@ -176,7 +202,8 @@ def test_bad_kill_switch_value_names_the_knob(kernels, as_if_cuda, monkeypatch):
         ("T=2 dense", dict(T=2, mode="dense")),
         ("T=4 pool", dict(T=4)),
         ("spec decode 2-D indices", dict(T=3, mode="spec")),
-        ("varlen with a zero-length row", dict(mode="varlen")),
+        ("varlen spec decode", dict(mode="varlen_spec", N=16)),
+        ("varlen GQA", dict(mode="varlen", H=4, HV=8)),
         ("T=1 dense states", dict(mode="dense")),
         ("GQA", dict(H=4, HV=8)),
         ("K=64", dict(K=64)),
@@ -272,7 +299,7 @@ BAD_CASES = [
     ("beta", lambda kw: _bad(kw, beta=kw["beta"][..., None])),
     ("q", lambda kw: _bad(kw, q=kw["q"].to(torch.int32))),
     ("q", lambda kw: _bad(kw, q=kw["q"].transpose(-1, -2).contiguous().transpose(-1, -2))),
-    ("ssm_state_indices", lambda kw: _bad(kw, ssm_state_indices=kw["ssm_state_indices"].long())),
+    ("ssm_state_indices", lambda kw: _bad(kw, ssm_state_indices=kw["ssm_state_indices"].short())),
     ("ssm_state_indices", lambda kw: _bad(kw, ssm_state_indices=kw["ssm_state_indices"][:2])),
     ("initial_state", lambda kw: _bad(kw, initial_state=None)),
     ("initial_state", lambda kw: _bad(kw, initial_state=kw["initial_state"].half())),
@@ -524,16 +551,18 @@ BUNDLE = [(name, RecurrentArgs._field_defaults.get(name, inspect.Parameter.empty
 
 
 @pytest.mark.parametrize("fn", [recurrent_kda, explain], ids=["recurrent_kda", "explain"])
-def test_the_public_signatures_are_the_bundles_fields(fn):
-    assert _params(fn) == BUNDLE
+def test_the_public_signatures_are_the_bundles_fields_then_the_keyword_only_policy(fn):
+    assert _params(fn) == BUNDLE + [("null_policy", NullSlotPolicy.OUT_OF_RANGE)]
+    assert inspect.signature(fn).parameters["null_policy"].kind is inspect.Parameter.KEYWORD_ONLY
 
 
-def test_the_ops_schema_is_the_bundles_fields_in_order():
+def test_the_ops_schema_is_the_bundles_fields_in_order_then_the_policy_string():
     from kda_recurrent import ops
 
     schema = torch.ops.kda.recurrent_kda.default._schema
-    assert [a.name for a in schema.arguments] == list(RecurrentArgs._fields)
-    assert [n for n, _ in _params(ops._recurrent_kda_op._init_fn)] == list(RecurrentArgs._fields)
+    assert [a.name for a in schema.arguments] == [*RecurrentArgs._fields, "null_policy"]
+    assert str(schema.arguments[-1].type) == "str"
+    assert [n for n, _ in _params(ops._recurrent_kda_op._init_fn)] == [*RecurrentArgs._fields, "null_policy"]
 
 
 def test_the_facade_hands_each_layer_one_bundle(kernels, as_if_cuda, monkeypatch):
@@ -553,3 +582,118 @@ def test_the_generic_entry_is_the_launch_on_the_validated_call(monkeypatch):
     generic = pytest.importorskip("kda_cute.generic")
     monkeypatch.setattr(facade, "_generic_kernel", facade._UNLOADED)
     assert facade._generic() is generic.run  # run(call, args): the description and the bundle, no adapter frame
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The null-slot policy (docs/design.md §4) reaches every path; the varlen decode form takes the T=1 kernel
+
+
+POLICIES = [NullSlotPolicy.OUT_OF_RANGE, NullSlotPolicy.NONPOSITIVE, "nonpositive"]
+
+
+def _policy_call(**kw):
+    """A call with slot 0 live under OUT_OF_RANGE and null under NONPOSITIVE (and a -1 row null under both)."""
+    call = make_call(**kw)
+    call["ssm_state_indices"] = torch.tensor([3, 0, -1], dtype=torch.int64)
+    return call
+
+
+def _assert_policy_matches_oracle(kw, policy):
+    mine, ref = clone_call(kw), clone_call(kw)
+    o, s = recurrent_kda(**mine, null_policy=policy)
+    o_ref, s_ref = recurrent_kda_ref(**ref, null_policy=policy)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    return o
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=["out_of_range", "nonpositive", "string"])
+@pytest.mark.parametrize("case", ["t1", "t1 hot path", "generic", "oracle"])
+def test_the_null_policy_reaches_the_chosen_entry(kernels, monkeypatch, case, policy):
+    want = NullSlotPolicy(policy)
+    if case != "oracle":
+        real = facade._validate
+        monkeypatch.setattr(facade, "_validate", lambda a: dataclasses.replace(
+            real(a), on_cuda=True, t1_eligible=case != "generic"))
+    kw = _policy_call(T=1 if case != "generic" else 2)
+    if case == "t1 hot path":  # the facade's own hot path, as test_a_described_t1_call... stubs it
+        described = {}
+        monkeypatch.setattr(facade, "_revalidate", lambda a: described.get("call"))
+        described["call"] = facade._validate(RecurrentArgs(**kw))
+    o = _assert_policy_matches_oracle(kw, policy)
+    expected = {"t1": [Path.T1], "t1 hot path": [Path.T1], "generic": [Path.GENERIC], "oracle": []}[case]
+    assert kernels.paths == expected and kernels.policies == [want] * len(expected)
+    # slot 0 (row 1) is null under NONPOSITIVE only
+    assert bool(o[1].eq(0).all()) is (want is NullSlotPolicy.NONPOSITIVE)
+
+
+@pytest.mark.parametrize("bad", ["NONPOSITIVE", 0, None, "vllm", NullSlotPolicy])
+def test_a_bad_null_policy_is_named(kernels, as_if_cuda, bad):
+    kw = make_call()
+    with pytest.raises(KDAError, match="^null_policy: expected a kda_core.contracts.NullSlotPolicy"):
+        recurrent_kda(**kw, null_policy=bad)
+    with pytest.raises(KDAError, match="^null_policy: expected"):
+        explain(**kw, null_policy=bad)
+    assert kernels.paths == []
+
+
+def test_debug_validation_lets_slot_0_repeat_under_nonpositive(kernels, as_if_cuda, monkeypatch):
+    monkeypatch.setenv("KDA_DEBUG_VALIDATE", "1")
+    kw = {**make_call(B=3), "ssm_state_indices": torch.tensor([0, 2, 0], dtype=torch.int32)}
+    with pytest.raises(KDAError, match=r"^ssm_state_indices: expected distinct active slots in \[0, 8\)"):
+        recurrent_kda(**clone_call(kw))
+    _assert_policy_matches_oracle(kw, "nonpositive")
+    assert kernels.paths == [Path.T1]
+
+
+def _varlen_decode(lens, cu_dtype=torch.int32, slots=None, seed=3):
+    """[1, T, 12, 128] tokens of sequences of the given lengths + cu_seqlens, pool mode."""
+    T = sum(lens)
+    call = make_call(B=1, T=T, seed=seed)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=cu_dtype)
+    n = len(lens)
+    call.update(cu_seqlens=cu, ssm_state_indices=torch.tensor(slots or [(2 * i + 1) % 8 for i in range(n)],
+                                                               dtype=torch.int32))
+    return call
+
+
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64], ids=["cu32", "cu64"])
+@pytest.mark.parametrize("policy", POLICIES[:2], ids=["out_of_range", "nonpositive"])
+@pytest.mark.parametrize("lens", [[1, 1, 1, 1], [0, 1, 3, 1]], ids=["decode", "mixed"])
+def test_varlen_decode_in_pool_mode_takes_the_t1_kernels_varlen_entry(kernels, as_if_cuda, lens, policy, cu_dtype):
+    kw = _varlen_decode(lens, cu_dtype, slots=[0, 3, 5, 7])
+    route = explain(**kw, null_policy=policy)
+    assert route.path is Path.T1_VARLEN and "varlen entry" in route.reason, route
+    o = _assert_policy_matches_oracle(kw, policy)
+    assert kernels.paths == [Path.T1_VARLEN] and kernels.policies == [policy]
+    first = lens[0]  # sequence 0 sits at slot 0: null under NONPOSITIVE
+    if first:
+        assert bool(o[:, :first].eq(0).all()) is (policy is NullSlotPolicy.NONPOSITIVE)
+
+
+def test_varlen_decode_reason_says_the_offsets_stay_on_the_device():
+    call = validate_recurrent(RecurrentArgs(**_varlen_decode([1, 2])))
+    assert call.varlen and not call.t1_eligible  # CPU tensors
+    eligible = dataclasses.replace(call, on_cuda=True, t1_eligible=True)
+    from kda_core import validation
+
+    assert "never on the host" in validation._T1_VARLEN_OK[True]
+    assert facade._route(eligible) in (Path.T1_VARLEN, Path.ORACLE)
+
+
+def test_the_kill_switch_sends_varlen_decode_to_the_generic_kernel(kernels, as_if_cuda, monkeypatch):
+    monkeypatch.setenv("KDA_T1_FAST_PATH", "0")
+    kw = _varlen_decode([1, 0, 2])
+    assert explain(**kw).path is Path.GENERIC
+    assert_matches_oracle(kw)
+    assert kernels.paths == [Path.GENERIC]
+
+
+def test_a_missing_t1_kernel_sends_varlen_decode_to_the_oracle(kernels, as_if_cuda, monkeypatch):
+    monkeypatch.setattr(facade, "_t1_varlen_kernel", None)
+    kw = _varlen_decode([1, 1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert explain(**kw).path is Path.ORACLE
+        assert_matches_oracle(kw)
+    assert kernels.paths == []

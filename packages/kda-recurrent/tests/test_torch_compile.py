@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from kda_core.contracts import GateMode
+from kda_core.contracts import GateMode, NullSlotPolicy
 from kda_core.oracle import recurrent_kda_ref, recurrent_kda_ref_args
 from kda_recurrent import facade
 from kda_recurrent.facade import Path, recurrent_kda
@@ -101,17 +101,18 @@ def test_routing_runs_when_the_compiled_graph_runs_not_when_it_is_traced(monkeyp
         eligible = call.t1_eligible or "tensors not on a CUDA device" in call.t1_reason
         return dataclasses.replace(call, on_cuda=True, t1_eligible=eligible)
 
-    def t1(call, q, k, v, g, beta, pool, slots, A_log, dt_bias, l2norm, out):
-        paths.append(Path.T1)
+    def t1(call, q, k, v, g, beta, pool, slots, A_log, dt_bias, l2norm, out, null_policy):
+        paths.append((Path.T1, null_policy))
         out.copy_(recurrent_kda_ref(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=pool,
                                     use_gate_in_kernel=call.gate_mode is not GateMode.PRECOMPUTED,
                                     lower_bound=call.lower_bound,
-                                    beta_is_logit=call.beta_is_logit, ssm_state_indices=slots)[0])
+                                    beta_is_logit=call.beta_is_logit, ssm_state_indices=slots,
+                                    null_policy=null_policy)[0])
         return out
 
-    def generic(call, args):
-        paths.append(Path.GENERIC)
-        return recurrent_kda_ref_args(args)
+    def generic(call, args, *, null_policy):
+        paths.append((Path.GENERIC, null_policy))
+        return recurrent_kda_ref_args(args, null_policy=null_policy)
 
     monkeypatch.setattr(facade, "_validate", as_if_cuda)
     monkeypatch.setattr(facade, "_t1_kernel", t1)
@@ -124,7 +125,39 @@ def test_routing_runs_when_the_compiled_graph_runs_not_when_it_is_traced(monkeyp
     compiled(hidden, pool, slots)
     monkeypatch.setenv("KDA_T1_FAST_PATH", "0")
     compiled(hidden, pool, slots)
-    assert paths == [Path.T1, Path.GENERIC]
+    default = NullSlotPolicy.OUT_OF_RANGE
+    assert paths == [(Path.T1, default), (Path.GENERIC, default)]
+
+
+def test_the_null_policy_goes_through_the_op_as_its_string(monkeypatch):
+    """The op's schema has no enum: the traced call passes the policy's string value and the body converts it."""
+    seen = []
+    real = facade.recurrent_kda
+
+    def spy(*args, **kw):
+        seen.append(kw.get("null_policy"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(facade, "recurrent_kda", spy)
+    B, H, K, N = 3, 8, 128, 4
+    q, k, v, g = (torch.randn(B, 1, H, K, dtype=BF16) for _ in range(4))
+    beta = torch.rand(B, 1, H, dtype=BF16)
+    pool = torch.randn(N, H, K, K, dtype=BF16) * 0.1
+    slots = torch.tensor([0, 2, -1], dtype=torch.int32)
+
+    def layer(q, k, v, g, beta, pool, slots):
+        return recurrent_kda(q, k, v, -g.float().abs(), beta.float(), initial_state=pool, ssm_state_indices=slots,
+                             null_policy=NullSlotPolicy.NONPOSITIVE)[0]
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    ref_pool = pool.clone()
+    o = compiled(q, k, v, g, beta, pool, slots)
+    o_ref, _ = recurrent_kda_ref(q, k, v, -g.float().abs(), beta.float(), initial_state=ref_pool,
+                                 ssm_state_indices=slots, null_policy="nonpositive")
+    assert seen == ["nonpositive"]
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(pool, ref_pool, rtol=0, atol=0)
+    assert bool(o[0].eq(0).all())  # slot 0 is null
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kda_core.contracts import RING_SLOTS, default_flush_min, max_flush_min, max_hist_len
+from kda_core.contracts import RING_SLOTS, NullSlotPolicy, default_flush_min, max_flush_min, max_hist_len
 from kda_core.errors import KDAError
 from kda_core.oracle import recurrent_kda_ref, ucache_verify_flush_ref
 from kda_recurrent.ucache import (
@@ -105,6 +105,38 @@ def test_inactive_rows_are_zero_and_touch_nothing():
     assert torch.equal(out, torch.zeros_like(out))
     for name in ("initial_state_source", "k_cache", "u_cache", "g_cache", "hist_len", "cache_base"):
         assert torch.equal(mine[name], x[name]), name
+
+
+@pytest.mark.parametrize("policy", ["nonpositive", NullSlotPolicy.NONPOSITIVE])
+def test_a_row_at_slot_0_is_null_under_the_nonpositive_policy(policy):
+    x = make_inputs(B=3, N=4, hist=default_flush_min(4, 16), base=6)
+    x["initial_state_indices"] = torch.tensor([0, 2, 0], dtype=torch.int64)  # vLLM's padding slot, twice
+    mine, ref = clone(x), clone(x)
+    out = call(mine, null_policy=policy)
+    expected = ucache_verify_flush_ref(
+        ref["A_log"], ref["g"], ref["dt_bias"], -5.0, null_policy="nonpositive",
+        **{n: t for n, t in ref.items() if n not in ("A_log", "g", "dt_bias")})  # fmt: skip
+    assert torch.equal(out, expected) and torch.count_nonzero(out[[0, 2]]) == 0 and torch.count_nonzero(out[1]) > 0
+    for name in ("initial_state_source", "k_cache", "u_cache", "g_cache"):
+        assert torch.equal(mine[name][0], x[name][0]), name  # slot 0 never touched
+        assert torch.equal(mine[name], ref[name]), name
+    assert mine["hist_len"][[0, 2]].tolist() == x["hist_len"][[0, 2]].tolist()
+    # the default policy runs slot 0
+    assert torch.count_nonzero(call(clone(x) | {"initial_state_indices": torch.tensor([0, 2, 1])})[0]) > 0
+
+
+def test_a_bad_null_policy_is_named():
+    with pytest.raises(KDAError, match="^null_policy: expected"):
+        call(make_inputs(), null_policy="zero")
+
+
+def test_debug_validation_lets_slot_0_repeat_under_nonpositive(monkeypatch):
+    monkeypatch.setenv("KDA_DEBUG_VALIDATE", "1")
+    x = make_inputs(B=2)
+    x["initial_state_indices"] = torch.tensor([0, 0], dtype=torch.int32)
+    with pytest.raises(KDAError, match="^initial_state_indices: expected distinct"):
+        call(clone(x))
+    call(clone(x), null_policy="nonpositive")
 
 
 def test_w_ring_comes_from_the_knob_when_not_passed(monkeypatch):
@@ -333,6 +365,51 @@ def test_gpu_call_matches_the_oracle(restart):
         torch.testing.assert_close(mine[name].float(), ref[name].float(), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(mine["g_cache"], ref["g_cache"], atol=1e-4, rtol=1e-5)
     assert torch.equal(mine["hist_len"], ref["hist_len"]) and torch.equal(mine["cache_base"], ref["cache_base"])
+
+
+def _odd_rows(t, pad):
+    """The same values in a tensor whose dim-0 stride is ``pad`` elements longer than the row."""
+    row = t[0].numel()
+    flat = torch.zeros(t.shape[0] * (row + pad), dtype=t.dtype, device=t.device)
+    out = flat.as_strided(t.shape, (row + pad, *t.stride()[1:]))
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("policy", ["out_of_range", "nonpositive"])
+@pytest.mark.parametrize("layout", ["compact", "odd strides, strided int64 slots"])
+def test_gpu_null_policy_and_serving_layouts_match_the_oracle(policy, layout):
+    x = cuda_inputs(B=4, T=8, H=12, N=9, hist=9, base=27, seed=4)
+    slots = torch.tensor([5, 0, -1, 8], dtype=torch.int32, device="cuda")
+    if layout == "compact":
+        x["initial_state_indices"] = slots
+    else:
+        x["initial_state_indices"] = torch.zeros(4, 3, dtype=torch.int64, device="cuda")[:, 1]
+        x["initial_state_indices"].copy_(slots)
+        for name in ("initial_state_source", "k_cache", "u_cache", "g_cache"):
+            x[name] = _odd_rows(x[name], 17)
+    mine, ref = clone(x), clone(x)
+    if layout != "compact":  # clone() makes them compact again: keep the odd layout for the kernel's copy
+        for name in ("initial_state_source", "k_cache", "u_cache", "g_cache"):
+            mine[name] = _odd_rows(x[name], 17)
+        mine["initial_state_indices"] = x["initial_state_indices"]
+    out = call(mine, null_policy=policy)
+    expected = ucache_verify_flush_ref(
+        ref["A_log"], ref["g"], ref["dt_bias"], -5.0, out_dtype=None, null_policy=policy,
+        **{n: t for n, t in ref.items() if n not in ("A_log", "g", "dt_bias")},
+    )  # fmt: skip
+    torch.testing.assert_close(out.float(), expected, atol=8e-3, rtol=8e-3)
+    torch.testing.assert_close(mine["initial_state_source"].float(), ref["initial_state_source"].float(),
+                               atol=2e-2, rtol=1e-2)  # fmt: skip
+    for name in ("k_cache", "u_cache"):
+        torch.testing.assert_close(mine[name].float(), ref[name].float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(mine["g_cache"], ref["g_cache"], atol=1e-4, rtol=1e-5)
+    assert torch.equal(mine["hist_len"], ref["hist_len"]) and torch.equal(mine["cache_base"], ref["cache_base"])
+    if policy == "nonpositive":
+        for name in ("initial_state_source", "k_cache", "u_cache", "g_cache"):
+            assert torch.equal(mine[name][0], x[name][0]), name
 
 
 @pytest.mark.gpu

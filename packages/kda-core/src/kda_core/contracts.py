@@ -11,8 +11,6 @@ GENERIC_HEAD_DIMS = (64, 128)
 T1_HEAD_COUNTS = (8, 12, 16, 24, 32, 48, 64, 96)
 """H == HV values the T=1 kernel and the ucache kernel are built and tested for (Kimi K3: 12 at TP=8, 24 at TP=4)."""
 L2NORM_EPS = 1e-6
-POOL_ROW_STRIDE_MULTIPLE = 8
-"""A padded pool's dim-0 stride must be a multiple of 8 elements."""
 RING_SLOTS = 32
 """Physical slots of each ucache ring (the logical row j lives at (base + j) & 31)."""
 UCACHE_T = (4, 8)
@@ -35,6 +33,26 @@ class NullSlotPolicy(enum.Enum):
 
     OUT_OF_RANGE = "out_of_range"  # kda, SGLang, FlashInfer: null iff idx < 0 or idx >= N
     NONPOSITIVE = "nonpositive"  # vLLM (NULL_BLOCK_ID = 0): null iff idx <= 0 or idx >= N; slot 0 never touched
+
+
+def null_policy_of(value) -> NullSlotPolicy:
+    """``value`` as a :class:`NullSlotPolicy`: the enum member itself or its string value ("out_of_range",
+    "nonpositive"); anything else raises :class:`kda_core.errors.KDAError` naming ``null_policy``."""
+    if type(value) is NullSlotPolicy:
+        return value
+    if type(value) is str:
+        for policy in NullSlotPolicy:
+            if policy.value == value:
+                return policy
+    from kda_core.errors import fail
+
+    fail("null_policy", f"a kda_core.contracts.NullSlotPolicy or one of {[p.value for p in NullSlotPolicy]}",
+         repr(value))
+
+
+def first_live_slot(policy: NullSlotPolicy) -> int:
+    """The smallest slot index that is not null under ``policy`` (1 under NONPOSITIVE, whose slot 0 is null)."""
+    return 1 if policy is NullSlotPolicy.NONPOSITIVE else 0
 
 
 def gate_mode(use_gate_in_kernel: bool, lower_bound: float | None) -> GateMode:

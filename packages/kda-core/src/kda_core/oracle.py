@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kda_core.call_args import RecurrentArgs
+from kda_core.contracts import NullSlotPolicy, first_live_slot, null_policy_of
 from kda_core.errors import fail
 from kda_core.oracle_step import _l2norm, kda_gate_ref, kda_step_ref
 from kda_core.oracle_ucache import commit_ucache_ref, ucache_verify_flush_ref
@@ -105,14 +106,17 @@ def _scatter_output(o_seq, grid, B, T, HV, V, out_dtype, device):
     return out
 
 
-def _in_pool(slots, N):
-    return (slots >= 0) & (slots < N)
+def _in_pool(slots, N, first=0):
+    """Live slots: in [first, N) (``first`` is :func:`kda_core.contracts.first_live_slot` of the null policy)."""
+    return (slots >= first) & (slots < N)
 
 
-def _spec_read_slots(idx, num_accepted_tokens, dev):
+def _spec_read_slots(idx, num_accepted_tokens, dev, null_policy=NullSlotPolicy.OUT_OF_RANGE):
     """The slot each spec-decode row reads its first state from: ``idx[n, col]`` with
     ``col = max(min(nat, T_idx), 1) - 1`` in 64 bits (so INT_MIN, 0 and negatives read column 0 and counts above
-    the T_idx columns read the last), column 0 without ``num_accepted_tokens``; -1 (inactive) without columns."""
+    the T_idx columns read the last), column 0 without ``num_accepted_tokens``; -1 (inactive) without columns.
+    Under ``NONPOSITIVE`` a row whose count is outside [1, T_idx] is null as a whole (-1: nothing read or written,
+    docs/design.md §4)."""
     N, T_idx = idx.shape
     if T_idx == 0:
         return torch.full((N,), -1, dtype=torch.long, device=dev)
@@ -120,7 +124,10 @@ def _spec_read_slots(idx, num_accepted_tokens, dev):
         return idx[:, 0]
     nat = num_accepted_tokens.to(device=dev, dtype=torch.long)
     col = nat.clamp(max=T_idx).clamp(min=1) - 1
-    return idx.gather(1, col[:, None])[:, 0]
+    read = idx.gather(1, col[:, None])[:, 0]
+    if null_policy is NullSlotPolicy.NONPOSITIVE:
+        read = torch.where((nat >= 1) & (nat <= T_idx), read, torch.full_like(read, -1))
+    return read
 
 
 @torch.no_grad()  # a pool that requires grad is still updated in place, as the kernels update it
@@ -145,6 +152,8 @@ def recurrent_kda_ref(
     output=None,
     dtype=torch.float32,
     out_dtype=torch.bfloat16,
+    *,
+    null_policy=NullSlotPolicy.OUT_OF_RANGE,
 ):
     """Token-loop reference of the KDA recurrence, with the facade's argument names and order
     (:func:`recurrent_kda_ref_args` takes them bundled).
@@ -161,7 +170,12 @@ def recurrent_kda_ref(
         output, no write, and the running state does not absorb it.
       - no indices: ``initial_state`` is dense [N, HV, V, K] or None (zeros); final_state is [N, HV, V, K] in
         ``dtype`` when ``output_final_state``.
-    A read slot outside [0, P) makes the whole sequence inactive: zero output, pool untouched.
+    A null read slot makes the whole sequence inactive: zero output, pool untouched.
+
+    ``null_policy`` (docs/design.md §4; the enum or its string value): ``OUT_OF_RANGE`` (the default) makes a slot
+    null iff it is outside [0, P); ``NONPOSITIVE`` (vLLM) iff it is <= 0 or >= P, so slot 0 is never read or
+    written, and with 2-D indices a row whose ``num_accepted_tokens`` is outside [1, T_idx] is null as a whole
+    (zero outputs, nothing read or written).
 
     ``output``: a [B, T, HV, V] tensor the output is written into (converted to its dtype) and returned as ``o``,
     as the kernels do; None allocates.
@@ -170,6 +184,8 @@ def recurrent_kda_ref(
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    null_policy = null_policy_of(null_policy)
+    first = first_live_slot(null_policy)
     out_dtype = dtype if out_dtype is None else out_dtype
     qf, kf, vf, g_log, bf, scale, grid = _prepare(
         q, k, v, g, beta, A_log, dt_bias, scale, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, dtype
@@ -190,8 +206,8 @@ def recurrent_kda_ref(
             read_slots = idx
         else:
             write_slots = idx
-            read_slots = _spec_read_slots(idx, num_accepted_tokens, dev)
-        active = _in_pool(read_slots, P)
+            read_slots = _spec_read_slots(idx, num_accepted_tokens, dev, null_policy)
+        active = _in_pool(read_slots, P, first)
         S = torch.zeros(N, HV, V, K, dtype=dtype, device=dev)
         if bool(active.any()):
             S[active] = pool[read_slots[active]].to(dtype)
@@ -206,7 +222,8 @@ def recurrent_kda_ref(
     for t in range(t_max):
         step = tok_valid[:, t] & active
         if write_slots is not None:
-            step = step & (t < write_slots.shape[1]) & _in_pool(write_slots[:, min(t, write_slots.shape[1] - 1)], P)
+            step = step & (t < write_slots.shape[1]) & _in_pool(write_slots[:, min(t, write_slots.shape[1] - 1)], P,
+                                                                first)
         S_new, o, _, _ = kda_step_ref(
             S, qf[:, t], kf[:, t], vf[:, t], g_log[:, t], bf[:, t], scale, use_qk_l2norm_in_kernel
         )
@@ -227,10 +244,11 @@ def recurrent_kda_ref(
     return o, (S if output_final_state else None)
 
 
-def recurrent_kda_ref_args(args: RecurrentArgs, *, dtype=torch.float32, out_dtype=torch.bfloat16):
+def recurrent_kda_ref_args(args: RecurrentArgs, *, dtype=torch.float32, out_dtype=torch.bfloat16,
+                           null_policy=NullSlotPolicy.OUT_OF_RANGE):
     """:func:`recurrent_kda_ref` on a call's :class:`kda_core.call_args.RecurrentArgs` (the facade's oracle path).
     The bundle's order is that function's positional order, so this is the one body."""
-    return recurrent_kda_ref(*args, dtype=dtype, out_dtype=out_dtype)
+    return recurrent_kda_ref(*args, dtype=dtype, out_dtype=out_dtype, null_policy=null_policy)
 
 
 @torch.no_grad()

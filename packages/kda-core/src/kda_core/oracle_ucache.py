@@ -18,7 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from kda_core.contracts import RING_SLOTS, default_flush_min, max_hist_len
+from kda_core.contracts import (
+    RING_SLOTS,
+    NullSlotPolicy,
+    default_flush_min,
+    first_live_slot,
+    max_hist_len,
+    null_policy_of,
+)
 from kda_core.oracle_step import kda_gate_ref, kda_step_ref
 
 __all__ = ["ucache_verify_flush_ref", "commit_ucache_ref"]
@@ -49,6 +56,7 @@ def ucache_verify_flush_ref(
     use_qk_l2norm_in_kernel=True,
     dtype=torch.float32,
     out_dtype=torch.bfloat16,
+    null_policy=NullSlotPolicy.OUT_OF_RANGE,
 ):
     """One verify(+flush) step; mutates the pool, the rings and (restart_hist_on_flush) the cursors in place.
 
@@ -56,11 +64,15 @@ def ucache_verify_flush_ref(
     initial_state_source: pool [N, H, 128, 128]; initial_state_indices, hist_len, cache_base: int32 [B];
     k_cache, u_cache: [N, H, 32, 128] bf16; g_cache: [N, H, 32, 128] fp32. lower_bound None is the softplus gate.
     Returns the draft outputs [B, T, H, 128] in ``out_dtype`` (``None``: ``dtype``).
+    ``null_policy`` (docs/design.md §4; the enum or its string value): a row whose slot is null (``OUT_OF_RANGE``:
+    outside [0, N); ``NONPOSITIVE``: <= 0 or >= N) gets zero output, and neither its pool row, its rings nor its
+    cursors are read or written.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
     pool = initial_state_source
     N = pool.shape[0]
+    first = first_live_slot(null_policy_of(null_policy))
     if flush_min is None:
         flush_min = default_flush_min(T, w_ring)
     scale = K**-0.5 if scale is None else scale
@@ -72,7 +84,7 @@ def ucache_verify_flush_ref(
     bases = cache_base.tolist()
     for i in range(B):
         s = slots[i]
-        if not 0 <= s < N:
+        if not first <= s < N:
             continue  # inactive row: nothing read or written
         P = min(max(lens[i], 0), top)  # the cursors as the kernels read them
         base = bases[i] & (RING_SLOTS - 1)

@@ -53,16 +53,18 @@ from kda_core.call_args import RecurrentArgs
 from kda_core.contracts import (
     GENERIC_HEAD_DIMS,
     HEAD_DIM,
-    POOL_ROW_STRIDE_MULTIPLE,
     RING_SLOTS,
     T1_HEAD_COUNTS,
     UCACHE_T,
     UCACHE_WRING,
     GateMode,
+    NullSlotPolicy,
     default_flush_min,
+    first_live_slot,
     gate_mode,
     max_flush_min,
     max_hist_len,
+    null_policy_of,
 )
 from kda_core.errors import KDAError, fail
 
@@ -144,6 +146,8 @@ class DecodeT1Call:
     has_output: bool
     has_dt_bias: bool = True
     """The gate is in the kernel and dt_bias was given (absent: zeros, the kernel's variant without it)."""
+    index_dtype: torch.dtype = torch.int32
+    """The slot indices' dtype (int32 or int64): the kernel reads them as they are, so it is a compiled variant."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,8 @@ class RecurrentCall:
     t1_reason: str
     has_dt_bias: bool = True
     """The gate is in the kernel and dt_bias was given (absent: zeros, the kernels' variant without it)."""
+    index_dtype: torch.dtype | None = torch.int32
+    """The slot indices' dtype, int32 or int64 (None in dense mode): a compiled variant of every kernel."""
 
 
 @dataclass(frozen=True)
@@ -200,6 +206,8 @@ class UcacheCall:
     aligned: bool
     alignment: int
     has_output: bool
+    index_dtype: torch.dtype = torch.int32
+    """The slot indices' dtype (int32 or int64, any stride)."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -332,10 +340,24 @@ def _index(name: str, t, n: int, text: str, dev: int) -> None:
         fail(name, "a contiguous 1-D tensor (stride 1)", f"stride {t.stride(0)}")
 
 
+def _slots(name: str, t, n: int, text: str, dev: int) -> None:
+    """Slot indices or per-row counts [n]: int32 or int64, any stride (a column of a wider table; values are never
+    read)."""
+    if not isinstance(t, _Tensor):
+        fail(name, "a torch.Tensor", type(t).__name__)
+    if t.shape != (n,):
+        fail(name, f"shape {text} = ({n},)", tuple(t.shape))
+    if t.dtype is not _I32 and t.dtype is not _I64:
+        fail(name, "dtype int32 or int64", t.dtype)
+    if t.get_device() != dev:
+        _fail_device(name, t, dev)
+
+
 def _rows(name: str, t, row_shape: tuple, dtypes: tuple, dtype_text: str, what: str, dev: int) -> int:
-    """A pool or ring [N, *row_shape]: inner dims compact (last contiguous), dim-0 stride >= the row and a multiple
-    of 8 elements (padding allowed). Returns N. Such a tensor's strides are all 16-byte multiples, so only its pointer
-    decides its alignment."""
+    """A pool or ring [N, *row_shape]: inner dims compact (last contiguous), dim-0 stride any number of elements
+    >= the row (padding allowed). Returns N. The inner strides are 16-byte multiples, so its pointer and its row
+    stride in bytes decide its alignment (:func:`_row_bits`): a row stride that is not a 16-byte multiple takes
+    the unaligned variant."""
     if not isinstance(t, _Tensor):
         fail(name, "a torch.Tensor", type(t).__name__)
     shape = t.shape
@@ -349,10 +371,18 @@ def _rows(name: str, t, row_shape: tuple, dtypes: tuple, dtype_text: str, what: 
     st = t.stride()
     if st[1] != b * c or st[2] != c or st[3] != 1:
         fail(name, f"compact inner dims (strides ({b * c}, {c}, 1), K contiguous)", f"strides {st}")
-    if shape[0] > 1 and (st[0] < a * b * c or st[0] % POOL_ROW_STRIDE_MULTIPLE):
-        fail(name, f"a dim-0 (row) stride >= {a * b * c} elements and a multiple of {POOL_ROW_STRIDE_MULTIPLE}",
+    if shape[0] > 1 and st[0] < a * b * c:
+        fail(name, f"a dim-0 (row) stride >= {a * b * c} elements (the row; rows must not overlap)",
              f"stride {st[0]}")
     return shape[0]
+
+
+def _row_bits(t) -> int:
+    """Alignment bits of a checked pool or ring: its pointer, OR'ed with its row stride in bytes when it has more
+    than one row (the inner strides are 16-byte multiples)."""
+    if t.shape[0] > 1:
+        return t.data_ptr() | t.stride()[0] * t.element_size()
+    return t.data_ptr()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -410,6 +440,23 @@ def _check_disjoint(name: str, t, others) -> None:
             if other and lo < p + other:
                 fail(name, f"a tensor that shares no byte with {other_name}",
                      f"bytes [{lo:#x}, {hi:#x}) overlapping {other_name}'s [{p:#x}, {p + other:#x})")
+
+
+def _check_pairwise_disjoint(tensors) -> None:
+    """No two of the (name, tensor) pairs share a byte; a clash is named by the later tensor of the pair. Each
+    tensor's byte range is computed once (a range per pair cost ~45 us for the ucache step's seven tensors)."""
+    ranges = []
+    for name, t in tensors:
+        span = _span(t)
+        lo = t.data_ptr()
+        if not span or (not lo and t.is_meta):
+            continue
+        hi = lo + span
+        for other_name, p, q in ranges:
+            if p < hi and lo < q:
+                fail(name, f"a tensor that shares no byte with {other_name}",
+                     f"bytes [{lo:#x}, {hi:#x}) overlapping {other_name}'s [{p:#x}, {q:#x})")
+        ranges.append((name, lo, hi))
 
 
 def _check_host_kind(first_name: str, first, tensors) -> None:
@@ -541,7 +588,7 @@ def _t1_tail(B, H, g_dtype, beta_dtype, state_pool, slot_indices, A_log, dt_bias
             fail(names[0], f"dtype {text}", g_dtype)
         fail(names[1], f"dtype {text}", beta_dtype)
 
-    # state_pool [N, H, V, K]: inner dims compact, row stride padded to a multiple of 8 at most.
+    # state_pool [N, H, V, K]: inner dims compact, row stride any number of elements >= the row.
     if not isinstance(state_pool, _Tensor):
         _rows("state_pool", state_pool, (H, HEAD_DIM, HEAD_DIM), _POOL_DTYPES, "bfloat16 or float32", "[N, H, V, K]",
               dev)
@@ -551,15 +598,18 @@ def _t1_tail(B, H, g_dtype, beta_dtype, state_pool, slot_indices, A_log, dt_bias
     if (len(ps) != 4 or ps[1] != H or ps[2] != HEAD_DIM or ps[3] != HEAD_DIM
             or (state_dtype is not _BF16 and state_dtype is not _F32) or state_pool.get_device() != dev
             or pst[1] != _HEAD_ELEMS or pst[2] != HEAD_DIM or pst[3] != 1
-            or (ps[0] > 1 and (pst[0] < H * _HEAD_ELEMS or pst[0] % POOL_ROW_STRIDE_MULTIPLE))):
+            or (ps[0] > 1 and pst[0] < H * _HEAD_ELEMS)):
         _rows("state_pool", state_pool, (H, HEAD_DIM, HEAD_DIM), _POOL_DTYPES, "bfloat16 or float32", "[N, H, V, K]",
               dev)
     N = ps[0]
     acc |= state_pool.data_ptr()
+    if N > 1:  # the row stride in bytes: one that is not a 16-byte multiple takes the unaligned variant
+        acc |= pst[0] * (4 if state_dtype is _F32 else 2)
 
-    if (not isinstance(slot_indices, _Tensor) or slot_indices.shape != (B,) or slot_indices.dtype is not _I32
-            or slot_indices.get_device() != dev or (B > 1 and slot_indices.stride()[0] != 1)):
-        _index("slot_indices", slot_indices, B, "[B]", dev)
+    if (not isinstance(slot_indices, _Tensor) or slot_indices.shape != (B,)
+            or ((index_dtype := slot_indices.dtype) is not _I32 and index_dtype is not _I64)
+            or slot_indices.get_device() != dev):
+        _slots("slot_indices", slot_indices, B, "[B]", dev)
 
     dt_bias_ptr, lb, scale = _gate_and_scale(use_gate_in_kernel, A_log, dt_bias, lower_bound, scale, H, HEAD_DIM, dev)
     acc |= dt_bias_ptr
@@ -581,7 +631,7 @@ def _t1_tail(B, H, g_dtype, beta_dtype, state_pool, slot_indices, A_log, dt_bias
     # (use_gate, lower_bound) determine the gate mode and hash faster than the enum (a Python-level __hash__).
     has_dt_bias = use_gate_in_kernel and dt_bias is not None
     key = ("t1", B, H, N, state_dtype, g_dtype, beta_dtype, use_gate_in_kernel, lb, beta_is_logit, scale, acc & 15,
-           is_packed, output is not None, has_dt_bias)
+           is_packed, output is not None, has_dt_bias, index_dtype)
     call = _MEMO.get(key)
     if call is None:
         alignment = _pow2_alignment(acc)
@@ -590,6 +640,7 @@ def _t1_tail(B, H, g_dtype, beta_dtype, state_pool, slot_indices, A_log, dt_bias
             gate_mode=gate_mode(use_gate_in_kernel, lower_bound), beta_is_logit=beta_is_logit,
             lower_bound=None if lb is None else float(lb), scale=scale, aligned=alignment >= VECTOR_BYTES,
             alignment=alignment, packed=is_packed, has_output=output is not None, has_dt_bias=has_dt_bias,
+            index_dtype=index_dtype,
         ))
     return call
 
@@ -616,8 +667,9 @@ def validate_decode_t1(
 
     q, k, v, g [B, 1, H, 128] with H == HV in ``T1_HEAD_COUNTS``, beta [B, 1, H]: bf16 (g and beta may be fp32 with
     ``use_gate_in_kernel=False``), last dim contiguous, other strides free. state_pool [N, H, 128, 128] bf16 or fp32,
-    K contiguous, inner dims compact, dim-0 stride >= H*128*128 and a multiple of 8. slot_indices int32 [B]
-    contiguous (values are not read: out-of-range slots are inactive rows). A_log fp32 [H] is required with
+    K contiguous, inner dims compact, dim-0 stride any number of elements >= H*128*128 (one that is not a 16-byte
+    multiple takes the unaligned variant). slot_indices int32 or int64 [B], any stride (values are not read: null
+    slots are inactive rows). A_log fp32 [H] is required with
     ``use_gate_in_kernel``, dt_bias fp32 [H*128] or [H, 128] is optional (None: zeros); ``lower_bound`` < 0 selects
     the lower-bound gate, None the softplus gate. ``output`` bf16 [B, 1, H, 128], sharing no byte with another
     argument and none between its own elements. ``device_kind``: "cuda" (the kernel) or "any" (the oracle).
@@ -751,8 +803,8 @@ def validate_packed_decode_t1(
 #   (a) the facts of the full validator's memo key (B, H, N, the dtypes and flags that pick a kernel variant, the
 #       gate scalars, the alignment bits of every pointer and stride), and
 #   (b) the rules a kernel's compiled TVM-FFI wrapper cannot check: widths tied to H (the packed rows, dt_bias),
-#       row strides that must not overlap (packed rows; pool rows >= one row and a multiple of 8), contiguous slot
-#       indices, and the first tensor on a CUDA device,
+#       row strides that must not overlap (packed rows; pool rows >= one row), and the first tensor on a CUDA
+#       device,
 # and return the full validator's description when it has described these facts before; on a new key (or when a
 # read fails: not a tensor, wrong rank) they run the full validator, which remembers the description or raises.
 #
@@ -801,20 +853,22 @@ def _t1_recheck_tail(B, H, state_pool, slot_indices, A_log, dt_bias, lower_bound
         return None
     N = ps[0]
     row = H * _HEAD_ELEMS
-    if N > 1:
-        pst0 = state_pool.stride()[0]
-        if pst0 < row or pst0 % POOL_ROW_STRIDE_MULTIPLE:
-            return None
-    if B > 1 and slot_indices.stride()[0] != 1:
-        return None
     state_dtype = state_pool.dtype
+    elem = 4 if state_dtype is _F32 else 2
     pp = state_pool.data_ptr()
     acc |= pp
+    if N > 1:
+        pst0 = state_pool.stride()[0]
+        if pst0 < row:
+            return None
+        acc |= pst0 * elem
+    index_dtype = slot_indices.dtype
     if out is not None:
         lo, hi, bits = out
         acc |= bits
-        if (N and pp < hi and lo < pp + ((N - 1) * pst0 + row if N > 1 else row) * (4 if state_dtype is _F32 else 2)
-                or (p := slot_indices.data_ptr()) < hi and lo < p + B * 4):
+        if (N and pp < hi and lo < pp + ((N - 1) * pst0 + row if N > 1 else row) * elem
+                or (p := slot_indices.data_ptr()) < hi
+                and lo < p + ((B - 1) * slot_indices.stride()[0] + 1) * (8 if index_dtype is _I64 else 4)):
             return None
     lb = None
     has_dt_bias = False
@@ -837,7 +891,7 @@ def _t1_recheck_tail(B, H, state_pool, slot_indices, A_log, dt_bias, lower_bound
         scale = _DEFAULT_SCALE[HEAD_DIM]
     elif type(scale) is not float or not 0.0 < scale < _INF:
         return None
-    return N, state_dtype, lb, scale, acc & 15, out is not None, has_dt_bias
+    return N, state_dtype, lb, scale, acc & 15, out is not None, has_dt_bias, index_dtype
 
 
 def _t1_activation_bits(q, k, v, g, beta, B, H, g_dtype, out):
@@ -870,9 +924,9 @@ def _t1_remembered(B, H, g_dtype, beta_dtype, is_packed, state_pool, slot_indice
                             out, acc)
     if tail is None:
         return None
-    N, state_dtype, lb, sc, bits, has_output, has_dt_bias = tail
+    N, state_dtype, lb, sc, bits, has_output, has_dt_bias, index_dtype = tail
     return _MEMO.get(("t1", B, H, N, state_dtype, g_dtype, beta_dtype, use_gate_in_kernel, lb, beta_is_logit, sc, bits,
-                      is_packed, has_output, has_dt_bias))
+                      is_packed, has_output, has_dt_bias, index_dtype))
 
 
 def revalidate_decode_t1(q, k, v, g, beta, state_pool, slot_indices, A_log, dt_bias, lower_bound, use_gate_in_kernel,
@@ -955,10 +1009,11 @@ def validate_recurrent(args: RecurrentArgs, *, device_kind="any") -> RecurrentCa
     HV % H == 0; q, k, v one dtype of bf16/fp16/fp32, g and beta any of those; last dims contiguous.
     ``cu_seqlens`` int32/int64 1-D [N_seq + 1] requires B == 1 (its values are not read).
     Modes: ``ssm_state_indices`` None -> "dense" (``initial_state`` None or [N_seq, HV, V, K]);
-    1-D int32 [N_seq] -> "pool"; 2-D int32 [N_seq, T] ([N_seq, >= 1] with cu_seqlens: the max tokens) -> "spec",
-    where ``num_accepted_tokens`` int32 [N_seq] is optional (and only allowed there). In pool and spec modes
-    ``initial_state`` is the pool [N, HV, V, K], bf16 or fp32, K contiguous, inner dims compact, dim-0 stride
-    >= HV*V*K and a multiple of 8. ``output`` bf16 [B, T, HV, V]. ``device_kind``: "any" (default; the facade runs
+    1-D [N_seq] -> "pool"; 2-D [N_seq, T] ([N_seq, >= 1] with cu_seqlens: the max tokens) -> "spec", where
+    ``num_accepted_tokens`` [N_seq] is optional (and only allowed there); indices and counts int32 or int64, any
+    strides. In pool and spec modes ``initial_state`` is the pool [N, HV, V, K], bf16 or fp32, K contiguous, inner
+    dims compact, dim-0 stride any number of elements >= HV*V*K (one that is not a 16-byte multiple makes the call
+    unaligned). ``output`` bf16 [B, T, HV, V]. ``device_kind``: "any" (default; the facade runs
     CPU calls on the oracle) or "cuda".
     """
     if type(args) is not RecurrentArgs:
@@ -1042,28 +1097,27 @@ def validate_recurrent(args: RecurrentArgs, *, device_kind="any") -> RecurrentCa
 
     mode = "dense"
     N = None
-    state_dtype = None
+    state_dtype = index_dtype = None
     idx = ssm_state_indices
     if idx is not None:
         if not isinstance(idx, _Tensor):
             fail("ssm_state_indices", "a torch.Tensor", type(idx).__name__)
-        if idx.dtype is not _I32:
-            fail("ssm_state_indices", "dtype int32", idx.dtype)
+        index_dtype = idx.dtype
+        if index_dtype is not _I32 and index_dtype is not _I64:
+            fail("ssm_state_indices", "dtype int32 or int64", index_dtype)
         if idx.get_device() != dev:
             _fail_device("ssm_state_indices", idx, dev)
         ishape = idx.shape
-        if len(ishape) == 1:
+        if len(ishape) == 1:  # any stride: the kernels read a column of a wider table as it is
             mode = "pool"
-            if ishape[0] != N_seq or (N_seq > 1 and idx.stride()[0] != 1):
-                _index("ssm_state_indices", idx, N_seq, "[N_seq] (one slot per sequence)", dev)
-        elif len(ishape) == 2:
+            if ishape[0] != N_seq:
+                _slots("ssm_state_indices", idx, N_seq, "[N_seq] (one slot per sequence)", dev)
+        elif len(ishape) == 2:  # any strides (the generic kernel reads both)
             mode = "spec"
             cols_ok = ishape[1] >= 1 if varlen else ishape[1] == T
             if ishape[0] != N_seq or not cols_ok:
                 want = f"[N_seq, max tokens] = ({N_seq}, >= 1)" if varlen else f"[N_seq, T] = {(N_seq, T)}"
                 fail("ssm_state_indices", f"2-D shape {want} (one write slot per token)", tuple(ishape))
-            if ishape[1] > 1 and idx.stride(1) != 1:
-                fail("ssm_state_indices", "a contiguous last dimension", f"strides {idx.stride()}")
         else:
             fail("ssm_state_indices", "a 1-D [N_seq] or 2-D [N_seq, T] tensor", tuple(ishape))
         pool = initial_state
@@ -1078,11 +1132,13 @@ def validate_recurrent(args: RecurrentArgs, *, device_kind="any") -> RecurrentCa
         if (len(ps) != 4 or ps[1] != HV or ps[2] != K or ps[3] != K
                 or (state_dtype is not _BF16 and state_dtype is not _F32) or pool.get_device() != dev
                 or pst[1] != K * K or pst[2] != K or pst[3] != 1
-                or (ps[0] > 1 and (pst[0] < HV * K * K or pst[0] % POOL_ROW_STRIDE_MULTIPLE))):
+                or (ps[0] > 1 and pst[0] < HV * K * K)):
             _rows("initial_state", pool, (HV, K, K), _POOL_DTYPES, "bfloat16 or float32 (a pool)", "[N, HV, V, K]",
                   dev)
         N = ps[0]
         acc |= pool.data_ptr()
+        if N > 1:  # the row stride in bytes (a padded pool whose stride is not a 16-byte multiple: unaligned)
+            acc |= pst[0] * (4 if state_dtype is _F32 else 2)
     elif initial_state is not None:
         _check("initial_state", initial_state, (N_seq, HV, K, K), "[N_seq, HV, V, K]", _ACT_DTYPES,
                "bfloat16, float16 or float32", dev)
@@ -1091,7 +1147,7 @@ def validate_recurrent(args: RecurrentArgs, *, device_kind="any") -> RecurrentCa
         if mode != "spec":
             fail("num_accepted_tokens", "None unless ssm_state_indices is 2-D [N_seq, T] (spec decode)",
                  "a tensor")
-        _index("num_accepted_tokens", num_accepted_tokens, N_seq, "[N_seq]", dev)
+        _slots("num_accepted_tokens", num_accepted_tokens, N_seq, "[N_seq]", dev)
 
     dt_bias_ptr, lb, scale = _gate_and_scale(use_gate_in_kernel, A_log, dt_bias, lower_bound, scale, H, K, dev)
     acc |= dt_bias_ptr
@@ -1115,7 +1171,7 @@ def validate_recurrent(args: RecurrentArgs, *, device_kind="any") -> RecurrentCa
     has_dt_bias = use_gate_in_kernel and dt_bias is not None
     key = ("recurrent", mode, B, T, N_seq, H, HV, K, N, varlen, use_gate_in_kernel, lb, beta_is_logit,
            use_qk_l2norm_in_kernel, output_final_state, state_dtype, act, g_dtype, beta_dtype, scale, acc & 15,
-           has_dt_bias, on_cuda)
+           has_dt_bias, index_dtype, on_cuda)
     call = _MEMO.get(key)
     if call is None:
         alignment = _pow2_alignment(acc)
@@ -1129,7 +1185,8 @@ def validate_recurrent(args: RecurrentArgs, *, device_kind="any") -> RecurrentCa
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, output_final_state=output_final_state,
             state_dtype=state_dtype, act_dtype=act, scale=scale,
             aligned=aligned, alignment=alignment, on_cuda=on_cuda, t1_eligible=reason is None,
-            t1_reason=reason or _T1_OK[aligned], has_dt_bias=has_dt_bias,
+            t1_reason=reason or (_T1_VARLEN_OK if varlen else _T1_OK)[aligned], has_dt_bias=has_dt_bias,
+            index_dtype=index_dtype,
         ))
     return call
 
@@ -1160,10 +1217,10 @@ def revalidate_recurrent_t1(args: tuple) -> RecurrentCall | None:
             tail = None if acc < 0 else _t1_recheck_tail(B, H, initial_state, ssm_state_indices, A_log, dt_bias,
                                                          lower_bound, use_gate_in_kernel, scale, out, acc)
             if tail is not None:
-                N, state_dtype, lb, sc, bits, _, has_dt_bias = tail
+                N, state_dtype, lb, sc, bits, _, has_dt_bias, index_dtype = tail
                 call = _MEMO.get(("recurrent", "pool", B, T, B, H, H, K, N, False, use_gate_in_kernel, lb,
                                   beta_is_logit, use_qk_l2norm_in_kernel, False, state_dtype, q.dtype, g_dtype,
-                                  beta.dtype, sc, bits, has_dt_bias, True))
+                                  beta.dtype, sc, bits, has_dt_bias, index_dtype, True))
                 if call is not None and call.t1_eligible:
                     return call
     except _REVALIDATE_MISS + (ValueError,):  # ValueError: q is not 4-D, or args not 18 long
@@ -1171,6 +1228,13 @@ def revalidate_recurrent_t1(args: tuple) -> RecurrentCall | None:
     return None
 
 
+_T1_VARLEN_OK = {
+    aligned: "eligible (varlen entry): [1, T, H, 128] tokens + cu_seqlens, pool with 1-D slot indices, H == HV in "
+    "T1_HEAD_COUNTS, K = V = 128, bf16" + ("" if aligned else "; misaligned tensors take the unaligned variant")
+    + "; the offsets are device data, read and bounded in the kernel, never on the host (a one-token sequence "
+    "takes the T=1 step, any other length the kernel's exact token loop)"
+    for aligned in (True, False)
+}
 _T1_OK = {
     True: "eligible: T=1, pool with 1-D slot indices, H == HV in T1_HEAD_COUNTS, K = V = 128, bf16, aligned",
     False: "eligible: T=1, pool with 1-D slot indices, H == HV in T1_HEAD_COUNTS, K = V = 128, bf16; misaligned "
@@ -1179,11 +1243,10 @@ _T1_OK = {
 
 
 def _t1_reason(T, varlen, mode, H, HV, K, act, g_dtype, beta_dtype, gmode, l2norm, on_cuda):
-    """Why the T=1 kernel cannot take the call, or None when it can (mirrors :func:`validate_decode_t1`)."""
-    if T != 1:
-        return f"not eligible: T={T} tokens per sequence (the T=1 kernel takes one)"
-    if varlen:
-        return "not eligible: cu_seqlens given (sequence lengths live on the device and are not read on the host)"
+    """Why the T=1 kernel cannot take the call, or None when it can (mirrors :func:`validate_decode_t1`). With
+    ``cu_seqlens`` (B == 1 then) the T tokens are the sequences' concatenation: its varlen entry takes them."""
+    if T != 1 and not varlen:
+        return f"not eligible: T={T} tokens per sequence (the T=1 kernel takes one, or [1, T] with cu_seqlens)"
     if mode == "dense":
         return "not eligible: no ssm_state_indices (the T=1 kernel updates a state pool in place by slot)"
     if mode == "spec":
@@ -1243,9 +1306,10 @@ def validate_ucache(
     q, k, v, g [B, T, H, 128] bf16 with T in {4, 8} and H == HV in ``T1_HEAD_COUNTS``; b [B, T, H] bf16 beta
     logits; A_log fp32 [H]; dt_bias fp32 [H*128] or [H, 128] or None (zeros); lower_bound < 0 (None: the softplus
     gate).
-    initial_state_source: bf16 pool [N, H, 128, 128] (padded row stride allowed); k_cache, u_cache bf16 and g_cache
-    fp32 rings [N, H, 32, 128] (inner dims compact); initial_state_indices, hist_len, cache_base int32 [B]
-    contiguous. w_ring: the argument or ``KDA_UCACHE_WRING``, in {16, 32}. flush_min: default
+    initial_state_source: bf16 pool [N, H, 128, 128]; k_cache, u_cache bf16 and g_cache fp32 rings
+    [N, H, 32, 128]; inner dims compact, row stride any number of elements >= the row (one that is not a 16-byte
+    multiple takes the unaligned variant). initial_state_indices int32 or int64 [B], any stride; hist_len,
+    cache_base int32 [B] contiguous. w_ring: the argument or ``KDA_UCACHE_WRING``, in {16, 32}. flush_min: default
     ``default_flush_min(T, w_ring)``; 1 <= flush_min <= ``max_flush_min(T, w_ring)``, and > 16 when w_ring == 32.
     """
     if not isinstance(q, _Tensor):
@@ -1269,15 +1333,15 @@ def validate_ucache(
     scale = _check_scalar_args(lower_bound, scale, HEAD_DIM, True)
     pool = initial_state_source
     N = _rows("initial_state_source", pool, (H, HEAD_DIM, HEAD_DIM), _BF16_ONLY, "bfloat16", "[N, H, V, K]", dev)
-    acc |= pool.data_ptr()
+    acc |= _row_bits(pool)
     ring = (N, H, RING_SLOTS, HEAD_DIM)
     for name, t, dtypes, dtype_text in (("k_cache", k_cache, _BF16_ONLY, "bfloat16"),
                                         ("u_cache", u_cache, _BF16_ONLY, "bfloat16"),
                                         ("g_cache", g_cache, _F32_ONLY, "float32")):
         _check(name, t, ring, "[N, H, 32, 128] (N = pool rows)", dtypes, dtype_text, dev)
         _rows(name, t, ring[1:], dtypes, dtype_text, "[N, H, 32, 128]", dev)
-        acc |= t.data_ptr()
-    _index("initial_state_indices", initial_state_indices, B, "[B]", dev)
+        acc |= _row_bits(t)
+    _slots("initial_state_indices", initial_state_indices, B, "[B]", dev)
     _index("hist_len", hist_len, B, "[B]", dev)
     _index("cache_base", cache_base, B, "[B]", dev)
     # What the step writes (pool, rings, cursors) must not alias anything else it touches; each of these is
@@ -1285,8 +1349,7 @@ def validate_ucache(
     state = (("initial_state_source", pool), ("initial_state_indices", initial_state_indices),
              ("k_cache", k_cache), ("u_cache", u_cache), ("g_cache", g_cache), ("hist_len", hist_len),
              ("cache_base", cache_base))
-    for i in range(1, len(state)):
-        _check_disjoint(state[i][0], state[i][1], state[:i])
+    _check_pairwise_disjoint(state)
     if w_ring is None:
         w_ring = knobs.get("KDA_UCACHE_WRING")
     elif type(w_ring) is not int or w_ring not in UCACHE_WRING:
@@ -1309,7 +1372,7 @@ def validate_ucache(
         _check_written("output", output, (("q", q),) + inputs + state)
     alignment = _pow2_alignment(acc)
     key = ("ucache", B, T, H, N, w_ring, flush_min, lower_bound, scale, restart_hist_on_flush, alignment,
-           output is not None)
+           output is not None, initial_state_indices.dtype)
     call = _MEMO.get(key)
     if call is None:
         call = _remember(key, UcacheCall(
@@ -1317,7 +1380,7 @@ def validate_ucache(
             max_hist_len=max_hist_len(T, w_ring), gate_mode=gate_mode(True, lower_bound),
             lower_bound=None if lower_bound is None else float(lower_bound), scale=scale,
             restart_hist_on_flush=restart_hist_on_flush, aligned=alignment >= VECTOR_BYTES, alignment=alignment,
-            has_output=output is not None,
+            has_output=output is not None, index_dtype=initial_state_indices.dtype,
         ))
     return call
 
@@ -1333,14 +1396,18 @@ def debug_checks_enabled() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def debug_check_slots(slot_indices: torch.Tensor, N: int, *, argument: str = "slot_indices") -> None:
-    """Raise when two active entries (in [0, N)) of ``slot_indices`` name the same pool slot.
+def debug_check_slots(slot_indices: torch.Tensor, N: int, *, argument: str = "slot_indices",
+                      null_policy=NullSlotPolicy.OUT_OF_RANGE) -> None:
+    """Raise when two active entries of ``slot_indices`` name the same pool slot.
 
     1-D indices [B] (one slot per row) and 2-D indices [B, T] (spec decode: one checkpoint slot per token) are
-    flattened, so a slot two rows share and a slot one row names for two of its checkpoints both count; entries
-    outside [0, N) are inactive and never count. Two writers of one slot race on the device and corrupt a
-    request's state (docs/design.md §4). Reads values: syncs (run it only where :func:`debug_checks_enabled`).
+    flattened, so a slot two rows share and a slot one row names for two of its checkpoints both count; null
+    entries are inactive and never count: under ``null_policy`` ``OUT_OF_RANGE`` those outside [0, N), under
+    ``NONPOSITIVE`` (vLLM's padding slot 0) those <= 0 or >= N, so slot 0 may repeat. Two writers of one slot
+    race on the device and corrupt a request's state (docs/design.md §4). Reads values: syncs (run it only where
+    :func:`debug_checks_enabled`).
     """
+    first = first_live_slot(null_policy_of(null_policy))
     if not isinstance(slot_indices, _Tensor):
         fail(argument, "a torch.Tensor of slot indices", type(slot_indices).__name__)
     if slot_indices.dim() not in (1, 2):
@@ -1348,16 +1415,16 @@ def debug_check_slots(slot_indices: torch.Tensor, N: int, *, argument: str = "sl
     if slot_indices.dtype.is_floating_point or slot_indices.dtype is torch.bool:
         fail(argument, "an integer tensor of slot indices", slot_indices.dtype)
     flat = slot_indices.reshape(-1).to(torch.int64)
-    active = flat[(flat >= 0) & (flat < N)]
+    active = flat[(flat >= first) & (flat < N)]
     if active.numel() < 2:
         return
     uniq, counts = torch.unique(active, return_counts=True)
     dup = uniq[counts > 1]
     if dup.numel():
-        first = int(dup[0])
-        where = (slot_indices == first).nonzero().tolist()
-        fail(argument, f"distinct active slots in [0, {N}) (duplicates race on the pool)",
-             f"slots {dup[:8].tolist()} more than once (slot {first} at {where[:4]})")
+        slot = int(dup[0])
+        where = (slot_indices == slot).nonzero().tolist()
+        fail(argument, f"distinct active slots in [{first}, {N}) (duplicates race on the pool)",
+             f"slots {dup[:8].tolist()} more than once (slot {slot} at {where[:4]})")
 
 
 def debug_check_ucache_cursors(
@@ -1368,17 +1435,19 @@ def debug_check_ucache_cursors(
     *,
     slot_indices: torch.Tensor | None = None,
     N: int | None = None,
+    null_policy=NullSlotPolicy.OUT_OF_RANGE,
 ) -> None:
     """Raise when a cursor is out of range: hist_len in [0, min(w_ring, 32 - T)], cache_base in [0, 32).
 
-    With ``slot_indices`` and ``N`` only active rows (slot in [0, N)) are checked. Reads values: syncs.
+    With ``slot_indices`` and ``N`` only active rows (a slot that is not null under ``null_policy``) are checked.
+    Reads values: syncs.
     """
     top = max_hist_len(T, w_ring)
     rows = torch.ones(hist_len.shape, dtype=torch.bool, device=hist_len.device)
     if slot_indices is not None:
         if N is None:
             raise KDAError("N: expected the pool row count when slot_indices is given, got None")
-        rows = (slot_indices >= 0) & (slot_indices < N)
+        rows = (slot_indices >= first_live_slot(null_policy_of(null_policy))) & (slot_indices < N)
     bad_len = rows & ((hist_len < 0) | (hist_len > top))
     if bool(bad_len.any()):
         i = int(bad_len.nonzero()[0, 0])

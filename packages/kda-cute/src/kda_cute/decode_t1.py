@@ -931,8 +931,10 @@ def kda_decode_t1(
         q, k, v: [B, 1, H, 128] bf16, last dim contiguous (other strides free: views of a fused QKV output).
         g: [B, 1, H, 128] bf16 (or fp32): the raw gate (``use_gate_in_kernel=True``) or the log-space decay.
         beta: [B, 1, H] bf16 or fp32: a logit (``beta_is_logit=True``) or already sigmoided.
-        state_pool: [N, H, 128, 128] bf16 or fp32, K contiguous, dim-0 stride may be padded (multiple of 8).
-        slot_indices: [B] int32. A null slot makes its row inactive: zero output, pool neither read nor written.
+        state_pool: [N, H, 128, 128] bf16 or fp32, K contiguous, dim-0 stride any number of elements >= the row
+            (one that is not a 16-byte multiple takes the unaligned variant).
+        slot_indices: [B] int32 or int64, any stride. A null slot makes its row inactive: zero output, pool
+            neither read nor written.
         A_log: [H] fp32 (in-kernel gate). dt_bias: [H*128] or [H, 128] fp32, optional.
         lower_bound: float < 0 for the Kimi K3 gate ``lb * sigmoid(exp(A_log) * x)``; None for the softplus gate.
         use_gate_in_kernel: False means ``g`` is already log-space (A_log, dt_bias, lower_bound are ignored).
@@ -1008,10 +1010,9 @@ def kda_decode_t1_packed(
 
 
 def _debug_check_slots(slot_indices, N, null_policy):
-    """kda-core's duplicate check (debug mode only: it syncs) on the slots that are live under ``null_policy``."""
-    if null_policy is NullSlotPolicy.NONPOSITIVE:  # slot 0 is null: any number of rows may name it
-        slot_indices = torch.where(slot_indices == 0, -1, slot_indices)
-    debug_check_slots(slot_indices, N)
+    """kda-core's duplicate check (debug mode only: it syncs) on the slots that are live under ``null_policy``
+    (under NONPOSITIVE slot 0 is null: any number of rows may name it)."""
+    debug_check_slots(slot_indices, N, null_policy=null_policy)
 
 
 # Per-call launch memo. Key: (id of the validated call description, packed, l2norm, device index, the parsed
@@ -1026,24 +1027,27 @@ _LAUNCH_MEMO_MAX = 1024
 
 
 def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bias,
-               null_policy=NullSlotPolicy.OUT_OF_RANGE, config=None, index_dtype=torch.int32, cu_dtype=None):
+               null_policy=NullSlotPolicy.OUT_OF_RANGE, config=None, index_dtype=torch.int32, cu_dtype=None,
+               rows=None):
     """Schedule (``config`` fitted to the call, or the policy's) + compiled variant of one validated call; stores its
     launch memo entry under ``memo_key`` (built by the caller, ``_run`` / ``_run_packed``, from the facts listed at
-    ``_LAUNCH_MEMO``). ``index_dtype``: the slot indices' (a fact of the description once kda-core accepts int64).
-    ``cu_dtype``: the varlen form's offsets (:func:`_run_varlen`; ``call.B`` is then the number of sequences).
+    ``_LAUNCH_MEMO``). ``index_dtype``: the slot indices' (also a fact of kda-core's description). ``cu_dtype``: the
+    varlen form's offsets (:func:`_run_varlen`); ``rows``: the CTA rows of the grid, ``call.B`` when None (the
+    varlen form passes its number of sequences).
     """
     gated = call.gate_mode is not GateMode.PRECOMPUTED
     fn = compiled = None
-    if call.B > 0:  # (H, on grid y, is one of kda-core's HEAD_COUNTS: at least 8, far below the grid's limit)
+    B = call.B if rows is None else rows
+    if B > 0:  # (H, on grid y, is one of kda-core's HEAD_COUNTS: at least 8, far below the grid's limit)
         if not isinstance(null_policy, NullSlotPolicy):
             fail("null_policy", "a NullSlotPolicy", repr(null_policy))
         varlen = cu_dtype is not None
-        if varlen and call.B > GRID_Z_MAX:  # one CTA row per sequence on gridDim.z, not split (the edge zeros)
-            fail("cu_seqlens", f"at most {GRID_Z_MAX} sequences per call (grid z limit)", call.B)
+        if varlen and B > GRID_Z_MAX:  # one CTA row per sequence on gridDim.z, not split (the edge zeros)
+            fail("cu_seqlens", f"at most {GRID_Z_MAX} sequences per call (grid z limit)", B)
         if config is None:  # (varlen: pool rows not given, so the policy never picks the slot-major grid)
-            cfg = select_config(call.B, call.H, call.state_dtype, call.aligned, None if varlen else call.N)
+            cfg = select_config(B, call.H, call.state_dtype, call.aligned, None if varlen else call.N)
         elif isinstance(config, DecodeT1Config):
-            cfg = effective_config(config, call.B, call.state_dtype, call.aligned, call.N)
+            cfg = effective_config(config, B, call.state_dtype, call.aligned, call.N)
         else:
             fail("config", "a DecodeT1Config or None", type(config).__name__)
         # dt_bias is optional with the gate in the kernel (absent = zeros), ignored without it.
@@ -1057,11 +1061,10 @@ def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bi
         # the compiled object rides along so that the module outlives any cache clearing.
         raw = getattr(compiled, "__tvm_ffi_object__", None)
         fn = (raw() if raw is not None else None) or compiled
-        if not cfg.slot_major and not varlen and call.B > GRID_Z_MAX:
-            fn = _batch_split(fn, call.B, _PACKED_BATCH_ARGS if packed else _BATCH_ARGS)
+        if not cfg.slot_major and not varlen and B > GRID_Z_MAX:
+            fn = _batch_split(fn, B, _PACKED_BATCH_ARGS if packed else _BATCH_ARGS)
     lower_bound = call.lower_bound
-    entry = (call, fn, call.scale, -1.0 if lower_bound is None else float(lower_bound), gated, call.B, call.H,
-             compiled)
+    entry = (call, fn, call.scale, -1.0 if lower_bound is None else float(lower_bound), gated, B, call.H, compiled)
     if len(_LAUNCH_MEMO) >= _LAUNCH_MEMO_MAX:  # many distinct call shapes: start over rather than grow
         _LAUNCH_MEMO.clear()
     _LAUNCH_MEMO[memo_key] = entry
@@ -1138,12 +1141,14 @@ def _run_varlen(call, q, k, v, g, beta, state_pool, slot_indices, cu_seqlens, A_
     """Launch a validated varlen decode call (:class:`KDADecodeT1Varlen`): q, k, v, g [1, T, H, 128], beta [1, T, H],
     slot_indices [S], cu_seqlens [S + 1] int32 / int64, output [1, T, H, 128] (allocated when None). Returns output.
 
-    ``call`` describes the S sequences as kda-core's description of a T=1 call does its B rows (B = S; dtypes, gate,
-    scale, pool rows, the alignment class of every pointer and token stride); kda-core does not describe this form
-    yet. The offsets are device data, read and bounded in the kernel (docs/design.md §4): sequence n owns tokens
-    [clamp(cu[n], 0, T), clamp(cu[n + 1], that, T)); tokens before the first and from the end of the last get zero
-    output. A one-token sequence takes the T=1 path; any other length the kernel's token loop (exact; for serving
-    calls that are decode by construction); an empty one leaves its slot untouched; a null slot zeroes its tokens.
+    ``call`` is kda-core's description of exactly these arguments: ``validate_recurrent``'s of the facade's call ``[1,
+    T, H, 128]`` + ``cu_seqlens`` in pool mode (the facade's ``Path.T1_VARLEN``; dtypes, gate, scale, pool rows, the
+    alignment class of every pointer, token and slot stride), or a T=1 description of the same tokens (tests); the
+    sequence count S is ``slot_indices``' length, never ``call.B``. The offsets are device data, read and bounded in the
+    kernel (docs/design.md §4): sequence n owns tokens [clamp(cu[n], 0, T), clamp(cu[n + 1], that, T)); tokens before
+    the first and from the end of the last get zero output. A one-token sequence takes the T=1 path; any other length
+    the kernel's token loop (exact; for serving calls that are decode by construction); an empty one leaves its slot
+    untouched; a null slot zeroes its tokens.
     ``config`` (the slot-major grid never runs here) and ``null_policy`` as :func:`kda_decode_t1`'s.
     """
     S = slot_indices.shape[0]
@@ -1152,10 +1157,10 @@ def _run_varlen(call, q, k, v, g, beta, state_pool, slot_indices, cu_seqlens, A_
     T = q.shape[1]
     if output is None:
         output = torch.empty((1, T, call.H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
-    key = ("varlen", id(call), l2norm, q.get_device(), knobs.get("KDA_DECODE_TILE_V"), dt_bias is None, null_policy,
-           config)  # as in _run, marked
+    key = ("varlen", id(call), S, l2norm, q.get_device(), knobs.get("KDA_DECODE_TILE_V"), dt_bias is None,
+           null_policy, config, slot_indices.dtype, cu_seqlens.dtype)  # as in _run, marked; S and both index dtypes
     entry = _LAUNCH_MEMO.get(key) or _configure(key, call, False, l2norm, q, g.dtype, beta.dtype, dt_bias is not None,
-                                                null_policy, config, slot_indices.dtype, cu_seqlens.dtype)
+                                                null_policy, config, slot_indices.dtype, cu_seqlens.dtype, rows=S)
     fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, q, A_log, dt_bias, output)
     if fn is None or T == 0:  # no sequence, or no token (every sequence empty: nothing to read or write)
         return output

@@ -6,7 +6,10 @@ Routing (decided per call from tensor metadata only, never from tensor values):
    :class:`kda_core.errors.KDAError` before anything is launched.
 2. CPU tensors run the PyTorch oracle (``kda_core.oracle.recurrent_kda_ref``).
 3. CUDA tensors whose call meets the T=1 kernel's contract (``call.t1_eligible``) run the T=1 decode kernel,
-   unless the knob ``KDA_T1_FAST_PATH=0`` switches the fast path off.
+   unless the knob ``KDA_T1_FAST_PATH=0`` switches the fast path off: ``[B, 1, H, 128]`` pool calls on its batch
+   entry (``Path.T1``), ``[1, T, H, 128]`` + ``cu_seqlens`` pool calls on its varlen entry (``Path.T1_VARLEN``,
+   ``decode_t1._run_varlen``: the offsets are device data, read and bounded in the kernel, never on the host; a
+   one-token sequence takes the T=1 step, any other length the kernel's exact token loop).
 4. Every other CUDA call runs the generic CuTe kernel (T > 1, varlen, spec decode, GQA, K = 64, dense states).
 5. When a kernel module of kda-cute cannot be imported (kda-recurrent installed without the ``[cute]`` extra),
    CUDA calls that needed it run the oracle instead, with one warning per process.
@@ -49,6 +52,7 @@ import torch
 
 from kda_core import knobs
 from kda_core.call_args import RecurrentArgs
+from kda_core.contracts import NullSlotPolicy, null_policy_of
 from kda_core.errors import fail
 from kda_core.oracle import recurrent_kda_ref_args
 from kda_core.validation import (
@@ -66,6 +70,7 @@ class Path(str, enum.Enum):
     """Where a call runs."""
 
     T1 = "t1_decode"  # kda_cute.decode_t1: the fast T=1 pool-update kernel
+    T1_VARLEN = "t1_decode_varlen"  # the same kernel on [1, T, H, 128] tokens + cu_seqlens (decode_t1._run_varlen)
     GENERIC = "generic"  # kda_cute.generic: every other shape of call
     ORACLE = "oracle"  # kda_core.oracle.recurrent_kda_ref: CPU tensors, or CUDA without kda-cute
 
@@ -80,6 +85,7 @@ class Route(NamedTuple):
 # module attributes with recorders.
 _UNLOADED = object()
 _t1_kernel = _UNLOADED
+_t1_varlen_kernel = _UNLOADED
 _generic_kernel = _UNLOADED
 _missing: dict[str, str] = {}  # kernel name -> why it could not be imported
 _warned = False
@@ -100,12 +106,14 @@ def _t1_entry():
 
 def _load(name: str):
     """Import one kernel entry point once; remember why when it cannot be imported. The generic kernel's is
-    ``kda_cute.generic.run(call, args) -> (o, final_state)``: the validated description and the bundle it
-    describes."""
-    global _t1_kernel, _generic_kernel
+    ``kda_cute.generic.run(call, args, *, null_policy) -> (o, final_state)``: the validated description and the
+    bundle it describes. "t1" loads the T=1 kernel's two entries (``_run`` and ``_run_varlen``)."""
+    global _t1_kernel, _t1_varlen_kernel, _generic_kernel
+    varlen = None
     try:
         if name == "t1":
             fn = _t1_entry()
+            from kda_cute.decode_t1 import _run_varlen as varlen
         else:
             from kda_cute.generic import run as fn
     except ImportError as err:  # kda-cute not installed, or its DSL libraries missing
@@ -113,6 +121,7 @@ def _load(name: str):
         _missing[name] = f"{type(err).__name__}: {err}"
     if name == "t1":
         _t1_kernel = fn
+        _t1_varlen_kernel = varlen
     else:
         _generic_kernel = fn
     return fn
@@ -121,6 +130,14 @@ def _load(name: str):
 def _t1():
     fn = _t1_kernel
     return _load("t1") if fn is _UNLOADED else fn
+
+
+def _t1_varlen():
+    """The T=1 kernel's varlen entry ``fn(call, q, k, v, g, beta, pool, slots, cu_seqlens, A_log, dt_bias,
+    use_qk_l2norm_in_kernel, output, null_policy) -> output`` (``decode_t1._run_varlen``), or None."""
+    if _t1_varlen_kernel is _UNLOADED:
+        _load("t1")
+    return _t1_varlen_kernel
 
 
 def _generic():
@@ -138,6 +155,8 @@ def _route(call) -> Path:
     if not call.on_cuda:
         return Path.ORACLE
     if call.t1_eligible and knobs.get("KDA_T1_FAST_PATH"):
+        if call.varlen:
+            return Path.T1_VARLEN if _t1_varlen() is not None else Path.ORACLE
         return Path.T1 if _t1() is not None else Path.ORACLE
     return Path.GENERIC if _generic() is not None else Path.ORACLE
 
@@ -146,6 +165,8 @@ def _reason(path: Path, call, args: RecurrentArgs) -> str:
     """Why :func:`_route` chose ``path`` (built only for :func:`explain` and the oracle warning)."""
     if path is Path.T1:
         return f"T=1 fast path ({call.t1_reason})"
+    if path is Path.T1_VARLEN:
+        return f"T=1 kernel, varlen entry ({call.t1_reason})"
     if path is Path.GENERIC:
         if call.t1_eligible:
             return "eligible for the T=1 kernel, but KDA_T1_FAST_PATH=0 switches the fast path off"
@@ -202,6 +223,8 @@ def recurrent_kda(
     ssm_state_indices=None,
     num_accepted_tokens=None,
     output=None,
+    *,
+    null_policy=NullSlotPolicy.OUT_OF_RANGE,
 ):
     r"""Kimi Delta Attention over T tokens per sequence, with an in-place state pool or dense states.
 
@@ -222,8 +245,9 @@ def recurrent_kda(
             ``use_gate_in_kernel``.
         scale: query scale; default K ** -0.5.
         initial_state: with ``ssm_state_indices``, the state POOL [N, HV, V, K] (bf16 or fp32, K contiguous,
-            dim-0 stride may be padded to a multiple of 8 elements), updated in place. Without indices, dense
-            initial states [N_seq, HV, V, K] (read only) or None (zeros).
+            inner dims compact, dim-0 (slot) stride any number of elements >= HV*V*K; one that is not a 16-byte
+            multiple takes the kernels' unaligned variant), updated in place. Without indices, dense initial
+            states [N_seq, HV, V, K] (read only) or None (zeros).
         output_final_state: dense mode only: also return the final states, fp32 [N_seq, HV, V, K].
         use_qk_l2norm_in_kernel: L2-normalise q and k per head (eps 1e-6) before use.
         use_gate_in_kernel: compute the log-space decay from ``g`` in the kernel:
@@ -233,14 +257,23 @@ def recurrent_kda(
         beta_is_logit: apply ``sigmoid`` to ``beta`` in the kernel (in fp32).
         cu_seqlens: [N_seq + 1] int cumulative lengths; then B == 1 and the N_seq sequences are concatenated
             along T. Zero-length sequences are allowed.
-        ssm_state_indices: [N_seq] int32 slot of each sequence (read, then the final state written back), or
-            [N_seq, T] int32 for speculative decode: the first state is read from slot
-            ``idx[n, max(min(num_accepted_tokens[n], T), 1) - 1]`` and the state after token t is written to
-            slot ``idx[n, t]``. A slot outside [0, N) makes its sequence (1-D) or token (2-D) inactive: zero
-            output, the pool is neither read nor written for it, and a skipped token is not absorbed.
-        num_accepted_tokens: [N_seq] int32 accepted draft count per sequence (2-D indices only).
+        ssm_state_indices: [N_seq] slot of each sequence (read, then the final state written back), or
+            [N_seq, T] for speculative decode (int32 or int64, any strides: a view of a wider table): the
+            first state is read from slot ``idx[n, max(min(num_accepted_tokens[n], T), 1) - 1]`` and the state
+            after token t is written to slot ``idx[n, t]``. A null slot (see ``null_policy``) makes its sequence
+            (1-D) or token (2-D) inactive: zero output, the pool is neither read nor written for it, and a
+            skipped token is not absorbed.
+        num_accepted_tokens: [N_seq] int32 or int64 (any stride) accepted draft count per sequence (2-D
+            indices only).
         output: [B, T, HV, V] bf16 buffer to write into (no allocation then); it shares no byte with another
             argument, and no two of its elements share bytes.
+        null_policy: keyword only; which slot indices are null (docs/design.md §4), a
+            :class:`kda_core.contracts.NullSlotPolicy` or its string value. ``OUT_OF_RANGE`` (the default; kda,
+            SGLang, FlashInfer): null iff ``idx < 0 or idx >= N``. ``NONPOSITIVE`` (vLLM, whose padding slot is
+            0): null iff ``idx <= 0 or idx >= N``, so slot 0 is never read or written, and with 2-D indices a
+            sequence whose ``num_accepted_tokens`` is <= 0 or > T is null as a whole. A null sequence gets zero
+            output; the pool is neither read nor written for it. Unlike FlashInfer, ``-1`` never wraps to the last
+            slot.
 
     Returns:
         ``(o, final_state)``: o [B, T, HV, V] bf16 (``output`` when given). final_state is the pool itself with
@@ -272,8 +305,10 @@ def recurrent_kda(
     """
     args = (q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
             use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens, output)
+    if type(null_policy) is not _POLICY:  # its string value, or a KDAError naming null_policy
+        null_policy = null_policy_of(null_policy)
     if torch.compiler.is_compiling():
-        return _traced(_named(RecurrentArgs, args))
+        return _traced(_named(RecurrentArgs, args), null_policy)
     # The T=1 hot path (see _run_full for the rest): a call whose facts kda-core has described before, re-validated
     # from the facts the T=1 kernel's compiled wrapper cannot check, launched on the T=1 entry.
     call = _revalidate(args)
@@ -282,48 +317,55 @@ def recurrent_kda(
         try:
             return (t1(call, q, k, v, g, beta, initial_state, ssm_state_indices, A_log,
                        dt_bias if dt_bias is not None or not use_gate_in_kernel else _zero_dt_bias(q),
-                       use_qk_l2norm_in_kernel, output), initial_state)
+                       use_qk_l2norm_in_kernel, output, null_policy), initial_state)
         except WRAPPER_REJECTED:  # the T=1 wrapper refused an argument before launch: the full path names it
             pass
-    return _run_full(_named(RecurrentArgs, args))
+    return _run_full(_named(RecurrentArgs, args), null_policy)
 
 
-def _run_full(args: RecurrentArgs):
-    """Validate, route, run one call (its bundled arguments); :func:`recurrent_kda` returns what this returns.
+_POLICY = NullSlotPolicy
+
+
+def _run_full(args: RecurrentArgs, null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE):
+    """Validate, route, run one call (its bundled arguments and its null policy, a NullSlotPolicy member);
+    :func:`recurrent_kda` returns what this returns.
 
     The full path: a call the hot path did not take (new facts, not T=1 eligible, a wrapper rejection, or
     ``KDA_DEBUG_VALIDATE`` on, which checks the slots for duplicates here). The validator raises the KDAError of a
-    bad call; the description it returns goes with the bundle to the chosen entry.
+    bad call; the description it returns goes with the bundle and the policy to the chosen entry.
     """
     call = _validate(args)
     if call.mode != "dense" and debug_checks_enabled():
-        debug_check_slots(args.ssm_state_indices, call.N, argument="ssm_state_indices")
+        debug_check_slots(args.ssm_state_indices, call.N, argument="ssm_state_indices", null_policy=null_policy)
     path = _route(call)
-    if path is Path.T1:
-        q, k, v, g, beta, A_log, dt_bias, _, pool, _, l2norm, use_gate, _, _, _, slots, _, output = args
+    if path is Path.T1 or path is Path.T1_VARLEN:
+        q, k, v, g, beta, A_log, dt_bias, _, pool, _, l2norm, use_gate, _, _, cu, slots, _, output = args
         if dt_bias is None and use_gate:
             dt_bias = _zero_dt_bias(q)
-        return _t1_kernel(call, q, k, v, g, beta, pool, slots, A_log, dt_bias, l2norm, output), pool
+        if path is Path.T1_VARLEN:
+            return _t1_varlen_kernel(call, q, k, v, g, beta, pool, slots, cu, A_log, dt_bias, l2norm, output,
+                                     null_policy), pool
+        return _t1_kernel(call, q, k, v, g, beta, pool, slots, A_log, dt_bias, l2norm, output, null_policy), pool
     if path is Path.GENERIC:
-        return _generic_kernel(call, args)
+        return _generic_kernel(call, args, null_policy=null_policy)
     if call.on_cuda:
         _warn_oracle_once(_reason(path, call, args))
     elif args.q.is_meta:
         fail("q", "tensors with data, on the CPU or a CUDA device (meta tensors describe shapes only)", args.q.device)
-    return recurrent_kda_ref_args(args)
+    return recurrent_kda_ref_args(args, null_policy=null_policy)
 
 
 _OUTPUT_DTYPE = torch.bfloat16
 
 
-def _traced(args: RecurrentArgs):
+def _traced(args: RecurrentArgs, null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE):
     """The facade as a graph: allocate ``output`` when missing, call the ``kda::recurrent_kda`` op (registered by
-    :mod:`kda_recurrent.ops`; its flat schema is the bundle's order), return what the facade returns (the op cannot
-    return an alias of its input)."""
+    :mod:`kda_recurrent.ops`; its flat schema is the bundle's order, then the null policy's string value), return
+    what the facade returns (the op cannot return an alias of its input)."""
     output = args.output
     if output is None:
         output = args.v.new_empty(args.v.shape, dtype=_OUTPUT_DTYPE)
-    final_state = torch.ops.kda.recurrent_kda(*args[:-1], output)
+    final_state = torch.ops.kda.recurrent_kda(*args[:-1], output, null_policy.value)
     if args.ssm_state_indices is not None:
         return output, args.initial_state
     return output, (final_state if args.output_final_state else None)
@@ -348,11 +390,14 @@ def explain(
     ssm_state_indices=None,
     num_accepted_tokens=None,
     output=None,
+    *,
+    null_policy=NullSlotPolicy.OUT_OF_RANGE,
 ) -> Route:
     """The :class:`Route` (path, reason) :func:`recurrent_kda` would take for these arguments; runs nothing.
 
-    Validates like the real call (a bad call raises the same :class:`kda_core.errors.KDAError`). May import the
-    kda-cute kernel modules, as the first real CUDA call would.
+    Validates like the real call (a bad call raises the same :class:`kda_core.errors.KDAError`, ``null_policy``
+    included; the policy never changes the path). May import the kda-cute kernel modules, as the first real CUDA
+    call would.
 
         >>> explain(q, k, v, g, beta, initial_state=pool, ssm_state_indices=slots)  # doctest: +SKIP
         Route(path=<Path.T1: 't1_decode'>, reason='T=1 fast path (...)')
@@ -360,6 +405,7 @@ def explain(
     args = _named(RecurrentArgs, (q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                                   use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit,
                                   cu_seqlens, ssm_state_indices, num_accepted_tokens, output))
+    null_policy_of(null_policy)
     call = _validate(args)
     path = _route(call)
     return Route(path, _reason(path, call, args))

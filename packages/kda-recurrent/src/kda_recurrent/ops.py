@@ -1,12 +1,12 @@
 """``torch.library`` custom op of the facade, so ``torch.compile(fullgraph=True)`` traces a decode layer.
 
 ``kda::recurrent_kda`` takes every argument of :func:`kda_recurrent.recurrent_kda`, flat (torch.library infers the
-schema from a flat signature), in the facade's order, which is that of :class:`kda_core.call_args.RecurrentArgs`,
-and runs the facade's eager call on them (validation, routing, kernel; the facade bundles them) as one opaque node.
-It declares what it writes: ``output`` always, and ``initial_state`` (the pool, written in place when
-``ssm_state_indices`` is given). Its return value is the
-dense final state (fp32 [N_seq, HV, V, K]) when one is asked for, else an empty tensor: a custom op cannot return
-an alias of its input, so the facade's traced call hands the pool back itself.
+schema from a flat signature), in the facade's order, which is that of :class:`kda_core.call_args.RecurrentArgs`, then
+``null_policy`` as its string value (a schema has no enum type), and runs the facade's eager call on them (validation,
+routing, kernel; the facade bundles them) as one opaque node. It declares what it writes: ``output`` always, and
+``initial_state`` (the pool, written in place when ``ssm_state_indices`` is given). Its return value is the dense final
+state (fp32 [N_seq, HV, V, K]) when one is asked for, else an empty tensor: a custom op cannot return an alias of its
+input, so the facade's traced call hands the pool back itself.
 
 Routing inside the op happens when the compiled graph runs, not when it is traced, so ``KDA_T1_FAST_PATH`` keeps
 working on a compiled model, and the op body is what a CUDA graph captures: kernel launches on the current stream,
@@ -49,12 +49,15 @@ def _recurrent_kda_op(
     ssm_state_indices: torch.Tensor | None,
     num_accepted_tokens: torch.Tensor | None,
     output: torch.Tensor,
+    null_policy: str = "out_of_range",
 ) -> torch.Tensor:
     # The schema is the bundle's fields in order (torch.library infers it from this signature), which is the facade's
-    # positional order; the graph runs outside tracing, so this is the facade's eager call.
+    # positional order, then the null policy's string value; the graph runs outside tracing, so this is the facade's
+    # eager call.
     o, final_state = _facade.recurrent_kda(
         q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
         use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens, output,
+        null_policy=null_policy,
     )
     if o is not output:  # a path that allocated its own output despite being given one
         output.copy_(o)
@@ -65,8 +68,8 @@ def _recurrent_kda_op(
 
 @_recurrent_kda_op.register_fake
 def _recurrent_kda_fake(*flat):
-    """Shapes only: the op's arguments in the schema's (the bundle's) order."""
-    a = RecurrentArgs(*flat)
+    """Shapes only: the op's arguments in the schema's order (the bundle's, then the null policy)."""
+    a = RecurrentArgs(*flat[:len(RecurrentArgs._fields)])
     q, v = a.q, a.v
     if a.ssm_state_indices is None and a.output_final_state:
         n_seq = q.shape[0] if a.cu_seqlens is None else a.cu_seqlens.shape[0] - 1

@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from kda_core.contracts import HEAD_DIM, RING_SLOTS
+from kda_core.contracts import HEAD_DIM, RING_SLOTS, NullSlotPolicy, null_policy_of
 from kda_core.errors import fail
 from kda_core.oracle import commit_ucache_ref, ucache_verify_flush_ref
 from kda_core.validation import (
@@ -86,6 +86,7 @@ def kda_delta_rule_mtp_ucache_flush(
     w_ring: int | None = None,
     scale: float | None = None,
     output: torch.Tensor | None = None,
+    null_policy: NullSlotPolicy | str = NullSlotPolicy.OUT_OF_RANGE,
 ) -> torch.Tensor:
     """One verify(+flush) step of T draft tokens per request; returns the draft outputs [B, T, H, 128] bf16.
 
@@ -95,11 +96,13 @@ def kda_delta_rule_mtp_ucache_flush(
             dt_bias))``; ``None`` is Kimi-Linear's ``-exp(A_log) * softplus(g + dt_bias)``.
         q, k, v: [B, T, H, 128] bf16 (last dim contiguous; other strides free), T in {4, 8}, H in 8..96.
         b: [B, T, H] bf16 beta logits (sigmoid applied in fp32).
-        initial_state_source: the checkpoint pool [N, H, 128, 128] bf16 (V-first, K contiguous; padded dim-0
-            stride allowed). Written in place (one rounding) on rows that flush.
-        initial_state_indices: [B] int32 pool slots; a slot outside [0, N) makes the row inactive (zero output,
-            nothing read or written, cursors untouched).
-        k_cache, u_cache: [N, H, 32, 128] bf16; g_cache: [N, H, 32, 128] fp32 (:func:`allocate_ucache`).
+        initial_state_source: the checkpoint pool [N, H, 128, 128] bf16 (V-first, K contiguous; dim-0 stride any
+            number of elements >= the row, one that is not a 16-byte multiple taking the unaligned variant).
+            Written in place (one rounding) on rows that flush.
+        initial_state_indices: [B] int32 or int64 pool slots, any stride; a null slot (see ``null_policy``) makes
+            the row inactive (zero output, nothing read or written, cursors untouched).
+        k_cache, u_cache: [N, H, 32, 128] bf16; g_cache: [N, H, 32, 128] fp32 (:func:`allocate_ucache`; the row
+            stride as the pool's).
         hist_len, cache_base: [B] int32 cursors of the requests (rows of :func:`allocate_cursors`' tensors).
         flush_min: fold the ring when hist_len >= flush_min; default ``default_flush_min(T, w_ring)``
             (9 for T=8, 13 for T=4 with w_ring 16). w_ring: 16 or 32 (None: ``KDA_UCACHE_WRING``).
@@ -107,6 +110,9 @@ def kda_delta_rule_mtp_ucache_flush(
             cache_base += hist_len (mod 32), hist_len = 0); the caller then commits with ``flush_min=None``.
             Pass False when several layers share one cursor set and commit with ``flush_min`` once.
         scale: query scale, default 128 ** -0.5. output: optional [B, T, H, 128] bf16 destination.
+        null_policy: which slots are null (docs/design.md §4), a :class:`kda_core.contracts.NullSlotPolicy` or its
+            string value: ``OUT_OF_RANGE`` (default; outside [0, N)) or ``NONPOSITIVE`` (vLLM: <= 0 or >= N, so
+            slot 0's pool row, rings and cursors are never touched).
 
     Duplicate active slots are a caller error (checked, like the cursor ranges, under ``KDA_DEBUG_VALIDATE``;
     the kernel clamps cursors so a malformed one can never index outside the ring or the pool row).
@@ -128,6 +134,7 @@ def kda_delta_rule_mtp_ucache_flush(
         torch.Size([2, 8, 8, 128])
     """
     on_cuda = isinstance(q, torch.Tensor) and q.is_cuda
+    null_policy = null_policy_of(null_policy)
     call = validate_ucache(
         A_log, g, dt_bias, lower_bound, q=q, k=k, v=v, b=b, initial_state_source=initial_state_source,
         initial_state_indices=initial_state_indices, k_cache=k_cache, u_cache=u_cache, g_cache=g_cache,
@@ -135,9 +142,10 @@ def kda_delta_rule_mtp_ucache_flush(
         w_ring=w_ring, scale=scale, output=output, device_kind="cuda" if on_cuda else "any",
     )  # fmt: skip
     if debug_checks_enabled():
-        debug_check_slots(initial_state_indices, call.N, argument="initial_state_indices")
+        debug_check_slots(initial_state_indices, call.N, argument="initial_state_indices", null_policy=null_policy)
         debug_check_ucache_cursors(
-            hist_len, cache_base, call.T, call.w_ring, slot_indices=initial_state_indices, N=call.N
+            hist_len, cache_base, call.T, call.w_ring, slot_indices=initial_state_indices, N=call.N,
+            null_policy=null_policy,
         )
     kernels = _kernel_module() if on_cuda else None
     if kernels is None:
@@ -148,6 +156,7 @@ def kda_delta_rule_mtp_ucache_flush(
             initial_state_indices=initial_state_indices, k_cache=k_cache, u_cache=u_cache, g_cache=g_cache,
             hist_len=hist_len, cache_base=cache_base, flush_min=call.flush_min,
             restart_hist_on_flush=restart_hist_on_flush, w_ring=call.w_ring, scale=call.scale,
+            null_policy=null_policy,
         )  # fmt: skip
         if output is None:
             return out
@@ -166,7 +175,7 @@ def kda_delta_rule_mtp_ucache_flush(
     kernels.ucache_verify_flush(
         A_log32, g, dt_bias32, call.lower_bound, q, k, v, b, initial_state_source, initial_state_indices,
         k_cache, u_cache, g_cache, hist_len, cache_base, call.flush_min, call.w_ring, call.scale, output,
-        restart_hist_on_flush=restart_hist_on_flush, aligned=call.aligned,
+        restart_hist_on_flush=restart_hist_on_flush, aligned=call.aligned, null_policy=null_policy,
     )  # fmt: skip
     return output
 
