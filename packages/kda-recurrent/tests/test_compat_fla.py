@@ -219,7 +219,7 @@ def test_padding_slot_is_inactive_where_fla_would_write_out_of_bounds():
         ("inplace_final_state", dict(inplace_final_state=False)),
         ("kwargs", dict(transpose_state_layout=True)),
         ("initial_state", dict(initial_state=None, ssm_state_indices=None)),
-        ("ssm_state_indices", dict(ssm_state_indices=torch.zeros(4, dtype=torch.int64))),
+        ("ssm_state_indices", dict(ssm_state_indices=torch.zeros(4, dtype=torch.float32))),  # int32/int64 only
         ("beta", dict(beta=torch.zeros(4, 1, 12, 128, dtype=BF16))),
     ],
 )
