@@ -787,7 +787,7 @@ WRAPPER_CHECKED = [  # (entry, argument, how to break it)
     ("packed", "raw_beta", lambda c: c.raw_beta[:, :4]),
     ("packed", "raw_beta", lambda c: c.raw_beta[:2]),
     ("packed", "state_pool", lambda c: c.pool.transpose(2, 3)),
-    ("packed", "slot_indices", lambda c: c.slots.long()),
+    ("packed", "slot_indices", lambda c: c.slots.float()),  # int32 and int64 are taken
     ("packed", "slot_indices", lambda c: c.slots[:2]),
     ("packed", "A_log", lambda c: None),
     ("packed", "A_log", lambda c: c.A_log.half()),

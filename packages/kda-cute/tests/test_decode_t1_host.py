@@ -165,7 +165,7 @@ def _call(case, **over):
         ("state_pool", lambda c: c.pool.transpose(2, 3)),
         ("state_pool", lambda c: c.pool.half()),
         ("state_pool", lambda c: c.pool[:, :4]),
-        ("slot_indices", lambda c: c.slots.long()),
+        ("slot_indices", lambda c: c.slots.float()),  # int32 and int64 are taken
         ("A_log", lambda c: None),
         ("dt_bias", lambda c: c.dt_bias[:100]),
         ("lower_bound", lambda c: 0.5),

@@ -407,7 +407,7 @@ def fused_kda_decode(
     if dt_bias is not None and dt_bias.dim() != 1:
         dt_bias = dt_bias.view(-1)
     try:
-        fn(x, weight, bias, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state, output_gate,
+        fn(x, weight, bias, conv_state, raw_gate, raw_beta, A_log, dt_bias, state, state_indices, output_gate,
            norm_weight, output, HEAD_DIM**-0.5, lb, call.norm_eps)
     except WRAPPER_REJECTED as err:  # the compiled wrapper refused an argument kda-core passed: nothing launched
         raise RuntimeError(f"fused_kda_decode: the compiled kernel rejected a validated call ({err})") from err
