@@ -356,3 +356,23 @@ def test_gpu_varlen_decode_with_serving_layouts_matches_the_oracle():
     assert explain(**kw).path is Path.T1_VARLEN
     check_against_oracle(kw, exact=False)
     check_against_oracle(kw, exact=False, null_policy="nonpositive")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["cute-dsl", "auto"])
+@pytest.mark.parametrize("H, K, path", [(12, 128, Path.T1), (32, 64, Path.GENERIC)], ids=["t1", "generic-K64"])
+def test_gpu_flashinfer_form_never_wraps_minus_one_and_returns_the_gathered_states(H, K, path, backend):
+    """FlashInfer's regression form (docs/serving.md §5): a bf16 pool of 5 slots whose last slot holds 7.0, indices
+    [-1, 3]: the last slot and slot 0 stay, slot 3 changes, and the gathered states are [zeros, pool[3]]."""
+    kw = make_call("cuda", B=2, H=H, K=K, N=5, seed=21)
+    kw["initial_state"][-1] = 7.0
+    kw["ssm_state_indices"] = torch.tensor([-1, 3], dtype=torch.int32, device="cuda")
+    kw["output_final_state"] = True
+    assert explain(**kw, backend=backend).path is path
+    before = kw["initial_state"].clone()
+    o, states = recurrent_kda(**kw, backend=backend)
+    pool = kw["initial_state"]
+    assert torch.equal(pool[-1], before[-1]) and torch.equal(pool[0], before[0])
+    assert not torch.equal(pool[3], before[3])
+    assert bool(states[0].eq(0).all()) and torch.equal(states[1], pool[3]) and bool(o[0].eq(0).all())
