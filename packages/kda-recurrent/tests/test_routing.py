@@ -473,12 +473,20 @@ def test_dt_bias_is_optional_and_means_zeros(kernels):
     torch.testing.assert_close(o, o_zeros, rtol=0, atol=0)
 
 
-def test_the_t1_kernel_gets_zeros_for_an_absent_dt_bias(kernels, as_if_cuda):
+def test_the_t1_kernel_gets_an_absent_dt_bias_as_none(kernels, as_if_cuda, monkeypatch):
+    """decode_t1._run compiles its variant without dt_bias for None (its launch memo keys on ``dt_bias is None``),
+    so the facade hands None through on the T=1 entries, hot path and full path alike."""
+    seen = []
+    for name in ("_t1_kernel", "_t1_varlen_kernel"):
+        entry = getattr(facade, name)
+        monkeypatch.setattr(facade, name, lambda *a, _entry=entry, _i=9 if name == "_t1_kernel" else 10:
+                            seen.append(a[_i]) or _entry(*a))
     kw = make_call()
     o, _ = recurrent_kda(**{**clone_call(kw), "dt_bias": None})
     o_zeros, _ = recurrent_kda_ref(**{**clone_call(kw), "dt_bias": torch.zeros_like(kw["dt_bias"])})
-    assert kernels.paths == [Path.T1]
     torch.testing.assert_close(o, o_zeros, rtol=0, atol=0)
+    recurrent_kda(**{**_varlen_decode([1, 2]), "dt_bias": None})
+    assert kernels.paths == [Path.T1, Path.T1_VARLEN] and seen == [None, None]
 
 
 def test_meta_tensors_are_refused_on_the_cpu_path():

@@ -185,18 +185,6 @@ def _warn_oracle_once(reason: str) -> None:
                       RuntimeWarning, stacklevel=4)
 
 
-_zero_dt_biases: dict = {}  # (H*K, device) -> zeros: dt_bias absent, as the T=1 kernel's entry takes it
-
-
-def _zero_dt_bias(q):
-    """fp32 zeros [H*K] on q's device (cached): an absent dt_bias for the T=1 kernel, which always adds one."""
-    key = (q.shape[2] * q.shape[3], q.device)
-    t = _zero_dt_biases.get(key)
-    if t is None:
-        t = _zero_dt_biases[key] = torch.zeros(key[0], dtype=torch.float32, device=q.device)
-    return t
-
-
 # kda-core's validators take the call's bundle and are called without a wrapper frame (a keyword call through a wrapper
 # cost ~0.4 us). Tests replace these module attributes.
 _validate = validate_recurrent
@@ -333,8 +321,8 @@ def recurrent_kda(
     if (call is not None and knobs.get("KDA_T1_FAST_PATH") and (t1 := _t1()) is not None
             and not knobs.get("KDA_DEBUG_VALIDATE")):
         try:
-            return (t1(call, q, k, v, g, beta, initial_state, ssm_state_indices, A_log,
-                       dt_bias if dt_bias is not None or not use_gate_in_kernel else _zero_dt_bias(q),
+            # (an absent dt_bias goes as None: the T=1 entry compiles its variant without one)
+            return (t1(call, q, k, v, g, beta, initial_state, ssm_state_indices, A_log, dt_bias,
                        use_qk_l2norm_in_kernel, output, null_policy), initial_state)
         except WRAPPER_REJECTED:  # the T=1 wrapper refused an argument before launch: the full path names it
             pass
@@ -442,9 +430,7 @@ def _run_path(args: RecurrentArgs, null_policy: NullSlotPolicy = NullSlotPolicy.
         debug_check_slots(args.ssm_state_indices, call.N, argument="ssm_state_indices", null_policy=null_policy)
     path = _route(call)
     if path is Path.T1 or path is Path.T1_VARLEN:
-        q, k, v, g, beta, A_log, dt_bias, _, pool, _, l2norm, use_gate, _, _, cu, slots, _, output = args
-        if dt_bias is None and use_gate:
-            dt_bias = _zero_dt_bias(q)
+        q, k, v, g, beta, A_log, dt_bias, _, pool, _, l2norm, _, _, _, cu, slots, _, output = args
         if path is Path.T1_VARLEN:
             return _t1_varlen_kernel(call, q, k, v, g, beta, pool, slots, cu, A_log, dt_bias, l2norm, output,
                                      null_policy), pool
