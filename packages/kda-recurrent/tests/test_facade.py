@@ -356,3 +356,41 @@ def test_gpu_varlen_decode_with_serving_layouts_matches_the_oracle():
     assert explain(**kw).path is Path.T1_VARLEN
     check_against_oracle(kw, exact=False)
     check_against_oracle(kw, exact=False, null_policy="nonpositive")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["cute-dsl", "auto"])
+@pytest.mark.parametrize("H, K, path", [(12, 128, Path.T1), (32, 64, Path.GENERIC)], ids=["t1", "generic-K64"])
+def test_gpu_flashinfer_form_never_wraps_minus_one_and_returns_the_gathered_states(H, K, path, backend):
+    """FlashInfer's regression form (docs/serving.md §5): a bf16 pool of 5 slots whose last slot holds 7.0, indices
+    [-1, 3]: the last slot and slot 0 stay, slot 3 changes, and the gathered states are [zeros, pool[3]]."""
+    kw = make_call("cuda", B=2, H=H, K=K, N=5, seed=21)
+    kw["initial_state"][-1] = 7.0
+    kw["ssm_state_indices"] = torch.tensor([-1, 3], dtype=torch.int32, device="cuda")
+    kw["output_final_state"] = True
+    assert explain(**kw, backend=backend).path is path
+    before = kw["initial_state"].clone()
+    o, states = recurrent_kda(**kw, backend=backend)
+    pool = kw["initial_state"]
+    assert torch.equal(pool[-1], before[-1]) and torch.equal(pool[0], before[0])
+    assert not torch.equal(pool[3], before[3])
+    assert bool(states[0].eq(0).all()) and torch.equal(states[1], pool[3]) and bool(o[0].eq(0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("form", ["t1", "t1-varlen"])
+def test_gpu_t1_kernel_without_dt_bias_matches_the_oracle_with_zeros(form):
+    """An absent dt_bias reaches the T=1 entries as None (their variant without it), on the hot path too."""
+    kw = make_call("cuda", seed=31) if form == "t1" else varlen_decode("cuda", [1, 0, 3, 1], torch.int32, seed=31)
+    kw["dt_bias"] = None
+    assert explain(**kw).path is (Path.T1 if form == "t1" else Path.T1_VARLEN)
+    for _ in range(2):  # the second call of the same facts takes the hot path (T=1)
+        mine = copy_call(kw)
+        o, _ = recurrent_kda(**mine)
+        ref = copy_call(kw)
+        ref["dt_bias"] = torch.zeros(12 * 128, device="cuda")
+        o_ref, pool_ref = recurrent_kda_ref(**ref)
+        torch.testing.assert_close(o, o_ref, **tol(BF16))
+        torch.testing.assert_close(mine["initial_state"].float(), pool_ref.float(), **tol(BF16))

@@ -473,12 +473,20 @@ def test_dt_bias_is_optional_and_means_zeros(kernels):
     torch.testing.assert_close(o, o_zeros, rtol=0, atol=0)
 
 
-def test_the_t1_kernel_gets_zeros_for_an_absent_dt_bias(kernels, as_if_cuda):
+def test_the_t1_kernel_gets_an_absent_dt_bias_as_none(kernels, as_if_cuda, monkeypatch):
+    """decode_t1._run compiles its variant without dt_bias for None (its launch memo keys on ``dt_bias is None``),
+    so the facade hands None through on the T=1 entries, hot path and full path alike."""
+    seen = []
+    for name in ("_t1_kernel", "_t1_varlen_kernel"):
+        entry = getattr(facade, name)
+        monkeypatch.setattr(facade, name, lambda *a, _entry=entry, _i=9 if name == "_t1_kernel" else 10:
+                            seen.append(a[_i]) or _entry(*a))
     kw = make_call()
     o, _ = recurrent_kda(**{**clone_call(kw), "dt_bias": None})
     o_zeros, _ = recurrent_kda_ref(**{**clone_call(kw), "dt_bias": torch.zeros_like(kw["dt_bias"])})
-    assert kernels.paths == [Path.T1]
     torch.testing.assert_close(o, o_zeros, rtol=0, atol=0)
+    recurrent_kda(**{**_varlen_decode([1, 2]), "dt_bias": None})
+    assert kernels.paths == [Path.T1, Path.T1_VARLEN] and seen == [None, None]
 
 
 def test_meta_tensors_are_refused_on_the_cpu_path():
@@ -552,8 +560,10 @@ BUNDLE = [(name, RecurrentArgs._field_defaults.get(name, inspect.Parameter.empty
 
 @pytest.mark.parametrize("fn", [recurrent_kda, explain], ids=["recurrent_kda", "explain"])
 def test_the_public_signatures_are_the_bundles_fields_then_the_keyword_only_policy(fn):
-    assert _params(fn) == BUNDLE + [("null_policy", NullSlotPolicy.OUT_OF_RANGE)]
-    assert inspect.signature(fn).parameters["null_policy"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert _params(fn) == BUNDLE + [("null_policy", NullSlotPolicy.OUT_OF_RANGE), ("num_spec_tokens", None),
+                                    ("backend", None)]
+    for name in ("null_policy", "num_spec_tokens", "backend"):
+        assert inspect.signature(fn).parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
 
 
 def test_the_ops_schema_is_the_bundles_fields_in_order_then_the_policy_string():
@@ -697,3 +707,112 @@ def test_a_missing_t1_kernel_sends_varlen_decode_to_the_oracle(kernels, as_if_cu
         assert explain(**kw).path is Path.ORACLE
         assert_matches_oracle(kw)
     assert kernels.paths == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FlashInfer 0.7.2's recurrent_kda: num_spec_tokens, backend, the gathered final states of 1-D indices
+
+
+def _pool_call_with_a_marked_last_slot():
+    """FlashInfer's regression form: slot -1 must never wrap to the last slot (filled with 7.0 here)."""
+    kw = make_call(B=3)
+    kw["initial_state"][-1] = 7.0
+    kw["ssm_state_indices"] = torch.tensor([-1, 3, 5], dtype=torch.int32)
+    return kw
+
+
+@pytest.mark.parametrize("backend", [None, "cute-dsl", "auto"])
+def test_output_final_state_with_1d_indices_returns_the_gathered_states(kernels, as_if_cuda, backend):
+    kw = {**_pool_call_with_a_marked_last_slot(), "output_final_state": True}
+    mine = clone_call(kw)
+    o, states = recurrent_kda(**mine, backend=backend)
+    ref = clone_call(kw)
+    o_ref, pool_ref = recurrent_kda_ref(**ref)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(mine["initial_state"], pool_ref, rtol=0, atol=0)  # the pool updated in place
+    assert states.shape == (3, 12, 128, 128) and states.dtype == BF16
+    assert bool(states[0].eq(0).all())  # the null row gathers zeros, not the last slot's 7.0
+    torch.testing.assert_close(states[1:], pool_ref[[3, 5]], rtol=0, atol=0)
+    assert bool(mine["initial_state"][-1].eq(7.0).all()) and kernels.paths == [Path.T1]
+
+
+def test_the_gathered_states_follow_the_null_policy(kernels, as_if_cuda):
+    kw = {**make_call(B=3), "output_final_state": True, "ssm_state_indices": torch.tensor([0, 2, 9])}
+    _, states = recurrent_kda(**clone_call(kw), null_policy="nonpositive")
+    assert bool(states[0].eq(0).all()) and bool(states[2].eq(0).all()) and not bool(states[1].eq(0).all())
+    _, states = recurrent_kda(**clone_call(kw))
+    assert not bool(states[0].eq(0).all())
+
+
+def test_spec_and_varlen_calls_still_return_the_pool(kernels, as_if_cuda):
+    for mode in ("spec", "varlen"):
+        kw = {**make_call(T=2, mode=mode), "output_final_state": True}
+        o, pool = recurrent_kda(**kw)
+        assert pool is kw["initial_state"]
+
+
+@pytest.mark.parametrize("bad", ["cuda", "CUTE-DSL", 1, "flashinfer"])
+def test_a_backend_kda_does_not_know_is_named(kernels, bad):
+    with pytest.raises(KDAError, match="^backend: expected one of"):
+        recurrent_kda(**make_call(), backend=bad)
+    with pytest.raises(KDAError, match="^backend: expected one of"):
+        explain(**make_call(), backend=bad)
+
+
+@pytest.mark.parametrize("backend", ["cute-dsl", "cake", "auto"])
+def test_every_backend_runs_kdas_kernels(kernels, as_if_cuda, backend):
+    kw = make_call()
+    o, pool = recurrent_kda(**clone_call(kw), backend=backend)
+    assert kernels.paths == [Path.T1] and explain(**kw, backend=backend).path is Path.T1
+
+
+def test_a_dense_initial_state_is_updated_in_place_with_a_backend_and_read_only_without(kernels):
+    kw = make_call(T=2, mode="dense")
+    kw["output_final_state"] = False
+    before = kw["initial_state"].clone()
+    o_kda, final = recurrent_kda(**clone_call(kw))
+    assert final is None
+    mine = clone_call(kw)
+    o, state = recurrent_kda(**mine, backend="auto")
+    assert state is None and not torch.equal(mine["initial_state"], before)
+    o_ref, final_ref = recurrent_kda_ref(**{**clone_call(kw), "output_final_state": True})
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(mine["initial_state"], final_ref.to(mine["initial_state"].dtype), rtol=0, atol=0)
+    mine = clone_call(kw)
+    _, state = recurrent_kda(**{**mine, "output_final_state": True}, backend="cute-dsl")
+    assert state is mine["initial_state"]
+    untouched = clone_call(kw)
+    recurrent_kda(**untouched)
+    assert torch.equal(untouched["initial_state"], before)  # kda's own form: read only
+
+
+def test_num_spec_tokens_checks_the_token_count_and_the_index_columns(kernels):
+    kw = make_call(T=3, mode="spec", N=16)
+    with pytest.raises(KDAError, match=r"^q: expected T = 1 \+ num_spec_tokens = 4"):
+        recurrent_kda(**kw, num_spec_tokens=3)
+    for bad in (0, -1, 1.0, True, "2"):
+        with pytest.raises(KDAError, match="^num_spec_tokens: expected an int >= 1"):
+            recurrent_kda(**kw, num_spec_tokens=bad)
+    one_d = {**kw, "ssm_state_indices": kw["ssm_state_indices"][:, 0].contiguous(), "num_accepted_tokens": None}
+    with pytest.raises(KDAError, match=r"^ssm_state_indices: expected 2-D \[N_seq, 1 \+ num_spec_tokens\]"):
+        recurrent_kda(**one_d, num_spec_tokens=2)
+    assert_matches_oracle(kw)
+    o, _ = recurrent_kda(**clone_call(kw), num_spec_tokens=2)
+    o_ref, _ = recurrent_kda_ref(**clone_call(kw))
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+
+
+def test_num_spec_tokens_without_indices_uses_the_first_checkpoint_slots(kernels):
+    kw = make_call(B=2, T=3, mode="spec", N=8)
+    B, T = 2, 3
+    implicit = {**clone_call(kw), "ssm_state_indices": None, "num_accepted_tokens": None}
+    explicit = {**clone_call(kw), "ssm_state_indices": torch.arange(B * T, dtype=torch.int32).view(B, T),
+                "num_accepted_tokens": None}
+    o, pool = recurrent_kda(**implicit, num_spec_tokens=T - 1)
+    o_ref, pool_ref = recurrent_kda_ref(**explicit)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(pool, pool_ref, rtol=0, atol=0)
+    assert explain(**implicit, num_spec_tokens=T - 1).path is Path.ORACLE
+    small = {**implicit, "initial_state": implicit["initial_state"][:5]}
+    with pytest.raises(KDAError, match=r"^initial_state: expected the checkpoint pool of at least"):
+        recurrent_kda(**small, num_spec_tokens=T - 1)

@@ -197,3 +197,24 @@ def test_gpu_compiled_layer_captures_into_a_cuda_graph_and_replays_like_eager(T)
         torch.testing.assert_close(static_y, y_eager, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(graph_pool.float(), eager_pool.float(), rtol=2e-2, atol=2e-2)
     assert not torch.equal(graph_pool, pool)
+
+
+def test_the_gathered_states_of_1d_indices_come_out_of_the_compiled_graph():
+    B, H, K, N = 3, 8, 128, 5
+    q, k, v, g = (torch.randn(B, 1, H, K, dtype=BF16) for _ in range(4))
+    beta = torch.rand(B, 1, H, dtype=BF16)
+    pool = torch.randn(N, H, K, K, dtype=BF16) * 0.1
+    pool[-1] = 7.0
+    slots = torch.tensor([-1, 2, 0], dtype=torch.int32)
+
+    def layer(q, k, v, g, beta, pool, slots):
+        return recurrent_kda(q, k, v, -g.float().abs(), beta.float(), initial_state=pool, ssm_state_indices=slots,
+                             output_final_state=True)
+
+    eager_pool = pool.clone()
+    o_e, s_e = layer(q, k, v, g, beta, eager_pool, slots)
+    o_c, s_c = torch.compile(layer, fullgraph=True, backend="aot_eager")(q, k, v, g, beta, pool, slots)
+    torch.testing.assert_close(o_c, o_e, rtol=0, atol=0)
+    torch.testing.assert_close(s_c, s_e, rtol=0, atol=0)
+    torch.testing.assert_close(pool, eager_pool, rtol=0, atol=0)
+    assert s_c.shape == (B, H, K, K) and s_c.dtype == BF16 and bool(s_c[0].eq(0).all())

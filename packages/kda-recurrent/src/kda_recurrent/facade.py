@@ -52,7 +52,7 @@ import torch
 
 from kda_core import knobs
 from kda_core.call_args import RecurrentArgs
-from kda_core.contracts import NullSlotPolicy, null_policy_of
+from kda_core.contracts import NullSlotPolicy, first_live_slot, null_policy_of
 from kda_core.errors import fail
 from kda_core.oracle import recurrent_kda_ref_args
 from kda_core.validation import (
@@ -185,18 +185,6 @@ def _warn_oracle_once(reason: str) -> None:
                       RuntimeWarning, stacklevel=4)
 
 
-_zero_dt_biases: dict = {}  # (H*K, device) -> zeros: dt_bias absent, as the T=1 kernel's entry takes it
-
-
-def _zero_dt_bias(q):
-    """fp32 zeros [H*K] on q's device (cached): an absent dt_bias for the T=1 kernel, which always adds one."""
-    key = (q.shape[2] * q.shape[3], q.device)
-    t = _zero_dt_biases.get(key)
-    if t is None:
-        t = _zero_dt_biases[key] = torch.zeros(key[0], dtype=torch.float32, device=q.device)
-    return t
-
-
 # kda-core's validators take the call's bundle and are called without a wrapper frame (a keyword call through a wrapper
 # cost ~0.4 us). Tests replace these module attributes.
 _validate = validate_recurrent
@@ -225,6 +213,8 @@ def recurrent_kda(
     output=None,
     *,
     null_policy=NullSlotPolicy.OUT_OF_RANGE,
+    num_spec_tokens=None,
+    backend=None,
 ):
     r"""Kimi Delta Attention over T tokens per sequence, with an in-place state pool or dense states.
 
@@ -248,7 +238,8 @@ def recurrent_kda(
             inner dims compact, dim-0 (slot) stride any number of elements >= HV*V*K; one that is not a 16-byte
             multiple takes the kernels' unaligned variant), updated in place. Without indices, dense initial
             states [N_seq, HV, V, K] (read only) or None (zeros).
-        output_final_state: dense mode only: also return the final states, fp32 [N_seq, HV, V, K].
+        output_final_state: also return the final states (see Returns): dense mode, fp32 [N_seq, HV, V, K];
+            1-D indices without ``cu_seqlens``, the gathered per-sequence states (FlashInfer's return).
         use_qk_l2norm_in_kernel: L2-normalise q and k per head (eps 1e-6) before use.
         use_gate_in_kernel: compute the log-space decay from ``g`` in the kernel:
             ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` (Kimi K3, ``lower_bound < 0``) or
@@ -272,12 +263,25 @@ def recurrent_kda(
             SGLang, FlashInfer): null iff ``idx < 0 or idx >= N``. ``NONPOSITIVE`` (vLLM, whose padding slot is
             0): null iff ``idx <= 0 or idx >= N``, so slot 0 is never read or written, and with 2-D indices a
             sequence whose ``num_accepted_tokens`` is <= 0 or > T is null as a whole. A null sequence gets zero
-            output; the pool is neither read nor written for it. Unlike FlashInfer, ``-1`` never wraps to the last
-            slot.
+            output; the pool is neither read nor written for it. Unlike FlashInfer's dense form, ``-1`` never
+            wraps to the last slot (FlashInfer gathers ``pool[idx]`` on the host, so -1 reads and writes slot N-1).
+        num_spec_tokens: keyword only; FlashInfer's S, the draft tokens per sequence (None or an int >= 1): each
+            sequence has 1 + S tokens (without ``cu_seqlens`` q is [B, 1 + S, ...]) and ``ssm_state_indices``
+            is 2-D [N_seq, 1 + S]; without ``cu_seqlens`` the indices may be omitted, and then the pool's first
+            B * (1 + S) slots are the checkpoints (row b's token t at slot b * (1 + S) + t), as in FlashInfer.
+        backend: keyword only; FlashInfer's ``"cute-dsl"``, ``"cake"`` or ``"auto"`` (every one runs kda's
+            kernels, routed as any other call; anything else is a KDAError), or None (kda's form). Given, a
+            dense ``initial_state`` (no indices) is updated in place with the final states, as FlashInfer's is,
+            and returned as final_state when ``output_final_state``; kda's own form (None) keeps it read only
+            (FLA's convention, which ``kda_recurrent.compat.fla`` relies on).
 
     Returns:
-        ``(o, final_state)``: o [B, T, HV, V] bf16 (``output`` when given). final_state is the pool itself with
-        ``ssm_state_indices``; otherwise fp32 [N_seq, HV, V, K] when ``output_final_state``, else None.
+        ``(o, final_state)``: o [B, T, HV, V] bf16 (``output`` when given). final_state: with 1-D
+        ``ssm_state_indices``, no ``cu_seqlens`` and ``output_final_state``, what FlashInfer returns there: the
+        per-sequence states gathered after the update, [N_seq, HV, V, K] in the pool's dtype (a copy; a null row
+        gathers zeros, never a wrapped slot). With any other indices (2-D, or 1-D with ``cu_seqlens``) the pool
+        itself, updated in place. Without indices: fp32 [N_seq, HV, V, K] when ``output_final_state`` (with a
+        ``backend`` and a dense ``initial_state``, that tensor itself, updated in place), else None.
 
     Raises:
         kda_core.errors.KDAError: a malformed call (shapes, dtypes, strides, devices, flag combinations), before
@@ -307,6 +311,8 @@ def recurrent_kda(
             use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens, output)
     if type(null_policy) is not _POLICY:  # its string value, or a KDAError naming null_policy
         null_policy = null_policy_of(null_policy)
+    if num_spec_tokens is not None or backend is not None:  # FlashInfer's keywords: see _flashinfer_form
+        return _flashinfer_form(_named(RecurrentArgs, args), null_policy, num_spec_tokens, backend)
     if torch.compiler.is_compiling():
         return _traced(_named(RecurrentArgs, args), null_policy)
     # The T=1 hot path (see _run_full for the rest): a call whose facts kda-core has described before, re-validated
@@ -315,8 +321,8 @@ def recurrent_kda(
     if (call is not None and knobs.get("KDA_T1_FAST_PATH") and (t1 := _t1()) is not None
             and not knobs.get("KDA_DEBUG_VALIDATE")):
         try:
-            return (t1(call, q, k, v, g, beta, initial_state, ssm_state_indices, A_log,
-                       dt_bias if dt_bias is not None or not use_gate_in_kernel else _zero_dt_bias(q),
+            # (an absent dt_bias goes as None: the T=1 entry compiles its variant without one)
+            return (t1(call, q, k, v, g, beta, initial_state, ssm_state_indices, A_log, dt_bias,
                        use_qk_l2norm_in_kernel, output, null_policy), initial_state)
         except WRAPPER_REJECTED:  # the T=1 wrapper refused an argument before launch: the full path names it
             pass
@@ -326,7 +332,92 @@ def recurrent_kda(
 _POLICY = NullSlotPolicy
 
 
+def _check_flashinfer_keywords(args, num_spec_tokens, backend):
+    """:func:`_flashinfer_form`'s checks, for :func:`explain` (runs nothing: the call is not made)."""
+    _flashinfer_form(args, NullSlotPolicy.OUT_OF_RANGE, num_spec_tokens, backend, check_only=True)
+
+
+BACKENDS = ("cute-dsl", "cake", "auto")
+"""FlashInfer's ``backend`` values; every one runs kda's kernels (routed as any other call)."""
+
+
+def _flashinfer_form(args: RecurrentArgs, null_policy: NullSlotPolicy, num_spec_tokens, backend, check_only=False):
+    """A call with FlashInfer's keywords ``num_spec_tokens`` / ``backend`` (FlashInfer 0.7.2's ``recurrent_kda``).
+
+    ``backend``: one of :data:`BACKENDS` or None, else a KDAError naming it. Given (not None), a dense
+    ``initial_state`` (no indices) is updated in place with the final states, as FlashInfer updates it, and is what
+    ``output_final_state`` returns. ``num_spec_tokens`` S: None or an int >= 1; each sequence then has 1 + S tokens:
+    without ``cu_seqlens`` q is [B, 1 + S, ...]; ``ssm_state_indices`` must be 2-D with 1 + S columns, and without
+    ``cu_seqlens`` may be omitted, when the pool's first B * (1 + S) slots are the checkpoint slots (row b's
+    token t at slot b * (1 + S) + t; FlashInfer's batched spec-decode form).
+    """
+    if backend is not None and (type(backend) is not str or backend not in BACKENDS):
+        fail("backend", f"one of {BACKENDS} (all run kda's kernels) or None", repr(backend))
+    q, idx, cu, state = args.q, args.ssm_state_indices, args.cu_seqlens, args.initial_state
+    if num_spec_tokens is not None:
+        if type(num_spec_tokens) is not int or num_spec_tokens < 1:
+            fail("num_spec_tokens", "an int >= 1 (draft tokens per sequence) or None", repr(num_spec_tokens))
+        T_spec = 1 + num_spec_tokens
+        if not isinstance(q, torch.Tensor) or q.dim() != 4:
+            _validate(args)  # names the malformed argument
+        if cu is None and q.shape[1] != T_spec:
+            fail("q", f"T = 1 + num_spec_tokens = {T_spec} tokens per sequence (dim 1)", f"T={q.shape[1]}")
+        if idx is None and cu is None:
+            B = q.shape[0]
+            if not isinstance(state, torch.Tensor) or state.dim() != 4 or state.shape[0] < B * T_spec:
+                fail("initial_state", f"the checkpoint pool of at least B * (1 + num_spec_tokens) = {B * T_spec} "
+                     "slots when ssm_state_indices is omitted",
+                     tuple(state.shape) if isinstance(state, torch.Tensor) else None)
+            if check_only:
+                return None
+            idx = torch.arange(B * T_spec, dtype=torch.int32, device=q.device).view(B, T_spec)
+            args = args._replace(ssm_state_indices=idx)
+        elif not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[1] != T_spec:
+            fail("ssm_state_indices", f"2-D [N_seq, 1 + num_spec_tokens] = [N_seq, {T_spec}] with num_spec_tokens",
+                 tuple(idx.shape) if isinstance(idx, torch.Tensor) else None)
+    if check_only:
+        return None
+    if backend is not None and idx is None and isinstance(state, torch.Tensor):
+        # FlashInfer's dense form: the final states overwrite initial_state (rounded once to its dtype).
+        o, final = _call(args._replace(output_final_state=True), null_policy)
+        with torch.no_grad():
+            state.copy_(final)
+        return o, (state if args.output_final_state else None)
+    return _call(args, null_policy)
+
+
+def _call(args: RecurrentArgs, null_policy: NullSlotPolicy):
+    """The traced or the full path of a bundled call (after the FlashInfer keywords are applied)."""
+    if torch.compiler.is_compiling():
+        return _traced(args, null_policy)
+    return _run_full(args, null_policy)
+
+
+def _gathered_states(pool, idx, null_policy: NullSlotPolicy):
+    """The per-sequence states FlashInfer returns for 1-D indices with ``output_final_state``: ``pool[idx[n]]``
+    (a copy, in the pool's dtype) for a live slot, zeros for a null one (never a wrapped slot). Device ops only."""
+    if pool.shape[0] == 0 or idx.shape[0] == 0:
+        return pool.new_zeros((idx.shape[0], *pool.shape[1:]))
+    i = idx.long()
+    live = (i >= first_live_slot(null_policy)) & (i < pool.shape[0])
+    states = pool[torch.where(live, i, 0)]  # a copy; a null row reads slot 0's bytes, then becomes zeros
+    return states.masked_fill_(~live[:, None, None, None], 0)
+
+
 def _run_full(args: RecurrentArgs, null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE):
+    """:func:`_run_path`; then, with 1-D indices, no ``cu_seqlens`` and ``output_final_state``, the gathered
+    per-sequence states (:func:`_gathered_states`) instead of the pool, as FlashInfer returns them."""
+    o, final = _run_path(args, null_policy)
+    if args.output_final_state and args.cu_seqlens is None and _one_d(args.ssm_state_indices):
+        return o, _gathered_states(final, args.ssm_state_indices, null_policy)
+    return o, final
+
+
+def _one_d(idx) -> bool:
+    return isinstance(idx, torch.Tensor) and idx.dim() == 1
+
+
+def _run_path(args: RecurrentArgs, null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE):
     """Validate, route, run one call (its bundled arguments and its null policy, a NullSlotPolicy member);
     :func:`recurrent_kda` returns what this returns.
 
@@ -339,9 +430,7 @@ def _run_full(args: RecurrentArgs, null_policy: NullSlotPolicy = NullSlotPolicy.
         debug_check_slots(args.ssm_state_indices, call.N, argument="ssm_state_indices", null_policy=null_policy)
     path = _route(call)
     if path is Path.T1 or path is Path.T1_VARLEN:
-        q, k, v, g, beta, A_log, dt_bias, _, pool, _, l2norm, use_gate, _, _, cu, slots, _, output = args
-        if dt_bias is None and use_gate:
-            dt_bias = _zero_dt_bias(q)
+        q, k, v, g, beta, A_log, dt_bias, _, pool, _, l2norm, _, _, _, cu, slots, _, output = args
         if path is Path.T1_VARLEN:
             return _t1_varlen_kernel(call, q, k, v, g, beta, pool, slots, cu, A_log, dt_bias, l2norm, output,
                                      null_policy), pool
@@ -366,6 +455,8 @@ def _traced(args: RecurrentArgs, null_policy: NullSlotPolicy = NullSlotPolicy.OU
     if output is None:
         output = args.v.new_empty(args.v.shape, dtype=_OUTPUT_DTYPE)
     final_state = torch.ops.kda.recurrent_kda(*args[:-1], output, null_policy.value)
+    if args.output_final_state and args.cu_seqlens is None and _one_d(args.ssm_state_indices):
+        return output, final_state  # the gathered per-sequence states
     if args.ssm_state_indices is not None:
         return output, args.initial_state
     return output, (final_state if args.output_final_state else None)
@@ -392,6 +483,8 @@ def explain(
     output=None,
     *,
     null_policy=NullSlotPolicy.OUT_OF_RANGE,
+    num_spec_tokens=None,
+    backend=None,
 ) -> Route:
     """The :class:`Route` (path, reason) :func:`recurrent_kda` would take for these arguments; runs nothing.
 
@@ -406,6 +499,11 @@ def explain(
                                   use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit,
                                   cu_seqlens, ssm_state_indices, num_accepted_tokens, output))
     null_policy_of(null_policy)
+    if num_spec_tokens is not None or backend is not None:
+        _check_flashinfer_keywords(args, num_spec_tokens, backend)
+        if num_spec_tokens is not None and args.ssm_state_indices is None and args.cu_seqlens is None:
+            B, T = args.q.shape[:2]
+            args = args._replace(ssm_state_indices=torch.zeros(B, T, dtype=torch.int32, device=args.q.device))
     call = _validate(args)
     path = _route(call)
     return Route(path, _reason(path, call, args))

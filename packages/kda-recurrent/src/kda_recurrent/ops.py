@@ -5,8 +5,9 @@ schema from a flat signature), in the facade's order, which is that of :class:`k
 ``null_policy`` as its string value (a schema has no enum type), and runs the facade's eager call on them (validation,
 routing, kernel; the facade bundles them) as one opaque node. It declares what it writes: ``output`` always, and
 ``initial_state`` (the pool, written in place when ``ssm_state_indices`` is given). Its return value is the dense final
-state (fp32 [N_seq, HV, V, K]) when one is asked for, else an empty tensor: a custom op cannot return an alias of its
-input, so the facade's traced call hands the pool back itself.
+state (fp32 [N_seq, HV, V, K]) when one is asked for, or with 1-D indices (no cu_seqlens) the gathered per-sequence
+states, else an empty tensor: a custom op cannot return an alias of its input, so the facade's traced call hands the
+pool back itself.
 
 Routing inside the op happens when the compiled graph runs, not when it is traced, so ``KDA_T1_FAST_PATH`` keeps
 working on a compiled model, and the op body is what a CUDA graph captures: kernel launches on the current stream,
@@ -61,8 +62,8 @@ def _recurrent_kda_op(
     )
     if o is not output:  # a path that allocated its own output despite being given one
         output.copy_(o)
-    if ssm_state_indices is None and output_final_state:
-        return final_state
+    if output_final_state and (ssm_state_indices is None or (ssm_state_indices.dim() == 1 and cu_seqlens is None)):
+        return final_state  # the dense final states, or the gathered per-sequence states (a copy, not the pool)
     return q.new_empty((0,), dtype=_FINAL_STATE_DTYPE)
 
 
@@ -70,10 +71,12 @@ def _recurrent_kda_op(
 def _recurrent_kda_fake(*flat):
     """Shapes only: the op's arguments in the schema's order (the bundle's, then the null policy)."""
     a = RecurrentArgs(*flat[:len(RecurrentArgs._fields)])
-    q, v = a.q, a.v
-    if a.ssm_state_indices is None and a.output_final_state:
+    q, v, idx = a.q, a.v, a.ssm_state_indices
+    if a.output_final_state and idx is None:
         n_seq = q.shape[0] if a.cu_seqlens is None else a.cu_seqlens.shape[0] - 1
         return q.new_empty((n_seq, v.shape[2], v.shape[3], q.shape[3]), dtype=_FINAL_STATE_DTYPE)
+    if a.output_final_state and idx.dim() == 1 and a.cu_seqlens is None:  # gathered, in the pool's dtype
+        return q.new_empty((idx.shape[0], *a.initial_state.shape[1:]), dtype=a.initial_state.dtype)
     return q.new_empty((0,), dtype=_FINAL_STATE_DTYPE)
 
 
