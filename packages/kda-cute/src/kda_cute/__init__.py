@@ -6,7 +6,7 @@ Importing this package never touches the GPU or the DSL: kernels compile on firs
 
 from __future__ import annotations
 
-__all__ = ["kda_decode_t1", "kda_decode_t1_packed"]
+__all__ = ["fused_kda_decode", "kda_decode_t1", "kda_decode_t1_packed"]
 
 
 def __getattr__(name: str):
@@ -15,4 +15,8 @@ def __getattr__(name: str):
         from . import decode_t1
 
         return getattr(decode_t1, name)
+    if name == "fused_kda_decode":
+        from . import fused_decode
+
+        return fused_decode.fused_kda_decode
     raise AttributeError(f"module 'kda_cute' has no attribute {name!r}")

@@ -1,0 +1,151 @@
+"""``fused_kda_decode``: one T=1 step of a whole KDA layer (conv update, SiLU, the KDA step, gated RMSNorm).
+
+FlashInfer 0.7.2's ``fused_kda_decode`` arguments and semantics (docs/design.md §8; slot ``<= 0`` null by default),
+plus kda's keywords ``bias`` (the conv bias) and ``null_policy``. Routing, from tensor metadata only:
+
+1. kda-core validates the call (``kda_core.validation_fused.validate_fused_decode``; a bad call raises a
+   :class:`kda_core.errors.KDAError` naming the argument before anything runs).
+2. CUDA tensors run kda-cute's fused kernel (:func:`kda_cute.fused_decode.fused_kda_decode`).
+3. CPU tensors, and CUDA tensors when kda-cute is not installed (with one warning), run kda-core's reference
+   (:func:`kda_core.oracle_fused.fused_kda_decode_ref`), which updates both caches in place as the kernel does.
+
+Under ``torch.compile`` the call is the ``kda::fused_kda_decode`` custom op (it declares the conv cache, the state
+pool and the output as written; its fake implementation computes nothing), whose body is this eager call.
+
+Not here yet: the multi-token form (FlashInfer's ``packed_fused_kda_decode``; its reference is
+:func:`kda_core.oracle_fused.packed_fused_kda_decode_ref`) and vLLM's native-op argument list.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from kda_core.contracts import HEAD_DIM, NullSlotPolicy
+from kda_core.errors import fail
+from kda_core.oracle_fused import NORM_EPS, fused_kda_decode_ref
+from kda_core.validation_fused import validate_fused_decode
+
+__all__ = ["fused_kda_decode"]
+
+_UNLOADED = object()
+_kernel = _UNLOADED  # kda_cute.fused_decode.fused_kda_decode, imported on the first CUDA call; None if missing
+_warned = False
+
+
+def _load():
+    global _kernel
+    try:
+        from kda_cute.fused_decode import fused_kda_decode as fn
+    except ImportError:
+        fn = None
+    _kernel = fn
+    return fn
+
+
+def _policy(null_policy) -> NullSlotPolicy:
+    try:
+        return NullSlotPolicy(null_policy)
+    except ValueError:
+        fail("null_policy", f"a NullSlotPolicy or one of {[p.value for p in NullSlotPolicy]}", repr(null_policy))
+
+
+def _eager(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state, output_gate,
+           norm_weight, lower_bound, norm_eps, output, bias, null_policy):
+    global _warned
+    if x.is_cuda:
+        fn = _kernel if _kernel is not _UNLOADED else _load()
+        if fn is not None:
+            return fn(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state, output_gate,
+                      norm_weight, lower_bound, norm_eps, output, bias=bias, null_policy=null_policy)
+        if not _warned:
+            _warned = True
+            warnings.warn("kda_recurrent.fused_kda_decode: kda-cute is not installed; the PyTorch reference runs "
+                          "(slow). Install kda-recurrent[cute].", RuntimeWarning, stacklevel=3)
+    validate_fused_decode(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state,
+                          output_gate, norm_weight, lower_bound, norm_eps, output, bias=bias, device_kind="any")
+    return fused_kda_decode_ref(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state,
+                                output_gate, norm_weight, lower_bound, norm_eps, output, bias=bias,
+                                null_policy=null_policy)
+
+
+def fused_kda_decode(
+    x,
+    weight,
+    conv_state,
+    raw_gate,
+    raw_beta,
+    A_log,
+    dt_bias,
+    state_indices,
+    state,
+    output_gate,
+    norm_weight,
+    lower_bound=-5.0,
+    norm_eps=NORM_EPS,
+    output=None,
+    *,
+    bias=None,
+    null_policy=NullSlotPolicy.NONPOSITIVE,
+):
+    """One fused T=1 decode step for B rows; updates ``conv_state`` and ``state`` in place, returns ``output``.
+
+    Args (B rows, H heads, C = 3*H*128):
+        x: [B, C] bf16, the packed q|k|v projection row (row stride free).
+        weight: [3, 4, H*128] fp32 conv taps, part-major (tap 0 multiplies the oldest history column).
+        conv_state: [slots, C, >= 3] bf16, channel-contiguous per column (strides [slot, 1, C]); columns 0..2 hold
+            the history, oldest first.
+        raw_gate: [1, B, H, 128] bf16; raw_beta: [1, B, H] bf16 (a logit); A_log [H] fp32; dt_bias [H*128] fp32
+            or None; ``lower_bound`` < 0 (Kimi K3's gate) or None (softplus, Kimi-Linear).
+        state_indices: [B] int32 / int64. state: [slots, H, 128, 128] bf16 or fp32 (any slot stride).
+        output_gate: [B, H, 128] bf16 (strides free but the last); norm_weight [128] fp32; norm_eps >= 0.
+        output: [1, B, H, 128] bf16, allocated when None.
+        bias: [C] fp32, the conv bias, or None.
+        null_policy: ``NONPOSITIVE`` (default, FlashInfer's op and vLLM: slot 0 is reserved) or ``OUT_OF_RANGE``
+            (``-1`` null, slot 0 live); a slot >= slots is null under both. A null row gets zero output and
+            neither cache is read or written.
+
+    No host sync and no allocation when ``output`` is given (CUDA); safe under CUDA-graph capture.
+    """
+    policy = null_policy if type(null_policy) is NullSlotPolicy else _policy(null_policy)
+    if torch.compiler.is_compiling():
+        if output is None:
+            output = x.new_empty((1, x.shape[0], A_log.shape[0], HEAD_DIM), dtype=torch.bfloat16)
+        torch.ops.kda.fused_kda_decode(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices,
+                                       state, output_gate, norm_weight, lower_bound, norm_eps, output, bias,
+                                       policy.value)
+        return output
+    return _eager(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state, output_gate,
+                  norm_weight, lower_bound, norm_eps, output, bias, policy)
+
+
+@torch.library.custom_op("kda::fused_kda_decode", mutates_args=("conv_state", "state", "output"))
+def _fused_kda_decode_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    raw_gate: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    state_indices: torch.Tensor,
+    state: torch.Tensor,
+    output_gate: torch.Tensor,
+    norm_weight: torch.Tensor,
+    lower_bound: float | None,
+    norm_eps: float,
+    output: torch.Tensor,
+    bias: torch.Tensor | None,
+    null_policy: str,
+) -> None:
+    o = _eager(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state, output_gate,
+               norm_weight, lower_bound, norm_eps, output, bias, NullSlotPolicy(null_policy))
+    if o is not output:
+        output.copy_(o)
+
+
+@_fused_kda_decode_op.register_fake
+def _fused_kda_decode_fake(*args) -> None:
+    """Shapes only: the op writes its arguments in place and returns nothing."""
+    return None
