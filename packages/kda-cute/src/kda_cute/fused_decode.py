@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass._mlir.dialects import llvm
 from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
 
 from kda_core.contracts import HEAD_DIM, GateMode, NullSlotPolicy
 from kda_core.errors import fail
