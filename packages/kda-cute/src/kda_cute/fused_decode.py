@@ -25,11 +25,16 @@ all 128 state rows of its head) with three hooks of that class overridden:
 - :meth:`KDAFusedDecode.emit_row` puts each row's o (rounded to bf16) into shared memory; a barrier; the sum of
   squares is a warp butterfly plus a 4-entry shared array; thread t writes y[t] (coalesced).
 
+Small B*H (the schedule's first rows): a cluster of C = 2, 4 or 8 CTAs per (row, head) instead, grid (B * C, H, 1),
+each CTA streaming 128 / C state rows as the T=1 kernel does at that tile; the q / k conv is computed by every CTA
+of the cluster, the RMSNorm's sum of squares exchanged through distributed shared memory (:class:`KDAFusedDecode`,
+packages/kda-cute/docs/fused_decode.md).
+
 Null rows (``NullSlotPolicy``, default NONPOSITIVE as FlashInfer's op; a slot >= N is null under both): zero
 output, neither the conv cache nor the state read or written. Slot offsets are 64-bit (``Int64(slot) * stride``),
 int64 indices are compared in 64 bits. Variants (compile-time): pool dtype x gate x dt_bias / conv bias present x
-alignment class x rows in flight x cache hint x bulk ring x null policy x index dtype; B, H, the pool's slots and
-both caches' strides are runtime values, and so are ``lower_bound`` and ``norm_eps``.
+alignment class x rows in flight x cache hint x bulk ring x null policy x index dtype x cluster size; B, H, the pool's
+slots and both caches' strides are runtime values, and so are ``lower_bound`` and ``norm_eps``.
 """
 
 import dataclasses
@@ -381,8 +386,8 @@ class KDAFusedDecode(KDADecodeT1):
         (``mapa`` of the local address, then ``st.shared::cluster``)."""
         addr = cute.arch.map_dsmem_ptr(sPart.iterator + index, rank).toint()  # a 32-bit shared::cluster address
         llvm.inline_asm(None, [Int32(addr).ir_value(), Float32(value).ir_value()],
-                        "st.shared::cluster.f32 [$0], $1;", "r,f", has_side_effects=True, is_align_stack=False,
-                        asm_dialect=llvm.AsmDialect.AD_ATT)
+                        "st.shared::cluster.f32 [$0], $1;", "r,f,~{memory}", has_side_effects=True,
+                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 # --------------------------------------------------------------------------------------------------
