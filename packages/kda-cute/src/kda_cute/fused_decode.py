@@ -68,6 +68,7 @@ __all__ = ["FusedDecodeConfig", "select_config", "effective_config", "fused_kda_
 PARTS = 3  # q | k | v
 WARPS = THREADS // 32
 CLUSTER_SIZES = (1, 2, 4, 8)  # CTAs per (row, head); 8 is the portable cluster size limit
+GRID_X_MAX = 2**31 - 1  # CUDA's limit on gridDim.x (B * cluster CTAs)
 
 
 @dataclass(frozen=True)
@@ -479,6 +480,9 @@ def _function(call, null_policy, config, device):
             cfg = effective_config(config, call.state_dtype, call.aligned)
         else:
             fail("config", "a FusedDecodeConfig or None", type(config).__name__)
+        if call.B * cfg.cluster > GRID_X_MAX:  # B * C CTAs on grid x (only a forced cluster on a huge batch)
+            fail("config.cluster", f"at most {GRID_X_MAX // cfg.cluster} rows per call with {cfg.cluster} CTAs per "
+                 "row (grid x limit)", call.B)
         vkey = variant_key(state_dtype=call.state_dtype, gate=call.gate_mode, has_dt_bias=call.has_dt_bias,
                            has_bias=call.has_bias, aligned=call.aligned, rows_in_flight=cfg.rows_in_flight,
                            cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring, null_policy=null_policy,
