@@ -125,22 +125,25 @@ CLUSTER_SHAPES = ((8, 33), (12, 1), (24, 4), (96, 1), (96, 33))
 @pytest.mark.parametrize("cluster", [2, 4, 8])
 def test_cluster_variant_matches_reference(cluster, state_dtype, lower_bound, policy):
     """The cluster variant forced (C CTAs per (row, head), 128 / C rows each) at H in {8, 12, 24, 96} and B in {1,
-    4, 33}: output, conv cache (bitwise) and state against the reference. Row 0 names slot 0 (null under
-    NONPOSITIVE, live under OUT_OF_RANGE) and, from B = 4, row 2 slot -1 (null under both): a null row's cluster
-    writes zeros and leaves both caches as the reference does."""
+    4, 33}: output, conv cache (bitwise) and state against the reference. Row 0 names slot 0 (live under
+    OUT_OF_RANGE; under NONPOSITIVE null, from B = 4 on) and, from B = 4, row 2 slot -1 (null under both): a null
+    row's cluster writes zeros and leaves both caches as the reference does."""
     from kda_cute.fused_decode import FusedDecodeConfig
 
     for H, B in CLUSTER_SHAPES:
         inputs = _inputs(H, B, state_dtype=state_dtype, seed=H + B)
         slots = inputs["state_indices"]
-        slots[0] = 0
+        if B >= 4 or policy is NullSlotPolicy.OUT_OF_RANGE:  # (B = 1 under NONPOSITIVE keeps its one live row)
+            slots[0] = 0
         if B >= 4:
             slots[2] = -1
         result = _run_both(inputs, lower_bound=lower_bound, null_policy=policy,
                            config=FusedDecodeConfig(cluster=cluster))
         _assert_matches(*result)
         actual = result[0]
-        null_rows = ([0] if policy is NullSlotPolicy.NONPOSITIVE else []) + ([2] if B >= 4 else [])
+        null_rows = [0, 2] if B >= 4 else []
+        if policy is NullSlotPolicy.OUT_OF_RANGE:
+            null_rows = null_rows[1:]  # slot 0 is live there
         for r in null_rows:
             assert not torch.any(actual[0, r]), (H, B, r)
 
