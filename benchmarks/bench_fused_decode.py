@@ -22,7 +22,12 @@ benchmarks/baselines/<gpu>/fused_kda_decode.{json,png}; about a minute and a hal
     python benchmarks/bench_fused_decode.py --batch-size 256 1024 --heads 12 --bulk-ring 0 8 --out /tmp/f.json
 
 ``--bulk-ring`` takes several values (-1 = the schedule's, 0 = the register path, 2-16 = a ring depth; the ring only
-runs in the aligned class, which these inputs are): each is a ``FusedDecodeConfig`` timed at every point.
+runs in the aligned class, which these inputs are), and so does ``--cluster`` (-1 = the schedule's, 1 = one CTA per
+(row, head), 2 / 4 / 8 = a cluster of that many CTAs per (row, head); a cluster runs on the register path): each
+pair is a ``FusedDecodeConfig`` timed at every point; where only one of the two is forced the other reads as 0 / 1.
+The defaults (both -1) time the schedule's choice, which each record names (``cluster``, ``bulk_ring``).
+
+    python benchmarks/bench_fused_decode.py --batch-size 1 4 8 16 32 64 --heads 12 --cluster 1 2 4 8 --out /tmp/c.json
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--iterations", type=int, default=100)
     p.add_argument("--bulk-ring", type=int, nargs="+", default=[-1],
                    help="-1 = the schedule's, 0 = the register path, 2-16 = a ring depth; several make a sweep")
+    p.add_argument("--cluster", type=int, nargs="+", default=[-1], choices=[-1, 1, 2, 4, 8],
+                   help="-1 = the schedule's, 1 = one CTA per (row, head), 2/4/8 = CTAs per cluster; several sweep")
     p.add_argument("--no-fla", action="store_true", help="the unfused pipeline with torch ops instead of FLA's")
     _baseline.add_output_args(p)
     return p.parse_args(argv)
@@ -199,7 +206,8 @@ def main(argv=None):
     run.provenance["timer"] = timer.backend
     records = []
     points = list(itertools.product(args.state_dtype, args.heads, args.batch_size))
-    total = len(points) * len(args.bulk_ring)
+    variants = list(itertools.product(args.bulk_ring, args.cluster))
+    total = len(points) * len(variants)
     done = 0
     for dtype_name, H, B in points:
         sdt = DTYPES[dtype_name]
@@ -210,8 +218,9 @@ def main(argv=None):
         mixed = torch.randn(B, 3 * H * D, device="cuda").to(torch.bfloat16)
         unfused_call, unfused_out, impl = unfused_fn(x, not args.no_fla)
         baselines = {}
-        for ring in args.bulk_ring:
-            config = None if ring < 0 else fused_decode.FusedDecodeConfig(bulk_ring=ring)
+        for ring, cluster in variants:
+            config = (None if ring < 0 and cluster < 0
+                      else fused_decode.FusedDecodeConfig(bulk_ring=max(ring, 0), cluster=max(cluster, 1)))
             aligned = fused_decode.validate_fused_decode(**x, lower_bound=LOWER_BOUND, output=out).aligned
             cfg = (fused_decode.select_config(B, H, sdt, aligned) if config is None
                    else fused_decode.effective_config(config, sdt, aligned))  # what runs
@@ -233,7 +242,8 @@ def main(argv=None):
             baselines.update({k: v for k, v in times.items() if k != "fused"})
             times.update(baselines)
             rec = dict(B=B, heads=H, state_dtype=dtype_name, mode=args.mode, bulk_ring=cfg.bulk_ring,
-                       bulk_ring_forced=ring, rows_in_flight=cfg.rows_in_flight, cache_hint=cfg.cache_hint,
+                       bulk_ring_forced=ring, cluster=cfg.cluster, cluster_forced=cluster,
+                       rows_in_flight=cfg.rows_in_flight, cache_hint=cfg.cache_hint,
                        unfused_impl=impl, timer=timers, fused_us=times["fused"], t1_us=times["t1"],
                        unfused_us=times["unfused"], copy_us=times["copy"], layer_bytes=nbytes,
                        fused_TBps=nbytes / times["fused"] / 1e6, copy_TBps=nbytes / times["copy"] / 1e6,
@@ -243,7 +253,8 @@ def main(argv=None):
             records.append(rec)
             run.checkpoint(records)
             done += 1
-            _baseline.progress(done, total, f"{dtype_name} H={H:2d} B={B:5d} ring={cfg.bulk_ring:2d}  "
+            _baseline.progress(done, total, f"{dtype_name} H={H:2d} B={B:5d} ring={cfg.bulk_ring:2d} "
+                               f"cluster={cfg.cluster}  "
                                f"fused {rec['fused_us']:8.2f} us ({rec['fused_TBps']:.2f} TB/s, "
                                f"{100 * rec['frac_of_copy']:.0f}% of copy)  t1 {rec['t1_us']:8.2f} us  "
                                f"unfused[{impl}] {rec['unfused_us']:8.2f} us  copy {rec['copy_us']:8.2f} us")

@@ -39,6 +39,13 @@ def _variants():
     out.append({**base, "aligned": False, "index_dtype": torch.int64, **oor})
     out.append({**base, "has_bias": True, "has_dt_bias": False})
     out.append({**base, "state_dtype": torch.float32, "bulk_ring": 8, "has_bias": True})
+    # The cluster variant (small B*H): every cluster size on the base, then its structural axes on one size.
+    for c in (2, 4, 8):
+        out.append({**base, "cluster": c})
+    out.append({**base, "state_dtype": torch.float32, "gate": GateMode.SOFTPLUS, "cluster": 8})
+    out.append({**base, "aligned": False, "cluster": 4})
+    out.append({**base, "state_dtype": torch.float32, "cluster": 4, "index_dtype": torch.int64, **oor})
+    out.append({**base, "has_bias": True, "has_dt_bias": False, "cluster": 8, **oor})
     return out
 
 
@@ -49,7 +56,8 @@ def _ident(v):
             f"{'-bulk%d' % v['bulk_ring'] if v.get('bulk_ring') else ''}"
             f"{'-' + v['null_policy'].value if 'null_policy' in v else ''}"
             f"{'-idx64' if v.get('index_dtype') is torch.int64 else ''}"
-            f"{'-convbias' if v['has_bias'] else ''}{'' if v['has_dt_bias'] else '-nodtbias'}")
+            f"{'-convbias' if v['has_bias'] else ''}{'' if v['has_dt_bias'] else '-nodtbias'}"
+            f"{'-cluster%d' % v['cluster'] if v.get('cluster', 1) > 1 else ''}")
 
 
 VARIANTS = _variants()
@@ -91,6 +99,31 @@ def test_fused_variant_does_not_spill(state_dtype, aligned, bulk_ring, arch, tmp
         assert "cp.async.bulk.global.shared::cta" in text and "fence.proxy.async.shared::cta" in text
 
 
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.sm100_share(lambda params, indices: params["cluster"] == 8)  # see conftest
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("cluster", [2, 4, 8], ids=["cluster2", "cluster4", "cluster8"])
+def test_fused_cluster_variant_does_not_spill(state_dtype, cluster, arch, tmp_path, ptxas):
+    """The cluster variant with the longest preamble (softplus gate, conv bias): no spill, no stack frame; its PTX
+    launches as a cluster and carries the cluster barriers and the distributed shared-memory store of the RMSNorm."""
+    from kda_core.contracts import GateMode
+    from kda_cute import fused_decode
+
+    key = fused_decode.variant_key(state_dtype=state_dtype, gate=GateMode.SOFTPLUS, has_dt_bias=True, has_bias=True,
+                                   aligned=True, cluster=cluster)
+    fused_decode.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    (ptx,) = sorted(tmp_path.glob("*.ptx"))
+    registers, spills = ptxas.registers_and_spills(ptx, arch)
+    assert spills == 0, (registers, spills)
+    report = ptxas.report(ptx, arch)
+    assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes stack frame", report)), report
+    text = ptx.read_text()
+    for needle in ("barrier.cluster.arrive.relaxed", "barrier.cluster.wait", "mapa.shared::cluster",
+                   "st.shared::cluster.f32"):
+        assert needle in text, needle
+
+
 def test_schedule_and_key_normalisation():
     """The ring only in the aligned class (the unaligned call keeps the register path); the ring replaces rows in
     flight and the cache hint in the key; the precomputed gate and unknown dtypes are refused by name."""
@@ -108,13 +141,37 @@ def test_schedule_and_key_normalisation():
     ring = fd.variant_key(**base, aligned=True, bulk_ring=8, rows_in_flight=16, cache_hint="global")
     assert ring == fd.variant_key(**base, aligned=True, bulk_ring=8)
     assert fd.variant_key(**base, aligned=False, bulk_ring=8) == fd.variant_key(**base, aligned=False)
-    assert fd.variant_key(**base, aligned=True)[-2] is NullSlotPolicy.NONPOSITIVE  # FlashInfer's default
+    assert fd.variant_key(**base, aligned=True)[-3] is NullSlotPolicy.NONPOSITIVE  # FlashInfer's default
     with pytest.raises(KDAError, match="^gate: expected"):
         fd.variant_key(**{**base, "gate": GateMode.PRECOMPUTED}, aligned=True)
     with pytest.raises(KDAError, match="^state_indices: expected"):
         fd.variant_key(**base, aligned=True, index_dtype=torch.int16)
     with pytest.raises(KDAError, match="^config.bulk_ring: expected|^bulk_ring: expected"):
         fd.FusedDecodeConfig(bulk_ring=1)
+
+
+def test_cluster_schedule_and_key():
+    """Small B*H takes a cluster (B=1 at H=12: 8 CTAs per head, tile 16), large B*H the one-CTA path as before; a
+    cluster drops the ring and fits rows in flight to its tile; an illegal cluster size is refused by name."""
+    from kda_core.contracts import GateMode
+    from kda_core.errors import KDAError
+    from kda_cute import fused_decode as fd
+
+    for sd in (torch.bfloat16, torch.float32):
+        assert fd.select_config(1, 12, sd, aligned=True).cluster == 8
+        assert fd.select_config(1, 12, sd, aligned=False).cluster == 8
+        assert fd.select_config(8, 12, sd, aligned=True).cluster == 4
+        assert fd.select_config(64, 12, sd, aligned=True).cluster == 1
+        assert fd.select_config(1024, 12, sd, aligned=True) == fd.FusedDecodeConfig(bulk_ring=8)
+    cfg = fd.effective_config(fd.FusedDecodeConfig(bulk_ring=8, cluster=4), torch.bfloat16, True)
+    assert cfg.bulk_ring == 0 and cfg.cluster == 4 and cfg.rows_in_flight == 4  # tile 32: 4 rows per thread
+    base = dict(state_dtype=torch.float32, gate=GateMode.LOWER_BOUND, has_dt_bias=True, has_bias=False, aligned=True)
+    assert fd.variant_key(**base, cluster=8) == fd.variant_key(**base, cluster=8, bulk_ring=8)
+    assert fd.variant_key(**base, cluster=8) != fd.variant_key(**base)
+    assert fd.variant_key(**base)[-1] == 1
+    for bad in (0, 3, 16):
+        with pytest.raises(KDAError, match="^config.cluster: expected"):
+            fd.FusedDecodeConfig(cluster=bad)
 
 
 def test_entry_refuses_cpu_tensors_before_compiling():

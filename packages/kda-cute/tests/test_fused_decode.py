@@ -114,6 +114,40 @@ def test_both_state_paths_match_reference(B, ring, state_dtype):
     _assert_matches(*_run_both(_inputs(12, B, state_dtype=state_dtype), config=FusedDecodeConfig(bulk_ring=ring)))
 
 
+CLUSTER_SHAPES = ((8, 33), (12, 1), (24, 4), (96, 1), (96, 33))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lower_bound, policy",
+                         [(-5.0, NullSlotPolicy.NONPOSITIVE), (None, NullSlotPolicy.OUT_OF_RANGE)],
+                         ids=["lower_bound-nonpositive", "softplus-out_of_range"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cluster", [2, 4, 8])
+def test_cluster_variant_matches_reference(cluster, state_dtype, lower_bound, policy):
+    """The cluster variant forced (C CTAs per (row, head), 128 / C rows each) at H in {8, 12, 24, 96} and B in {1,
+    4, 33}: output, conv cache (bitwise) and state against the reference. Row 0 names slot 0 (live under
+    OUT_OF_RANGE; under NONPOSITIVE null, from B = 4 on) and, from B = 4, row 2 slot -1 (null under both): a null
+    row's cluster writes zeros and leaves both caches as the reference does."""
+    from kda_cute.fused_decode import FusedDecodeConfig
+
+    for H, B in CLUSTER_SHAPES:
+        inputs = _inputs(H, B, state_dtype=state_dtype, seed=H + B)
+        slots = inputs["state_indices"]
+        if B >= 4 or policy is NullSlotPolicy.OUT_OF_RANGE:  # (B = 1 under NONPOSITIVE keeps its one live row)
+            slots[0] = 0
+        if B >= 4:
+            slots[2] = -1
+        result = _run_both(inputs, lower_bound=lower_bound, null_policy=policy,
+                           config=FusedDecodeConfig(cluster=cluster))
+        _assert_matches(*result)
+        actual = result[0]
+        null_rows = [0, 2] if B >= 4 else []
+        if policy is NullSlotPolicy.OUT_OF_RANGE:
+            null_rows = null_rows[1:]  # slot 0 is live there
+        for r in null_rows:
+            assert not torch.any(actual[0, r]), (H, B, r)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", list(NullSlotPolicy), ids=[p.value for p in NullSlotPolicy])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -160,20 +194,23 @@ def test_strided_and_unaligned_inputs():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cluster", [1, 8], ids=["cta", "cluster8"])
 @pytest.mark.parametrize("state_dtype, lower_bound", [(torch.float32, -5.0), (torch.bfloat16, None)],
                          ids=["fp32-lower_bound", "bf16-softplus"])
-def test_cuda_graph_replay_with_changed_inputs_and_slots(state_dtype, lower_bound):
-    """Capture once, then change the activations and the slots in place: the replay computes the new call."""
+def test_cuda_graph_replay_with_changed_inputs_and_slots(state_dtype, lower_bound, cluster):
+    """Capture once, then change the activations and the slots in place: the replay computes the new call (the
+    one-CTA path and the cluster variant)."""
     from kda_core.oracle_fused import fused_kda_decode_ref
-    from kda_cute.fused_decode import fused_kda_decode
+    from kda_cute.fused_decode import FusedDecodeConfig, fused_kda_decode
 
     H, B = 12, 4
+    config = FusedDecodeConfig(cluster=cluster)
     inputs = _inputs(H, B, state_dtype=state_dtype, slots=8)
     output = torch.empty(1, B, H, D, dtype=torch.bfloat16, device="cuda")
-    fused_kda_decode(**inputs, lower_bound=lower_bound, output=output)  # compile and load before capture
+    fused_kda_decode(**inputs, lower_bound=lower_bound, output=output, config=config)  # compile, load before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = fused_kda_decode(**inputs, lower_bound=lower_bound, output=output)
+        captured = fused_kda_decode(**inputs, lower_bound=lower_bound, output=output, config=config)
     assert captured.data_ptr() == output.data_ptr()
     fresh = _inputs(H, B, state_dtype=state_dtype, slots=8, seed=7)
     for name in ("x", "raw_gate", "raw_beta", "output_gate"):

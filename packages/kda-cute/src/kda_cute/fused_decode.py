@@ -25,11 +25,16 @@ all 128 state rows of its head) with three hooks of that class overridden:
 - :meth:`KDAFusedDecode.emit_row` puts each row's o (rounded to bf16) into shared memory; a barrier; the sum of
   squares is a warp butterfly plus a 4-entry shared array; thread t writes y[t] (coalesced).
 
+Small B*H (the schedule's first rows): a cluster of C = 2, 4 or 8 CTAs per (row, head) instead, grid (B * C, H, 1),
+each CTA streaming 128 / C state rows as the T=1 kernel does at that tile; the q / k conv is computed by every CTA
+of the cluster, the RMSNorm's sum of squares exchanged through distributed shared memory (:class:`KDAFusedDecode`,
+packages/kda-cute/docs/fused_decode.md).
+
 Null rows (``NullSlotPolicy``, default NONPOSITIVE as FlashInfer's op; a slot >= N is null under both): zero
 output, neither the conv cache nor the state read or written. Slot offsets are 64-bit (``Int64(slot) * stride``),
 int64 indices are compared in 64 bits. Variants (compile-time): pool dtype x gate x dt_bias / conv bias present x
-alignment class x rows in flight x cache hint x bulk ring x null policy x index dtype; B, H, the pool's slots and
-both caches' strides are runtime values, and so are ``lower_bound`` and ``norm_eps``.
+alignment class x rows in flight x cache hint x bulk ring x null policy x index dtype x cluster size; B, H, the pool's
+slots and both caches' strides are runtime values, and so are ``lower_bound`` and ``norm_eps``.
 """
 
 import dataclasses
@@ -38,7 +43,8 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int64, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
 
 from kda_core.contracts import HEAD_DIM, GateMode, NullSlotPolicy
 from kda_core.errors import fail
@@ -61,17 +67,22 @@ __all__ = ["FusedDecodeConfig", "select_config", "effective_config", "fused_kda_
 
 PARTS = 3  # q | k | v
 WARPS = THREADS // 32
+CLUSTER_SIZES = (1, 2, 4, 8)  # CTAs per (row, head); 8 is the portable cluster size limit
+GRID_X_MAX = 2**31 - 1  # CUDA's limit on gridDim.x (B * cluster CTAs)
 
 
 @dataclass(frozen=True)
 class FusedDecodeConfig:
-    """Schedule of one fused launch (the tile is always 128: a CTA owns its head). ``rows_in_flight``,
-    ``cache_hint`` and ``bulk_ring`` mean what they mean in :class:`kda_cute.decode_t1.DecodeT1Config`; a ring the
-    call cannot take (unaligned) is dropped by :func:`effective_config`."""
+    """Schedule of one fused launch. ``rows_in_flight``, ``cache_hint`` and ``bulk_ring`` mean what they mean in
+    :class:`kda_cute.decode_t1.DecodeT1Config`; a ring the call cannot take (unaligned) is dropped by
+    :func:`effective_config`. ``cluster`` (one of ``CLUSTER_SIZES``): 1 = one CTA owns its (row, head) (tile 128);
+    C > 1 = a cluster of C CTAs shares it, each streaming 128 / C state rows (the small-batch variant: more CTAs per
+    head, see :class:`KDAFusedDecode`); the register path only (the ring is dropped)."""
 
     rows_in_flight: int = 0
     cache_hint: str = "stream"
     bulk_ring: int = 0
+    cluster: int = 1
 
     def __post_init__(self):
         if not isinstance(self.rows_in_flight, int) or self.rows_in_flight < 0:
@@ -79,25 +90,35 @@ class FusedDecodeConfig:
         if self.cache_hint not in CACHE_HINTS:
             fail("config.cache_hint", f"one of {CACHE_HINTS}", self.cache_hint)
         bulk_ring_for(HEAD_DIM, 2, True, self.bulk_ring)  # raises on an illegal depth
+        if self.cluster not in CLUSTER_SIZES:
+            fail("config.cluster", f"one of {CLUSTER_SIZES}", self.cluster)
 
 
-# Per pool dtype, rows (max B*H states, config), the last unbounded: the register path while latency decides, the
-# bulk ring once bandwidth does. The thresholds are the T=1 table's tile-128 rows (decode_t1._SCHEDULE, measured on
-# the H200), not a sweep of this kernel: benchmarks/bench_fused_decode.py --bulk-ring measures both paths.
+# Per pool dtype, rows (max B*H states, config), the last unbounded: clusters of C CTAs per (row, head) at small
+# B*H, then one CTA per (row, head) on the register path while latency decides, the bulk ring once bandwidth does.
+# The tile-128 thresholds are the T=1 table's tile-128 rows (decode_t1._SCHEDULE, measured on the H200), not a sweep
+# of this kernel: benchmarks/bench_fused_decode.py --bulk-ring measures both paths. The cluster rows are NOT YET
+# MEASURED: they give each state the T=1 table's tile at that B*H (cluster = 128 / tile: 16 -> 8, 32 -> 4,
+# 64 -> 2), on the reasoning that the state stream is the same at the same tile; benchmarks/bench_fused_decode.py
+# --cluster sweeps them.
 _SCHEDULE = {
-    torch.bfloat16: ((384, FusedDecodeConfig()), (1 << 62, FusedDecodeConfig(bulk_ring=8))),
-    torch.float32: ((287, FusedDecodeConfig()), (1 << 62, FusedDecodeConfig(bulk_ring=8))),
+    torch.bfloat16: ((12, FusedDecodeConfig(cluster=8)), (24, FusedDecodeConfig(cluster=4)),
+                     (48, FusedDecodeConfig(cluster=8)), (96, FusedDecodeConfig(cluster=4)),
+                     (384, FusedDecodeConfig()), (1 << 62, FusedDecodeConfig(bulk_ring=8))),
+    torch.float32: ((48, FusedDecodeConfig(cluster=8)), (96, FusedDecodeConfig(cluster=4)),
+                    (287, FusedDecodeConfig()), (1 << 62, FusedDecodeConfig(bulk_ring=8))),
 }
 
 
 def effective_config(config: FusedDecodeConfig, state_dtype: torch.dtype, aligned: bool) -> FusedDecodeConfig:
-    """What ``config`` runs as: the ring only where :func:`kda_cute.decode_t1.bulk_ring_for` gives one (it then
-    replaces rows in flight and the cache hint), rows in flight normalised to the effective count."""
-    ring = bulk_ring_for(HEAD_DIM, state_dtype.itemsize, aligned, config.bulk_ring)
+    """What ``config`` runs as: a cluster (C > 1) on the register path only; otherwise the ring only where
+    :func:`kda_cute.decode_t1.bulk_ring_for` gives one (it then replaces rows in flight and the cache hint); rows in
+    flight normalised to the effective count at the tile 128 / C."""
+    ring = 0 if config.cluster > 1 else bulk_ring_for(HEAD_DIM, state_dtype.itemsize, aligned, config.bulk_ring)
     if ring:
         return FusedDecodeConfig(bulk_ring=ring)
     return dataclasses.replace(config, bulk_ring=0,
-                               rows_in_flight=rows_in_flight_for(HEAD_DIM, state_dtype.itemsize,
+                               rows_in_flight=rows_in_flight_for(HEAD_DIM // config.cluster, state_dtype.itemsize,
                                                                  config.rows_in_flight))
 
 
@@ -113,18 +134,37 @@ def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool) -> Fu
 
 
 class KDAFusedDecode(KDADecodeT1):
-    """Compile-time configuration of one fused decode variant: the T=1 kernel at tile 128 (l2norm on, beta a logit,
-    the gate in the kernel) plus the conv and the gated RMSNorm around its row stream."""
+    """Compile-time configuration of one fused decode variant: the T=1 kernel at tile 128 / ``cluster`` (l2norm on,
+    beta a logit, the gate in the kernel) plus the conv and the gated RMSNorm around its row stream.
+
+    ``cluster`` = 1: one CTA per (row, head), grid (B, H, 1). ``cluster`` = C > 1: a cluster of C CTAs per (row,
+    head), grid (B * C, H, 1) with cluster dims (C, 1, 1) (B stays on x: any batch); CTA rank r of the cluster owns
+    state rows [r * 128 / C, (r + 1) * 128 / C) and the same v channels. Every CTA of the cluster computes the head's
+    q and k conv outputs (reading the history is safe) and the v channels of its own rows, whose new history it
+    writes; the q / k channels' new history is written by rank 0 only after the cluster barrier of the RMSNorm, which
+    follows every CTA's history reads. The RMSNorm: each CTA's sum of squares of its rows' bf16 o is stored into every
+    CTA's shared ``[C]`` array (distributed shared memory, after a first cluster barrier that makes sure every CTA
+    of the cluster has started), a cluster barrier, then each CTA sums the C partials in rank order (the same total
+    in every CTA) and normalises its own rows. No CTA touches another's shared memory after the last barrier, so
+    none can exit under a remote access. The CTAs of a cluster share the row, hence its slot: a null row is null in
+    all of them, and none takes a cluster barrier."""
 
     def __init__(self, *, state_dtype, gate: GateMode, has_dt_bias: bool, has_bias: bool, aligned: bool,
                  rows_in_flight: int = 0, cache_hint: str = "stream", bulk_ring: int = 0,
-                 null_policy: NullSlotPolicy = NullSlotPolicy.NONPOSITIVE, index_dtype=cutlass.Int32):
+                 null_policy: NullSlotPolicy = NullSlotPolicy.NONPOSITIVE, index_dtype=cutlass.Int32,
+                 cluster: int = 1):
         if gate == GateMode.PRECOMPUTED:
             raise ValueError("fused_decode: the layer's gate is computed in the kernel (lower bound or softplus)")
+        if cluster not in CLUSTER_SIZES:
+            raise ValueError(f"fused_decode: cluster must be one of {CLUSTER_SIZES}, got {cluster}")
+        if cluster > 1:
+            bulk_ring = 0  # the cluster variant streams its rows through registers
         super().__init__(state_dtype=state_dtype, gate=gate, beta_is_logit=True, use_qk_l2norm=True,
-                         has_dt_bias=has_dt_bias, tile_v=HEAD_DIM, aligned=aligned, rows_in_flight=rows_in_flight,
-                         cache_hint=cache_hint, bulk_ring=bulk_ring, null_policy=null_policy, index_dtype=index_dtype)
+                         has_dt_bias=has_dt_bias, tile_v=HEAD_DIM // cluster, aligned=aligned,
+                         rows_in_flight=rows_in_flight, cache_hint=cache_hint, bulk_ring=bulk_ring,
+                         null_policy=null_policy, index_dtype=index_dtype)
         self.has_bias = bool(has_bias)
+        self.cluster = cluster
 
     @cute.jit
     def __call__(
@@ -149,40 +189,89 @@ class KDAFusedDecode(KDADecodeT1):
     ):
         B = cute.size(mX, mode=[0])
         H = cute.size(mALog, mode=[0])
-        occupancy = {}
+        extra = {}
         if const_expr(self.bulk_ring):
-            occupancy = dict(preferred_smem_carveout=100)  # as the T=1 kernel's ring
+            extra = dict(preferred_smem_carveout=100)  # as the T=1 kernel's ring
+        if const_expr(self.cluster > 1):
+            extra = dict(cluster=[self.cluster, 1, 1])
         self.layer_kernel(mX, mW, mBias, mConv, mGate, mBeta, mALog, mDtBias, mState, mSlot, mOGate, mNormW, mOut,
-                          scale, lower_bound, norm_eps).launch(grid=[B, H, 1], block=[THREADS, 1, 1], stream=stream,
-                                                               **occupancy)
+                          scale, lower_bound, norm_eps).launch(grid=[B * self.cluster, H, 1], block=[THREADS, 1, 1],
+                                                               stream=stream, **extra)
 
     def complete_token(self, token, ctx):
-        """The conv phase, run once the state rows are issued: history columns of this thread's 3 channels, their
+        """The conv phase, run once the state rows are issued: history columns of this thread's channels, their
         conv + SiLU (fp32, rounded to bf16) into shared memory, the new history written back, one CTA barrier, then
-        the T=1 token (k, q lane vectors, v of the thread's rows) read from shared memory. Traced inline."""
-        mConv, slot, chan, heads, x_in, taps, cbias, sMixed, tidx, lane, group = ctx
+        the T=1 token (k, q lane vectors, v of the thread's rows) read from shared memory. Traced inline.
+
+        Thread t's channels: channel t of q and k; of v, channel t (cluster 1) or, in a cluster, channel
+        ``row0 + t`` (its CTA's rows; threads t >= the tile compute a copy and drop it). In a cluster the q / k
+        history is not written here: the new columns go to ``deferred`` for rank 0 to write after the cluster barrier
+        (:meth:`layer_kernel`)."""
+        mConv, slot, chans, heads, x_in, taps, cbias, sMixed, tidx, lane, group, row0, deferred = ctx
         _, _, g_raw, _, beta_raw, a_log, bias_raw = token
         gConv = mConv[Int64(slot), None, None]  # [C, W]: slot offset in 64 bits
-        hist = [[gConv[p * heads + chan, j] for j in range(CONV_HISTORY)] for p in range(PARTS)]  # all 9 loads first
-        for p in range(PARTS):
-            acc = Float32(0.0)
-            if const_expr(self.has_bias):
-                acc = cbias[p]
-            for j in range(CONV_HISTORY):
-                acc = acc + hist[p][j].to(Float32) * taps[p][j]
-            acc = acc + x_in[p].to(Float32) * taps[p][CONV_HISTORY]
-            sMixed[p, tidx] = (acc / (1.0 + cute.math.exp(-acc))).to(sMixed.element_type)  # SiLU, rounded to bf16
-            c = p * heads + chan
-            gConv[c, 0] = hist[p][1]
-            gConv[c, 1] = hist[p][2]
-            gConv[c, 2] = x_in[p]
-        cute.arch.sync_threads()  # every conv output is in shared memory
+        split = self.cluster > 1
+        parts = 2 if split else PARTS  # the parts every thread computes
+        hist = [[gConv[p * heads + chans[p], j] for j in range(CONV_HISTORY)] for p in range(parts)]  # loads first
+        for p in range(parts):
+            self.conv_channel(gConv, p * heads + chans[p], hist[p], x_in[p], taps[p],
+                              cbias[p] if const_expr(self.has_bias) else None, sMixed, p, tidx, deferred)
+        own_v = None
+        if const_expr(split):
+            # The v channel of row row0 + (t mod tile) of this CTA: every thread computes it (the history reads are
+            # all before the barrier below), its owner t < tile stores the output and, after the barrier, the
+            # history; no other CTA touches the channel.
+            c = 2 * heads + chans[2]
+            hist_v = [gConv[c, j] for j in range(CONV_HISTORY)]
+            own_v = []
+            mixed = self.conv_channel(gConv, c, hist_v, x_in[2], taps[2],
+                                      cbias[2] if const_expr(self.has_bias) else None, None, 2, None, own_v)
+            self.store_if_owner(tidx < self.tile_v, sMixed, chans[3], mixed)
+        cute.arch.sync_threads()  # every conv output is in shared memory; every history read of this CTA is done
+        if const_expr(split):
+            c, h1, h2, xv = own_v[0]
+            self.history_if_owner(tidx < self.tile_v, gConv, c, h1, h2, xv)
         q_raw = self.load_lane_vector(sMixed[0, None], lane, sMixed.element_type)
         k_raw = self.load_lane_vector(sMixed[1, None], lane, sMixed.element_type)
         v_raw = cute.make_rmem_tensor((self.rows,), sMixed.element_type)
         for j in range(self.rows):
-            v_raw[j] = sMixed[2, group + j * ROW_GROUPS]
+            v_raw[j] = sMixed[2, row0 + group + j * ROW_GROUPS]
         return k_raw, q_raw, g_raw, v_raw, beta_raw, a_log, bias_raw
+
+    def conv_channel(self, gConv, c, hist, x, taps, cbias, sMixed, p, pos, deferred):
+        """Conv + SiLU of channel ``c`` (history ``hist``, input ``x``) into ``sMixed[p, pos]`` (rounded to bf16);
+        the new history (columns 1, 2 and x) written at once, or appended to ``deferred`` when it is a list (the
+        cluster variant's q / k channels). Traced inline."""
+        acc = Float32(0.0)
+        if const_expr(self.has_bias):
+            acc = cbias
+        for j in range(CONV_HISTORY):
+            acc = acc + hist[j].to(Float32) * taps[j]
+        acc = acc + x.to(Float32) * taps[CONV_HISTORY]
+        mixed = (acc / (1.0 + cute.math.exp(-acc))).to(cutlass.BFloat16)  # SiLU, rounded to bf16
+        if const_expr(sMixed is not None):
+            sMixed[p, pos] = mixed
+        if const_expr(deferred is None):
+            gConv[c, 0] = hist[1]
+            gConv[c, 1] = hist[2]
+            gConv[c, 2] = x
+        else:
+            deferred.append((c, hist[1], hist[2], x))
+        return mixed
+
+    @cute.jit
+    def store_if_owner(self, pred, sMixed: cute.Tensor, pos, mixed):
+        """``sMixed[2, pos] = mixed`` where ``pred`` (the thread owns the v channel)."""
+        if pred:
+            sMixed[2, pos] = mixed
+
+    @cute.jit
+    def history_if_owner(self, pred, gConv: cute.Tensor, c, h1, h2, xv):
+        """Channel ``c``'s new history (h1, h2, xv) where ``pred``."""
+        if pred:
+            gConv[c, 0] = h1
+            gConv[c, 1] = h2
+            gConv[c, 2] = xv
 
     @cute.jit
     def emit_row(self, mOut: cute.Tensor, b, h, row, value: Float32, lane):
@@ -196,7 +285,15 @@ class KDAFusedDecode(KDADecodeT1):
                      mOGate: cute.Tensor, mNormW: cute.Tensor, mOut: cute.Tensor, scale: Float32, lower_bound: Float32,
                      norm_eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
-        b, h, _ = cute.arch.block_idx()
+        bx, h, _ = cute.arch.block_idx()
+        split = self.cluster > 1
+        b = bx
+        rank = Int32(0)
+        if const_expr(split):
+            b = bx // self.cluster
+            rank = bx % self.cluster  # the CTA's rank in its cluster (cluster dims (C, 1, 1) along grid x)
+        row0 = rank * self.tile_v  # this CTA's first state row
+        own = tidx % self.tile_v  # this thread's row of the CTA (output, v channel, norm weight): tidx in a cluster
         lane = tidx % HALF_WARP
         group = tidx // HALF_WARP
         heads = cute.size(mALog, mode=[0]) * HEAD_DIM  # channels of one part
@@ -207,18 +304,23 @@ class KDAFusedDecode(KDADecodeT1):
                                       byte_alignment=16)
         sO = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((HEAD_DIM,)), byte_alignment=16)
         sSum = smem.allocate_tensor(Float32, cute.make_layout((WARPS,)), byte_alignment=16)
+        sPart = None
+        if const_expr(split):  # the cluster's partial sums of squares, by rank (written by every CTA of the cluster)
+            sPart = smem.allocate_tensor(Float32, cute.make_layout((self.cluster,)), byte_alignment=16)
         sRing, sFull = self.allocate_ring(smem)
 
         # ---- phase 0: every activation and parameter of this thread, before the slot is known -------------------
         slot = mSlot[b]
-        chan = h * HEAD_DIM + tidx  # this thread's channel within each part
-        x_in = [mX[b, p * heads + chan] for p in range(PARTS)]
-        taps = [[mW[p, j, chan] for j in range(CONV_WIDTH)] for p in range(PARTS)]
+        chan = h * HEAD_DIM + tidx  # this thread's q / k channel within its part
+        vchan = h * HEAD_DIM + row0 + own  # its v channel (in a cluster, threads past the tile load it unused)
+        chans = (chan, chan, vchan, row0 + own)  # q, k, v channels; the v output's place in sMixed
+        x_in = [mX[b, p * heads + chans[p]] for p in range(PARTS)]
+        taps = [[mW[p, j, chans[p]] for j in range(CONV_WIDTH)] for p in range(PARTS)]
         cbias = None
         if const_expr(self.has_bias):
-            cbias = [mBias[p * heads + chan] for p in range(PARTS)]
-        og = mOGate[b, h, tidx]
-        nw = mNormW[tidx]
+            cbias = [mBias[p * heads + chans[p]] for p in range(PARTS)]
+        og = mOGate[b, h, row0 + own]
+        nw = mNormW[row0 + own]
         g_raw = self.load_lane_vector(mGate[0, b, h, None], lane, mGate.element_type)
         beta_raw = mBeta[0, b, h]
         a_log = mALog[h]
@@ -226,28 +328,67 @@ class KDAFusedDecode(KDADecodeT1):
         if const_expr(self.has_dt_bias):
             bias_raw = self.load_lane_vector(cute.local_tile(mDtBias, (HEAD_DIM,), (h,)), lane, Float32)
         token = (None, None, g_raw, None, beta_raw, a_log, bias_raw)
-        ctx = (mConv, slot, chan, heads, x_in, taps, cbias, sMixed, tidx, lane, group)
 
         if self.live(slot, self.idx(n_slots)):
+            if const_expr(split):
+                cute.arch.cluster_arrive_relaxed()  # "started"; waited for before the first remote store
+            deferred = [] if const_expr(split) else None
+            ctx = (mConv, slot, chans, heads, x_in, taps, cbias, sMixed, tidx, lane, group, row0, deferred)
             # ---- state rows issued, conv under their latency, the T=1 row stream; o (bf16) into sO ------------
-            self.update_state(mState, slot, h, 0, group, lane, tidx, token, scale, lower_bound, sRing, sFull, sO, b,
-                              ctx)
-            cute.arch.sync_threads()  # the whole o row is in shared memory
-            o = sO[tidx].to(Float32)
+            self.update_state(mState, slot, h, row0, group, lane, tidx, token, scale, lower_bound, sRing, sFull, sO,
+                              b, ctx)
+            cute.arch.sync_threads()  # the CTA's o rows are in shared memory
+            o = sO[row0 + own].to(Float32)
             ss = o * o
+            if const_expr(split and self.tile_v < 32):
+                ss = cutlass.select_(tidx < self.tile_v, ss, Float32(0.0))
             for shift in cutlass.range_constexpr(5):  # xor 16, 8, 4, 2, 1: the warp's sum
                 ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=16 >> shift)
             if tidx % 32 == 0:
                 sSum[tidx // 32] = ss
             cute.arch.sync_threads()
+            n_warps = WARPS if const_expr(not split) else max(self.tile_v // 32, 1)  # the warps holding CTA rows
             total = sSum[0]
-            for w in cutlass.range_constexpr(WARPS - 1):
+            for w in cutlass.range_constexpr(n_warps - 1):
                 total = total + sSum[w + 1]
+            if const_expr(split):
+                cute.arch.cluster_wait()  # every CTA of the cluster has started: its shared memory is there
+                if tidx < self.cluster:  # this CTA's partial into slot `rank` of CTA tidx's array
+                    self.store_remote(sPart, rank, tidx, total)
+                cute.arch.cluster_arrive()  # release: the partials; and every CTA is past its history reads
+                cute.arch.cluster_wait()
+                total = sPart[0]
+                for r in cutlass.range_constexpr(self.cluster - 1):
+                    total = total + sPart[r + 1]
+                if rank == 0:  # the q / k channels' new history, now that no CTA of the cluster reads it
+                    gConv = mConv[Int64(slot), None, None]
+                    for c, h1, h2, xv in deferred:
+                        gConv[c, 0] = h1
+                        gConv[c, 1] = h2
+                        gConv[c, 2] = xv
             inv_rms = cute.math.rsqrt(total * (1.0 / HEAD_DIM) + norm_eps)
             gate = 1.0 / (1.0 + cute.math.exp(-og.to(Float32)))
-            mOut[0, b, h, tidx] = (o * inv_rms * nw * gate).to(mOut.element_type)
-        else:
-            mOut[0, b, h, tidx] = Float32(0.0).to(mOut.element_type)  # a null row: no cache is read or written
+            y = (o * inv_rms * nw * gate).to(mOut.element_type)
+            if const_expr(split):
+                if tidx < self.tile_v:
+                    mOut[0, b, h, row0 + own] = y
+            else:
+                mOut[0, b, h, tidx] = y
+        else:  # a null row: no cache is read or written
+            if const_expr(split):
+                if tidx < self.tile_v:
+                    mOut[0, b, h, row0 + own] = Float32(0.0).to(mOut.element_type)
+            else:
+                mOut[0, b, h, tidx] = Float32(0.0).to(mOut.element_type)
+
+    @cute.jit
+    def store_remote(self, sPart: cute.Tensor, index, rank, value: Float32):
+        """``value`` into element ``index`` of ``sPart`` in the shared memory of cluster CTA ``rank``
+        (``mapa`` of the local address, then ``st.shared::cluster``)."""
+        addr = cute.arch.map_dsmem_ptr(sPart.iterator + index, rank).toint()  # a 32-bit shared::cluster address
+        llvm.inline_asm(None, [Int32(addr).ir_value(), Float32(value).ir_value()],
+                        "st.shared::cluster.f32 [$0], $1;", "r,f,~{memory}", has_side_effects=True,
+                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -256,10 +397,10 @@ class KDAFusedDecode(KDADecodeT1):
 
 
 def variant_key(*, state_dtype, gate, has_dt_bias, has_bias, aligned, rows_in_flight=0, cache_hint="stream",
-                bulk_ring=0, null_policy=NullSlotPolicy.NONPOSITIVE, index_dtype=torch.int32):
+                bulk_ring=0, null_policy=NullSlotPolicy.NONPOSITIVE, index_dtype=torch.int32, cluster=1):
     """Every code-generation parameter of one fused variant, in the order ``_compile`` reads them (the signature's).
-    ``rows_in_flight`` / ``bulk_ring`` are normalised as :func:`effective_config` does; ``gate`` is
-    ``GateMode.LOWER_BOUND`` or ``GateMode.SOFTPLUS``."""
+    ``rows_in_flight`` / ``bulk_ring`` are normalised as :func:`effective_config` does (a cluster drops the ring);
+    ``gate`` is ``GateMode.LOWER_BOUND`` or ``GateMode.SOFTPLUS``; ``cluster`` one of ``CLUSTER_SIZES``."""
     null_policy = NullSlotPolicy(null_policy)
     if gate not in (GateMode.LOWER_BOUND, GateMode.SOFTPLUS):
         fail("gate", "GateMode.LOWER_BOUND or GateMode.SOFTPLUS (the layer's gate is in the kernel)", gate)
@@ -267,9 +408,10 @@ def variant_key(*, state_dtype, gate, has_dt_bias, has_bias, aligned, rows_in_fl
         fail("state_indices", "dtype int32 or int64", index_dtype)
     if state_dtype not in (torch.bfloat16, torch.float32):
         fail("state", "dtype bfloat16 or float32", state_dtype)
-    cfg = effective_config(FusedDecodeConfig(rows_in_flight, cache_hint, bulk_ring), state_dtype, bool(aligned))
+    cfg = effective_config(FusedDecodeConfig(rows_in_flight, cache_hint, bulk_ring, cluster), state_dtype,
+                           bool(aligned))
     return (state_dtype, gate, bool(has_dt_bias), bool(has_bias), bool(aligned), cfg.rows_in_flight, cfg.cache_hint,
-            cfg.bulk_ring, null_policy, index_dtype)
+            cfg.bulk_ring, null_policy, index_dtype, cfg.cluster)
 
 
 _EXTRA_OPTIONS = ""  # tests set "--keep-ptx --dump-dir D" through compile_variant()
@@ -277,7 +419,7 @@ _EXTRA_OPTIONS = ""  # tests set "--keep-ptx --dump-dir D" through compile_varia
 
 def _compile(key, arch):
     (state_dt, gate, has_dt_bias, has_bias, aligned, rows_in_flight, cache_hint, bulk_ring, null_policy,
-     index_dtype) = key
+     index_dtype, cluster) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     B, N, H, C, HK = (_launch.sym_size() for _ in range(5))
@@ -304,7 +446,8 @@ def _compile(key, arch):
     ]
     kernel = KDAFusedDecode(state_dtype=cdt(state_dt), gate=gate, has_dt_bias=has_dt_bias, has_bias=has_bias,
                             aligned=aligned, rows_in_flight=rows_in_flight, cache_hint=cache_hint,
-                            bulk_ring=bulk_ring, null_policy=null_policy, index_dtype=cdt(index_dtype))
+                            bulk_ring=bulk_ring, null_policy=null_policy, index_dtype=cdt(index_dtype),
+                            cluster=cluster)
     return cute.compile(kernel, *args, options=_launch.compile_options(arch, _EXTRA_OPTIONS))
 
 
@@ -337,10 +480,13 @@ def _function(call, null_policy, config, device):
             cfg = effective_config(config, call.state_dtype, call.aligned)
         else:
             fail("config", "a FusedDecodeConfig or None", type(config).__name__)
+        if call.B * cfg.cluster > GRID_X_MAX:  # B * C CTAs on grid x (only a forced cluster on a huge batch)
+            fail("config.cluster", f"at most {GRID_X_MAX // cfg.cluster} rows per call with {cfg.cluster} CTAs per "
+                 "row (grid x limit)", call.B)
         vkey = variant_key(state_dtype=call.state_dtype, gate=call.gate_mode, has_dt_bias=call.has_dt_bias,
                            has_bias=call.has_bias, aligned=call.aligned, rows_in_flight=cfg.rows_in_flight,
                            cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring, null_policy=null_policy,
-                           index_dtype=call.index_dtype)
+                           index_dtype=call.index_dtype, cluster=cfg.cluster)
         compiled = _launch.get_or_compile(("fused_decode", *vkey), lambda arch: _compile(vkey, arch),
                                           _launch.arch_for(device))
         raw = getattr(compiled, "__tvm_ffi_object__", None)
