@@ -81,6 +81,7 @@ __all__ = [
     "revalidate_decode_t1",
     "revalidate_packed_decode_t1",
     "revalidate_recurrent_t1",
+    "revalidate_recurrent_t1_varlen",
     "WRAPPER_REJECTED",
     "debug_checks_enabled",
     "debug_check_slots",
@@ -826,12 +827,13 @@ _LAUNCH_DEVICE_MIN = 0
 ``on_cpu`` fixture of tests/test_validation.py) set -1, to re-validate CPU tensors as CUDA ones."""
 
 
-def _t1_output_range(output, B, H):
+def _t1_output_range(output, B, H, d=0):
     """(first byte, one past the last, alignment bits) of a T=1 output [B, 1, H, 128] bf16, or None when two of its
     elements share bytes (rows or heads overlapping, stride 0): the full validator then raises. H > 1 on this path.
+    ``d``: the dim the B rows step along (0; 1 for the varlen form's [1, T, H, 128] tokens, B = T).
     """
     so = output.stride()
-    s0, s2 = so[0], so[2]
+    s0, s2 = so[d], so[2]
     lo = output.data_ptr()
     if B < 2:
         if s2 < HEAD_DIM:
@@ -894,11 +896,13 @@ def _t1_recheck_tail(B, H, state_pool, slot_indices, A_log, dt_bias, lower_bound
     return N, state_dtype, lb, scale, acc & 15, out is not None, has_dt_bias, index_dtype
 
 
-def _t1_activation_bits(q, k, v, g, beta, B, H, g_dtype, out):
+def _t1_activation_bits(q, k, v, g, beta, B, H, g_dtype, out, d=0):
     """Alignment bits of the T=1 activations q, k, v (bf16) and g: their pointers and the byte strides of the dims
     a row steps over (batch when B > 1, heads: H > 1 on the T=1 path); -1 when one of them, or beta, shares a byte
-    with the output (``out``: its :func:`_t1_output_range`, or None)."""
+    with the output (``out``: its :func:`_t1_output_range`, or None). ``d``: the rows' dim, as there."""
     sq, sk, sv, sg = q.stride(), k.stride(), v.stride(), g.stride()
+    if d:  # the varlen form: rows are tokens (dim 1); dim 0 has size 1 and is never stepped over
+        sq, sk, sv, sg = (sq[1], 0, sq[2]), (sk[1], 0, sk[2]), (sv[1], 0, sv[2]), (sg[1], 0, sg[2])
     pq, pk, pv, pg = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr()
     g_elem = 4 if g_dtype is _F32 else 2
     if out is not None:
@@ -909,7 +913,7 @@ def _t1_activation_bits(q, k, v, g, beta, B, H, g_dtype, out):
                 or pv < hi and lo < pv + (r * sv[0] + h * sv[2] + HEAD_DIM) * 2
                 or pg < hi and lo < pg + (r * sg[0] + h * sg[2] + HEAD_DIM) * g_elem
                 or (pb := beta.data_ptr()) < hi
-                and lo < pb + (r * (sb := beta.stride())[0] + h * sb[2] + 1) * (4 if beta.dtype is _F32 else 2)):
+                and lo < pb + (r * (sb := beta.stride())[d] + h * sb[2] + 1) * (4 if beta.dtype is _F32 else 2)):
             return -1
     bf16_steps = ((sq[0] | sk[0] | sv[0]) if B > 1 else 0) | sq[2] | sk[2] | sv[2]
     g_steps = (sg[0] if B > 1 else 0) | sg[2]
@@ -1219,6 +1223,54 @@ def revalidate_recurrent_t1(args: tuple) -> RecurrentCall | None:
             if tail is not None:
                 N, state_dtype, lb, sc, bits, _, has_dt_bias, index_dtype = tail
                 call = _MEMO.get(("recurrent", "pool", B, T, B, H, H, K, N, False, use_gate_in_kernel, lb,
+                                  beta_is_logit, use_qk_l2norm_in_kernel, False, state_dtype, q.dtype, g_dtype,
+                                  beta.dtype, sc, bits, has_dt_bias, index_dtype, True))
+                if call is not None and call.t1_eligible:
+                    return call
+    except _REVALIDATE_MISS + (ValueError,):  # ValueError: q is not 4-D, or args not 18 long
+        pass
+    return None
+
+
+def revalidate_recurrent_t1_varlen(args: tuple) -> RecurrentCall | None:
+    """:func:`revalidate_recurrent_t1` for the varlen decode form: ``[1, T, H, 128]`` tokens + ``cu_seqlens``
+    [S + 1] with 1-D ``ssm_state_indices`` [S] (the T=1 kernel's varlen entry, ``decode_t1._run_varlen``, whose
+    compiled wrapper checks ranks, dtypes, static dims and the sizes shared between its arguments). Returns the
+    remembered T=1-eligible CUDA description of these facts, or None: then the caller runs the full validator.
+
+    Read here besides the T=1 facts (rows are tokens, stepped along dim 1): the token count T >= 1 and the sequence
+    count S >= 1 (with none of either nothing launches, so no wrapper would check the rest), ``cu_seqlens`` one
+    longer than the indices and of an index dtype (sizes the wrapper takes independently), and that the output
+    shares no byte with ``cu_seqlens``. The offsets' values are device data, never read here.
+    """
+    try:
+        (q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+         use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+         output) = args
+        if (num_accepted_tokens is None and output_final_state is False and cu_seqlens is not None
+                and ssm_state_indices is not None and initial_state is not None
+                and (use_qk_l2norm_in_kernel is True or use_qk_l2norm_in_kernel is False)
+                and (use_gate_in_kernel is True or use_gate_in_kernel is False)
+                and (beta_is_logit is True or beta_is_logit is False) and q.get_device() >= _LAUNCH_DEVICE_MIN):
+            B, T, H, K = q.shape
+            S = ssm_state_indices.shape[0]
+            cu_dtype = cu_seqlens.dtype
+            if T < 1 or cu_seqlens.shape[0] != S + 1 or (cu_dtype is not _I32 and cu_dtype is not _I64):
+                return None
+            g_dtype = g.dtype
+            out = None if output is None else _t1_output_range(output, T, H, 1)
+            acc = -1 if output is not None and out is None else _t1_activation_bits(q, k, v, g, beta, T, H, g_dtype,
+                                                                                    out, 1)
+            tail = None if acc < 0 else _t1_recheck_tail(S, H, initial_state, ssm_state_indices, A_log, dt_bias,
+                                                         lower_bound, use_gate_in_kernel, scale, out, acc)
+            if tail is not None:
+                if out is not None:
+                    lo, hi, _ = out
+                    if (p := cu_seqlens.data_ptr()) < hi and lo < p + (S * cu_seqlens.stride()[0] + 1) * (
+                            8 if cu_dtype is _I64 else 4):
+                        return None
+                N, state_dtype, lb, sc, bits, _, has_dt_bias, index_dtype = tail
+                call = _MEMO.get(("recurrent", "pool", B, T, S, H, H, K, N, True, use_gate_in_kernel, lb,
                                   beta_is_logit, use_qk_l2norm_in_kernel, False, state_dtype, q.dtype, g_dtype,
                                   beta.dtype, sc, bits, has_dt_bias, index_dtype, True))
                 if call is not None and call.t1_eligible:
