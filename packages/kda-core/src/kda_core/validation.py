@@ -76,10 +76,12 @@ __all__ = [
     "is_aligned",
     "validate_decode_t1",
     "validate_packed_decode_t1",
+    "validate_packed_tokens_decode_t1",
     "validate_recurrent",
     "validate_ucache",
     "revalidate_decode_t1",
     "revalidate_packed_decode_t1",
+    "revalidate_packed_tokens_decode_t1",
     "revalidate_recurrent_t1",
     "revalidate_recurrent_t1_varlen",
     "WRAPPER_REJECTED",
@@ -796,6 +798,47 @@ def validate_packed_decode_t1(
                     (("mixed_qkv", mixed_qkv), ("raw_gate", raw_gate), ("raw_beta", raw_beta)))
 
 
+def _shape_text(t):
+    return tuple(t.shape) if isinstance(t, _Tensor) else type(t).__name__
+
+
+def validate_packed_tokens_decode_t1(
+    mixed_qkv,
+    raw_gate,
+    raw_beta,
+    state_pool,
+    slot_indices,
+    *,
+    A_log=None,
+    dt_bias=None,
+    lower_bound=None,
+    use_gate_in_kernel=True,
+    beta_is_logit=True,
+    scale=None,
+    output=None,
+    device_kind="cuda",
+) -> DecodeT1Call:
+    """Validate a packed T=1 decode call in the token form (vLLM Kimi K3's): mixed_qkv [B, 3*H*128] as
+    :func:`validate_packed_decode_t1`'s; raw_gate [1, B, H, 128] with each token's [H, 128] compact (strides
+    [*, *, 128, 1]); raw_beta [1, B, H] (any strides); output None or bf16 [1, B, H, 128] (last dim contiguous).
+    H is raw_gate's dim 2. The description is :func:`validate_packed_decode_t1`'s of the [B, H*128], [B, H] and
+    [B, 1, H, 128] views of the same memory (the same elements, the same facts)."""
+    if not isinstance(raw_gate, _Tensor) or len(gs := raw_gate.shape) != 4 or gs[0] != 1:
+        fail("raw_gate", f"a 4-D tensor [1, B, H, {HEAD_DIM}] (one token per sequence)", _shape_text(raw_gate))
+    _, B, H, K = gs
+    if raw_gate.stride()[2:] != (K, 1):
+        fail("raw_gate", f"each token's [H, K] contiguous (strides [*, *, {K}, 1])", f"strides {raw_gate.stride()}")
+    if not isinstance(raw_beta, _Tensor) or raw_beta.dim() != 3 or raw_beta.shape[0] != 1:
+        fail("raw_beta", "a 3-D tensor [1, B, H]", _shape_text(raw_beta))
+    if isinstance(output, _Tensor) and (output.dim() != 4 or output.shape[0] != 1):
+        fail("output", f"None or a tensor [1, B, H, {HEAD_DIM}]", tuple(output.shape))
+    return validate_packed_decode_t1(
+        mixed_qkv, raw_gate.view(B, H * K), raw_beta[0], state_pool, slot_indices, num_heads=H, A_log=A_log,
+        dt_bias=dt_bias, lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit,
+        scale=scale, output=output.transpose(0, 1) if isinstance(output, _Tensor) else output,
+        device_kind=device_kind)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Re-validation of a call whose facts were described before: the launchers' hot path
 #
@@ -999,6 +1042,50 @@ def revalidate_packed_decode_t1(mixed_qkv, raw_gate, raw_beta, state_pool, slot_
                                      A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                                      use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit, scale=scale,
                                      output=output)
+
+
+def revalidate_packed_tokens_decode_t1(mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias,
+                                       lower_bound, use_gate_in_kernel, beta_is_logit, scale, output) -> DecodeT1Call:
+    """:func:`validate_packed_tokens_decode_t1` (device_kind "cuda") for a launcher whose compiled wrapper checks the
+    rest (ranks, dtypes, static dims and strides: the tokens' dim 0 of size 1, the head dims 128, each token's
+    [H, 128] compact; the sizes shared between arguments); see the contract above. Rows are tokens, stepped along
+    dim 1 of raw_gate, raw_beta and output. Positional arguments, in the entry's order."""
+    try:
+        if ((use_gate_in_kernel is True or use_gate_in_kernel is False)
+                and (beta_is_logit is True or beta_is_logit is False) and mixed_qkv.get_device() >= _LAUNCH_DEVICE_MIN):
+            _, B, H, _ = raw_gate.shape
+            row = H * HEAD_DIM
+            shape = mixed_qkv.shape
+            sm, sr = mixed_qkv.stride(), raw_gate.stride()
+            if H in _T1_HEADS and shape[1] == 3 * row and (B < 2 or (sm[0] >= 3 * row and sr[1] >= row)):
+                g_dtype = raw_gate.dtype
+                pm, pr = mixed_qkv.data_ptr(), raw_gate.data_ptr()
+                acc = pm | pr
+                if B > 1:
+                    acc |= sm[0] * 2 | sr[1] * (4 if g_dtype is _F32 else 2)
+                out = None
+                if output is not None:
+                    out = _t1_output_range(output, B, H, 1)
+                    if out is None:
+                        raise KeyError  # overlapping output tokens: the full validator says so
+                    lo, hi, _ = out
+                    r = B - 1
+                    if (pm < hi and lo < pm + (r * sm[0] + 3 * row) * 2
+                            or pr < hi and lo < pr + (r * sr[1] + row) * (4 if g_dtype is _F32 else 2)
+                            or (pb := raw_beta.data_ptr()) < hi
+                            and lo < pb + (r * (sb := raw_beta.stride())[1] + (H - 1) * sb[2] + 1)
+                            * (4 if raw_beta.dtype is _F32 else 2)):
+                        raise KeyError
+                call = _t1_remembered(B, H, g_dtype, raw_beta.dtype, True, state_pool, slot_indices, A_log, dt_bias,
+                                      lower_bound, use_gate_in_kernel, beta_is_logit, scale, out, acc)
+                if call is not None:
+                    return call
+    except _REVALIDATE_MISS + (ValueError,):  # ValueError: raw_gate is not 4-D
+        pass
+    return validate_packed_tokens_decode_t1(mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log=A_log,
+                                            dt_bias=dt_bias, lower_bound=lower_bound,
+                                            use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit,
+                                            scale=scale, output=output)
 
 
 # ----------------------------------------------------------------------------------------------------------------
