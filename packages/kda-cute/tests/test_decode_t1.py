@@ -850,6 +850,44 @@ def test_wrapper_checked_argument_after_a_good_call_raises_kdaerror_and_writes_n
     assert torch.equal(case.pool, pool_before) and torch.equal(out, out_before)
 
 
+def _tokens_of(case):
+    H = case.raw_beta.shape[1]
+    return case.raw_gate.unsqueeze(0).unflatten(2, (H, 128)), case.raw_beta.unsqueeze(0)
+
+
+TOKENS_WRAPPER_CHECKED = [
+    ("raw_gate", lambda c, g, b, o: dict(raw_gate=g.transpose(2, 3).contiguous().transpose(2, 3))),
+    ("raw_gate", lambda c, g, b, o: dict(raw_gate=g.half())),
+    ("raw_beta", lambda c, g, b, o: dict(raw_beta=b.double())),
+    ("slot_indices", lambda c, g, b, o: dict(slot_indices=c.slots[:2])),
+    ("A_log", lambda c, g, b, o: dict(A_log=c.A_log.half())),
+    ("state_pool", lambda c, g, b, o: dict(state_pool=c.pool.transpose(2, 3))),
+    ("output", lambda c, g, b, o: dict(output=torch.zeros(o.shape, device="cuda"))),
+    ("output", lambda c, g, b, o: dict(output=o[..., :64])),
+]
+
+
+@pytest.mark.parametrize("argument, bad", TOKENS_WRAPPER_CHECKED,
+                         ids=[f"{a}-{i}" for i, (a, _) in enumerate(TOKENS_WRAPPER_CHECKED)])
+def test_token_form_wrapper_checked_argument_after_a_good_call_raises_kdaerror_and_writes_nothing(argument, bad,
+                                                                                                  make_case):
+    from kda_core.errors import KDAError
+    from kda_cute.decode_t1 import kda_decode_t1_packed_tokens
+
+    case = make_case(3, 12, n_slots=4, slots=[0, 2, 3])
+    gate, beta = _tokens_of(case)
+    out = torch.empty(1, 3, 12, 128, dtype=torch.bfloat16, device="cuda")
+    args = dict(raw_gate=gate, raw_beta=beta, state_pool=case.pool, slot_indices=case.slots, output=out)
+    kda_decode_t1_packed_tokens(case.mixed_qkv, **args, **case.kwargs())  # described: the next call is hot
+    torch.cuda.synchronize()
+    pool_before, out_before = case.pool.clone(), out.clone()
+    broken = {**args, **case.kwargs(), **bad(case, gate, beta, out)}
+    with pytest.raises(KDAError, match=rf"^{argument}: expected"):
+        kda_decode_t1_packed_tokens(case.mixed_qkv, **broken)
+    torch.cuda.synchronize()
+    assert torch.equal(case.pool, pool_before) and torch.equal(out, out_before)
+
+
 # Launch geometry and absent dt_bias.
 
 
