@@ -993,6 +993,120 @@ def test_recurrent_revalidation_finds_a_cuda_description_by_its_facts(on_cpu, mo
     assert V.revalidate_recurrent_t1(args._replace(ssm_state_indices=torch.zeros(3, dtype=torch.int64))) is None
 
 
+def _varlen_args(T=5, S=3, out=True, cu_dtype=I32):
+    """A varlen decode call [1, T, H, 128] + cu_seqlens [S + 1], 1-D indices [S], with an output."""
+    a = rec_args(B=1, T=T)
+    a.update(cu_seqlens=torch.arange(S + 1, dtype=cu_dtype), ssm_state_indices=torch.arange(S, dtype=I32) + 1)
+    if out:
+        a["output"] = torch.zeros(1, T, H, D, dtype=BF16)
+    return a
+
+
+@pytest.fixture
+def cuda_twins(monkeypatch):
+    """Every recurrent description the full validator remembers on CPU tensors is also stored under the key a CUDA
+    call of the same facts has (its last fact, on_cuda), T=1 eligible as such a call is."""
+    import dataclasses
+
+    monkeypatch.setattr(V, "_MEMO", {})
+    remember = V._remember
+
+    def twin(key, call):
+        call = remember(key, call)
+        if key[0] == "recurrent" and key[-1] is False and "not on a CUDA device" in call.t1_reason:
+            V._MEMO[(*key[:-1], True)] = dataclasses.replace(call, on_cuda=True, t1_eligible=True)
+        return call
+
+    monkeypatch.setattr(V, "_remember", twin)
+
+
+def test_varlen_revalidation_finds_the_cuda_description_by_its_facts(on_cpu, cuda_twins):
+    a = _varlen_args()
+    rec(a)
+    call = V.revalidate_recurrent_t1_varlen(tuple(RecurrentArgs(**a)))
+    assert call is not None and call.varlen and call.on_cuda and call.T == 5 and call.N_seq == 3 and call.aligned
+    assert V.revalidate_recurrent_t1_varlen(RecurrentArgs(**_varlen_args())) is call  # new tensors, same facts
+    assert V.revalidate_recurrent_t1(RecurrentArgs(**a)) is None  # the T=1 re-validator never takes varlen
+    # Every fact of the key is read: a changed one is another description (none yet), or the same when equal.
+    assert V.revalidate_recurrent_t1_varlen(RecurrentArgs(**_with(a, scale=0.5))) is None
+    assert V.revalidate_recurrent_t1_varlen(RecurrentArgs(**_varlen_args(T=6))) is None
+    assert V.revalidate_recurrent_t1_varlen(RecurrentArgs(**_varlen_args(S=4))) is None
+    assert V.revalidate_recurrent_t1_varlen(RecurrentArgs(**_varlen_args(cu_dtype=torch.int64))) is call
+    assert V.revalidate_recurrent_t1_varlen(RecurrentArgs(**_varlen_args(out=False))) is call  # (no key fact)
+    # a token stride that is not a 16-byte multiple is another alignment class, and so is a shifted output
+    wide = torch.zeros(1, 5, H * D + 1, dtype=BF16)[..., : H * D].view(1, 5, H, D)
+    assert V.revalidate_recurrent_t1_varlen(RecurrentArgs(**_with(a, q=wide))) is None
+    shifted = _with(a, output=torch.zeros(5 * H * D + 1, dtype=BF16)[1:].view(1, 5, H, D))
+    assert V.revalidate_recurrent_t1_varlen(RecurrentArgs(**shifted)) is None
+    assert not rec(shifted).aligned and V.revalidate_recurrent_t1_varlen(RecurrentArgs(**shifted)) is not None
+
+
+def _out_over(a, name):
+    """An output [1, T, H, 128] whose bytes cover the start of the tensor ``name`` (a view of the same storage)."""
+    t = a[name]
+    T = a["q"].shape[1]
+    n = T * H * D * 2 // t.element_size() + t.numel()
+    buf = torch.zeros(n, dtype=t.dtype)
+    over = dict(a)
+    over[name] = buf[: t.numel()].view(t.shape) if t.dim() != 4 else buf[: t.numel()].view(t.shape)
+    over["output"] = buf.view(torch.bfloat16)[: T * H * D].view(1, T, H, D)
+    return over
+
+
+# Rules the varlen re-validator reads itself (its wrapper cannot check them): broken after a good call of the same
+# facts, it returns None and the full validator names the argument.
+VARLEN_RULES = [
+    ("indices count", lambda a: a.update(ssm_state_indices=torch.arange(2, dtype=I32)), "ssm_state_indices",
+     "[N_seq]"),
+    ("cu_seqlens dtype", lambda a: a.update(cu_seqlens=torch.arange(4.0)), "cu_seqlens", "int32 or int64"),
+    ("output over cu_seqlens", lambda a: a.update(_out_over(a, "cu_seqlens")), "output", "cu_seqlens"),
+    ("output over the indices", lambda a: a.update(_out_over(a, "ssm_state_indices")), "output",
+     "ssm_state_indices"),
+    ("output over q", lambda a: a.update(output=a["q"]), "output", "q"),
+    ("output over beta", lambda a: a.update(_out_over(a, "beta")), "output", "beta"),
+    ("output tokens overlap", lambda a: a.update(
+        output=torch.zeros(H * D, dtype=BF16).as_strided((1, 5, H, D), (0, 0, D, 1))), "output", "overlap"),
+    ("pool heads", lambda a: a.update(initial_state=torch.zeros(8, 8, D, D, dtype=BF16)), "initial_state", "shape"),
+    ("pool rows overlap", lambda a: a.update(initial_state=_padded_rows((8, H, D, D), BF16, H * D * D - 4)),
+     "initial_state", "rows must not overlap"),
+    ("dt_bias size", lambda a: a.update(dt_bias=torch.zeros(100)), "dt_bias", "shape"),
+    ("lower_bound", lambda a: a.update(lower_bound=0.5), "lower_bound", "negative"),
+    ("scale", lambda a: a.update(scale=-1.0), "scale", "positive"),
+    ("flag", lambda a: a.update(beta_is_logit=1), "beta_is_logit", "a bool"),
+    ("num_accepted_tokens", lambda a: a.update(num_accepted_tokens=torch.ones(3, dtype=I32)), "num_accepted_tokens",
+     "None"),
+    ("not a tensor", lambda a: a.update(g=[1, 2]), "g", "a torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize("mutate, argument, fragment", [r[1:] for r in VARLEN_RULES],
+                         ids=[r[0] for r in VARLEN_RULES])
+def test_varlen_revalidation_checks_what_the_wrapper_cannot(on_cpu, cuda_twins, mutate, argument, fragment):
+    a = _varlen_args()
+    rec(a)
+    assert V.revalidate_recurrent_t1_varlen(RecurrentArgs(**a)) is not None  # the good call is described
+    mutate(a)
+    assert V.revalidate_recurrent_t1_varlen(RecurrentArgs(**a)) is None
+    _raises(lambda: rec(a), argument, fragment)
+
+
+def test_varlen_revalidation_leaves_calls_that_launch_nothing_to_the_full_validator(on_cpu, cuda_twins):
+    for a in (_varlen_args(T=0), _varlen_args(S=0)):  # no token, no sequence: no wrapper would check the rest
+        rec(a)
+        assert V.revalidate_recurrent_t1_varlen(RecurrentArgs(**a)) is None
+    a = _varlen_args()
+    rec(a)
+    assert V.revalidate_recurrent_t1_varlen(RecurrentArgs(**_with(a, output_final_state=True))) is None
+    assert V.revalidate_recurrent_t1_varlen(tuple(RecurrentArgs(**a))[:17]) is None
+    assert V.revalidate_recurrent_t1_varlen(RecurrentArgs(**_with(a, cu_seqlens=None))) is None
+
+
+def test_cpu_tensors_never_take_the_varlen_hot_path(cuda_twins):
+    a = _varlen_args()
+    rec(a)
+    assert V.revalidate_recurrent_t1_varlen(RecurrentArgs(**a)) is None  # the launch floor refuses the CPU tensor
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # What a kernel writes aliases nothing (metadata: data pointers, sizes, strides)
 

@@ -87,6 +87,16 @@ def _variants():
                       index_dtype=torch.int64, **nonpositive)):
         out.append({**base, **flag, "cu_dtype": torch.int32})
     out.append({**base, "state_dtype": torch.float32, "tile_v": 128, "bulk_ring": 8, "cu_dtype": torch.int64})
+    # The packed entry's token form (vLLM Kimi K3's [1, B, ...] gate, beta and output, read as they are): both pool
+    # dtypes in both alignment classes, the fp32 precomputed gate and beta, the slot-major ring with int64
+    # NONPOSITIVE slots.
+    tokens = {"packed": "tokens"}
+    for sd, aligned in itertools.product((torch.bfloat16, torch.float32), (True, False)):
+        out.append({**base, "state_dtype": sd, "aligned": aligned, **tokens})
+    out.append({**base, "g_dtype": torch.float32, "beta_dtype": torch.float32, "gate": GateMode.PRECOMPUTED,
+                "beta_is_logit": False, **tokens})
+    out.append({**base, "state_dtype": torch.float32, "tile_v": 128, "bulk_ring": 8, "slot_major": True,
+                "index_dtype": torch.int64, **nonpositive, **tokens})
     return out
 
 
@@ -98,7 +108,7 @@ def _ident(v):
             f"{'-slotmajor' if v.get('slot_major') else ''}"
             f"{'' if v['beta_is_logit'] else '-sigbeta'}{'' if v['use_qk_l2norm'] else '-nonorm'}"
             f"{'' if v['has_dt_bias'] else '-nobias'}-g{str(v['g_dtype'])[6:]}-b{str(v['beta_dtype'])[6:]}"
-            f"{'-packed' if v.get('packed') else ''}"
+            f"{('-tokens' if v.get('packed') == 'tokens' else '-packed') if v.get('packed') else ''}"
             f"{'-' + v['null_policy'].value if 'null_policy' in v else ''}"
             f"{'-idx64' if v.get('index_dtype') is torch.int64 else ''}"
             f"{'-varlen-' + str(v['cu_dtype'])[6:] if v.get('cu_dtype') else ''}")

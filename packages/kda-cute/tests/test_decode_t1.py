@@ -178,6 +178,35 @@ def test_packed_and_unpacked_entries_are_bitwise_identical(B, row_pad, row_shift
     _assert_matches_oracle(case, out_packed, case.pool, ref_out, ref_pool)
 
 
+@pytest.mark.parametrize("gate", ["lower_bound", "precomputed"])
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("B, row_pad, row_shift, aligned", PACKED_LAYOUTS,
+                         ids=[f"B{b}-pad{p}-shift{s}" for b, p, s, _ in PACKED_LAYOUTS])
+def test_token_form_is_bitwise_the_packed_entry(B, row_pad, row_shift, aligned, state_dtype, gate, make_case):
+    """kda_decode_t1_packed_tokens on vLLM's [1, B, ...] tensors (the gate and beta as token views of the same rows,
+    the output a slice of a wider buffer) against the packed entry: same bits out and in the pool, nothing written
+    outside the output slice, in both alignment classes."""
+    from kda_cute.decode_t1 import kda_decode_t1_packed_tokens
+
+    H = 12
+    g_dtype = torch.float32 if gate == "precomputed" else torch.bfloat16
+    case = make_case(B, H, state_dtype=state_dtype, gate=gate, g_dtype=g_dtype, row_pad=row_pad,
+                     row_shift=row_shift, seed=7 + B)
+    ref_out, ref_pool = case.oracle()
+    pool_a = case.pool.clone()
+    out_packed = _decode_packed(case)
+    pool_packed = case.pool.clone()
+    case.pool.copy_(pool_a)
+    buf = torch.full((1, B, H + 1, 128), 7.0, dtype=torch.bfloat16, device="cuda")
+    out = buf[:, :, :H]  # token stride (H + 1) * 128
+    got = kda_decode_t1_packed_tokens(case.mixed_qkv, case.raw_gate.unsqueeze(0).unflatten(2, (H, 128)),
+                                      case.raw_beta.unsqueeze(0), case.pool, case.slots, output=out, **case.kwargs())
+    assert got is out
+    assert torch.equal(out[0], out_packed[:, 0]) and torch.equal(case.pool, pool_packed)
+    assert bool(buf[:, :, H].eq(7.0).all())
+    _assert_matches_oracle(case, out.transpose(0, 1), case.pool, ref_out, ref_pool)
+
+
 def test_packed_entry_with_inactive_slots_and_a_given_output(make_case):
     case = make_case(6, 12, n_slots=10, slots=[3, -1, 10, 7, -2147483648, 2147483647], row_pad=8, seed=2)
     before = case.pool.clone()
@@ -817,6 +846,44 @@ def test_wrapper_checked_argument_after_a_good_call_raises_kdaerror_and_writes_n
             call(case, broken)
         else:
             call(case, out, **{argument: broken})
+    torch.cuda.synchronize()
+    assert torch.equal(case.pool, pool_before) and torch.equal(out, out_before)
+
+
+def _tokens_of(case):
+    H = case.raw_beta.shape[1]
+    return case.raw_gate.unsqueeze(0).unflatten(2, (H, 128)), case.raw_beta.unsqueeze(0)
+
+
+TOKENS_WRAPPER_CHECKED = [
+    ("raw_gate", lambda c, g, b, o: dict(raw_gate=g.transpose(2, 3).contiguous().transpose(2, 3))),
+    ("raw_gate", lambda c, g, b, o: dict(raw_gate=g.half())),
+    ("raw_beta", lambda c, g, b, o: dict(raw_beta=b.double())),
+    ("slot_indices", lambda c, g, b, o: dict(slot_indices=c.slots[:2])),
+    ("A_log", lambda c, g, b, o: dict(A_log=c.A_log.half())),
+    ("state_pool", lambda c, g, b, o: dict(state_pool=c.pool.transpose(2, 3))),
+    ("output", lambda c, g, b, o: dict(output=torch.zeros(o.shape, device="cuda"))),
+    ("output", lambda c, g, b, o: dict(output=o[..., :64])),
+]
+
+
+@pytest.mark.parametrize("argument, bad", TOKENS_WRAPPER_CHECKED,
+                         ids=[f"{a}-{i}" for i, (a, _) in enumerate(TOKENS_WRAPPER_CHECKED)])
+def test_token_form_wrapper_checked_argument_after_a_good_call_raises_kdaerror_and_writes_nothing(argument, bad,
+                                                                                                  make_case):
+    from kda_core.errors import KDAError
+    from kda_cute.decode_t1 import kda_decode_t1_packed_tokens
+
+    case = make_case(3, 12, n_slots=4, slots=[0, 2, 3])
+    gate, beta = _tokens_of(case)
+    out = torch.empty(1, 3, 12, 128, dtype=torch.bfloat16, device="cuda")
+    args = dict(raw_gate=gate, raw_beta=beta, state_pool=case.pool, slot_indices=case.slots, output=out)
+    kda_decode_t1_packed_tokens(case.mixed_qkv, **args, **case.kwargs())  # described: the next call is hot
+    torch.cuda.synchronize()
+    pool_before, out_before = case.pool.clone(), out.clone()
+    broken = {**args, **case.kwargs(), **bad(case, gate, beta, out)}
+    with pytest.raises(KDAError, match=rf"^{argument}: expected"):
+        kda_decode_t1_packed_tokens(case.mixed_qkv, **broken)
     torch.cuda.synchronize()
     assert torch.equal(case.pool, pool_before) and torch.equal(out, out_before)
 

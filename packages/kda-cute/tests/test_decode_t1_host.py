@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kda_core.contracts import HEAD_DIM
 from kda_core.errors import KDAError
 
 
@@ -368,7 +369,7 @@ def entries_on_cpu(host_path, monkeypatch):
     from kda_cute import decode_t1
 
     monkeypatch.setattr(validation, "_LAUNCH_DEVICE_MIN", -1)
-    for name in ("validate_decode_t1", "validate_packed_decode_t1"):
+    for name in ("validate_decode_t1", "validate_packed_decode_t1", "validate_packed_tokens_decode_t1"):
         full = functools.partial(getattr(validation, name), device_kind="any")
         monkeypatch.setattr(validation, name, full)
         monkeypatch.setattr(decode_t1, name, full)
@@ -695,3 +696,119 @@ def test_debug_validation_of_the_entries_lets_slot_0_repeat_under_nonpositive(en
         _unpacked_entry(case)
     _unpacked_entry(case, null_policy=NullSlotPolicy.NONPOSITIVE)
     assert len(entries_on_cpu) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The packed entry's token form (vLLM Kimi K3's raw gate [1, B, H, 128], raw beta [1, B, H], output [1, B, H, 128]):
+# the compiled function takes those tensors as they are.
+
+
+def _tokens(case, out=True):
+    """The token-form tensors of ``case`` (views of its packed rows: the same memory) and an output."""
+    B, H = case.raw_beta.shape
+    gate = case.raw_gate.unsqueeze(0).unflatten(2, (H, HEAD_DIM))
+    beta = case.raw_beta.unsqueeze(0)
+    return gate, beta, (torch.zeros(1, B, H, HEAD_DIM, dtype=torch.bfloat16) if out else None)
+
+
+def _tokens_entry(case, gate, beta, output, **over):
+    from kda_cute.decode_t1 import kda_decode_t1_packed_tokens
+
+    kw = {**case.kwargs(), **over}
+    return kda_decode_t1_packed_tokens(case.mixed_qkv, gate, beta, case.pool, case.slots, output=output, **kw)
+
+
+def test_the_token_form_hands_the_tensors_as_they_are_to_its_variant(entries_on_cpu, make_case):
+    from kda_core import validation
+    from kda_cute import decode_t1
+
+    case = make_case(3, 12, device="cpu", row_pad=8)
+    gate, beta, out = _tokens(case)
+    assert _tokens_entry(case, gate, beta, out) is out
+    assert _tokens_entry(case, *_tokens(case)) is not out  # new tensors of the same facts: the same launch
+    (fn,) = entries_on_cpu
+    assert decode_t1.PACKED_TOKENS == _field(fn.key, "packed") and len(fn.calls) == 2
+    args = fn.calls[0]
+    assert args[0] is case.mixed_qkv and args[1] is gate and args[2] is beta and args[7] is out
+    assert args[5] is case.pool and args[6] is case.slots
+    # The description is the packed form's on the [B, H*128], [B, H], [B, 1, H, 128] views of the same memory.
+    call = validation.revalidate_packed_tokens_decode_t1(case.mixed_qkv, gate, beta, case.pool, case.slots,
+                                                         case.A_log, case.dt_bias, case.lower_bound, True, True, None,
+                                                         out)
+    assert call is validation.validate_packed_decode_t1(
+        case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, case.slots, num_heads=12, output=out.transpose(0, 1),
+        **case.kwargs())
+    allocated = _tokens_entry(case, gate, beta, None)
+    assert allocated.shape == (1, 3, 12, HEAD_DIM) and allocated.dtype is torch.bfloat16
+    assert len(entries_on_cpu) == 2  # with no output: another alignment class of the description, or the same
+    # variant's launch; either way the packed [B, ...] variant never runs the token form
+    assert all(_field(f.key, "packed") == decode_t1.PACKED_TOKENS for f in entries_on_cpu)
+
+
+def _overlapping_output(case, gate, beta, out):
+    return dict(output=case.mixed_qkv.unsqueeze(0)[..., : 12 * HEAD_DIM].unflatten(2, (12, HEAD_DIM)))
+
+
+TOKEN_RULES = [
+    ("raw_gate rank", lambda c, g, b, o: dict(gate=g[0]), "raw_gate", "4-D"),
+    # H is raw_gate's dim 2: a mixed_qkv row of another width is refused against it
+    ("raw_gate heads", lambda c, g, b, o: dict(gate=g[:, :, :8]), "mixed_qkv", "3*num_heads"),
+    ("raw_beta rank", lambda c, g, b, o: dict(beta=b[0]), "raw_beta", "[1, B, H]"),
+    ("output rank", lambda c, g, b, o: dict(output=o[0]), "output", "[1, B, H, 128]"),
+    ("output over mixed_qkv", lambda c, g, b, o: _overlapping_output(c, g, b, o), "output", "mixed_qkv"),
+    ("output tokens overlap", lambda c, g, b, o: dict(output=o[:, :1].expand(1, 3, 12, HEAD_DIM)), "output",
+     "overlap"),
+    ("lower_bound", lambda c, g, b, o: dict(lower_bound=0.5), "lower_bound", "negative"),
+    ("pool heads", lambda c, g, b, o: dict(state_pool=c.pool[:, :8]), "state_pool", "shape"),
+]
+
+
+@pytest.mark.parametrize("change, argument, fragment", [r[1:] for r in TOKEN_RULES], ids=[r[0] for r in TOKEN_RULES])
+def test_a_bad_token_form_call_after_a_good_one_raises_naming_the_argument(entries_on_cpu, make_case, change,
+                                                                             argument, fragment):
+    import dataclasses
+
+    case = make_case(3, 12, device="cpu")
+    gate, beta, out = _tokens(case)
+    _tokens_entry(case, gate, beta, out)  # described and launched
+    over = change(case, gate, beta, out)
+    gate, beta, out = over.pop("gate", gate), over.pop("beta", beta), over.pop("output", out)
+    if "state_pool" in over:
+        case = dataclasses.replace(case, pool=over.pop("state_pool"))
+    with pytest.raises(KDAError, match=rf"^{argument}: expected") as info:
+        _tokens_entry(case, gate, beta, out, **over)
+    assert fragment in str(info.value), info.value
+    (fn,) = entries_on_cpu
+    assert len(fn.calls) == 1
+
+
+def test_a_wrapper_rejection_of_the_token_form_names_the_argument(entries_on_cpu, make_case):
+    case = make_case(3, 12, device="cpu")
+    gate, beta, out = _tokens(case)
+    _tokens_entry(case, gate, beta, out)
+    (fn,) = entries_on_cpu
+    fn.reject = ValueError("Mismatched Tensor on argument #3, expected dtype=float32")
+    with pytest.raises(KDAError, match="^A_log: expected"):
+        _tokens_entry(case, gate, beta, out, A_log=case.A_log.half())
+    assert len(fn.calls) == 2  # the broken call took the hot path to the wrapper
+    with pytest.raises(KDAError, match="^raw_gate: expected each token's"):  # static strides: the wrapper's
+        _tokens_entry(case, gate.transpose(2, 3).contiguous().transpose(2, 3), beta, out)
+    assert len(fn.calls) == 3
+
+
+def test_a_token_form_batch_past_grid_z_splits_along_the_token_dim(host_path, monkeypatch):
+    from kda_cute import decode_t1
+
+    B = decode_t1.GRID_Z_MAX + 5
+    monkeypatch.setenv("KDA_DECODE_TILE_V", "64")  # tile 64: never the slot-major grid
+    entry = decode_t1._configure(("big", "tokens"), _big_call(B, 4), decode_t1.PACKED_TOKENS, True, torch.empty(1),
+                                 torch.bfloat16, torch.bfloat16, True)
+    rows, tokens = torch.empty(1, 8).expand(B, 8), torch.empty(1, 1, 8).expand(1, B, 8)
+    args = [rows if i in (0, 6) else tokens if i in (1, 2, 7) else object() for i in range(10)]
+    entry[1](*args)
+    (fn,) = host_path
+    assert [part[0].shape[0] for part in fn.calls] == [decode_t1.GRID_Z_MAX, 5]
+    for part in fn.calls:
+        assert all(part[i].shape[1] == part[0].shape[0] for i in (1, 2, 7)) and part[6].shape[0] == part[0].shape[0]
+        assert all(part[i] is args[i] for i in (3, 4, 5, 8, 9))
+    decode_t1._LAUNCH_MEMO.pop(("big", "tokens"), None)

@@ -351,6 +351,52 @@ def test_gpu_varlen_decode_takes_the_t1_kernel_and_matches_the_oracle(lens, poli
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("with_output", [False, True], ids=["allocated", "output"])
+def test_gpu_a_repeated_varlen_call_takes_the_hot_path_and_matches_the_oracle(with_output, monkeypatch):
+    kw = varlen_decode("cuda", VARLEN_LENS["mixed"], torch.int32, seed=8)
+    if with_output:
+        kw["output"] = torch.full(kw["v"].shape, float("nan"), dtype=BF16, device="cuda")
+    validations = []
+    full = facade._validate
+    monkeypatch.setattr(facade, "_validate", lambda args: validations.append(1) or full(args))
+    for _ in range(3):  # the first call is described by the full validator, the others re-validated
+        check_against_oracle(kw, exact=False, null_policy="nonpositive")
+    assert len(validations) == 1
+
+
+# Broken after a good call of the same facts: arguments only the varlen wrapper checks on the hot path, and rules
+# kda-core's varlen re-validator reads. Each gets the full validator's KDAError, with nothing written.
+VARLEN_HOT_BAD = [
+    ("k", lambda kw: kw["k"].float()),
+    ("A_log", lambda kw: kw["A_log"].half()),
+    ("cu_seqlens", lambda kw: kw["cu_seqlens"].view(-1, 1)),
+    ("cu_seqlens", lambda kw: kw["cu_seqlens"].float()),
+    ("ssm_state_indices", lambda kw: kw["ssm_state_indices"][:3]),
+    ("initial_state", lambda kw: kw["initial_state"].transpose(2, 3)),
+    ("output", lambda kw: torch.zeros(kw["v"].shape, device="cuda")),
+    ("output", lambda kw: kw["q"]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("argument, bad", VARLEN_HOT_BAD, ids=[f"{a}-{i}" for i, (a, _) in enumerate(VARLEN_HOT_BAD)])
+def test_gpu_a_bad_varlen_call_after_a_good_one_raises_kdaerror_and_writes_nothing(argument, bad):
+    from kda_core.errors import KDAError
+
+    kw = varlen_decode("cuda", VARLEN_LENS["decode"], torch.int32, seed=9)
+    kw["output"] = torch.empty(kw["v"].shape, dtype=BF16, device="cuda")
+    recurrent_kda(**kw)  # described: the next call with these facts takes the hot path
+    torch.cuda.synchronize()
+    pool_before, out_before = kw["initial_state"].clone(), kw["output"].clone()
+    with pytest.raises(KDAError, match=rf"^{argument}: expected"):
+        recurrent_kda(**{**kw, argument: bad(kw)})
+    torch.cuda.synchronize()
+    assert torch.equal(kw["initial_state"], pool_before) and torch.equal(kw["output"], out_before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_varlen_decode_with_serving_layouts_matches_the_oracle():
     kw = serving_layout(varlen_decode("cuda", VARLEN_LENS["mixed"], torch.int64, seed=6))
     assert explain(**kw).path is Path.T1_VARLEN

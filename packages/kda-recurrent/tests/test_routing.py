@@ -816,3 +816,118 @@ def test_num_spec_tokens_without_indices_uses_the_first_checkpoint_slots(kernels
     small = {**implicit, "initial_state": implicit["initial_state"][:5]}
     with pytest.raises(KDAError, match=r"^initial_state: expected the checkpoint pool of at least"):
         recurrent_kda(**small, num_spec_tokens=T - 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The varlen form's hot path: kda-core's real re-validator (revalidate_recurrent_t1_varlen) on CPU tensors, with the
+# launch floor lowered and every CPU description also remembered as the CUDA one of the same facts.
+
+
+@pytest.fixture
+def varlen_hot_path(kernels, as_if_cuda, monkeypatch):
+    from kda_core import validation
+
+    monkeypatch.setattr(validation, "_LAUNCH_DEVICE_MIN", -1)
+    monkeypatch.setattr(validation, "_MEMO", {})
+    remember = validation._remember
+
+    def twin(key, call):
+        call = remember(key, call)
+        if key[0] == "recurrent" and key[-1] is False and "not on a CUDA device" in call.t1_reason:
+            validation._MEMO[(*key[:-1], True)] = dataclasses.replace(call, on_cuda=True, t1_eligible=True)
+        return call
+
+    monkeypatch.setattr(validation, "_remember", twin)
+    state = dict(validations=0, reject=None)
+    full, t1v = facade._validate, kernels.t1_varlen
+
+    def validate(args):
+        state["validations"] += 1
+        return full(args)
+
+    def entry(*args):
+        if state["reject"] is not None:
+            kernels.paths.append("rejected")
+            raise state["reject"]
+        return t1v(*args)
+
+    monkeypatch.setattr(facade, "_validate", validate)
+    monkeypatch.setattr(facade, "_t1_varlen_kernel", entry)
+    return state
+
+
+def _varlen_with_output(lens=(1, 1, 1, 1), policy=None):
+    kw = _varlen_decode(list(lens), slots=[1, 3, 5, 7][: len(lens)])
+    kw["output"] = torch.zeros(kw["v"].shape, dtype=BF16)
+    return kw
+
+
+def test_a_described_varlen_call_launches_without_the_full_validator(kernels, varlen_hot_path):
+    kw = _varlen_with_output()
+    assert_matches_oracle(kw)
+    assert_matches_oracle(kw)
+    assert_matches_oracle({**_varlen_with_output(), "output": None})  # (an output is no fact of the description)
+    assert kernels.paths == [Path.T1_VARLEN] * 3 and varlen_hot_path["validations"] == 1
+    assert_matches_oracle(_varlen_with_output((1, 1, 1)))  # new facts: validated once, then hot
+    assert_matches_oracle(_varlen_with_output((1, 1, 1)))
+    assert kernels.paths == [Path.T1_VARLEN] * 5 and varlen_hot_path["validations"] == 2
+
+
+def _cu_output(kw):
+    """An output whose bytes cover cu_seqlens (a view of the same storage)."""
+    T = kw["q"].shape[1]
+    buf = torch.zeros(T * 12 * 128, dtype=BF16)
+    n = kw["cu_seqlens"].shape[0]
+    return {"output": buf.view(1, T, 12, 128), "cu_seqlens": buf.view(torch.int32)[:n].copy_(kw["cu_seqlens"])}
+
+
+VARLEN_HOT_BAD = [
+    ("ssm_state_indices", lambda kw: {"ssm_state_indices": kw["ssm_state_indices"][:3]}),
+    ("cu_seqlens", lambda kw: {"cu_seqlens": kw["cu_seqlens"].float()}),
+    ("output", _cu_output),
+    ("output", lambda kw: {"output": kw["q"]}),
+    ("initial_state", lambda kw: {"initial_state": kw["initial_state"][:, :6]}),
+    ("dt_bias", lambda kw: {"dt_bias": kw["dt_bias"][:100]}),
+    ("lower_bound", lambda kw: {"lower_bound": 0.5}),
+    ("scale", lambda kw: {"scale": -1.0}),
+    ("beta_is_logit", lambda kw: {"beta_is_logit": 1}),
+    ("num_accepted_tokens", lambda kw: {"num_accepted_tokens": torch.ones(4, dtype=torch.int32)}),
+]
+
+
+@pytest.mark.parametrize("argument, bad", VARLEN_HOT_BAD, ids=[f"{a}-{i}" for i, (a, _) in enumerate(VARLEN_HOT_BAD)])
+def test_a_bad_varlen_call_after_a_good_one_raises_naming_the_argument(kernels, varlen_hot_path, argument, bad):
+    kw = _varlen_with_output()
+    recurrent_kda(**clone_call(kw))  # described: the next call of these facts takes the hot path
+    fresh = clone_call(kw)
+    broken = {**fresh, **bad(fresh)}
+    pool_before = broken["initial_state"].clone()
+    with pytest.raises(KDAError, match=rf"^{argument}: expected"):
+        recurrent_kda(**broken)
+    assert kernels.paths == [Path.T1_VARLEN] and varlen_hot_path["validations"] == 2
+    assert torch.equal(broken["initial_state"], pool_before)
+
+
+def test_a_wrapper_rejection_on_the_varlen_hot_path_gets_the_full_validators_error(kernels, varlen_hot_path):
+    kw = _varlen_with_output()
+    recurrent_kda(**clone_call(kw))
+    varlen_hot_path["reject"] = ValueError("Mismatched Tensor on argument #5, expected dtype=float32")
+    with pytest.raises(KDAError, match="^A_log: expected"):
+        recurrent_kda(**{**clone_call(kw), "A_log": kw["A_log"].half()})
+    assert kernels.paths == [Path.T1_VARLEN, "rejected"] and varlen_hot_path["validations"] == 2
+
+
+def test_calls_that_launch_nothing_and_debug_validation_take_the_full_path(kernels, varlen_hot_path, monkeypatch):
+    kw = _varlen_with_output()
+    recurrent_kda(**clone_call(kw))
+    empty = {**clone_call(kw), "cu_seqlens": kw["cu_seqlens"][:1], "ssm_state_indices": kw["ssm_state_indices"][:0]}
+    recurrent_kda(**empty)  # no sequence: validated every time (no wrapper would check it)
+    recurrent_kda(**empty)
+    assert varlen_hot_path["validations"] == 3
+    monkeypatch.setenv("KDA_DEBUG_VALIDATE", "1")
+    with pytest.raises(KDAError, match="^ssm_state_indices: expected distinct"):
+        recurrent_kda(**{**clone_call(kw), "ssm_state_indices": torch.tensor([1, 1, 3, 5], dtype=torch.int32)})
+    monkeypatch.delenv("KDA_DEBUG_VALIDATE")
+    monkeypatch.setenv("KDA_T1_FAST_PATH", "0")
+    assert_matches_oracle(kw)
+    assert kernels.paths[-1] is Path.GENERIC

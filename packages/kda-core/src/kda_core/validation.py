@@ -76,11 +76,14 @@ __all__ = [
     "is_aligned",
     "validate_decode_t1",
     "validate_packed_decode_t1",
+    "validate_packed_tokens_decode_t1",
     "validate_recurrent",
     "validate_ucache",
     "revalidate_decode_t1",
     "revalidate_packed_decode_t1",
+    "revalidate_packed_tokens_decode_t1",
     "revalidate_recurrent_t1",
+    "revalidate_recurrent_t1_varlen",
     "WRAPPER_REJECTED",
     "debug_checks_enabled",
     "debug_check_slots",
@@ -795,6 +798,47 @@ def validate_packed_decode_t1(
                     (("mixed_qkv", mixed_qkv), ("raw_gate", raw_gate), ("raw_beta", raw_beta)))
 
 
+def _shape_text(t):
+    return tuple(t.shape) if isinstance(t, _Tensor) else type(t).__name__
+
+
+def validate_packed_tokens_decode_t1(
+    mixed_qkv,
+    raw_gate,
+    raw_beta,
+    state_pool,
+    slot_indices,
+    *,
+    A_log=None,
+    dt_bias=None,
+    lower_bound=None,
+    use_gate_in_kernel=True,
+    beta_is_logit=True,
+    scale=None,
+    output=None,
+    device_kind="cuda",
+) -> DecodeT1Call:
+    """Validate a packed T=1 decode call in the token form (vLLM Kimi K3's): mixed_qkv [B, 3*H*128] as
+    :func:`validate_packed_decode_t1`'s; raw_gate [1, B, H, 128] with each token's [H, 128] compact (strides
+    [*, *, 128, 1]); raw_beta [1, B, H] (any strides); output None or bf16 [1, B, H, 128] (last dim contiguous).
+    H is raw_gate's dim 2. The description is :func:`validate_packed_decode_t1`'s of the [B, H*128], [B, H] and
+    [B, 1, H, 128] views of the same memory (the same elements, the same facts)."""
+    if not isinstance(raw_gate, _Tensor) or len(gs := raw_gate.shape) != 4 or gs[0] != 1:
+        fail("raw_gate", f"a 4-D tensor [1, B, H, {HEAD_DIM}] (one token per sequence)", _shape_text(raw_gate))
+    _, B, H, K = gs
+    if raw_gate.stride()[2:] != (K, 1):
+        fail("raw_gate", f"each token's [H, K] contiguous (strides [*, *, {K}, 1])", f"strides {raw_gate.stride()}")
+    if not isinstance(raw_beta, _Tensor) or raw_beta.dim() != 3 or raw_beta.shape[0] != 1:
+        fail("raw_beta", "a 3-D tensor [1, B, H]", _shape_text(raw_beta))
+    if isinstance(output, _Tensor) and (output.dim() != 4 or output.shape[0] != 1):
+        fail("output", f"None or a tensor [1, B, H, {HEAD_DIM}]", tuple(output.shape))
+    return validate_packed_decode_t1(
+        mixed_qkv, raw_gate.view(B, H * K), raw_beta[0], state_pool, slot_indices, num_heads=H, A_log=A_log,
+        dt_bias=dt_bias, lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit,
+        scale=scale, output=output.transpose(0, 1) if isinstance(output, _Tensor) else output,
+        device_kind=device_kind)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Re-validation of a call whose facts were described before: the launchers' hot path
 #
@@ -826,12 +870,13 @@ _LAUNCH_DEVICE_MIN = 0
 ``on_cpu`` fixture of tests/test_validation.py) set -1, to re-validate CPU tensors as CUDA ones."""
 
 
-def _t1_output_range(output, B, H):
+def _t1_output_range(output, B, H, d=0):
     """(first byte, one past the last, alignment bits) of a T=1 output [B, 1, H, 128] bf16, or None when two of its
     elements share bytes (rows or heads overlapping, stride 0): the full validator then raises. H > 1 on this path.
+    ``d``: the dim the B rows step along (0; 1 for the varlen form's [1, T, H, 128] tokens, B = T).
     """
     so = output.stride()
-    s0, s2 = so[0], so[2]
+    s0, s2 = so[d], so[2]
     lo = output.data_ptr()
     if B < 2:
         if s2 < HEAD_DIM:
@@ -894,11 +939,13 @@ def _t1_recheck_tail(B, H, state_pool, slot_indices, A_log, dt_bias, lower_bound
     return N, state_dtype, lb, scale, acc & 15, out is not None, has_dt_bias, index_dtype
 
 
-def _t1_activation_bits(q, k, v, g, beta, B, H, g_dtype, out):
+def _t1_activation_bits(q, k, v, g, beta, B, H, g_dtype, out, d=0):
     """Alignment bits of the T=1 activations q, k, v (bf16) and g: their pointers and the byte strides of the dims
     a row steps over (batch when B > 1, heads: H > 1 on the T=1 path); -1 when one of them, or beta, shares a byte
-    with the output (``out``: its :func:`_t1_output_range`, or None)."""
+    with the output (``out``: its :func:`_t1_output_range`, or None). ``d``: the rows' dim, as there."""
     sq, sk, sv, sg = q.stride(), k.stride(), v.stride(), g.stride()
+    if d:  # the varlen form: rows are tokens (dim 1); dim 0 has size 1 and is never stepped over
+        sq, sk, sv, sg = (sq[1], 0, sq[2]), (sk[1], 0, sk[2]), (sv[1], 0, sv[2]), (sg[1], 0, sg[2])
     pq, pk, pv, pg = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr()
     g_elem = 4 if g_dtype is _F32 else 2
     if out is not None:
@@ -909,7 +956,7 @@ def _t1_activation_bits(q, k, v, g, beta, B, H, g_dtype, out):
                 or pv < hi and lo < pv + (r * sv[0] + h * sv[2] + HEAD_DIM) * 2
                 or pg < hi and lo < pg + (r * sg[0] + h * sg[2] + HEAD_DIM) * g_elem
                 or (pb := beta.data_ptr()) < hi
-                and lo < pb + (r * (sb := beta.stride())[0] + h * sb[2] + 1) * (4 if beta.dtype is _F32 else 2)):
+                and lo < pb + (r * (sb := beta.stride())[d] + h * sb[2] + 1) * (4 if beta.dtype is _F32 else 2)):
             return -1
     bf16_steps = ((sq[0] | sk[0] | sv[0]) if B > 1 else 0) | sq[2] | sk[2] | sv[2]
     g_steps = (sg[0] if B > 1 else 0) | sg[2]
@@ -995,6 +1042,50 @@ def revalidate_packed_decode_t1(mixed_qkv, raw_gate, raw_beta, state_pool, slot_
                                      A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                                      use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit, scale=scale,
                                      output=output)
+
+
+def revalidate_packed_tokens_decode_t1(mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias,
+                                       lower_bound, use_gate_in_kernel, beta_is_logit, scale, output) -> DecodeT1Call:
+    """:func:`validate_packed_tokens_decode_t1` (device_kind "cuda") for a launcher whose compiled wrapper checks the
+    rest (ranks, dtypes, static dims and strides: the tokens' dim 0 of size 1, the head dims 128, each token's
+    [H, 128] compact; the sizes shared between arguments); see the contract above. Rows are tokens, stepped along
+    dim 1 of raw_gate, raw_beta and output. Positional arguments, in the entry's order."""
+    try:
+        if ((use_gate_in_kernel is True or use_gate_in_kernel is False)
+                and (beta_is_logit is True or beta_is_logit is False) and mixed_qkv.get_device() >= _LAUNCH_DEVICE_MIN):
+            _, B, H, _ = raw_gate.shape
+            row = H * HEAD_DIM
+            shape = mixed_qkv.shape
+            sm, sr = mixed_qkv.stride(), raw_gate.stride()
+            if H in _T1_HEADS and shape[1] == 3 * row and (B < 2 or (sm[0] >= 3 * row and sr[1] >= row)):
+                g_dtype = raw_gate.dtype
+                pm, pr = mixed_qkv.data_ptr(), raw_gate.data_ptr()
+                acc = pm | pr
+                if B > 1:
+                    acc |= sm[0] * 2 | sr[1] * (4 if g_dtype is _F32 else 2)
+                out = None
+                if output is not None:
+                    out = _t1_output_range(output, B, H, 1)
+                    if out is None:
+                        raise KeyError  # overlapping output tokens: the full validator says so
+                    lo, hi, _ = out
+                    r = B - 1
+                    if (pm < hi and lo < pm + (r * sm[0] + 3 * row) * 2
+                            or pr < hi and lo < pr + (r * sr[1] + row) * (4 if g_dtype is _F32 else 2)
+                            or (pb := raw_beta.data_ptr()) < hi
+                            and lo < pb + (r * (sb := raw_beta.stride())[1] + (H - 1) * sb[2] + 1)
+                            * (4 if raw_beta.dtype is _F32 else 2)):
+                        raise KeyError
+                call = _t1_remembered(B, H, g_dtype, raw_beta.dtype, True, state_pool, slot_indices, A_log, dt_bias,
+                                      lower_bound, use_gate_in_kernel, beta_is_logit, scale, out, acc)
+                if call is not None:
+                    return call
+    except _REVALIDATE_MISS + (ValueError,):  # ValueError: raw_gate is not 4-D
+        pass
+    return validate_packed_tokens_decode_t1(mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log=A_log,
+                                            dt_bias=dt_bias, lower_bound=lower_bound,
+                                            use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit,
+                                            scale=scale, output=output)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1219,6 +1310,54 @@ def revalidate_recurrent_t1(args: tuple) -> RecurrentCall | None:
             if tail is not None:
                 N, state_dtype, lb, sc, bits, _, has_dt_bias, index_dtype = tail
                 call = _MEMO.get(("recurrent", "pool", B, T, B, H, H, K, N, False, use_gate_in_kernel, lb,
+                                  beta_is_logit, use_qk_l2norm_in_kernel, False, state_dtype, q.dtype, g_dtype,
+                                  beta.dtype, sc, bits, has_dt_bias, index_dtype, True))
+                if call is not None and call.t1_eligible:
+                    return call
+    except _REVALIDATE_MISS + (ValueError,):  # ValueError: q is not 4-D, or args not 18 long
+        pass
+    return None
+
+
+def revalidate_recurrent_t1_varlen(args: tuple) -> RecurrentCall | None:
+    """:func:`revalidate_recurrent_t1` for the varlen decode form: ``[1, T, H, 128]`` tokens + ``cu_seqlens``
+    [S + 1] with 1-D ``ssm_state_indices`` [S] (the T=1 kernel's varlen entry, ``decode_t1._run_varlen``, whose
+    compiled wrapper checks ranks, dtypes, static dims and the sizes shared between its arguments). Returns the
+    remembered T=1-eligible CUDA description of these facts, or None: then the caller runs the full validator.
+
+    Read here besides the T=1 facts (rows are tokens, stepped along dim 1): the token count T >= 1 and the sequence
+    count S >= 1 (with none of either nothing launches, so no wrapper would check the rest), ``cu_seqlens`` one
+    longer than the indices and of an index dtype (sizes the wrapper takes independently), and that the output
+    shares no byte with ``cu_seqlens``. The offsets' values are device data, never read here.
+    """
+    try:
+        (q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+         use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+         output) = args
+        if (num_accepted_tokens is None and output_final_state is False and cu_seqlens is not None
+                and ssm_state_indices is not None and initial_state is not None
+                and (use_qk_l2norm_in_kernel is True or use_qk_l2norm_in_kernel is False)
+                and (use_gate_in_kernel is True or use_gate_in_kernel is False)
+                and (beta_is_logit is True or beta_is_logit is False) and q.get_device() >= _LAUNCH_DEVICE_MIN):
+            B, T, H, K = q.shape
+            S = ssm_state_indices.shape[0]
+            cu_dtype = cu_seqlens.dtype
+            if T < 1 or cu_seqlens.shape[0] != S + 1 or (cu_dtype is not _I32 and cu_dtype is not _I64):
+                return None
+            g_dtype = g.dtype
+            out = None if output is None else _t1_output_range(output, T, H, 1)
+            acc = -1 if output is not None and out is None else _t1_activation_bits(q, k, v, g, beta, T, H, g_dtype,
+                                                                                    out, 1)
+            tail = None if acc < 0 else _t1_recheck_tail(S, H, initial_state, ssm_state_indices, A_log, dt_bias,
+                                                         lower_bound, use_gate_in_kernel, scale, out, acc)
+            if tail is not None:
+                if out is not None:
+                    lo, hi, _ = out
+                    if (p := cu_seqlens.data_ptr()) < hi and lo < p + (S * cu_seqlens.stride()[0] + 1) * (
+                            8 if cu_dtype is _I64 else 4):
+                        return None
+                N, state_dtype, lb, sc, bits, _, has_dt_bias, index_dtype = tail
+                call = _MEMO.get(("recurrent", "pool", B, T, S, H, H, K, N, True, use_gate_in_kernel, lb,
                                   beta_is_logit, use_qk_l2norm_in_kernel, False, state_dtype, q.dtype, g_dtype,
                                   beta.dtype, sc, bits, has_dt_bias, index_dtype, True))
                 if call is not None and call.t1_eligible:

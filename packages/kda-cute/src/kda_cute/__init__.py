@@ -6,12 +6,12 @@ Importing this package never touches the GPU or the DSL: kernels compile on firs
 
 from __future__ import annotations
 
-__all__ = ["fused_kda_decode", "kda_decode_t1", "kda_decode_t1_packed"]
+__all__ = ["fused_kda_decode", "kda_decode_t1", "kda_decode_t1_packed", "kda_decode_t1_packed_tokens"]
 
 
 def __getattr__(name: str):
     # Lazy: the kernel modules import cutlass, which is slow to import and needs its CUDA libraries.
-    if name in ("kda_decode_t1", "kda_decode_t1_packed"):
+    if name in ("kda_decode_t1", "kda_decode_t1_packed", "kda_decode_t1_packed_tokens"):
         from . import decode_t1
 
         return getattr(decode_t1, name)

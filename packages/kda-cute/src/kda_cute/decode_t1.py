@@ -49,8 +49,10 @@ from kda_core.validation import (
     debug_checks_enabled,
     revalidate_decode_t1,
     revalidate_packed_decode_t1,
+    revalidate_packed_tokens_decode_t1,
     validate_decode_t1,
     validate_packed_decode_t1,
+    validate_packed_tokens_decode_t1,
 )
 
 from . import _lane_math, _launch
@@ -733,17 +735,57 @@ class KDADecodeT1Packed(KDADecodeT1):
     ):
         B = cute.size(mMixed, mode=[0])
         H = cute.size(mRawBeta, mode=[1])
+        mG = cute.make_tensor(mGate.iterator, cute.make_layout((B, 1, H, HEAD_DIM), stride=(mGate.stride[0], 0,
+                                                                                            HEAD_DIM, 1)))
+        mBeta = cute.make_tensor(mRawBeta.iterator, cute.make_layout((B, 1, H), stride=(mRawBeta.stride[0], 0,
+                                                                                        mRawBeta.stride[1])))
+        self.launch_mixed(mMixed, mG, mBeta, mALog, mDtBias, mState, mSlot, mOut, B, H, scale, lower_bound, stream)
+
+    @cute.jit
+    def launch_mixed(self, mMixed, mG, mBeta, mALog, mDtBias, mState, mSlot, mOut, B, H, scale: Float32,
+                     lower_bound: Float32, stream):
+        """q, k, v [B, 1, H, 128] views of the mixed rows, then :meth:`launch`."""
         heads = H * HEAD_DIM  # elements of one operand's heads in a mixed row
         # (B, T=1, H, K): the batch stride is the row stride; the single token's stride is never stepped over.
         qkv = cute.make_layout((B, 1, H, HEAD_DIM), stride=(mMixed.stride[0], 0, HEAD_DIM, 1))
         mQ = cute.make_tensor(mMixed.iterator, qkv)
         mK = cute.make_tensor(mMixed.iterator + heads, qkv)
         mV = cute.make_tensor(mMixed.iterator + 2 * heads, qkv)
-        mG = cute.make_tensor(mGate.iterator, cute.make_layout((B, 1, H, HEAD_DIM), stride=(mGate.stride[0], 0,
-                                                                                            HEAD_DIM, 1)))
-        mBeta = cute.make_tensor(mRawBeta.iterator, cute.make_layout((B, 1, H), stride=(mRawBeta.stride[0], 0,
-                                                                                        mRawBeta.stride[1])))
         self.launch(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mSlot, None, mOut, scale, lower_bound, stream)
+
+
+class KDADecodeT1PackedTokens(KDADecodeT1Packed):
+    """The packed entry's host wrapper in the token form (vLLM Kimi K3's call): ``mixed_qkv`` [B, 3*H*128] as
+    :class:`KDADecodeT1Packed`'s, ``raw_gate`` [1, B, H, 128] (each token's [H, 128] compact), ``raw_beta`` [1, B, H]
+    and the output [1, B, H, 128], taken as they are: the traced host code views them as the kernel's [B, 1, H, ...]
+    rows (dim 1's stride as the row stride), so no torch view is made per call. The kernel reads the same elements
+    as on the [B, H*128], [B, H] and [B, 1, H, 128] views of :class:`KDADecodeT1Packed`."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mMixed: cute.Tensor,  # [B, 3*H*K]: [q heads | k heads | v heads]
+        mGate: cute.Tensor,  # [1, B, H, K]
+        mRawBeta: cute.Tensor,  # [1, B, H]
+        mALog,  # [H] fp32, or None (precomputed gate)
+        mDtBias,  # [H*K] fp32, or None
+        mState: cute.Tensor,  # [N, H, V, K]
+        mSlot: cute.Tensor,  # [B] int32 or int64, any stride
+        mOut: cute.Tensor,  # [1, B, H, V]
+        scale: Float32,
+        lower_bound: Float32,
+        stream,
+    ):
+        B = cute.size(mMixed, mode=[0])
+        H = cute.size(mRawBeta, mode=[2])
+        mG = cute.make_tensor(mGate.iterator, cute.make_layout((B, 1, H, HEAD_DIM), stride=(mGate.stride[1], 0,
+                                                                                            HEAD_DIM, 1)))
+        mBeta = cute.make_tensor(mRawBeta.iterator, cute.make_layout((B, 1, H), stride=(mRawBeta.stride[1], 0,
+                                                                                        mRawBeta.stride[2])))
+        mOutRows = cute.make_tensor(mOut.iterator, cute.make_layout((B, 1, H, HEAD_DIM), stride=(mOut.stride[1], 0,
+                                                                                                 mOut.stride[2], 1)))
+        self.launch_mixed(mMixed, mG, mBeta, mALog, mDtBias, mState, mSlot, mOutRows, B, H, scale, lower_bound,
+                          stream)
 
 
 class KDADecodeT1Varlen(KDADecodeT1):
@@ -796,6 +838,7 @@ def _compile(key, arch):
     B, N, H = _launch.sym_size(), _launch.sym_size(), _launch.sym_size()
     head_elems = HEAD_DIM * HEAD_DIM
     varlen = cu_dtype is not None
+    tokens = packed == PACKED_TOKENS
     if varlen and packed:
         raise ValueError("decode_t1: the varlen form has no packed entry")
 
@@ -804,7 +847,15 @@ def _compile(key, arch):
             return _launch.fake_tensor(cdt(dtype), (1, B, H, HEAD_DIM), (None, None, None, 1), align_bytes=align)
         return _launch.fake_tensor(cdt(dtype), (B, 1, H, HEAD_DIM), (None, None, None, 1), align_bytes=align)
 
-    if packed:  # GEMM rows [B, width] with a padded row stride; the widths are checked by kda-core
+    if tokens:  # GEMM rows [B, width]; the gate, beta (and output) as [1, B, ...] tokens, vLLM's form
+        size_one = cute.sym_int64()  # dim 0's stride (size 1: never stepped over, any value)
+        inputs = [
+            _launch.fake_tensor(cutlass.BFloat16, (B, _launch.sym_size()), (None, 1), align_bytes=align),  # mixed_qkv
+            _launch.fake_tensor(cdt(g_dt), (1, B, H, HEAD_DIM), (size_one, None, HEAD_DIM, 1),
+                                align_bytes=align),  # raw_gate
+            _launch.fake_tensor(cdt(beta_dt), (1, B, H), (size_one, None, None), align_bytes=1),  # raw_beta
+        ]
+    elif packed:  # GEMM rows [B, width] with a padded row stride; the widths are checked by kda-core
         inputs = [
             _launch.fake_tensor(cutlass.BFloat16, (B, _launch.sym_size()), (None, 1), align_bytes=align),  # mixed_qkv
             _launch.fake_tensor(cdt(g_dt), (B, _launch.sym_size()), (None, 1), align_bytes=align),  # raw_gate
@@ -831,12 +882,14 @@ def _compile(key, arch):
         # slot indices, any stride; varlen: one per sequence, then the S + 1 offsets
         _launch.fake_tensor(cdt(index_dtype), (_launch.sym_size() if varlen else B,), (None,), align_bytes=1),
         *([_launch.fake_tensor(cdt(cu_dtype), (_launch.sym_size(),), (None,), align_bytes=1)] if varlen else []),
-        activation(torch.bfloat16),  # output
+        (_launch.fake_tensor(cutlass.BFloat16, (1, B, H, HEAD_DIM), (cute.sym_int64(), None, None, 1),
+                             align_bytes=align) if tokens else activation(torch.bfloat16)),  # output
         cutlass.Float32(1.0),
         cutlass.Float32(-1.0),
         _launch.fake_stream(),
     ]
-    kernel = (KDADecodeT1Varlen if varlen else KDADecodeT1Packed if packed else KDADecodeT1)(
+    kernel = (KDADecodeT1Varlen if varlen else KDADecodeT1PackedTokens if tokens else KDADecodeT1Packed if packed
+              else KDADecodeT1)(
         state_dtype=cdt(state_dt),
         gate=gate,
         beta_is_logit=beta_is_logit,
@@ -857,13 +910,18 @@ def _compile(key, arch):
 
 _EXTRA_OPTIONS = ""  # tests set "--keep-ptx --dump-dir D" through compile_variant()
 
+PACKED_TOKENS = "tokens"
+"""The ``packed`` value of a variant key whose compiled function takes the token form (:class:`KDADecodeT1PackedTokens`,
+:func:`kda_decode_t1_packed_tokens`)."""
+
 
 def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk_l2norm, has_dt_bias, tile_v, aligned,
                 rows_in_flight=0, cache_hint="stream", bulk_ring=0, slot_major=False, packed=False,
                 null_policy=NullSlotPolicy.OUT_OF_RANGE, index_dtype=torch.int32, cu_dtype=None):
     """Every code-generation parameter of one variant, in the order ``_compile`` reads them (the signature's).
 
-    ``packed``: the compiled function takes the packed GEMM rows (:class:`KDADecodeT1Packed`) instead of five views.
+    ``packed``: the compiled function takes the packed GEMM rows (:class:`KDADecodeT1Packed`) instead of five views;
+    :data:`PACKED_TOKENS`: the rows with the gate, beta and output in the token form (:class:`KDADecodeT1PackedTokens`).
     ``rows_in_flight``: normalised to the effective count (:func:`rows_in_flight_for`).
     ``bulk_ring``: normalised by :func:`bulk_ring_for`; a ring replaces rows in flight and the cache hint (normalised
     away). ``slot_major``: normalised to its static conditions (tile 128, aligned). ``null_policy``: which slot
@@ -891,7 +949,8 @@ def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk
         rows_in_flight, cache_hint = 0, "stream"
     slot_major = bool(slot_major) and slot_major_compiles(tile_v, aligned)
     return (state_dtype, g_dtype, beta_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm), bool(has_dt_bias),
-            int(tile_v), bool(aligned), int(rows_in_flight), str(cache_hint), int(bulk_ring), slot_major, bool(packed),
+            int(tile_v), bool(aligned), int(rows_in_flight), str(cache_hint), int(bulk_ring), slot_major,
+            PACKED_TOKENS if packed == PACKED_TOKENS else bool(packed),
             null_policy, index_dtype, cu_dtype)
 
 
@@ -1009,6 +1068,47 @@ def kda_decode_t1_packed(
         raise
 
 
+def kda_decode_t1_packed_tokens(
+    mixed_qkv,
+    raw_gate,
+    raw_beta,
+    state_pool,
+    slot_indices,
+    *,
+    A_log=None,
+    dt_bias=None,
+    lower_bound=None,
+    use_gate_in_kernel=True,
+    beta_is_logit=True,
+    use_qk_l2norm_in_kernel=True,
+    scale=None,
+    output=None,
+    null_policy=NullSlotPolicy.OUT_OF_RANGE,
+    config=None,
+):
+    """:func:`kda_decode_t1_packed` in the token form, vLLM Kimi K3's plain-decode tensors as that engine passes them:
+    mixed_qkv [B, 3*H*128]; raw_gate [1, B, H, 128] with each token's [H, 128] compact (token stride free); raw_beta
+    [1, B, H] (any strides); output None (allocated) or bf16 [1, B, H, 128] (token and head strides free). H is
+    raw_gate's dim 2. The compiled function takes these tensors as they are (no torch view per call); the kernel
+    reads the same elements as :func:`kda_decode_t1_packed` on their [B, H*128], [B, H] and [B, 1, H, 128] views.
+    Other arguments as :func:`kda_decode_t1`; returns output [1, B, H, 128].
+    """
+    call = revalidate_packed_tokens_decode_t1(mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log,
+                                              dt_bias, lower_bound, use_gate_in_kernel, beta_is_logit, scale, output)
+    if debug_checks_enabled():  # as in kda_decode_t1
+        _debug_check_slots(slot_indices, call.N, null_policy)
+    try:
+        return _run_packed_tokens(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias,
+                                  use_qk_l2norm_in_kernel, output, null_policy, config)
+    except WRAPPER_REJECTED:  # as in kda_decode_t1
+        validate_packed_tokens_decode_t1(
+            mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log=A_log, dt_bias=dt_bias,
+            lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit, scale=scale,
+            output=output,
+        )
+        raise
+
+
 def _debug_check_slots(slot_indices, N, null_policy):
     """kda-core's duplicate check (debug mode only: it syncs) on the slots that are live under ``null_policy``
     (under NONPOSITIVE slot 0 is null: any number of rows may name it)."""
@@ -1062,7 +1162,10 @@ def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bi
         raw = getattr(compiled, "__tvm_ffi_object__", None)
         fn = (raw() if raw is not None else None) or compiled
         if not cfg.slot_major and not varlen and B > GRID_Z_MAX:
-            fn = _batch_split(fn, B, _PACKED_BATCH_ARGS if packed else _BATCH_ARGS)
+            if packed == PACKED_TOKENS:
+                fn = _batch_split(fn, B, _TOKENS_BATCH_ARGS, _TOKENS_TOKEN_ARGS)
+            else:
+                fn = _batch_split(fn, B, _PACKED_BATCH_ARGS if packed else _BATCH_ARGS)
     lower_bound = call.lower_bound
     entry = (call, fn, call.scale, -1.0 if lower_bound is None else float(lower_bound), gated, B, call.H, compiled)
     if len(_LAUNCH_MEMO) >= _LAUNCH_MEMO_MAX:  # many distinct call shapes: start over rather than grow
@@ -1073,18 +1176,23 @@ def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bi
 
 _BATCH_ARGS = (0, 1, 2, 3, 4, 8, 9)  # q, k, v, g, beta, slot_indices, output of the unpacked function
 _PACKED_BATCH_ARGS = (0, 1, 2, 6, 7)  # mixed_qkv, raw_gate, raw_beta, slot_indices, output of the packed one
+_TOKENS_BATCH_ARGS = (0, 6)  # mixed_qkv, slot_indices of the token form
+_TOKENS_TOKEN_ARGS = (1, 2, 7)  # raw_gate, raw_beta, output of the token form: rows on dim 1
 
 
-def _batch_split(fn, B: int, batch_args: tuple):
+def _batch_split(fn, B: int, batch_args: tuple, token_args: tuple = ()):
     """The batch-major grid puts B on gridDim.z (at most ``GRID_Z_MAX``): a larger batch runs as several launches
     of at most ``GRID_Z_MAX`` rows each, on views of the batch-indexed arguments (rows are independent; a view's
-    pointer moves by whole row strides, so the alignment class is kept)."""
+    pointer moves by whole row strides, so the alignment class is kept). ``token_args``: arguments whose rows are
+    on dim 1 (the token form's [1, B, ...] tensors)."""
 
     def launch_in_parts(*args):
         for b0 in range(0, B, GRID_Z_MAX):
             part = list(args)
             for i in batch_args:
                 part[i] = args[i][b0 : b0 + GRID_Z_MAX]
+            for i in token_args:
+                part[i] = args[i][:, b0 : b0 + GRID_Z_MAX]
             fn(*part)
 
     return launch_in_parts
@@ -1129,6 +1237,25 @@ def _run_packed(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A
            null_policy, config)  # as in _run
     entry = _LAUNCH_MEMO.get(key) or _configure(key, call, True, l2norm, mixed_qkv, raw_gate.dtype, raw_beta.dtype,
                                                 dt_bias is not None, null_policy, config, slot_indices.dtype)
+    fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, mixed_qkv, A_log, dt_bias, output)
+    if fn is None:  # B == 0
+        return output
+    fn(mixed_qkv, raw_gate, raw_beta, A_log, dt_bias, state_pool, slot_indices, output, scale, lower_bound)
+    return output
+
+
+def _run_packed_tokens(call, mixed_qkv, raw_gate, raw_beta, state_pool, slot_indices, A_log, dt_bias, l2norm,
+                       output, null_policy=NullSlotPolicy.OUT_OF_RANGE, config=None):
+    """:func:`_run_packed` for a validated call in the token form (:func:`kda_decode_t1_packed_tokens`): raw_gate
+    [1, B, H, 128], raw_beta [1, B, H] and output [1, B, H, 128] (allocated when None) go to the compiled function
+    as they are."""
+    key = (id(call), PACKED_TOKENS, l2norm, mixed_qkv.get_device(), knobs.get("KDA_DECODE_TILE_V"), dt_bias is None,
+           null_policy, config)  # as in _run
+    entry = _LAUNCH_MEMO.get(key) or _configure(key, call, PACKED_TOKENS, l2norm, mixed_qkv, raw_gate.dtype,
+                                                raw_beta.dtype, dt_bias is not None, null_policy, config,
+                                                slot_indices.dtype)
+    if output is None:
+        output = torch.empty((1, call.B, call.H, HEAD_DIM), dtype=torch.bfloat16, device=mixed_qkv.device)
     fn, output, A_log, dt_bias, scale, lower_bound = _launch_args(entry, mixed_qkv, A_log, dt_bias, output)
     if fn is None:  # B == 0
         return output

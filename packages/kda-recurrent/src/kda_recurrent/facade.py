@@ -26,7 +26,12 @@ beta, pool, slots, A_log, dt_bias, l2norm, output)``, kda-cute's own form, share
 Host cost: a T=1 call whose facts kda-core described before takes the hot path, in :func:`recurrent_kda` itself:
 kda-core's re-validation (``revalidate_recurrent_t1``, the facts the T=1 kernel's compiled wrapper cannot check; the
 wrapper checks the rest before launch) and the T=1 kernel's launch-on-a-validated-call entry (``decode_t1._run``,
-called directly). Any other call, and a call the wrapper rejects, takes the full path (:func:`_run_full`): one
+called directly). The varlen decode form (``[1, T, H, 128]`` + ``cu_seqlens``, 1-D indices) has its own: kda-core's
+``revalidate_recurrent_t1_varlen`` and the varlen entry (``decode_t1._run_varlen``); before it, that form took the
+full path on every call (stubbed-launch timeit on CPU tensors, T = S = 1, H = 12, ``out`` given, vLLM's Kimi-Linear
+adapter, three interleaved runs on the loaded 2-core development CPU: min 24.4-48.1 us before, 11.6-13.6 us after,
+against 6.6-12.5 us for ``kda_decode_t1`` on ready views). Any other call, and a call the wrapper rejects, takes the
+full path (:func:`_run_full`): one
 validation (the description is remembered by its facts), the routing rules on it, and the chosen entry. Kernel
 modules are imported once (on the first CUDA call) and cached here; nothing is allocated when ``output`` is given.
 The hot path carries the bundle as a plain tuple and the full path as the NamedTuple (costs in
@@ -60,6 +65,7 @@ from kda_core.validation import (
     debug_check_slots,
     debug_checks_enabled,
     revalidate_recurrent_t1,
+    revalidate_recurrent_t1_varlen,
     validate_recurrent,
 )
 
@@ -189,6 +195,7 @@ def _warn_oracle_once(reason: str) -> None:
 # cost ~0.4 us). Tests replace these module attributes.
 _validate = validate_recurrent
 _revalidate = revalidate_recurrent_t1
+_revalidate_varlen = revalidate_recurrent_t1_varlen
 _named = tuple.__new__  # _named(RecurrentArgs, args): the NamedTuple without its Python-level __new__
 
 
@@ -316,16 +323,27 @@ def recurrent_kda(
     if torch.compiler.is_compiling():
         return _traced(_named(RecurrentArgs, args), null_policy)
     # The T=1 hot path (see _run_full for the rest): a call whose facts kda-core has described before, re-validated
-    # from the facts the T=1 kernel's compiled wrapper cannot check, launched on the T=1 entry.
-    call = _revalidate(args)
-    if (call is not None and knobs.get("KDA_T1_FAST_PATH") and (t1 := _t1()) is not None
-            and not knobs.get("KDA_DEBUG_VALIDATE")):
-        try:
-            # (an absent dt_bias goes as None: the T=1 entry compiles its variant without one)
-            return (t1(call, q, k, v, g, beta, initial_state, ssm_state_indices, A_log, dt_bias,
-                       use_qk_l2norm_in_kernel, output, null_policy), initial_state)
-        except WRAPPER_REJECTED:  # the T=1 wrapper refused an argument before launch: the full path names it
-            pass
+    # from the facts the T=1 kernel's compiled wrapper cannot check, launched on the T=1 entry (the varlen form on
+    # its varlen entry).
+    if cu_seqlens is None:
+        call = _revalidate(args)
+        if (call is not None and knobs.get("KDA_T1_FAST_PATH") and (t1 := _t1()) is not None
+                and not knobs.get("KDA_DEBUG_VALIDATE")):
+            try:
+                # (an absent dt_bias goes as None: the T=1 entry compiles its variant without one)
+                return (t1(call, q, k, v, g, beta, initial_state, ssm_state_indices, A_log, dt_bias,
+                           use_qk_l2norm_in_kernel, output, null_policy), initial_state)
+            except WRAPPER_REJECTED:  # the T=1 wrapper refused an argument before launch: the full path names it
+                pass
+    else:
+        call = _revalidate_varlen(args)
+        if (call is not None and knobs.get("KDA_T1_FAST_PATH") and _t1() is not None
+                and (t1v := _t1_varlen_kernel) is not None and not knobs.get("KDA_DEBUG_VALIDATE")):
+            try:
+                return (t1v(call, q, k, v, g, beta, initial_state, ssm_state_indices, cu_seqlens, A_log, dt_bias,
+                            use_qk_l2norm_in_kernel, output, null_policy), initial_state)
+            except WRAPPER_REJECTED:  # as above
+                pass
     return _run_full(_named(RecurrentArgs, args), null_policy)
 
 

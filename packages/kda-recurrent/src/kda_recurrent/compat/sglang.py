@@ -122,16 +122,24 @@ def fused_recurrent_kda_packed_decode(
 
     Returns ``(out, initial_state)``, the tensors passed.
     """
-    H, HV, V, K = _heads(mixed_qkv, initial_state)
-    if H == HV and K == 128 and V == 128 and mixed_qkv.get_device() >= _KERNEL_DEVICE_MIN:
+    # The kernel's form, read from two shapes: K = V = 128 and a packed width of 3 * HV * 128 (so H == HV). The
+    # packed entry's validator checks the rest (its KDAError names the argument); any other form goes to _heads.
+    try:
+        _, HV, V, K = initial_state.shape
+        kernel = (V == 128 and K == 128 and mixed_qkv.shape[1] == 3 * HV * 128
+                  and mixed_qkv.get_device() >= _KERNEL_DEVICE_MIN)
+    except (AttributeError, TypeError, ValueError, IndexError):  # not tensors, or other ranks: _heads names them
+        kernel = False
+    if kernel:
         fn = _packed_entry
         if fn is _UNLOADED:
             fn = _load_packed()
         if fn is not None:
-            fn(mixed_qkv, a, b, initial_state, ssm_state_indices, num_heads=H, A_log=A_log, dt_bias=dt_bias,
+            fn(mixed_qkv, a, b, initial_state, ssm_state_indices, num_heads=HV, A_log=A_log, dt_bias=dt_bias,
                lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, scale=scale, output=out,
                null_policy=_NULL_POLICY)
             return out, initial_state
+    H, HV, V, K = _heads(mixed_qkv, initial_state)
     q, k, v, g, beta = _views(mixed_qkv, a, b, H, HV, V, K)
     use_gate = H == HV
     if not use_gate:

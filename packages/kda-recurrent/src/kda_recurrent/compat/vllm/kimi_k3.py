@@ -39,8 +39,9 @@ _NULL_POLICY = NullSlotPolicy.NONPOSITIVE
 # -1 (CPU tensors, a stubbed launch), as kda-core's ``validation._LAUNCH_DEVICE_MIN`` is set by its CPU tests.
 _KERNEL_DEVICE_MIN = 0
 
-# kda-cute's packed T=1 entry, imported on the first CUDA call (importing the CuTe DSL is slow); None when kda-cute
-# is not installed (the facade's oracle path then runs, with its warning). Tests replace it with a recorder.
+# kda-cute's packed T=1 entry in the token form (vLLM's tensors as they are), imported on the first CUDA call
+# (importing the CuTe DSL is slow); None when kda-cute is not installed (the facade's oracle path then runs, with
+# its warning). Tests replace it with a recorder.
 _UNLOADED = object()
 _packed_entry = _UNLOADED
 
@@ -48,7 +49,7 @@ _packed_entry = _UNLOADED
 def _load_packed():
     global _packed_entry
     try:
-        from kda_cute.decode_t1 import kda_decode_t1_packed as fn
+        from kda_cute.decode_t1 import kda_decode_t1_packed_tokens as fn
     except ImportError:
         fn = None
     _packed_entry = fn
@@ -106,12 +107,23 @@ def fused_recurrent_kda_packed_decode(
 
     Returns ``(out, initial_state)``: ``out`` is the tensor passed (or allocated), the pool the one passed.
 
-    On CUDA this is kda-cute's packed T=1 kernel itself (:func:`kda_cute.decode_t1.kda_decode_t1_packed`) on views
-    of ``raw_g`` as [B, H * K], ``raw_beta`` as [B, H] and ``out`` as [B, 1, H, V]: no copy, no allocation when
-    ``out`` is given. Its validator names the arguments as it sees them (``raw_gate``, ``raw_beta``, ``output``).
-    On the CPU (and on CUDA without kda-cute) the same call runs through :func:`kda_recurrent.recurrent_kda` on
-    zero-copy views, i.e. kda-core's oracle.
+    On CUDA this is kda-cute's packed T=1 kernel itself in the token form
+    (:func:`kda_cute.decode_t1.kda_decode_t1_packed_tokens`), which takes ``raw_g``, ``raw_beta`` and ``out`` as they
+    are: no view, no copy, no allocation when ``out`` is given. Its validator names the arguments as it sees them
+    (``raw_gate``, ``raw_beta``, ``output``). On the CPU (and on CUDA without kda-cute) the same call runs through
+    :func:`kda_recurrent.recurrent_kda` on zero-copy views, i.e. kda-core's oracle.
     """
+    try:
+        on_device = mixed_qkv.get_device() >= _KERNEL_DEVICE_MIN
+    except AttributeError:  # not a tensor: the views below name it
+        on_device = False
+    if on_device:
+        fn = _packed_entry
+        if fn is _UNLOADED:
+            fn = _load_packed()
+        if fn is not None:
+            return fn(mixed_qkv, raw_g, raw_beta, initial_state, state_indices, A_log=A_log, dt_bias=dt_bias,
+                      lower_bound=lower_bound, scale=scale, output=out, null_policy=_NULL_POLICY), initial_state
     try:
         # B, H, K from raw_g: the kernel's validator checks them against mixed_qkv and the pool (and K = 128).
         one, B, H, K = raw_g.shape
@@ -122,17 +134,8 @@ def fused_recurrent_kda_packed_decode(
         if out is None:
             out = torch.empty((1, B, H, initial_state.shape[2]), dtype=mixed_qkv.dtype, device=mixed_qkv.device)
         output = out.transpose(0, 1)  # [B, 1, H, V]: the kernel's output form (a size-1 dim's stride is not read)
-        device = mixed_qkv.get_device()
     except (AttributeError, TypeError, ValueError, IndexError, RuntimeError):
         _refuse_packed(mixed_qkv, raw_g, raw_beta, initial_state, out)
-    if device >= _KERNEL_DEVICE_MIN:
-        fn = _packed_entry
-        if fn is _UNLOADED:
-            fn = _load_packed()
-        if fn is not None:
-            fn(mixed_qkv, gate, beta, initial_state, state_indices, num_heads=H, A_log=A_log, dt_bias=dt_bias,
-               lower_bound=lower_bound, scale=scale, output=output, null_policy=_NULL_POLICY)
-            return out, initial_state
     q, k, v, g, b = _unpacked_views(mixed_qkv, gate, beta, H, K)
     recurrent_kda(q, k, v, g, b, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=lower_bound, beta_is_logit=True,
