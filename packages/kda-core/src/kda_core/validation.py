@@ -1054,6 +1054,8 @@ def revalidate_packed_tokens_decode_t1(mixed_qkv, raw_gate, raw_beta, state_pool
         if ((use_gate_in_kernel is True or use_gate_in_kernel is False)
                 and (beta_is_logit is True or beta_is_logit is False) and mixed_qkv.get_device() >= _LAUNCH_DEVICE_MIN):
             _, B, H, _ = raw_gate.shape
+            if raw_beta.dim() != 3:  # else the output-overlap test below may skip raw_beta's strides, by address
+                raise KeyError
             row = H * HEAD_DIM
             shape = mixed_qkv.shape
             sm, sr = mixed_qkv.stride(), raw_gate.stride()
