@@ -359,9 +359,14 @@ def test_gpu_a_repeated_varlen_call_takes_the_hot_path_and_matches_the_oracle(wi
     validations = []
     full = facade._validate
     monkeypatch.setattr(facade, "_validate", lambda args: validations.append(1) or full(args))
-    for _ in range(3):  # the first call is described by the full validator, the others re-validated
+    # The first call is described by the full validator, unless an earlier test described the same facts (the
+    # descriptions are remembered per process); every later call is re-validated on the hot path.
+    check_against_oracle(kw, exact=False, null_policy="nonpositive")
+    described = len(validations)
+    assert described <= 1
+    for _ in range(2):
         check_against_oracle(kw, exact=False, null_policy="nonpositive")
-    assert len(validations) == 1
+    assert len(validations) == described
 
 
 # Broken after a good call of the same facts: arguments only the varlen wrapper checks on the hot path, and rules
