@@ -151,16 +151,17 @@ def test_schedule_and_key_normalisation():
 
 
 def test_cluster_schedule_and_key():
-    """Small B*H takes a cluster (B=1 at H=12: 8 CTAs per head, tile 16), large B*H the one-CTA path as before; a
-    cluster drops the ring and fits rows in flight to its tile; an illegal cluster size is refused by name."""
+    """The schedule keeps the measured one-CTA path at every B*H (the cluster variant is chosen by config= until
+    its speed is measured); a cluster drops the ring and fits rows in flight to its tile; an illegal cluster size is
+    refused by name."""
     from kda_core.contracts import GateMode
     from kda_core.errors import KDAError
     from kda_cute import fused_decode as fd
 
     for sd in (torch.bfloat16, torch.float32):
-        assert fd.select_config(1, 12, sd, aligned=True).cluster == 8
-        assert fd.select_config(1, 12, sd, aligned=False).cluster == 8
-        assert fd.select_config(8, 12, sd, aligned=True).cluster == 4
+        assert fd.select_config(1, 12, sd, aligned=True).cluster == 1
+        assert fd.select_config(1, 12, sd, aligned=False).cluster == 1
+        assert fd.select_config(8, 12, sd, aligned=True).cluster == 1
         assert fd.select_config(64, 12, sd, aligned=True).cluster == 1
         assert fd.select_config(1024, 12, sd, aligned=True) == fd.FusedDecodeConfig(bulk_ring=8)
     cfg = fd.effective_config(fd.FusedDecodeConfig(bulk_ring=8, cluster=4), torch.bfloat16, True)

@@ -97,16 +97,15 @@ class FusedDecodeConfig:
 # Per pool dtype, rows (max B*H states, config), the last unbounded: clusters of C CTAs per (row, head) at small
 # B*H, then one CTA per (row, head) on the register path while latency decides, the bulk ring once bandwidth does.
 # The tile-128 thresholds are the T=1 table's tile-128 rows (decode_t1._SCHEDULE, measured on the H200), not a sweep
-# of this kernel: benchmarks/bench_fused_decode.py --bulk-ring measures both paths. The cluster rows are NOT YET
-# MEASURED: they give each state the T=1 table's tile at that B*H (cluster = 128 / tile: 16 -> 8, 32 -> 4,
-# 64 -> 2), on the reasoning that the state stream is the same at the same tile; benchmarks/bench_fused_decode.py
-# --cluster sweeps them.
+# of this kernel: benchmarks/bench_fused_decode.py --bulk-ring measures both paths (H200, 2026-12-01: 88-93% of the
+# copy roofline of the layer's bytes at B >= 256). The cluster variant (FusedDecodeConfig(cluster=C)) is tested on
+# the H200 against the reference and under both sanitizers but its speed is NOT YET MEASURED, so the table does not
+# choose it: pass config= to run it; benchmarks/bench_fused_decode.py --cluster 1 2 4 8 sweeps it. Proposed rows
+# for the sweep to confirm (the T=1 table's tile at that B*H, cluster = 128 / tile): bf16 B*H <= 12 -> 8, <= 24 -> 4,
+# <= 48 -> 8, <= 96 -> 4; fp32 <= 48 -> 8, <= 96 -> 4.
 _SCHEDULE = {
-    torch.bfloat16: ((12, FusedDecodeConfig(cluster=8)), (24, FusedDecodeConfig(cluster=4)),
-                     (48, FusedDecodeConfig(cluster=8)), (96, FusedDecodeConfig(cluster=4)),
-                     (384, FusedDecodeConfig()), (1 << 62, FusedDecodeConfig(bulk_ring=8))),
-    torch.float32: ((48, FusedDecodeConfig(cluster=8)), (96, FusedDecodeConfig(cluster=4)),
-                    (287, FusedDecodeConfig()), (1 << 62, FusedDecodeConfig(bulk_ring=8))),
+    torch.bfloat16: ((384, FusedDecodeConfig()), (1 << 62, FusedDecodeConfig(bulk_ring=8))),
+    torch.float32: ((287, FusedDecodeConfig()), (1 << 62, FusedDecodeConfig(bulk_ring=8))),
 }
 
 
