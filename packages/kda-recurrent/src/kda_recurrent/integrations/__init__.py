@@ -20,6 +20,7 @@ names they changed. Nothing here reads the environment.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import logging
 import sys
@@ -75,8 +76,9 @@ class Patcher:
     ``package``: the engine's top-level package name (``"vllm"``); only its modules are scanned and patched.
     """
 
-    def __init__(self, package: str, targets: tuple[Target, ...]):
+    def __init__(self, package: str, targets: tuple[Target, ...], engine: str = ""):
         self.package = package
+        self.engine = engine or package  # the engine's name in log lines
         self.targets = targets
         self._originals: dict[Target, Callable] = {}  # target -> the engine's function it replaced
         self._patched: dict[tuple[str, str], Target] = {}  # (module, name) -> target, for every replaced attribute
@@ -93,8 +95,14 @@ class Patcher:
                     found.append((name, namespace))
         return found
 
-    def enable(self) -> list[str]:
-        """Install every adapter whose engine module imports; returns the ``module.name`` attributes replaced now."""
+    def enable(self, require_kernels: bool = True) -> list[str]:
+        """Install every adapter whose engine module imports; returns the ``module.name`` attributes replaced now.
+        ``require_kernels``: do nothing (with a warning) when kda-cute is not installed, since the adapters would
+        run kda-core's oracle."""
+        if require_kernels and importlib.util.find_spec("kda_cute") is None:
+            logger.warning("kda: kda-cute is not installed; %s keeps its own KDA decode (install kda-recurrent[cute])",
+                           self.engine)
+            return []
         replaced = []
         modules = None
         for target in self.targets:

@@ -14,30 +14,22 @@ CuTe DSL and FlashInfer backends are not replaced. Slot ``-1`` is null and slot 
 
 from __future__ import annotations
 
-import importlib.util
-import logging
-
 from kda_recurrent.integrations import Patcher, Target
 
 __all__ = ["TARGETS", "disable", "enable", "patched"]
-
-logger = logging.getLogger(__name__)
 
 TARGETS = (
     Target("sglang.kernels.ops.attention.fla.fused_recurrent", "fused_recurrent_kda_packed_decode",
            "kda_recurrent.compat.sglang:fused_recurrent_kda_packed_decode"),
 )
 
-_patcher = Patcher("sglang", TARGETS)
+_patcher = Patcher("sglang", TARGETS, "SGLang")
 
 
 def enable(*, require_kernels: bool = True) -> list[str]:
     """Replace SGLang's KDA packed decode by kda's; returns the ``module.name`` attributes replaced by this call.
     ``require_kernels`` as :func:`kda_recurrent.integrations.vllm.enable`'s."""
-    if require_kernels and importlib.util.find_spec("kda_cute") is None:
-        logger.warning("kda: kda-cute is not installed; SGLang keeps its own KDA decode (install kda-recurrent[cute])")
-        return []
-    return _patcher.enable()
+    return _patcher.enable(require_kernels)
 
 
 def disable() -> list[str]:

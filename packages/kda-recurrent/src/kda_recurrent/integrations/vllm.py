@@ -29,15 +29,10 @@ FlashInfer's decode ops, RecoverSSM, and prefill. Every replacement treats slot 
 
 from __future__ import annotations
 
-import importlib.util
-import logging
-
 from kda_core import knobs
 from kda_recurrent.integrations import Patcher, Target
 
 __all__ = ["TARGETS", "disable", "enable", "patched", "register"]
-
-logger = logging.getLogger(__name__)
 
 _K3 = "vllm.models.kimi_k3.nvidia.ops.third_party.kda.fused_recurrent"
 TARGETS = (
@@ -48,17 +43,14 @@ TARGETS = (
            "kda_recurrent.compat.vllm.kimi_linear:fused_recurrent_kda"),
 )
 
-_patcher = Patcher("vllm", TARGETS)
+_patcher = Patcher("vllm", TARGETS, "vLLM")
 
 
 def enable(*, require_kernels: bool = True) -> list[str]:
     """Replace vLLM's KDA decode functions by kda's; returns the ``module.name`` attributes replaced by this call
     (empty when vLLM's modules do not import, or when everything is replaced already). ``require_kernels``: do
     nothing (with a warning) when kda-cute is not installed, since the adapters would run kda-core's oracle."""
-    if require_kernels and importlib.util.find_spec("kda_cute") is None:
-        logger.warning("kda: kda-cute is not installed; vLLM keeps its own KDA decode (install kda-recurrent[cute])")
-        return []
-    return _patcher.enable()
+    return _patcher.enable(require_kernels)
 
 
 def disable() -> list[str]:
