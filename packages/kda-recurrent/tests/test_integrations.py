@@ -32,8 +32,8 @@ SGL_CALLER = "sglang.srt.layers.attention.linear.kernels.kda_triton"
 @pytest.fixture(autouse=True)
 def kernels_installed(monkeypatch):
     """``enable()`` does nothing without kda-cute (the adapters would run the oracle); these tests patch stand-ins,
-    so kda-cute reads as installed even where it is not (CI's kda-recurrent-alone session). A test that wants it
-    missing patches ``find_spec`` again."""
+    so kda-cute reads as installed even where it is not (CI installs kda-recurrent once without kda-cute). A test
+    that wants it missing patches ``find_spec`` again."""
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name == "kda_cute" else real_find_spec(name, *a))

@@ -26,6 +26,7 @@ from kda_core.contracts import HEAD_DIM, NullSlotPolicy
 from kda_core.errors import fail
 from kda_core.oracle_fused import NORM_EPS, fused_kda_decode_ref
 from kda_core.validation_fused import validate_fused_decode
+from kda_recurrent.compat import optional_entry
 
 __all__ = ["fused_kda_decode"]
 
@@ -36,12 +37,8 @@ _warned = False
 
 def _load():
     global _kernel
-    try:
-        from kda_cute.fused_decode import fused_kda_decode as fn
-    except ImportError:
-        fn = None
-    _kernel = fn
-    return fn
+    _kernel = optional_entry("kda_cute.fused_decode", "fused_kda_decode")
+    return _kernel
 
 
 def _policy(null_policy) -> NullSlotPolicy:

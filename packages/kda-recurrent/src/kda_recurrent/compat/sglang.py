@@ -34,6 +34,7 @@ from kda_core.contracts import NullSlotPolicy
 from kda_core.errors import fail
 from kda_core.oracle import kda_gate_ref
 from kda_core.validation import validate_gate_params, validate_recurrent
+from kda_recurrent.compat import optional_entry, shape_text
 from kda_recurrent.facade import recurrent_kda
 
 __all__ = ["fused_recurrent_kda_packed_decode"]
@@ -48,30 +49,22 @@ _packed_entry = _UNLOADED
 
 def _load_packed():
     global _packed_entry
-    try:
-        from kda_cute.decode_t1 import kda_decode_t1_packed as fn
-    except ImportError:
-        fn = None
-    _packed_entry = fn
-    return fn
-
-
-def _shape(x):
-    return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+    _packed_entry = optional_entry("kda_cute.decode_t1", "kda_decode_t1_packed")
+    return _packed_entry
 
 
 def _heads(mixed_qkv, initial_state):
     """(H, HV, V, K) from the pool [slots, HV, V, K] and the packed width 2 * H * K + HV * V, as SGLang infers them."""
     if not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4:
-        fail("initial_state", "the state pool [slots, HV, V, K]", _shape(initial_state))
+        fail("initial_state", "the state pool [slots, HV, V, K]", shape_text(initial_state))
     if not isinstance(mixed_qkv, torch.Tensor) or mixed_qkv.dim() != 2:
-        fail("mixed_qkv", "a 2-D tensor [B, 2 * H * K + HV * V]", _shape(mixed_qkv))
+        fail("mixed_qkv", "a 2-D tensor [B, 2 * H * K + HV * V]", shape_text(mixed_qkv))
     _, HV, V, K = initial_state.shape
     qk = mixed_qkv.shape[1] - HV * V
     H = qk // (2 * K) if K else 0
     if qk <= 0 or H * 2 * K != qk or HV % H:
         fail("mixed_qkv", f"a last dim 2 * H * K + HV * V with HV % H == 0 (HV = {HV}, V = {V}, K = {K} from "
-             "initial_state)", _shape(mixed_qkv))
+             "initial_state)", shape_text(mixed_qkv))
     return H, HV, V, K
 
 
@@ -81,11 +74,11 @@ def _views(mixed_qkv, a, b, H, HV, V, K):
     if mixed_qkv.stride(1) != 1:
         fail("mixed_qkv", "a contiguous last dim", mixed_qkv.stride())
     if not isinstance(a, torch.Tensor) or tuple(a.shape) != (B, HV * K):
-        fail("a", f"shape [{B}, {HV * K}] ([B, HV * K])", _shape(a))
+        fail("a", f"shape [{B}, {HV * K}] ([B, HV * K])", shape_text(a))
     if a.stride(1) != 1:
         fail("a", "a contiguous last dim", a.stride())
     if not isinstance(b, torch.Tensor) or tuple(b.shape) != (B, HV):
-        fail("b", f"shape [{B}, {HV}] ([B, HV])", _shape(b))
+        fail("b", f"shape [{B}, {HV}] ([B, HV])", shape_text(b))
     q, k, v = mixed_qkv.split((H * K, H * K, HV * V), dim=1)
     return (q.unflatten(1, (H, K)).unsqueeze(1), k.unflatten(1, (H, K)).unsqueeze(1),
             v.unflatten(1, (HV, V)).unsqueeze(1), a.unflatten(1, (HV, K)).unsqueeze(1), b.unsqueeze(1))

@@ -29,6 +29,7 @@ from kda_core.contracts import NullSlotPolicy
 from kda_core.errors import fail
 from kda_core.oracle import kda_gate_ref
 from kda_core.validation import validate_recurrent
+from kda_recurrent.compat import optional_entry, shape_text
 from kda_recurrent.facade import recurrent_kda
 
 __all__ = ["fused_recurrent_kda", "fused_recurrent_kda_packed_decode"]
@@ -48,33 +49,25 @@ _packed_entry = _UNLOADED
 
 def _load_packed():
     global _packed_entry
-    try:
-        from kda_cute.decode_t1 import kda_decode_t1_packed_tokens as fn
-    except ImportError:
-        fn = None
-    _packed_entry = fn
-    return fn
-
-
-def _shape(x):
-    return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+    _packed_entry = optional_entry("kda_cute.decode_t1", "kda_decode_t1_packed_tokens")
+    return _packed_entry
 
 
 def _refuse_packed(mixed_qkv, raw_g, raw_beta, initial_state, out):
     """Name the argument whose layout the packed call cannot view (the slow path of a malformed call)."""
     if not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4:
-        fail("initial_state", "the state pool [slots, H, V, K]", _shape(initial_state))
+        fail("initial_state", "the state pool [slots, H, V, K]", shape_text(initial_state))
     _, H, _, K = initial_state.shape
     if not isinstance(mixed_qkv, torch.Tensor) or mixed_qkv.dim() != 2:
-        fail("mixed_qkv", "a 2-D tensor [B, 3 * H * K]", _shape(mixed_qkv))
+        fail("mixed_qkv", "a 2-D tensor [B, 3 * H * K]", shape_text(mixed_qkv))
     B = mixed_qkv.shape[0]
     if not isinstance(raw_g, torch.Tensor) or tuple(raw_g.shape) != (1, B, H, K):
-        fail("raw_g", f"shape [1, {B}, {H}, {K}] (B from mixed_qkv, H and K from initial_state)", _shape(raw_g))
+        fail("raw_g", f"shape [1, {B}, {H}, {K}] (B from mixed_qkv, H and K from initial_state)", shape_text(raw_g))
     if raw_g.stride()[2:] != (K, 1):
         fail("raw_g", f"each token's [H, K] contiguous (strides [*, *, {K}, 1])", raw_g.stride())
     if not isinstance(raw_beta, torch.Tensor) or raw_beta.dim() != 3 or raw_beta.shape[0] != 1:
-        fail("raw_beta", f"shape [1, {B}, {H}]", _shape(raw_beta))
-    fail("out", f"None or a tensor [1, {B}, {H}, V]", _shape(out))
+        fail("raw_beta", f"shape [1, {B}, {H}]", shape_text(raw_beta))
+    fail("out", f"None or a tensor [1, {B}, {H}, V]", shape_text(out))
 
 
 def fused_recurrent_kda_packed_decode(
@@ -146,7 +139,7 @@ def fused_recurrent_kda_packed_decode(
 def _unpacked_views(mixed_qkv, gate, beta, H, K):
     """q, k, v, g [B, 1, H, K] and beta [B, 1, H]: views of the packed rows (the facade's T=1 form)."""
     if not isinstance(mixed_qkv, torch.Tensor) or mixed_qkv.dim() != 2 or mixed_qkv.shape[1] != 3 * H * K:
-        fail("mixed_qkv", f"shape [B, {3 * H * K}] (3 * H * K, H and K from raw_g)", _shape(mixed_qkv))
+        fail("mixed_qkv", f"shape [B, {3 * H * K}] (3 * H * K, H and K from raw_g)", shape_text(mixed_qkv))
     if mixed_qkv.stride(1) != 1:
         fail("mixed_qkv", "a contiguous last dim", mixed_qkv.stride())
     q, k, v = (part.unflatten(1, (H, K)).unsqueeze(1) for part in mixed_qkv.split(H * K, dim=1))
