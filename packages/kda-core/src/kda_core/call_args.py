@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["RecurrentArgs"]
+__all__ = ["RecurrentArgs", "SpecArgs"]
 
 
 class RecurrentArgs(NamedTuple):
@@ -48,3 +48,25 @@ class RecurrentArgs(NamedTuple):
     ssm_state_indices: torch.Tensor | None = None
     num_accepted_tokens: torch.Tensor | None = None
     output: torch.Tensor | None = None
+
+
+class SpecArgs(NamedTuple):
+    """The spec-decode keywords of one ``recurrent_kda`` call (FlashInfer's names; docs/design.md §9), carried beside
+    :class:`RecurrentArgs` through validation, oracle and kernels. All absent (the defaults): a plain call.
+
+    - ``initial_state_source`` [Ps, HV, V, K], ``initial_state_indices`` [N_seq]: every sequence's first state is
+      read from ``initial_state_source[initial_state_indices[n]]`` (read only); ``initial_state`` with
+      ``ssm_state_indices`` is then only written (per-token checkpoints with 2-D indices, the final state with 1-D).
+    - ``disable_state_update``: frozen verify; no state is written anywhere.
+    - ``correction_cache`` [Pr, HV, T_max, V] fp32 and ``kg_cache`` [Pr, HV, T_max, 2K] (RecoverSSM records, with a
+      frozen verify): per token t < T_max of a sequence whose state was read from slot r, ``u_t`` and raw k | raw g.
+    - ``parent_indices`` [N_seq, T_p] (tree verify): token t continues from the state stored for token
+      ``parent_indices[n, t]`` when that lies in [0, t), else from the sequence's first state.
+    """
+
+    initial_state_source: torch.Tensor | None = None
+    initial_state_indices: torch.Tensor | None = None
+    disable_state_update: bool = False
+    correction_cache: torch.Tensor | None = None
+    kg_cache: torch.Tensor | None = None
+    parent_indices: torch.Tensor | None = None
