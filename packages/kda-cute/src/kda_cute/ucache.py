@@ -52,6 +52,8 @@ __all__ = [
     "UcacheVerifyFlush",
     "UcacheRestartCursors",
     "ucache_verify_flush",
+    "frozen_verify",
+    "build_frozen_kernel",
     "restart_cursors",
     "build_ucache_kernel",
     "build_restart_kernel",
@@ -309,6 +311,13 @@ class UcacheVerifyFlush:
     slot_int64: the slot indices are int64 (compared in 64 bits); slots_strided: their stride is a runtime value
     (a column of a wider table) instead of 1.
 
+    ring=False builds the frozen verify (:func:`frozen_verify`): the history is statically empty (P = 0), so there
+    are no cursors, ring loads, replay vectors, M or U M products, flush or appends; the kernel reads the checkpoint
+    ``state_pool[slot]`` and writes the outputs, and (``records``) the RecoverSSM records: u_s of the CTA's rows to
+    the correction cache (fp32), raw k_s | raw g_s to the kg cache (V tile 0). ``varlen``: the activations are
+    [1, tokens, H, 128] with the rows' tokens given by cu_seqlens (``cu_int64``: int64 offsets); a row runs
+    min(length, T) tokens, the missing ones masked to contribute nothing. ``w_ring`` is ignored there.
+
     The shared memory is sized for 4 tile-128 CTAs per SM at T=8 w16: the 2T dot products stay in registers across
     the ring correction, so ``sXY`` is only written after it and shares the bytes of the dead x operands (sXb, sXu);
     the flush fold runs one 8-channel chunk at a time (16 accumulators live instead of 64).
@@ -327,7 +336,19 @@ class UcacheVerifyFlush:
         null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
         slot_int64: bool = False,
         slots_strided: bool = False,
+        ring: bool = True,
+        records: bool = False,
+        varlen: bool = False,
+        cu_int64: bool = False,
     ):
+        if not ring:
+            w_ring = 0  # no ring: its width generates nothing (one build per frozen configuration)
+        if ring and (records or varlen):
+            raise ValueError("records and varlen are frozen-verify (ring=False) options")
+        self.ring = ring
+        self.records = records
+        self.varlen = varlen
+        self.cu_int64 = cu_int64 and varlen
         self.heads = heads
         self.slot_int64 = slot_int64
         self.slots_strided = slots_strided
@@ -337,9 +358,10 @@ class UcacheVerifyFlush:
         self.aligned = aligned
         self.t_draft = t_draft
         self.w_ring = w_ring
-        self.max_rows = max_hist_len(t_draft, w_ring)
+        self.max_rows = max_hist_len(t_draft, w_ring) if ring else 0
         self.tile_v = tile_v
-        self.kpad = MMA_K * ((self.max_rows + MMA_K - 1) // MMA_K)  # ring rows as the K extent of the fold MMA
+        # ring rows as the K extent of the fold MMA (no ring: 0, the ring tiles are not allocated)
+        self.kpad = MMA_K * ((self.max_rows + MMA_K - 1) // MMA_K)
         # row strides (words) of sM and sXY, padded for bank-conflict-free fragment / 16-byte row reads
         self.m_row = self.kpad if self.kpad == 16 else self.kpad + 16
         self.xy_stride = 2 * t_draft + 4
@@ -350,7 +372,7 @@ class UcacheVerifyFlush:
             raise ValueError(f"tile_v: expected one of {TILES}, got {tile_v}")
         # The gate phase gives each key channel NT / 128 threads, each a run of T / (NT / 128) draft tokens.
         assert self.threads % HEAD_DIM == 0 and t_draft % (self.threads // HEAD_DIM) == 0, (self.threads, t_draft)
-        assert self.kpad in (MMA_K, 2 * MMA_K), self.kpad
+        assert self.kpad in ((MMA_K, 2 * MMA_K) if ring else (0,)), self.kpad
 
     @cute.jit
     def __call__(
@@ -370,6 +392,9 @@ class UcacheVerifyFlush:
         mHist: cute.Tensor,
         mBase: cute.Tensor,
         mOut: cute.Tensor,
+        mCorr,  # frozen verify with records: correction cache [N, H, T_max, 128] fp32, else None
+        mKG,  # and the kg cache [N, H, T_max, 256] (k's dtype), else None
+        mCu,  # varlen frozen verify: cu_seqlens [B + 1] int32 / int64, else None
         scale: Float32,
         lower_bound: Float32,
         flush_min: cutlass.Int32,
@@ -391,11 +416,15 @@ class UcacheVerifyFlush:
             mHist,
             mBase,
             mOut,
+            mCorr,
+            mKG,
+            mCu,
             scale,
             lower_bound,
             flush_min,
         ).launch(
-            grid=[HEAD_DIM // self.tile_v, self.heads, mQ.shape[0]],
+            # the requests: one per slot (the varlen activations' batch dimension is 1)
+            grid=[HEAD_DIM // self.tile_v, self.heads, mQ.shape[0] if self.ring else mSlot.shape[0]],
             block=[self.threads, 1, 1],
             stream=stream,
             **self.occupancy(),
@@ -409,17 +438,18 @@ class UcacheVerifyFlush:
     def _smem_bytes(self, KQ_ROW: int) -> int:
         T, TV, KPAD = self.t_draft, self.tile_v, self.kpad
         K = HEAD_DIM
+        ring = int(self.ring)  # the frozen verify allocates no ring tile (sXu stays: sXY needs its bytes)
         words = (
             (2 * T - 1) * KQ_ROW + K,  # sKQ (the last row's padding is not allocated)
             (T - 1) * KQ_ROW + K,  # sDec
             16 * PAIR_ROW,  # sXb
             16 * PAIR_ROW,  # sXu
-            (KPAD // 2 - 1) * (TV + 8) + TV,  # sUp
+            ring * ((KPAD // 2 - 1) * (TV + 8) + TV),  # sUp
             K * KPAD,  # sWK
             KPAD * PAIR_ROW,  # sWKc
-            15 * self.m_row + KPAD,  # sM
+            ring * (15 * self.m_row + KPAD),  # sM
             T * TV // 2,  # sVin (bf16)
-            K,  # sBdec
+            ring * K,  # sBdec
             2 * T,  # sInv
             T,  # sBeta
             2 * T * T,  # sTri
@@ -469,10 +499,11 @@ class UcacheVerifyFlush:
         return HEAD_DIM + (KQ_PAD if self.vector_activations() else 0)
 
     @cute.jit
-    def load_v_runs(self, gV: cute.Tensor, tile, tidx, sVin=None):
+    def load_v_runs(self, gV: cute.Tensor, tile, tidx, sVin=None, n_tok=None):
         """The v tile as 16-byte runs of 8 rows, on the threads from NT/2 on (the threads below carry the draft
         inputs' runs in the vector-activation build). With ``sVin`` each run is stored right after its load;
-        without, the loads are only issued and :meth:`park_v_runs` stores them later."""
+        without, the loads are only issued and :meth:`park_v_runs` stores them later. ``n_tok`` (varlen): the
+        rows of tokens from n_tok on are zeros, not loaded."""
         TV, NT = self.tile_v, self.threads
         v_runs = self.t_draft * (TV // CHUNK)
         frags = [cute.make_rmem_tensor((CHUNK,), gV.element_type) for _ in range((v_runs + NT - 1) // NT)]
@@ -480,7 +511,12 @@ class UcacheVerifyFlush:
             task = (tidx + NT // 2) % NT + it * NT
             if task < v_runs:
                 run = tile * (TV // CHUNK) + task % (TV // CHUNK)
-                cute.autovec_copy(_row_chunks(gV, task // (TV // CHUNK), CHUNK)[None, run], frags[it])
+                if const_expr(n_tok is not None):
+                    frags[it].fill(0.0)
+                    if task // (TV // CHUNK) < n_tok:
+                        cute.autovec_copy(_row_chunks(gV, task // (TV // CHUNK), CHUNK)[None, run], frags[it])
+                else:
+                    cute.autovec_copy(_row_chunks(gV, task // (TV // CHUNK), CHUNK)[None, run], frags[it])
                 if const_expr(sVin is not None):
                     self.park_v_run(frags[it], sVin, task)
         return frags
@@ -529,6 +565,9 @@ class UcacheVerifyFlush:
         mHist: cute.Tensor,
         mBase: cute.Tensor,
         mOut: cute.Tensor,
+        mCorr,
+        mKG,
+        mCu,
         scale: Float32,
         lower_bound: Float32,
         flush_min: cutlass.Int32,
@@ -583,24 +622,27 @@ class UcacheVerifyFlush:
         # written by a select. u: row stride padded (+8 words) so the fragment reads hit 32 banks. wk: once
         # packed along ring rows (the fold's B operand, flush rows only; one column of KPAD words per channel,
         # see _fold_group) and once along channels (M's B operand: rows of PAIR_ROW words, (hi, hi, lo, lo)).
-        sUp = smem.allocate_tensor(Int32, cute.make_layout((KPAD // 2, TV), stride=(TV + 8, 1)), byte_alignment=16)
-        quads_of = lambda rows, words: cute.make_layout((rows, words // 4, 4), stride=(words, 4, 1))  # noqa: E731
-        sWK = smem.allocate_tensor(Int32, quads_of(K, KPAD), byte_alignment=16)
-        sWKc = smem.allocate_tensor(Int32, quads_of(KPAD, PAIR_ROW), byte_alignment=16)
-        # M[j, s] = wk_j . x_s as the A operand of the ring correction: [hi / lo][s % 8][k-step, q] 4 words
-        # (s pair jp, s + 8 pair jp, s pair jp + 4, s + 8 pair jp + 4), jp = 8 step + q; rows padded to 16
-        # words mod 32 so the quarter-warp reads hit 32 banks.
-        m_row = self.m_row
-        sM = smem.allocate_tensor(
-            Int32, cute.make_layout((2, 8, KPAD // 4, 4), stride=(8 * m_row, m_row, 4, 1)), byte_alignment=16
-        )
+        if const_expr(self.ring):
+            sUp = smem.allocate_tensor(Int32, cute.make_layout((KPAD // 2, TV), stride=(TV + 8, 1)),
+                                       byte_alignment=16)
+            quads_of = lambda rows, words: cute.make_layout((rows, words // 4, 4), stride=(words, 4, 1))  # noqa: E731
+            sWK = smem.allocate_tensor(Int32, quads_of(K, KPAD), byte_alignment=16)
+            sWKc = smem.allocate_tensor(Int32, quads_of(KPAD, PAIR_ROW), byte_alignment=16)
+            # M[j, s] = wk_j . x_s as the A operand of the ring correction: [hi / lo][s % 8][k-step, q] 4 words
+            # (s pair jp, s + 8 pair jp, s pair jp + 4, s + 8 pair jp + 4), jp = 8 step + q; rows padded to 16
+            # words mod 32 so the quarter-warp reads hit 32 banks.
+            m_row = self.m_row
+            sM = smem.allocate_tensor(
+                Int32, cute.make_layout((2, 8, KPAD // 4, 4), stride=(8 * m_row, m_row, 4, 1)), byte_alignment=16
+            )
         XYS = self.xy_stride  # sXY row stride: 16-byte rows, and the 16-byte row reads of the solve hit 32 banks
         xy_layout = cute.make_layout((TV, 2 * T), stride=(XYS, 1))
         # written only after the sync that ends the last read of sXb / sXu (phase 2c), contiguous and larger
         assert (TV - 1) * XYS + 2 * T <= 2 * cute.cosize(x_layout), (TV, XYS)
         sXY = cute.make_tensor(cute.recast_ptr(sXb.iterator, dtype=Float32), xy_layout)
         sVin = smem.allocate_tensor(mV.element_type, row_major(T, TV), byte_alignment=16)  # v tile as given (bf16)
-        sBdec = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
+        if const_expr(self.ring):
+            sBdec = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
         sInv = smem.allocate_tensor(Float32, cute.make_layout(2 * T), byte_alignment=16)  # 1/|k_s|, scale/|q_s|
         sBeta = smem.allocate_tensor(Float32, cute.make_layout(T), byte_alignment=16)
         # the triangles A[s, r] (decayed k_r . k_s) and Aq[s, r] (decayed k_r . q_s) as one block: a reduction lane
@@ -622,12 +664,30 @@ class UcacheVerifyFlush:
         # branch when only the active side uses it, so each one is either volatile (the cursors, A_log, dt_bias: kept
         # in registers) or stored to shared memory right here (k, q, the raw gate in sDec's slots, v, beta): the
         # stores wait for the loads, which arrive with the slot.
-        hist_in = _ld_volatile(mHist.iterator + bi, Int32)
-        base_in = _ld_volatile(mBase.iterator + bi, Int32)
-        gQ = mQ[bi, None, h, None]
-        gK = mK[bi, None, h, None]
-        gGate = mG[bi, None, h, None]
-        gV = mV[bi, None, h, None]
+        n_tok = T  # draft tokens this row runs (varlen: its length, at most T; the others are masked to zero)
+        if const_expr(self.ring):
+            hist_in = _ld_volatile(mHist.iterator + bi, Int32)
+            base_in = _ld_volatile(mBase.iterator + bi, Int32)
+        if const_expr(self.varlen):
+            # Row bi owns tokens [bos, eos): the offsets clamped to [0, tokens] and eos to >= bos, in 64 bits before
+            # anything narrows (common rule 1); it runs its first min(eos - bos, T) tokens.
+            t_total64 = Int64(mQ.shape[1])
+            bos64 = cutlass.min(cutlass.max(Int64(mCu[bi]), Int64(0)), t_total64)
+            eos64 = cutlass.min(cutlass.max(Int64(mCu[bi + 1]), bos64), t_total64)
+            tok0 = Int32(bos64)
+            n_tok = Int32(cutlass.min(eos64 - bos64, Int64(T)))
+            # the row's token t is row tok0 + t of every [tokens, 128] activation view
+            gQ = cute.domain_offset((tok0, 0), mQ[0, None, h, None])
+            gK = cute.domain_offset((tok0, 0), mK[0, None, h, None])
+            gGate = cute.domain_offset((tok0, 0), mG[0, None, h, None])
+            gV = cute.domain_offset((tok0, 0), mV[0, None, h, None])
+            gBeta = cute.domain_offset((tok0,), mBeta[0, None, h])
+            gOut = cute.domain_offset((tok0, 0), mOut[0, None, h, None])
+        else:
+            gQ = mQ[bi, None, h, None]
+            gK = mK[bi, None, h, None]
+            gGate = mG[bi, None, h, None]
+            gV = mV[bi, None, h, None]
         grp = 0
         c = tidx
         if const_expr(NG > 1):
@@ -639,8 +699,12 @@ class UcacheVerifyFlush:
             dt_in = _ld_volatile(mDtBias.iterator + h * K + c, Float32)
         beta_in = Float32(0.0)
         if const_expr(self.vector_activations()):
-            if tidx < T:
-                beta_in = mBeta[bi, tidx, h].to(Float32)
+            if const_expr(self.varlen):
+                if tidx < n_tok:
+                    beta_in = gBeta[tidx].to(Float32)
+            else:
+                if tidx < T:
+                    beta_in = mBeta[bi, tidx, h].to(Float32)
             # 16-byte loads of 8-channel runs: k, q, g run (t, c8) on thread (t, c8) (T * 16 of them), the v tile's
             # runs on the threads from NT/2 on, each stored right after its load (k, q and the raw gate as fp32).
             runs = T * (K // CHUNK)
@@ -648,14 +712,24 @@ class UcacheVerifyFlush:
                 task = tidx + it * NT
                 if task < runs:
                     trio = [cute.make_rmem_tensor((CHUNK,), mK.element_type) for _ in range(3)]
-                    for gX, frag in zip((gK, gQ, gGate), trio):
-                        cute.autovec_copy(_row_chunks(gX, task // (K // CHUNK), CHUNK)[None, task % (K // CHUNK)], frag)
+                    if const_expr(self.varlen):
+                        for frag in trio:
+                            frag.fill(0.0)  # a missing token: zero k, q and raw gate (its log-decay is zeroed later)
+                        if task // (K // CHUNK) < n_tok:
+                            for gX, frag in zip((gK, gQ, gGate), trio):
+                                cute.autovec_copy(
+                                    _row_chunks(gX, task // (K // CHUNK), CHUNK)[None, task % (K // CHUNK)], frag
+                                )
+                    else:
+                        for gX, frag in zip((gK, gQ, gGate), trio):
+                            cute.autovec_copy(_row_chunks(gX, task // (K // CHUNK), CHUNK)[None, task % (K // CHUNK)],
+                                              frag)
                     for dst, frag in zip((sK, sQ, sDec), trio):
                         wide = cute.make_rmem_tensor((CHUNK,), Float32)
                         wide.store(frag.load().to(Float32))
                         dst_runs = cute.zipped_divide(dst[task // (K // CHUNK), None], (CHUNK,))
                         cute.autovec_copy(wide, dst_runs[None, task % (K // CHUNK)])
-            self.load_v_runs(gV, tile, tidx, sVin)
+            self.load_v_runs(gV, tile, tidx, sVin, n_tok=n_tok if self.varlen else None)
             # phase 1a's threads read other threads' runs
             cute.arch.sync_threads()
             t = grp * TPT  # (the scalar path leaves `t` defined here; the DSL wants it typed before the branch)
@@ -665,21 +739,39 @@ class UcacheVerifyFlush:
             gate_in = cute.make_rmem_tensor((TPT,), Float32)
             for i in cutlass.range_constexpr(TPT):
                 t = grp * TPT + i
-                k_raw[i] = gK[t, c].to(Float32)
-                q_raw[i] = gQ[t, c].to(Float32)
-                gate_in[i] = gGate[t, c].to(Float32)
+                if const_expr(self.varlen):
+                    k_raw[i] = Float32(0.0)  # a missing token: zero k, q and raw gate
+                    q_raw[i] = Float32(0.0)
+                    gate_in[i] = Float32(0.0)
+                    if t < n_tok:
+                        k_raw[i] = gK[t, c].to(Float32)
+                        q_raw[i] = gQ[t, c].to(Float32)
+                        gate_in[i] = gGate[t, c].to(Float32)
+                else:
+                    k_raw[i] = gK[t, c].to(Float32)
+                    q_raw[i] = gQ[t, c].to(Float32)
+                    gate_in[i] = gGate[t, c].to(Float32)
             vector_v = const_expr(self.vector_v())
             if const_expr(vector_v):
                 # the v tile as 16-byte runs, as in the vector-activation build (the draft inputs stay scalar here:
                 # they spilled at 80 registers, see vector_activations); stored after the scalars below
-                v_frags = self.load_v_runs(gV, tile, tidx)
+                v_frags = self.load_v_runs(gV, tile, tidx, n_tok=n_tok if self.varlen else None)
             else:
                 v_in = cute.make_rmem_tensor((T * TV // NT,), mV.element_type)
                 for it in cutlass.range_constexpr(T * TV // NT):
                     task = tidx + it * NT
-                    v_in[it] = gV[task // TV, v0 + task % TV]
-            if tidx < T:
-                beta_in = mBeta[bi, tidx, h].to(Float32)
+                    if const_expr(self.varlen):
+                        v_in[it] = Float32(0.0).to(mV.element_type)
+                        if task // TV < n_tok:
+                            v_in[it] = gV[task // TV, v0 + task % TV]
+                    else:
+                        v_in[it] = gV[task // TV, v0 + task % TV]
+            if const_expr(self.varlen):
+                if tidx < n_tok:
+                    beta_in = gBeta[tidx].to(Float32)
+            else:
+                if tidx < T:
+                    beta_in = mBeta[bi, tidx, h].to(Float32)
             for i in cutlass.range_constexpr(TPT):
                 t = grp * TPT + i
                 sK[t, c] = k_raw[i]
@@ -694,23 +786,29 @@ class UcacheVerifyFlush:
                     sVin[task // TV, task % TV] = v_in[it]
         if tidx < T:
             sBeta[tidx] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-beta_in, fastmath=True))
+            if const_expr(self.varlen):
+                if tidx >= n_tok:
+                    sBeta[tidx] = Float32(0.0)  # a missing token writes nothing into the solve (u_s = 0)
         if active:
-            # Clamp the cursors: a malformed hist_len / cache_base must never index past the shared-memory
-            # tiles or the 32-slot ring (legal values are checked by the caller, under KDA_DEBUG_VALIDATE).
-            P = hist_in
-            if P < 0:
-                P = cutlass.Int32(0)
-            if P > MAXR:
-                P = cutlass.Int32(MAXR)
-            base = base_in & RING
-            is_flush = P >= flush_min
             slot64 = Int64(slot)
-            # This (request, head)'s pool slot and rings, offset once in 64 bits; every index below is 32-bit.
-            gPool = mPool[slot64, h, None, None]
-            gKR = mKCache[slot64, h, None, None]
-            gUR = mUCache[slot64, h, None, None]
-            gGR = mGCache[slot64, h, None, None]
-            last_row = (base + P - 1) & RING
+            if const_expr(self.ring):
+                # Clamp the cursors: a malformed hist_len / cache_base must never index past the shared-memory
+                # tiles or the 32-slot ring (legal values are checked by the caller, under KDA_DEBUG_VALIDATE).
+                P = hist_in
+                if P < 0:
+                    P = cutlass.Int32(0)
+                if P > MAXR:
+                    P = cutlass.Int32(MAXR)
+                base = base_in & RING
+                is_flush = P >= flush_min
+                # This (request, head)'s pool slot and rings, offset once in 64 bits; every index below is 32-bit.
+                gPool = mPool[slot64, h, None, None]
+                gKR = mKCache[slot64, h, None, None]
+                gUR = mUCache[slot64, h, None, None]
+                gGR = mGCache[slot64, h, None, None]
+                last_row = (base + P - 1) & RING
+            else:
+                gPool = mPool[slot64, h, None, None]  # the frozen verify: the checkpoint's slot
 
             # The checkpoint rows are loaded just before phase 2c (load_checkpoint_rows), not first: issued first, at
             # 64 registers ptxas spilled the 32 prefetched words right after their loads (the spill store waits for
@@ -782,7 +880,8 @@ class UcacheVerifyFlush:
                 return u_loaded, wk_loaded
 
             # issued before phase 1a, so that their latency hides under the gate math
-            ring = issue_ring_loads()
+            if const_expr(self.ring):
+                ring = issue_ring_loads()
 
             # ---- phase 1a: gate, raw k/q, decays and decayed draft vectors --------------------------
             # Thread (token group grp, channel c) owns TPT consecutive draft tokens of one key channel, so the
@@ -790,8 +889,9 @@ class UcacheVerifyFlush:
             # k and q stay raw: their norms come out of the triangle phase and are applied in the solve.
             rate = cute.math.exp(a_log_in, fastmath=True)
             g_last = Float32(0.0)
-            if P > 0:
-                g_last = gGR[last_row, c]
+            if const_expr(self.ring):
+                if P > 0:
+                    g_last = gGR[last_row, c]
             g_logs = cute.make_rmem_tensor((TPT,), Float32)
             part = Float32(0.0)
             for i in cutlass.range_constexpr(TPT):
@@ -807,6 +907,8 @@ class UcacheVerifyFlush:
                     # lower_bound * sigmoid(rate * x); 1 + exp(..) >= 1, so the approximate reciprocal is exact
                     # to an ulp and an overflowed exp gives 0, as a division would.
                     g_log = lower_bound * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-rate * x, fastmath=True))
+                if const_expr(self.varlen):
+                    g_log = Float32(cutlass.select_(t < n_tok, g_log, Float32(0.0)))  # a missing token: no decay
                 sDec[t, c] = cute.math.exp(g_log, fastmath=True)
                 g_logs[i] = g_log
                 part = part + g_log
@@ -818,21 +920,23 @@ class UcacheVerifyFlush:
                 prev2 = cute.arch.shuffle_sync_up(prev + part, offset=16)
                 cum = prev + Float32(cutlass.select_(grp >= 2, prev2, Float32(0.0)))
             even = (lane % 2) == 0  # c and c ^ 1 are lanes lane and lane ^ 1
-            bdec = Float32(1.0)
-            if P > 0:
-                bdec = cute.math.exp(g_last, fastmath=True)
-            # bdec of the two channels of this lane's packed pair (low half, high half)
-            bdec_partner = cute.arch.shuffle_sync_bfly(bdec, offset=1)
-            bdec_lo = Float32(cutlass.select_(even, bdec, bdec_partner))
-            bdec_hi = Float32(cutlass.select_(even, bdec_partner, bdec))
+            if const_expr(self.ring):
+                bdec = Float32(1.0)
+                if P > 0:
+                    bdec = cute.math.exp(g_last, fastmath=True)
+                # bdec of the two channels of this lane's packed pair (low half, high half)
+                bdec_partner = cute.arch.shuffle_sync_bfly(bdec, offset=1)
+                bdec_lo = Float32(cutlass.select_(even, bdec, bdec_partner))
+                bdec_hi = Float32(cutlass.select_(even, bdec_partner, bdec))
             for i in cutlass.range_constexpr(TPT):
                 t = grp * TPT + i
                 cum = cum + g_logs[i]
-                if tile == 0:
-                    g_new = cum  # a flush row restarts the decay at the new checkpoint
-                    if P < flush_min:
-                        g_new = g_new + g_last
-                    gGR[(base + P + t) & RING, c] = g_new
+                if const_expr(self.ring):
+                    if tile == 0:
+                        g_new = cum  # a flush row restarts the decay at the new checkpoint
+                        if P < flush_min:
+                            g_new = g_new + g_last
+                        gGR[(base + P + t) & RING, c] = g_new
                 decay = cute.math.exp(cum, fastmath=True)
                 kx = decay * sK[t, c]
                 qx = decay * sQ[t, c]
@@ -843,64 +947,71 @@ class UcacheVerifyFlush:
                 x_hi = Float32(cutlass.select_(even, recv, qx))
                 s_x = t + Int32(cutlass.select_(even, Int32(0), Int32(T)))  # row of x: kx_t or qx_t
                 pos = s_x // 8 + 2 * (c // 2 % 2)
-                sXu[0, s_x % 8, c // 4, pos], sXu[1, s_x % 8, c // 4, pos] = _split_bf16x2(x_lo, x_hi)
-                sXb[0, s_x % 8, c // 4, pos], sXb[1, s_x % 8, c // 4, pos] = _split_bf16x2(
-                    bdec_lo * x_lo, bdec_hi * x_hi
-                )
-            if grp == 0:
-                sBdec[c] = bdec
+                if const_expr(self.ring):
+                    sXu[0, s_x % 8, c // 4, pos], sXu[1, s_x % 8, c // 4, pos] = _split_bf16x2(x_lo, x_hi)
+                    sXb[0, s_x % 8, c // 4, pos], sXb[1, s_x % 8, c // 4, pos] = _split_bf16x2(
+                        bdec_lo * x_lo, bdec_hi * x_hi
+                    )
+                else:
+                    # P = 0: bdec = 1 and no M, so x as is is the only operand
+                    sXb[0, s_x % 8, c // 4, pos], sXb[1, s_x % 8, c // 4, pos] = _split_bf16x2(x_lo, x_hi)
+            if const_expr(self.ring):
+                if grp == 0:
+                    sBdec[c] = bdec
             if const_expr(2 * T < 16):
                 # rows 2T..15 of the m16 operand x are zeros (a 16-byte read of rows s and s + 8 takes them along)
                 for it in cutlass.range_constexpr(2 * 8 * (K // 4) // NT):
                     task = tidx + it * NT  # (hi / lo, s % 8, channel-pair group)
                     for odd in cutlass.range_constexpr(2):
-                        sXu[task // (8 * (K // 4)), task // (K // 4) % 8, task % (K // 4), 2 * odd + 1] = Int32(0)
+                        if const_expr(self.ring):
+                            sXu[task // (8 * (K // 4)), task // (K // 4) % 8, task % (K // 4), 2 * odd + 1] = Int32(0)
                         sXb[task // (8 * (K // 4)), task // (K // 4) % 8, task % (K // 4), 2 * odd + 1] = Int32(0)
 
             # ---- phase 1b: ring rows (u, replay vectors wk); the v tile and beta were parked at entry ------
             # Only the live rows j < P were loaded (issue_ring_loads): stale rows never enter an arithmetic op.
-            u_loaded, wk_loaded = ring
-            for it in cutlass.range_constexpr(len(u_loaded)):
-                task = tidx + it * NT
-                if task < u_tasks:
-                    jp = task // (TV // CHUNK)
-                    r8 = task % (TV // CHUNK)
-                    halves = u_loaded[it]
-                    packed = cute.make_rmem_tensor((CHUNK,), Int32)
-                    for e in cutlass.range_constexpr(CHUNK // 2):
-                        # (u_2jp[v], u_2jp+1[v]) bf16 pairs: bit moves only, the ring holds bf16
-                        packed[2 * e] = _prmt(halves[0][e], halves[1][e], 0x5410)
-                        packed[2 * e + 1] = _prmt(halves[0][e], halves[1][e], 0x7632)
-                    cute.autovec_copy(packed, cute.zipped_divide(sUp[jp, None], (CHUNK,))[None, r8])
-            for it in cutlass.range_constexpr(len(wk_loaded)):
-                task = wk_task(it)
-                if task < wk_tasks:
-                    c4 = task % (K // 4)
-                    row_set = task // (K // 4)
-                    last4, gjs, kjs = wk_loaded[it]
-                    wk = [cute.make_rmem_tensor((4,), Float32) for _ in range(n_rows)]
-                    js = [16 * (row_set // 4) + 2 * (row_set % 4) + d for d in (0, 1, 8, 9)]
-                    for rr in cutlass.range_constexpr(n_rows):
-                        for e in cutlass.range_constexpr(4):
-                            wk[rr][e] = Float32(0.0)
-                        if js[rr] < P:
+            if const_expr(self.ring):
+                u_loaded, wk_loaded = ring
+                for it in cutlass.range_constexpr(len(u_loaded)):
+                    task = tidx + it * NT
+                    if task < u_tasks:
+                        jp = task // (TV // CHUNK)
+                        r8 = task % (TV // CHUNK)
+                        halves = u_loaded[it]
+                        packed = cute.make_rmem_tensor((CHUNK,), Int32)
+                        for e in cutlass.range_constexpr(CHUNK // 2):
+                            # (u_2jp[v], u_2jp+1[v]) bf16 pairs: bit moves only, the ring holds bf16
+                            packed[2 * e] = _prmt(halves[0][e], halves[1][e], 0x5410)
+                            packed[2 * e + 1] = _prmt(halves[0][e], halves[1][e], 0x7632)
+                        cute.autovec_copy(packed, cute.zipped_divide(sUp[jp, None], (CHUNK,))[None, r8])
+                for it in cutlass.range_constexpr(len(wk_loaded)):
+                    task = wk_task(it)
+                    if task < wk_tasks:
+                        c4 = task % (K // 4)
+                        row_set = task // (K // 4)
+                        last4, gjs, kjs = wk_loaded[it]
+                        wk = [cute.make_rmem_tensor((4,), Float32) for _ in range(n_rows)]
+                        js = [16 * (row_set // 4) + 2 * (row_set % 4) + d for d in (0, 1, 8, 9)]
+                        for rr in cutlass.range_constexpr(n_rows):
                             for e in cutlass.range_constexpr(4):
-                                wk[rr][e] = cute.math.exp(last4[e] - gjs[rr][e], fastmath=True) * kjs[rr][e].to(
-                                    Float32
-                                )
-                    quad = cute.make_rmem_tensor((4,), Int32)
-                    for rr in cutlass.range_constexpr(n_rows):
-                        # along channels: (hi, hi, lo, lo) of channel pairs 2 c4, 2 c4 + 1 of ring row j
-                        quad[0], quad[2] = _split_bf16x2(wk[rr][0], wk[rr][1])
-                        quad[1], quad[3] = _split_bf16x2(wk[rr][2], wk[rr][3])
-                        cute.autovec_copy(quad, sWKc[js[rr], c4, None])
-                    if is_flush:
-                        for e in cutlass.range_constexpr(4):
-                            # along ring rows: (hi, hi, lo, lo) of pairs (rows 0, 1) and (rows 8, 9) of the set
-                            quad[0], quad[2] = _split_bf16x2(wk[0][e], wk[1][e])
-                            quad[1], quad[3] = _split_bf16x2(wk[2][e], wk[3][e])
-                            ch = 4 * c4 + e
-                            cute.autovec_copy(quad, sWK[ch, _fold_group(ch, row_set // 4, row_set % 4, KPAD), None])
+                                wk[rr][e] = Float32(0.0)
+                            if js[rr] < P:
+                                for e in cutlass.range_constexpr(4):
+                                    wk[rr][e] = cute.math.exp(last4[e] - gjs[rr][e], fastmath=True) * kjs[rr][e].to(
+                                        Float32
+                                    )
+                        quad = cute.make_rmem_tensor((4,), Int32)
+                        for rr in cutlass.range_constexpr(n_rows):
+                            # along channels: (hi, hi, lo, lo) of channel pairs 2 c4, 2 c4 + 1 of ring row j
+                            quad[0], quad[2] = _split_bf16x2(wk[rr][0], wk[rr][1])
+                            quad[1], quad[3] = _split_bf16x2(wk[rr][2], wk[rr][3])
+                            cute.autovec_copy(quad, sWKc[js[rr], c4, None])
+                        if is_flush:
+                            for e in cutlass.range_constexpr(4):
+                                # along ring rows: (hi, hi, lo, lo) of pairs (rows 0, 1) and (rows 8, 9) of the set
+                                quad[0], quad[2] = _split_bf16x2(wk[0][e], wk[1][e])
+                                quad[1], quad[3] = _split_bf16x2(wk[2][e], wk[3][e])
+                                ch = 4 * c4 + e
+                                cute.autovec_copy(quad, sWK[ch, _fold_group(ch, row_set // 4, row_set % 4, KPAD), None])
             cute.arch.sync_threads()
             # Start the checkpoint rows' DRAM reads now, into L2: the triangle warps (0 .. T/2 - 1) load their rows
             # only after the triangles, the others after phase 2b, so the rows' latency hides under that work
@@ -1006,32 +1117,33 @@ class UcacheVerifyFlush:
             # §5, R2). M[j, s] = wk_j . x_s is per (request, head), so it is computed once here (m16 = the 2T
             # draft vectors, n8 = 8 ring rows, k = channels, hi/lo splits: 3 MMAs per k-step); every state row then
             # adds U M (one MMA per 16 ring rows) to S0 (bdec x), whose A operand is the bf16 checkpoint itself.
-            for jt in cutlass.range_constexpr(KPAD // 8):
-                if warp == (T // 2 + jt) % NW:
-                    # one n8 tile of ring rows: A = x (m16), B = wk packed along channels, hi/lo of both
-                    m_acc = [Float32(0.0)] * 4
-                    for ks in cutlass.range_constexpr(K // MMA_K):
-                        grp_k = _pair_group(ks, q4)
-                        xop_hi = cute.make_rmem_tensor((4,), Int32)
-                        xop_lo = cute.make_rmem_tensor((4,), Int32)
-                        wb = cute.make_rmem_tensor((4,), Int32)
-                        cute.autovec_copy(sXu[0, g4, grp_k, None], xop_hi)
-                        cute.autovec_copy(sXu[1, g4, grp_k, None], xop_lo)
-                        cute.autovec_copy(sWKc[8 * jt + g4, grp_k, None], wb)
-                        a_hi = [xop_hi[i] for i in range(4)]
-                        a_lo = [xop_lo[i] for i in range(4)]
-                        m_acc = _mma_bf16_m16n8k16(a_hi, (wb[0], wb[1]), m_acc)
-                        m_acc = _mma_bf16_m16n8k16(a_lo, (wb[0], wb[1]), m_acc)
-                        m_acc = _mma_bf16_m16n8k16(a_hi, (wb[2], wb[3]), m_acc)
-                    # (c0, c1) = M[ring rows 8 jt + 2q, +1][s = g], (c2, c3) the same for s = g + 8: ring-row
-                    # pair jp = 4 jt + q, which is k-pair jp % 4 (+ 4 if (jp // 4) odd) of k-step jp // 8
-                    jp = 4 * jt + q4
-                    pos_k = 2 * ((jp // 4) % 2)
-                    grp_m = jp // 8 * 4 + jp % 4
-                    for half in cutlass.range_constexpr(2):
-                        m_hi, m_lo = _split_bf16x2(m_acc[2 * half], m_acc[2 * half + 1])
-                        sM[0, g4, grp_m, half + pos_k] = m_hi
-                        sM[1, g4, grp_m, half + pos_k] = m_lo
+            if const_expr(self.ring):
+                for jt in cutlass.range_constexpr(KPAD // 8):
+                    if warp == (T // 2 + jt) % NW:
+                        # one n8 tile of ring rows: A = x (m16), B = wk packed along channels, hi/lo of both
+                        m_acc = [Float32(0.0)] * 4
+                        for ks in cutlass.range_constexpr(K // MMA_K):
+                            grp_k = _pair_group(ks, q4)
+                            xop_hi = cute.make_rmem_tensor((4,), Int32)
+                            xop_lo = cute.make_rmem_tensor((4,), Int32)
+                            wb = cute.make_rmem_tensor((4,), Int32)
+                            cute.autovec_copy(sXu[0, g4, grp_k, None], xop_hi)
+                            cute.autovec_copy(sXu[1, g4, grp_k, None], xop_lo)
+                            cute.autovec_copy(sWKc[8 * jt + g4, grp_k, None], wb)
+                            a_hi = [xop_hi[i] for i in range(4)]
+                            a_lo = [xop_lo[i] for i in range(4)]
+                            m_acc = _mma_bf16_m16n8k16(a_hi, (wb[0], wb[1]), m_acc)
+                            m_acc = _mma_bf16_m16n8k16(a_lo, (wb[0], wb[1]), m_acc)
+                            m_acc = _mma_bf16_m16n8k16(a_hi, (wb[2], wb[3]), m_acc)
+                        # (c0, c1) = M[ring rows 8 jt + 2q, +1][s = g], (c2, c3) the same for s = g + 8: ring-row
+                        # pair jp = 4 jt + q, which is k-pair jp % 4 (+ 4 if (jp // 4) odd) of k-step jp // 8
+                        jp = 4 * jt + q4
+                        pos_k = 2 * ((jp // 4) % 2)
+                        grp_m = jp // 8 * 4 + jp % 4
+                        for half in cutlass.range_constexpr(2):
+                            m_hi, m_lo = _split_bf16x2(m_acc[2 * half], m_acc[2 * half + 1])
+                            sM[0, g4, grp_m, half + pos_k] = m_hi
+                            sM[1, g4, grp_m, half + pos_k] = m_lo
 
             # ---- phase 2c: state rows: S0 (bdec x) dot products, the flush (every warp) ------------------------
             # Warp w owns local rows 16w + g and 16w + g + 8 (g = lane // 4); thread quad position q = lane % 4
@@ -1060,82 +1172,107 @@ class UcacheVerifyFlush:
                     d = _mma_bf16_m16n8k16([xop_lo[i] for i in range(4)], b_s0, d)
                     for i in cutlass.range_constexpr(4):
                         acc[4 * nt + i] = d[i]
-            if is_flush:
-                # S_commit = S0 * bdec + U^T WK in fp32 registers, one rounding to bf16. Fold on MMA: M = the
-                # warp's 16 rows, K = ring rows, N = channels. n-tile nt, column n stands for channel
-                # (4 (nt // 4) + n // 2) * 8 + 2 (nt % 4) + n % 2, so the accumulator fragment is exactly this
-                # thread's state registers. u is bf16 in the ring (exact as an operand); wk is split hi + lo.
-                # One 8-channel chunk m (n-tiles 4m .. 4m + 3) at a time: 16 accumulators live instead of 64
-                # (S0 * bdec, then the k-steps in order).
-                raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
-                for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
-                    fold_acc = cute.make_rmem_tensor((2 * CHUNK,), Float32)  # [rho][e]
-                    for rho in cutlass.range_constexpr(2):
-                        for e in cutlass.range_constexpr(CHUNK):
-                            ch = (m * ROW_THREADS + q4) * CHUNK + e
-                            fold_acc[rho * CHUNK + e] = s0_raw[rho * 32 + m * CHUNK + e].to(Float32) * sBdec[ch]
-                    for ks in cutlass.range_constexpr(KPAD // MMA_K):
-                        if P > ks * MMA_K:
-                            jp0 = ks * (MMA_K // 2) + q4
-                            a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]])
-                            a_u = (*a_u, sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
-                            for nt in cutlass.range_constexpr(4 * m, 4 * m + 4):
-                                e0 = 2 * (nt % 4)
-                                col = (m * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
-                                b = cute.make_rmem_tensor((4,), Int32)
-                                cute.autovec_copy(sWK[col, _fold_group(col, ks, q4, KPAD), None], b)
-                                ids = (e0, e0 + 1, CHUNK + e0, CHUNK + e0 + 1)
-                                d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [fold_acc[z] for z in ids])
-                                d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
-                                for z in cutlass.range_constexpr(4):
-                                    fold_acc[ids[z]] = d[z]
-                    for rho in cutlass.range_constexpr(2):
-                        row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
-                        for e in cutlass.range_constexpr(CHUNK):
-                            raw[e] = fold_acc[rho * CHUNK + e].to(mPool.element_type)
-                        cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
+            if const_expr(self.ring):
+                if is_flush:
+                    # S_commit = S0 * bdec + U^T WK in fp32 registers, one rounding to bf16. Fold on MMA: M = the
+                    # warp's 16 rows, K = ring rows, N = channels. n-tile nt, column n stands for channel
+                    # (4 (nt // 4) + n // 2) * 8 + 2 (nt % 4) + n % 2, so the accumulator fragment is exactly this
+                    # thread's state registers. u is bf16 in the ring (exact as an operand); wk is split hi + lo.
+                    # One 8-channel chunk m (n-tiles 4m .. 4m + 3) at a time: 16 accumulators live instead of 64
+                    # (S0 * bdec, then the k-steps in order).
+                    raw = cute.make_rmem_tensor((CHUNK,), mPool.element_type)
+                    for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                        fold_acc = cute.make_rmem_tensor((2 * CHUNK,), Float32)  # [rho][e]
+                        for rho in cutlass.range_constexpr(2):
+                            for e in cutlass.range_constexpr(CHUNK):
+                                ch = (m * ROW_THREADS + q4) * CHUNK + e
+                                fold_acc[rho * CHUNK + e] = s0_raw[rho * 32 + m * CHUNK + e].to(Float32) * sBdec[ch]
+                        for ks in cutlass.range_constexpr(KPAD // MMA_K):
+                            if P > ks * MMA_K:
+                                jp0 = ks * (MMA_K // 2) + q4
+                                a_u = (sUp[jp0, rows[0]], sUp[jp0, rows[1]])
+                                a_u = (*a_u, sUp[jp0 + 4, rows[0]], sUp[jp0 + 4, rows[1]])
+                                for nt in cutlass.range_constexpr(4 * m, 4 * m + 4):
+                                    e0 = 2 * (nt % 4)
+                                    col = (m * ROW_THREADS + g4 // 2) * CHUNK + e0 + g4 % 2
+                                    b = cute.make_rmem_tensor((4,), Int32)
+                                    cute.autovec_copy(sWK[col, _fold_group(col, ks, q4, KPAD), None], b)
+                                    ids = (e0, e0 + 1, CHUNK + e0, CHUNK + e0 + 1)
+                                    d = _mma_bf16_m16n8k16(a_u, (b[0], b[1]), [fold_acc[z] for z in ids])
+                                    d = _mma_bf16_m16n8k16(a_u, (b[2], b[3]), d)
+                                    for z in cutlass.range_constexpr(4):
+                                        fold_acc[ids[z]] = d[z]
+                        for rho in cutlass.range_constexpr(2):
+                            row_chunks = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
+                            for e in cutlass.range_constexpr(CHUNK):
+                                raw[e] = fold_acc[rho * CHUNK + e].to(mPool.element_type)
+                            cute.autovec_copy(raw, row_chunks[None, m * ROW_THREADS + q4])
             cute.arch.sync_threads()
 
             # ---- phase 2d: ring correction x_s += sum_j u_j M[j, s] (MMA: M = 16 rows, K = ring rows) -----------
-            if P > 0:
-                # x^T += M^T U: m16 = draft vectors (A: sM), n8 = 8 state rows (B: u pairs), k = ring rows; acc
-                # still holds phase 2c's products
-                for ks in cutlass.range_constexpr(KPAD // MMA_K):
-                    if P > ks * MMA_K:
-                        m_hi = cute.make_rmem_tensor((4,), Int32)
-                        m_lo = cute.make_rmem_tensor((4,), Int32)
-                        cute.autovec_copy(sM[0, g4, ks * 4 + q4, None], m_hi)
-                        cute.autovec_copy(sM[1, g4, ks * 4 + q4, None], m_lo)
-                        jp0 = ks * (MMA_K // 2) + q4
-                        for nt in cutlass.range_constexpr(2):
-                            v_loc = warp * 16 + nt * 8 + g4
-                            b_u = (sUp[jp0, v_loc], sUp[jp0 + 4, v_loc])
-                            c_in = [acc[4 * nt + i] for i in range(4)]
-                            d = _mma_bf16_m16n8k16([m_hi[i] for i in range(4)], b_u, c_in)
-                            d = _mma_bf16_m16n8k16([m_lo[i] for i in range(4)], b_u, d)
-                            for i in cutlass.range_constexpr(4):
-                                acc[4 * nt + i] = d[i]
+            if const_expr(self.ring):
+                if P > 0:
+                    # x^T += M^T U: m16 = draft vectors (A: sM), n8 = 8 state rows (B: u pairs), k = ring rows; acc
+                    # still holds phase 2c's products
+                    for ks in cutlass.range_constexpr(KPAD // MMA_K):
+                        if P > ks * MMA_K:
+                            m_hi = cute.make_rmem_tensor((4,), Int32)
+                            m_lo = cute.make_rmem_tensor((4,), Int32)
+                            cute.autovec_copy(sM[0, g4, ks * 4 + q4, None], m_hi)
+                            cute.autovec_copy(sM[1, g4, ks * 4 + q4, None], m_lo)
+                            jp0 = ks * (MMA_K // 2) + q4
+                            for nt in cutlass.range_constexpr(2):
+                                v_loc = warp * 16 + nt * 8 + g4
+                                b_u = (sUp[jp0, v_loc], sUp[jp0 + 4, v_loc])
+                                c_in = [acc[4 * nt + i] for i in range(4)]
+                                d = _mma_bf16_m16n8k16([m_hi[i] for i in range(4)], b_u, c_in)
+                                d = _mma_bf16_m16n8k16([m_lo[i] for i in range(4)], b_u, d)
+                                for i in cutlass.range_constexpr(4):
+                                    acc[4 * nt + i] = d[i]
             # sXY shares sXb / sXu, whose last reads (phases 2b, 2c) ended at the sync above
             self.store_dots(sXY, acc, warp, q4, g4)
             cute.arch.sync_threads()
 
             # ---- phase 3: k^ appends (V tile 0, threads past the tile), the triangular solve (one row each) -
-            if tile == 0:
-                if tidx >= TV:
-                    helpers = NT - TV
-                    ka_tasks = T * (K // CHUNK)
-                    for it in cutlass.range_constexpr((ka_tasks + helpers - 1) // helpers):
-                        task = (tidx - TV) + it * helpers
-                        if task < ka_tasks:
-                            t = task // (K // CHUNK)
-                            c8 = task % (K // CHUNK)
-                            k8 = cute.make_rmem_tensor((CHUNK,), Float32)
-                            cute.autovec_copy(cute.zipped_divide(sK[t, None], (CHUNK,))[None, c8], k8)
-                            inv_k = sInv[t]
-                            k_hat = cute.make_rmem_tensor((CHUNK,), mKCache.element_type)
-                            for e in cutlass.range_constexpr(CHUNK):
-                                k_hat[e] = (k8[e] * inv_k).to(mKCache.element_type)
-                            cute.autovec_copy(k_hat, _row_chunks(gKR, (base + P + t) & RING, CHUNK)[None, c8])
+            if const_expr(self.ring):
+                if tile == 0:
+                    if tidx >= TV:
+                        helpers = NT - TV
+                        ka_tasks = T * (K // CHUNK)
+                        for it in cutlass.range_constexpr((ka_tasks + helpers - 1) // helpers):
+                            task = (tidx - TV) + it * helpers
+                            if task < ka_tasks:
+                                t = task // (K // CHUNK)
+                                c8 = task % (K // CHUNK)
+                                k8 = cute.make_rmem_tensor((CHUNK,), Float32)
+                                cute.autovec_copy(cute.zipped_divide(sK[t, None], (CHUNK,))[None, c8], k8)
+                                inv_k = sInv[t]
+                                k_hat = cute.make_rmem_tensor((CHUNK,), mKCache.element_type)
+                                for e in cutlass.range_constexpr(CHUNK):
+                                    k_hat[e] = (k8[e] * inv_k).to(mKCache.element_type)
+                                cute.autovec_copy(k_hat, _row_chunks(gKR, (base + P + t) & RING, CHUNK)[None, c8])
+            if const_expr(self.records):
+                # this (request, head)'s records (offset here, not at entry: fewer registers live through phase 2)
+                gCorr = mCorr[slot64, h, None, None]  # [T_max, 128] fp32
+                gKG = mKG[slot64, h, None, None]  # [T_max, 256]
+                n_rec = cutlass.min(Int32(mCorr.shape[2]), Int32(n_tok))  # tokens with a record
+                # the kg records, once per (request, head) by V tile 0's threads past the tile: raw k_s | raw g_s as
+                # given, 8-channel runs copied from the activations (just read: cache hits), for s < min(T_max, n)
+                if tile == 0:
+                    if tidx >= TV:
+                        helpers = NT - TV
+                        kg_tasks = T * (K // CHUNK)
+                        for half, gX in enumerate((gK, gGate)):
+                            for it in cutlass.range_constexpr((kg_tasks + helpers - 1) // helpers):
+                                task = (tidx - TV) + it * helpers
+                                if task < kg_tasks:
+                                    t = task // (K // CHUNK)
+                                    c8 = task % (K // CHUNK)
+                                    if t < n_rec:
+                                        run = cute.make_rmem_tensor((CHUNK,), mKG.element_type)
+                                        cute.autovec_copy(_row_chunks(gX, t, CHUNK)[None, c8], run)
+                                        kg_runs = _row_chunks(gKG, t, CHUNK)
+                                        cute.autovec_copy(run, kg_runs[None, half * (K // CHUNK) + c8])
             if tidx < TV:
                 # u_s = beta_s (v_s - S_commit kx_s - sum_{r<s} A[s, r] u_r), o_s = S_commit qx_s + sum_{r<=s}
                 # Aq[s, r] u_r, on raw k / q: with n_s = 1/|k_s|, x~ = S_commit (exp(cum) k_raw) and
@@ -1145,24 +1282,39 @@ class UcacheVerifyFlush:
                 xy = cute.make_rmem_tensor((2 * T,), Float32)
                 cute.autovec_copy(sXY[tidx, None], xy)
                 w_u = cute.make_rmem_tensor((T,), Float32)
-                gO = mOut[bi, None, h, None]
+                if const_expr(self.varlen):
+                    gO = gOut
+                else:
+                    gO = mOut[bi, None, h, None]
                 for s in cutlass.range_constexpr(T):
                     p = xy[s]
                     for r in cutlass.range_constexpr(s):
                         p = p + sA[s, r] * w_u[r]
                     u_s = sBeta[s] * (sVin[s, tidx].to(Float32) - sInv[s] * p)
                     w_u[s] = sInv[s] * u_s
-                    gUR[(base + P + s) & RING, v] = u_s.to(mUCache.element_type)
+                    if const_expr(self.ring):
+                        gUR[(base + P + s) & RING, v] = u_s.to(mUCache.element_type)
+                    if const_expr(self.records):
+                        if s < n_rec:
+                            gCorr[s, v] = u_s  # the correction record: u_s in fp32, unrounded
                 for s in cutlass.range_constexpr(T):
                     o = xy[T + s]
                     for r in cutlass.range_constexpr(s + 1):
                         o = o + sAq[s, r] * w_u[r]
-                    gO[s, v] = (sInv[T + s] * o).to(mOut.element_type)
+                    if const_expr(self.varlen):
+                        if s < n_tok:
+                            gO[s, v] = (sInv[T + s] * o).to(mOut.element_type)
+                    else:
+                        gO[s, v] = (sInv[T + s] * o).to(mOut.element_type)
         else:
             for i in cutlass.range(tidx, T * TV, NT):
                 t = i // TV
                 r = i % TV
-                mOut[bi, t, h, v0 + r] = Float32(0.0).to(mOut.element_type)
+                if const_expr(self.varlen):
+                    if t < n_tok:
+                        gOut[t, v0 + r] = Float32(0.0).to(mOut.element_type)
+                else:
+                    mOut[bi, t, h, v0 + r] = Float32(0.0).to(mOut.element_type)
 
 
 def _fakes(cfg: UcacheVerifyFlush):
@@ -1200,6 +1352,57 @@ def _fakes(cfg: UcacheVerifyFlush):
         vec(i32, B),  # hist_len
         vec(i32, B),  # cache_base
         act(bf16),  # output
+        None,  # correction cache (frozen verify only)
+        None,  # kg cache
+        None,  # cu_seqlens
+    )
+
+
+def _frozen_fakes(cfg: UcacheVerifyFlush):
+    """The frozen verify's arguments, in the kernel's order (the ring tensors and cursors absent)."""
+    bf16, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
+    B = _launch.sym_size()  # rows (slots)
+    N = _launch.sym_size()  # pool rows, also the records' rows
+    H, T, K = cfg.heads, cfg.t_draft, HEAD_DIM
+    # varlen: the activations are [1, tokens, H, K]; else [B, T, H, K] (the batch dims are the slots' count)
+    BA, TA = (_launch.sym_size(), _launch.sym_size()) if cfg.varlen else (B, T)
+    align = lambda dt: 16 if cfg.aligned else dt.width // 8  # noqa: E731
+    act_align = lambda dt: 16 if cfg.vector_activations() else dt.width // 8  # noqa: E731
+    act = lambda dt: _launch.fake_tensor(dt, (BA, TA, H, K), (None, None, None, 1), align_bytes=act_align(dt))  # noqa: E731
+    act_v = lambda dt: _launch.fake_tensor(  # noqa: E731
+        dt, (BA, TA, H, K), (None, None, None, 1), align_bytes=16 if cfg.vector_v() else act_align(dt)
+    )
+    vec = lambda dt, n: _launch.fake_tensor(dt, (n,), (1,), align_bytes=4)  # noqa: E731
+    T_max = _launch.sym_size()
+    records = (None, None)
+    if cfg.records:
+        records = (
+            _launch.fake_tensor(f32, (N, H, T_max, K), (None, None, None, 1), align_bytes=4),  # correction cache
+            _launch.fake_tensor(bf16, (N, H, T_max, 2 * K), (None, None, None, 1), align_bytes=align(bf16)),  # kg
+        )
+    cu = None
+    if cfg.varlen:
+        cu_type = cutlass.Int64 if cfg.cu_int64 else i32
+        cu = _launch.fake_tensor(cu_type, (_launch.sym_size(),), (None,), align_bytes=cu_type.width // 8)
+    return (
+        act(bf16),  # q
+        act(bf16),  # k
+        act_v(bf16),  # v
+        act(bf16),  # g
+        _launch.fake_tensor(bf16, (BA, TA, H), (None, None, None), align_bytes=2),  # beta logits
+        vec(f32, H),  # A_log
+        vec(f32, H * K) if cfg.has_dt_bias else None,  # dt_bias
+        _launch.fake_tensor(bf16, (N, H, K, K), (None, K * K, K, 1), align_bytes=align(bf16)),  # pool
+        _launch.fake_tensor(cutlass.Int64 if cfg.slot_int64 else i32, (B,), (None,) if cfg.slots_strided else (1,),
+                            align_bytes=8 if cfg.slot_int64 else 4),  # slot indices
+        None,  # k_cache
+        None,  # u_cache
+        None,  # g_cache
+        None,  # hist_len
+        None,  # cache_base
+        act(bf16),  # output
+        *records,
+        cu,
     )
 
 
@@ -1227,6 +1430,37 @@ def build_ucache_kernel(
         cutlass.Float32(1.0),
         cutlass.Float32(-5.0),
         cutlass.Int32(9),
+        _launch.fake_stream(),
+        options=_launch.compile_options(arch, extra_options),
+    )
+
+
+def build_frozen_kernel(
+    heads: int,
+    t_draft: int,
+    tile_v: int,
+    softplus_gate: bool,
+    aligned: bool,
+    arch: str,
+    extra_options: str = "",
+    min_ctas: int = 0,
+    has_dt_bias: bool = True,
+    null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+    slot_int64: bool = False,
+    slots_strided: bool = False,
+    records: bool = False,
+    varlen: bool = False,
+    cu_int64: bool = False,
+):
+    """Compile one frozen-verify configuration (the ucache kernel with ``ring=False``) against fake tensors."""
+    cfg = UcacheVerifyFlush(heads, t_draft, 0, tile_v, softplus_gate, aligned, min_ctas, has_dt_bias, null_policy,
+                            slot_int64, slots_strided, ring=False, records=records, varlen=varlen, cu_int64=cu_int64)
+    return cute.compile(
+        cfg,
+        *_frozen_fakes(cfg),
+        cutlass.Float32(1.0),
+        cutlass.Float32(-5.0),
+        cutlass.Int32(0),
         _launch.fake_stream(),
         options=_launch.compile_options(arch, extra_options),
     )
@@ -1387,7 +1621,7 @@ def ucache_verify_flush(
                                          slot_int64=slot_int64, slots_strided=slots_strided),  # fmt: skip
     )
     args = [q, k, v, g, b, A_log, dt_bias, state_pool, slot_indices, k_cache, u_cache, g_cache, hist_len, cache_base,
-            output, float(scale), float(-5.0 if lower_bound is None else lower_bound), int(flush_min)]
+            output, None, None, None, float(scale), float(-5.0 if lower_bound is None else lower_bound), int(flush_min)]
     if B <= GRID_Z_MAX:
         fn(*args)
     else:
@@ -1399,4 +1633,127 @@ def ucache_verify_flush(
     if restart_hist_on_flush:
         restart_cursors(slot_indices, hist_len, cache_base, state_pool.shape[0], flush_min, T, w_ring,
                         null_policy=null_policy)
+    return output
+
+
+FROZEN_T_DRAFT = (4, 8)
+_FROZEN_BATCH_ARGS = (0, 1, 2, 3, 4, 8, 14)  # q, k, v, g, b, slot_indices, output (dense activations)
+
+
+def frozen_verify(
+    A_log: torch.Tensor,
+    g: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    lower_bound: float | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    b: torch.Tensor,
+    state_pool: torch.Tensor,
+    slot_indices: torch.Tensor,
+    scale: float,
+    output: torch.Tensor,
+    *,
+    correction_cache: torch.Tensor | None = None,
+    kg_cache: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    t_draft: int | None = None,
+    aligned: bool = True,
+    config: UcacheConfig | None = None,
+    null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+) -> torch.Tensor:
+    """Frozen verify on the tensor cores: T draft tokens from the checkpoint ``state_pool[slot_indices[b]]``, outputs
+    only, no state written (the ucache kernel with no ring, ``UcacheVerifyFlush(ring=False)``; docs/ucache.md).
+    Arguments are already validated (kda-recurrent does it); launched on the current stream, CUDA-graph safe.
+
+    A_log [H] fp32, dt_bias [H*128] fp32 (contiguous) or None (zeros), lower_bound (None: the softplus gate);
+    q, k, v, g [B, T, H, 128] bf16 (last dim contiguous), T in {4, 8}, H == HV; b [B, T, H] bf16 beta logits;
+    state_pool [N, H, 128, 128] bf16 (inner dims contiguous, slot stride any number of elements >= the row);
+    slot_indices [B] int32 or int64, any stride; output [B, T, H, 128] bf16. A null slot under ``null_policy``
+    (docs/design.md §4) makes the row inactive: zero output, nothing read or written (no records).
+
+    RecoverSSM records (spec §3; both or neither): ``correction_cache`` [N, H, T_max, 128] fp32 gets u_s
+    (``correction_cache[slot, h, s, :] = u_s``, fp32, unrounded) and ``kg_cache`` [N, H, T_max, 256] bf16 the raw
+    k_s | raw g_s, for s < min(T_max, tokens of the row); other rows and positions are untouched. Strides free
+    except the last dim (contiguous); dim 0 is the pool's rows.
+
+    Varlen (``cu_seqlens`` [B + 1] int32 / int64, vLLM's query_start_loc): q, k, v, g, output [1, tokens, H, 128],
+    b [1, tokens, H]; ``t_draft`` (4 or 8) is then required. Row b owns tokens [bos_b, eos_b) (clamped per the
+    common rule: ``bos = clamp(cu[b], 0, tokens)``, ``eos = clamp(cu[b + 1], bos, tokens)``) and runs its first
+    min(eos - bos, T) of them: a shorter row masks the missing tokens (no output or record for them), and the output
+    of a token past T in its row, or of a token no row owns, is not written (left as it was).
+
+    ``aligned``: every pointer and non-unit stride of q, k, v, g, output, state_pool and kg_cache is a multiple of
+    16 bytes (``kda_core.validation.tensor_alignment`` == 16 on each); else the same code with element-wide
+    accesses. ``config``: the launch schedule (:class:`UcacheConfig`); None takes :func:`select_config`'s for
+    (B, H).
+    """
+    varlen = cu_seqlens is not None
+    B = slot_indices.shape[0]
+    H = q.shape[2]
+    T = q.shape[1] if not varlen else t_draft
+    if varlen and t_draft not in FROZEN_T_DRAFT:
+        fail("t_draft", f"one of {FROZEN_T_DRAFT} with cu_seqlens (the tokens each row runs at most)", t_draft)
+    if not varlen and t_draft is not None and t_draft != q.shape[1]:
+        fail("t_draft", f"None or q's token count {q.shape[1]} without cu_seqlens", t_draft)
+    if varlen and (cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != B + 1 or q.shape[0] != 1):
+        fail("cu_seqlens", f"[B + 1] = [{B + 1}] offsets with [1, tokens, H, 128] activations",
+             f"{tuple(cu_seqlens.shape)} with q {tuple(q.shape)}")
+    if H > GRID_Y_MAX:
+        fail("q", f"at most {GRID_Y_MAX} heads (dim 2) per call (grid y limit)", H)
+    if config is not None and (not isinstance(config, UcacheConfig) or config.tile_v not in TILES
+                               or not 0 <= config.min_ctas <= 32):
+        fail("config", f"a UcacheConfig with tile_v in {TILES} and min_ctas in [0, 32]", config)
+    if not isinstance(null_policy, NullSlotPolicy):
+        fail("null_policy", "a kda_core.contracts.NullSlotPolicy", null_policy)
+    records = correction_cache is not None
+    if records != (kg_cache is not None):
+        fail("kg_cache", "given exactly when correction_cache is (the RecoverSSM records come as a pair)",
+             "a tensor" if kg_cache is not None else None)
+    if records:
+        # the kernel bounds the row's slot by the pool's rows: the records must have the same rows (and heads)
+        N = state_pool.shape[0]
+        if tuple(correction_cache.shape[:2]) != (N, H) or correction_cache.shape[3] != HEAD_DIM:
+            fail("correction_cache", f"[{N}, {H}, T_max, {HEAD_DIM}]", tuple(correction_cache.shape))
+        if tuple(kg_cache.shape) != (N, H, correction_cache.shape[2], 2 * HEAD_DIM):
+            fail("kg_cache", f"[{N}, {H}, {correction_cache.shape[2]}, {2 * HEAD_DIM}]", tuple(kg_cache.shape))
+    if debug_checks_enabled():  # KDA_DEBUG_VALIDATE: duplicate active slots (records would race)
+        flat = slot_indices.reshape(-1)
+        if null_policy == NullSlotPolicy.NONPOSITIVE:
+            flat = flat[flat != 0]  # slot 0 is null there: padding rows may repeat it
+        debug_check_slots(flat, state_pool.shape[0], argument="slot_indices")
+    if B == 0 or H == 0:  # nothing to launch (a grid dimension would be 0)
+        return output
+    cfg = select_config(B, H) if config is None else config
+    softplus_gate = lower_bound is None
+    has_dt_bias = dt_bias is not None
+    slot_int64 = slot_indices.dtype == torch.int64
+    slots_strided = B > 1 and slot_indices.stride(0) != 1
+    cu_int64 = varlen and cu_seqlens.dtype == torch.int64
+    key = ("kda_frozen_verify", H, T, cfg.tile_v, cfg.floor, softplus_gate, bool(aligned), has_dt_bias, null_policy,
+           slot_int64, slots_strided, records, varlen, cu_int64)  # fmt: skip
+    fn = _launch.get_or_compile(
+        key,
+        lambda arch: build_frozen_kernel(H, T, cfg.tile_v, softplus_gate, bool(aligned), arch, min_ctas=cfg.floor,
+                                         has_dt_bias=has_dt_bias, null_policy=null_policy, slot_int64=slot_int64,
+                                         slots_strided=slots_strided, records=records, varlen=varlen,
+                                         cu_int64=cu_int64),  # fmt: skip
+    )
+    args = [q, k, v, g, b, A_log, dt_bias, state_pool, slot_indices, None, None, None, None, None, output,
+            correction_cache, kg_cache, cu_seqlens, float(scale), float(-5.0 if lower_bound is None else lower_bound),
+            0]  # fmt: skip
+    if B <= GRID_Z_MAX:
+        fn(*args)
+    else:
+        # The grid puts the rows on gridDim.z: a larger batch runs as several launches on row views (rows are
+        # independent). Dense: every batch-indexed argument; varlen: the slots and the offsets' window (the
+        # activations are indexed by the offsets' values).
+        for b0 in range(0, B, GRID_Z_MAX):
+            if varlen:
+                part = list(args)
+                part[8] = slot_indices[b0 : b0 + GRID_Z_MAX]
+                part[17] = cu_seqlens[b0 : b0 + GRID_Z_MAX + 1]
+                fn(*part)
+            else:
+                fn(*[a[b0 : b0 + GRID_Z_MAX] if i in _FROZEN_BATCH_ARGS else a for i, a in enumerate(args)])
     return output
