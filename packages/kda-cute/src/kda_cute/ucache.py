@@ -134,10 +134,16 @@ def _prmt(a: Int32, b: Int32, selector: int) -> Int32:
 
 
 def _ld_volatile(ptr, dtype):
-    """One 32-bit global load (``Int32`` or ``Float32``) issued where it is written (``ld.volatile``). ptxas sinks an
-    ordinary load below the first branch whose other side does not use it: the cursors, loaded with the slot, were
-    issued only after the branch on the slot, one DRAM round trip later (SASS, H200 ncu)."""
+    """One 32-bit global load (``Int32`` or ``Float32``; ``Int64``: 64-bit) issued where it is written
+    (``ld.volatile``). ptxas sinks an ordinary load below the first branch whose other side does not use it: the
+    cursors, loaded with the slot, were issued only after the branch on the slot, one DRAM round trip later (SASS,
+    H200 ncu). A volatile load is also never merged with an earlier load of the same address (a reload that keeps a
+    value out of the registers in between)."""
     fp = dtype is Float32
+    if dtype is Int64:
+        res = llvm.inline_asm(ir_types.i64(), [ptr.toint().ir_value()], "ld.volatile.global.b64 $0, [$1];", "=l,l",
+                              has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        return Int64(res)
     res = llvm.inline_asm(
         ir_types.f32() if fp else ir_types.i32(),
         [ptr.toint().ir_value()],
@@ -453,6 +459,8 @@ class UcacheVerifyFlush:
             2 * T,  # sInv
             T,  # sBeta
             2 * T * T,  # sTri
+            int(self.records) * T * K,  # sKGraw (bf16 [T, 2K])
+            int(self.varlen) * 4,  # sRow
         )
         return sum(-(-4 * w // 16) * 16 for w in words)
 
@@ -537,6 +545,18 @@ class UcacheVerifyFlush:
             task = (tidx + NT // 2) % NT + it * NT
             if task < v_runs:
                 self.park_v_run(frags[it], sVin, task)
+
+    @cute.jit
+    def row_tokens(self, mCu: cute.Tensor, bi, tokens):
+        """(first token, tokens run) of varlen row ``bi``: it owns tokens [bos, eos), the offsets clamped to
+        [0, tokens] and eos to >= bos in 64 bits before anything narrows (common rule 1), and runs the first
+        min(eos - bos, T). The offsets are volatile loads, issued where written (:func:`_ld_volatile`)."""
+        cu_type = Int64 if const_expr(self.cu_int64) else Int32
+        t_total64 = Int64(tokens)
+        at = cute.domain_offset((bi,), mCu).iterator
+        bos64 = cutlass.min(cutlass.max(Int64(_ld_volatile(at, cu_type)), Int64(0)), t_total64)
+        eos64 = cutlass.min(cutlass.max(Int64(_ld_volatile(at + 1, cu_type)), bos64), t_total64)
+        return Int32(bos64), Int32(cutlass.min(eos64 - bos64, Int64(self.t_draft)))
 
     @cute.jit
     def store_dots(self, sXY: cute.Tensor, acc: cute.Tensor, warp, q4, g4):
@@ -650,6 +670,14 @@ class UcacheVerifyFlush:
         sTri = smem.allocate_tensor(Float32, cute.make_layout(2 * T * T), byte_alignment=16)
         sA = cute.make_tensor(sTri.iterator, row_major(T, T))
         sAq = cute.make_tensor(sTri.iterator + T * T, row_major(T, T))
+        if const_expr(self.varlen):
+            # the row's (first token, tokens run), for phase 3 to read again instead of holding two registers
+            # through the kernel (the 64-register build spilled with them)
+            sRow = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+        if const_expr(self.records):
+            # raw k_t | raw g_t as given (bf16), parked at entry for the kg records of phase 3: no activation pointer
+            # stays live through the kernel (the 64-register build spilled with them)
+            sKGraw = smem.allocate_tensor(mK.element_type, row_major(T, 2 * K), byte_alignment=16)
 
         slot = mSlot[bi]
         pool_rows = mPool.shape[0]
@@ -669,20 +697,16 @@ class UcacheVerifyFlush:
             hist_in = _ld_volatile(mHist.iterator + bi, Int32)
             base_in = _ld_volatile(mBase.iterator + bi, Int32)
         if const_expr(self.varlen):
-            # Row bi owns tokens [bos, eos): the offsets clamped to [0, tokens] and eos to >= bos, in 64 bits before
-            # anything narrows (common rule 1); it runs its first min(eos - bos, T) tokens.
-            t_total64 = Int64(mQ.shape[1])
-            bos64 = cutlass.min(cutlass.max(Int64(mCu[bi]), Int64(0)), t_total64)
-            eos64 = cutlass.min(cutlass.max(Int64(mCu[bi + 1]), bos64), t_total64)
-            tok0 = Int32(bos64)
-            n_tok = Int32(cutlass.min(eos64 - bos64, Int64(T)))
+            tok0, n_tok = self.row_tokens(mCu, bi, mQ.shape[1])
+            if tidx == 0:
+                sRow[0] = tok0
+                sRow[1] = n_tok
             # the row's token t is row tok0 + t of every [tokens, 128] activation view
             gQ = cute.domain_offset((tok0, 0), mQ[0, None, h, None])
             gK = cute.domain_offset((tok0, 0), mK[0, None, h, None])
             gGate = cute.domain_offset((tok0, 0), mG[0, None, h, None])
             gV = cute.domain_offset((tok0, 0), mV[0, None, h, None])
             gBeta = cute.domain_offset((tok0,), mBeta[0, None, h])
-            gOut = cute.domain_offset((tok0, 0), mOut[0, None, h, None])
         else:
             gQ = mQ[bi, None, h, None]
             gK = mK[bi, None, h, None]
@@ -729,6 +753,10 @@ class UcacheVerifyFlush:
                         wide.store(frag.load().to(Float32))
                         dst_runs = cute.zipped_divide(dst[task // (K // CHUNK), None], (CHUNK,))
                         cute.autovec_copy(wide, dst_runs[None, task % (K // CHUNK)])
+                    if const_expr(self.records):
+                        raw_runs = cute.zipped_divide(sKGraw[task // (K // CHUNK), None], (CHUNK,))
+                        cute.autovec_copy(trio[0], raw_runs[None, task % (K // CHUNK)])
+                        cute.autovec_copy(trio[2], raw_runs[None, K // CHUNK + task % (K // CHUNK)])
             self.load_v_runs(gV, tile, tidx, sVin, n_tok=n_tok if self.varlen else None)
             # phase 1a's threads read other threads' runs
             cute.arch.sync_threads()
@@ -777,6 +805,9 @@ class UcacheVerifyFlush:
                 sK[t, c] = k_raw[i]
                 sQ[t, c] = q_raw[i]
                 sDec[t, c] = gate_in[i]  # the raw gate; phase 1a reads it back and writes the decay in its place
+                if const_expr(self.records):
+                    sKGraw[t, c] = k_raw[i].to(mK.element_type)  # bf16 -> fp32 -> bf16: exact
+                    sKGraw[t, K + c] = gate_in[i].to(mK.element_type)
             if const_expr(vector_v):
                 self.park_v_runs(v_frags, sVin, tidx)
                 task = tidx  # (the other paths leave `task` defined here; the DSL wants it typed before the branch)
@@ -1251,28 +1282,32 @@ class UcacheVerifyFlush:
                                 for e in cutlass.range_constexpr(CHUNK):
                                     k_hat[e] = (k8[e] * inv_k).to(mKCache.element_type)
                                 cute.autovec_copy(k_hat, _row_chunks(gKR, (base + P + t) & RING, CHUNK)[None, c8])
+            if const_expr(self.varlen):
+                tok0 = sRow[0]  # read again (see sRow)
+                n_tok = sRow[1]
             if const_expr(self.records):
-                # this (request, head)'s records (offset here, not at entry: fewer registers live through phase 2)
-                gCorr = mCorr[slot64, h, None, None]  # [T_max, 128] fp32
-                gKG = mKG[slot64, h, None, None]  # [T_max, 256]
+                # This (request, head)'s records, at the slot read again (volatile: a new load, so the first value
+                # is not held through phase 2c, where the 64-register build spilled with it).
+                slot_again = Int64(_ld_volatile(cute.domain_offset((bi,), mSlot).iterator,
+                                                Int64 if const_expr(self.slot_int64) else Int32))
+                gCorr = mCorr[slot_again, h, None, None]  # [T_max, 128] fp32
+                gKG = mKG[slot_again, h, None, None]  # [T_max, 256]
                 n_rec = cutlass.min(Int32(mCorr.shape[2]), Int32(n_tok))  # tokens with a record
-                # the kg records, once per (request, head) by V tile 0's threads past the tile: raw k_s | raw g_s as
-                # given, 8-channel runs copied from the activations (just read: cache hits), for s < min(T_max, n)
+                # the kg records raw k_s | raw g_s (parked in sKGraw at entry) for s < n_rec, once per (request, head)
+                # by V tile 0's threads past the tile, as 16-byte runs
                 if tile == 0:
                     if tidx >= TV:
                         helpers = NT - TV
-                        kg_tasks = T * (K // CHUNK)
-                        for half, gX in enumerate((gK, gGate)):
-                            for it in cutlass.range_constexpr((kg_tasks + helpers - 1) // helpers):
-                                task = (tidx - TV) + it * helpers
-                                if task < kg_tasks:
-                                    t = task // (K // CHUNK)
-                                    c8 = task % (K // CHUNK)
-                                    if t < n_rec:
-                                        run = cute.make_rmem_tensor((CHUNK,), mKG.element_type)
-                                        cute.autovec_copy(_row_chunks(gX, t, CHUNK)[None, c8], run)
-                                        kg_runs = _row_chunks(gKG, t, CHUNK)
-                                        cute.autovec_copy(run, kg_runs[None, half * (K // CHUNK) + c8])
+                        kg_tasks = T * (2 * K // CHUNK)
+                        for it in cutlass.range_constexpr((kg_tasks + helpers - 1) // helpers):
+                            task = (tidx - TV) + it * helpers
+                            if task < kg_tasks:
+                                t = task // (2 * K // CHUNK)
+                                c8 = task % (2 * K // CHUNK)
+                                if t < n_rec:
+                                    run = cute.make_rmem_tensor((CHUNK,), mKG.element_type)
+                                    cute.autovec_copy(cute.zipped_divide(sKGraw[t, None], (CHUNK,))[None, c8], run)
+                                    cute.autovec_copy(run, _row_chunks(gKG, t, CHUNK)[None, c8])
             if tidx < TV:
                 # u_s = beta_s (v_s - S_commit kx_s - sum_{r<s} A[s, r] u_r), o_s = S_commit qx_s + sum_{r<=s}
                 # Aq[s, r] u_r, on raw k / q: with n_s = 1/|k_s|, x~ = S_commit (exp(cum) k_raw) and
@@ -1283,7 +1318,7 @@ class UcacheVerifyFlush:
                 cute.autovec_copy(sXY[tidx, None], xy)
                 w_u = cute.make_rmem_tensor((T,), Float32)
                 if const_expr(self.varlen):
-                    gO = gOut
+                    gO = cute.domain_offset((tok0, 0), mOut[0, None, h, None])  # (offset here: fewer live registers)
                 else:
                     gO = mOut[bi, None, h, None]
                 for s in cutlass.range_constexpr(T):
@@ -1312,7 +1347,7 @@ class UcacheVerifyFlush:
                 r = i % TV
                 if const_expr(self.varlen):
                     if t < n_tok:
-                        gOut[t, v0 + r] = Float32(0.0).to(mOut.element_type)
+                        mOut[0, tok0 + t, h, v0 + r] = Float32(0.0).to(mOut.element_type)
                 else:
                     mOut[bi, t, h, v0 + r] = Float32(0.0).to(mOut.element_type)
 
