@@ -164,14 +164,15 @@ def test_arguments_reach_the_kernel_in_its_order(monkeypatch):
         (dict(varlen=True, t_draft=6), "t_draft"),
         (dict(t_draft=4), "t_draft"),
         (dict(varlen=True, cu="short"), "cu_seqlens"),
+        (dict(slots="three"), "slot_indices"),
         (dict(records="correction only"), "kg_cache"),
         (dict(records="few heads"), "correction_cache"),
         (dict(records="kg positions"), "kg_cache"),
         (dict(config=(128, 3)), "config"),
         (dict(null_policy="nonpositive"), "null_policy"),
     ],
-    ids=["varlen-no-T", "varlen-T6", "dense-T-mismatch", "cu-shape", "records-pair", "correction-shape",
-         "kg-shape", "config", "policy"],
+    ids=["varlen-no-T", "varlen-T6", "dense-T-mismatch", "cu-shape", "slots-per-request", "records-pair",
+         "correction-shape", "kg-shape", "config", "policy"],
 )  # fmt: skip
 def test_refusals_name_the_argument_before_launch(kw, argument, monkeypatch):
     import torch
@@ -183,6 +184,8 @@ def test_refusals_name_the_argument_before_launch(kw, argument, monkeypatch):
     kw = dict(kw)
     if kw.get("cu") == "short":
         kw["cu"] = torch.zeros(2, dtype=torch.int32)  # B + 1 = 3 expected
+    if kw.get("slots") == "three":
+        kw["slots"] = torch.zeros(3, dtype=torch.int32)  # q has 2 requests
     records = kw.pop("records", False)
     if isinstance(records, str):
         H, T = 12, 8

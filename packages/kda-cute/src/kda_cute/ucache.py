@@ -1734,6 +1734,8 @@ def frozen_verify(
     if varlen and (cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != B + 1 or q.shape[0] != 1):
         fail("cu_seqlens", f"[B + 1] = [{B + 1}] offsets with [1, tokens, H, 128] activations",
              f"{tuple(cu_seqlens.shape)} with q {tuple(q.shape)}")
+    if not varlen and q.shape[0] != B:  # the grid runs one request per slot
+        fail("slot_indices", f"one slot per request of q ([{q.shape[0]}])", tuple(slot_indices.shape))
     if H > GRID_Y_MAX:
         fail("q", f"at most {GRID_Y_MAX} heads (dim 2) per call (grid y limit)", H)
     if config is not None and (not isinstance(config, UcacheConfig) or config.tile_v not in TILES
