@@ -52,7 +52,8 @@ class Case:
 
 
 def make_case(B, T, H, *, seed=0, n_slots=None, slots=None, pool_row_pad=0, lengths=None, tail=0,
-              T_max="T", gate="lower_bound", dt_bias=True, cu_dtype=torch.int32, device="cuda") -> Case:
+              T_max="T", gate="lower_bound", dt_bias=True, cu_dtype=torch.int32, pool_dtype=torch.bfloat16,
+              device="cuda") -> Case:
     """Random inputs. ``lengths``: varlen rows of these token counts (activations [1, sum + tail, H, K], offsets
     cumulative; ``tail`` tokens past the last row belong to no row). ``pool_row_pad``: elements added to the pool's
     slot stride. ``T_max``: the records' positions ("T" = T; None = no records)."""
@@ -65,7 +66,7 @@ def make_case(B, T, H, *, seed=0, n_slots=None, slots=None, pool_row_pad=0, leng
     if slots is None:
         slots = torch.randperm(n_slots, generator=gen)[:B]
     slots = torch.as_tensor(slots, dtype=torch.int32).to(device)
-    storage = randn(n_slots * (H * K * K + pool_row_pad), scale=0.1).to(torch.bfloat16).to(device)
+    storage = randn(n_slots * (H * K * K + pool_row_pad), scale=0.1).to(pool_dtype).to(device)
     pool = storage.as_strided((n_slots, H, K, K), (H * K * K + pool_row_pad, K * K, K, 1))
     cu = None
     if lengths is None:
@@ -167,6 +168,16 @@ def test_record_positions_fewer_than_the_tokens(T):
 
 def test_without_records_matches_oracle():
     check(make_case(8, 8, 12, seed=12, T_max=None))
+
+
+@pytest.mark.parametrize("B,varlen", [(3, False), (64, False), (6, True), (64, True)],
+                         ids=["B3", "B64", "varlen-B6", "varlen-B64"])  # fmt: skip
+def test_fp32_checkpoint_matches_oracle(B, varlen):
+    # vLLM's default checkpoint dtype: split into bf16 hi + lo MMA operands, the same output tolerance; the tile-64
+    # build (B=3, 6), the 3-CTA (B=64 dense) and 4-CTA builds (B=64 varlen at H=24: 1536 pairs)
+    H = 24 if (varlen and B == 64) else 12
+    lengths = ([8, 3, 0, 8, 11, 1] * 11)[:B] if varlen else None
+    check(make_case(B, 8, H, seed=30 + B, lengths=lengths, pool_dtype=torch.float32))
 
 
 def test_softplus_gate_without_dt_bias_matches_oracle():

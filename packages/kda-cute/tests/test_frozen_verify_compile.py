@@ -30,11 +30,16 @@ VARIANTS = {
                                                           dict(records=True, varlen=True, slot_int64=True,
                                                                slots_strided=True, null_policy="NONPOSITIVE")),
     "T8-tv64-unaligned-varlen": ((12, 8, 64, False, False), dict(varlen=True)),
+    "T8-tv128-4cta-fp32-records-varlen": ((12, 8, 128, False, True), dict(records=True, varlen=True, pool_fp32=True)),
+    "T8-tv128-3cta-fp32-records-varlen": ((12, 8, 128, False, True),
+                                          dict(records=True, varlen=True, pool_fp32=True, min_ctas=3)),
+    "T8-tv64-fp32-records": ((12, 8, 64, False, True), dict(records=True, pool_fp32=True)),
+    "T4-tv128-softplus-unaligned-fp32-records": ((12, 4, 128, True, False), dict(records=True, pool_fp32=True)),
 }  # fmt: skip
 # Spill traffic (bytes stored + loaded, ptxas -v) a build may have: the 64-register varlen builds sit at the edge of
 # their budget and ptxas spills a few words of phase 3 in some of them (sm_90a, CUDA 13.0 ptxas: 16 bytes here;
-# the records + varlen build with int32 slots, vLLM's, and the dense builds have none).
-SPILL_BYTES = {"T8-tv128-nonpositive-int64-strided-records-varlen": 16}
+# the bf16 records + varlen build with int32 slots and the dense builds have none).
+SPILL_BYTES = {"T8-tv128-nonpositive-int64-strided-records-varlen": 16, "T8-tv128-4cta-fp32-records-varlen": 16}
 
 
 def _keywords(kw):
@@ -53,21 +58,21 @@ def test_frozen_variant_compiles_within_budget(name, arch, tmp_path, ptxas):
     # Every build: the shared memory the launcher's residency cap counts (UcacheVerifyFlush.smem_bytes) is what the
     # compiled launch asks for. On sm_90a with ptxas: no spills (see SPILL_BYTES), the tile-128 builds within the
     # registers of their resident-CTA floor (64 at 4 CTAs, 80 at 3), and only phase 2c's dot-product MMAs (8 k-steps
-    # x 2 n-tiles x hi/lo): no ring term, no flush.
+    # x 2 n-tiles x (x hi, x lo), and x hi S lo with an fp32 checkpoint): no ring term, no flush.
     from kda_cute.ucache import UcacheVerifyFlush, build_frozen_kernel
 
     args, kw = VARIANTS[name]
     kw = _keywords(kw)
     compiled = build_frozen_kernel(*args, arch, f"--keep-ptx --dump-dir {tmp_path}", **kw)
-    cfg_kw = {key: kw[key] for key in ("min_ctas", "has_dt_bias", "null_policy", "slot_int64", "slots_strided")
-              if key in kw}  # fmt: skip
+    cfg_kw = {key: kw[key] for key in ("min_ctas", "has_dt_bias", "null_policy", "slot_int64", "slots_strided",
+                                       "pool_fp32") if key in kw}  # fmt: skip
     cfg = UcacheVerifyFlush(args[0], args[1], 0, *args[2:], ring=False, records=kw.get("records", False),
                             varlen=kw.get("varlen", False), cu_int64=kw.get("cu_int64", False), **cfg_kw)  # fmt: skip
     assert f"llvm.mlir.constant({cfg.smem_bytes()} : i64)" in str(compiled.ir_module)
     if arch != "sm_90a" or shutil.which("ptxas") is None:
         return
     (ptx,) = list(tmp_path.glob("*.ptx"))
-    assert ptx.read_text().count("mma.sync.aligned.m16n8k16") == 32
+    assert ptx.read_text().count("mma.sync.aligned.m16n8k16") == (48 if kw.get("pool_fp32") else 32)
     registers, spills = ptxas.registers_and_spills(ptx, arch)
     assert spills <= SPILL_BYTES.get(name, 0), f"{registers} registers, {spills} bytes of spill traffic"
     if args[2] == 128:
@@ -100,14 +105,15 @@ def _recorder(monkeypatch):
     return launches
 
 
-def _call(B=2, T=8, H=12, *, records=False, varlen=False, cu=None, t_draft="auto", slots=None, **kw):
+def _call(B=2, T=8, H=12, *, records=False, varlen=False, cu=None, t_draft="auto", slots=None, pool_dtype=None,
+          **kw):
     import torch
 
     from kda_cute import ucache
 
     rows, tokens = (1, 5 * max(B, 1)) if varlen else (B, T)
     act = torch.empty(1, 1, 1, K, dtype=torch.bfloat16).expand(rows, tokens, H, K)
-    pool = torch.empty(3, H, K, K, dtype=torch.bfloat16)
+    pool = torch.empty(3, H, K, K, dtype=pool_dtype or torch.bfloat16)
     cc = kg = None
     if records:
         cc = torch.empty(3, H, T, K)
@@ -134,6 +140,7 @@ def test_compile_key_separates_every_code_generation_parameter(monkeypatch):
              {"varlen": True, "cu": torch.zeros(3, dtype=torch.int64)}, {"aligned": False},
              {"null_policy": NullSlotPolicy.NONPOSITIVE}, {"slots": torch.zeros(2, dtype=torch.int64)},
              {"slots": torch.zeros(2, 3, dtype=torch.int32)[:, 1]}, {"config": UcacheConfig(128, 3)}, {"B": 128},
+             {"pool_dtype": torch.float32},
              {}, {"records": True}, {"varlen": True})  # fmt: skip
     for kw in calls:
         _call(**kw)
@@ -142,6 +149,7 @@ def test_compile_key_separates_every_code_generation_parameter(monkeypatch):
     varlen = [kw["varlen"] for _, kw, _ in launches]
     assert records[3] and records[5] and not records[4] and varlen[4] and varlen[5] and not varlen[3]
     assert launches[6][1]["cu_int64"] and not launches[4][1]["cu_int64"]
+    assert launches[13][1]["pool_fp32"] and not launches[0][1]["pool_fp32"]
     _launch.clear_cache()
 
 

@@ -322,7 +322,8 @@ class UcacheVerifyFlush:
     ``state_pool[slot]`` and writes the outputs, and (``records``) the RecoverSSM records: u_s of the CTA's rows to
     the correction cache (fp32), raw k_s | raw g_s to the kg cache (V tile 0). ``varlen``: the activations are
     [1, tokens, H, 128] with the rows' tokens given by cu_seqlens (``cu_int64``: int64 offsets); a row runs
-    min(length, T) tokens, the missing ones masked to contribute nothing. ``w_ring`` is ignored there.
+    min(length, T) tokens, the missing ones masked to contribute nothing. ``pool_fp32``: an fp32 checkpoint, split
+    into bf16 hi + lo MMA operands as it is loaded. ``w_ring`` is ignored there.
 
     The shared memory is sized for 4 tile-128 CTAs per SM at T=8 w16: the 2T dot products stay in registers across
     the ring correction, so ``sXY`` is only written after it and shares the bytes of the dead x operands (sXb, sXu);
@@ -346,11 +347,13 @@ class UcacheVerifyFlush:
         records: bool = False,
         varlen: bool = False,
         cu_int64: bool = False,
+        pool_fp32: bool = False,
     ):
         if not ring:
             w_ring = 0  # no ring: its width generates nothing (one build per frozen configuration)
-        if ring and (records or varlen):
-            raise ValueError("records and varlen are frozen-verify (ring=False) options")
+        if ring and (records or varlen or pool_fp32):
+            raise ValueError("records, varlen and pool_fp32 are frozen-verify (ring=False) options")
+        self.pool_fp32 = pool_fp32
         self.ring = ring
         self.records = records
         self.varlen = varlen
@@ -1052,7 +1055,12 @@ class UcacheVerifyFlush:
             # triangle warps / every warp): B=64 17.4 / 17.4 / 17.5 and 24.7 / 24.8 / 24.9; B=128 33.6 / 32.5 /
             # 32.0 and 51.2 / 50.0 / 48.8; B=512 122.2 / 117.2 / 115.4-115.7 and 194.1 / 185.3 / 181.2-181.5.
             row_line = gPool[v0 + warp * 16 + g4 + 8 * (q4 // 2), None]
-            cute.arch.prefetch((row_line.iterator + 64 * (q4 % 2)).llvm_ptr, cache_level="L2")
+            if const_expr(self.pool_fp32):
+                # fp32 rows are 4 lines: quad position q asks for lines 2 (q % 2) and 2 (q % 2) + 1 of its row
+                for j in cutlass.range_constexpr(2):
+                    cute.arch.prefetch((row_line.iterator + 32 * (2 * (q4 % 2) + j)).llvm_ptr, cache_level="L2")
+            else:
+                cute.arch.prefetch((row_line.iterator + 64 * (q4 % 2)).llvm_ptr, cache_level="L2")
 
             # ---- phase 2a: the T x T triangles and the norms (warps 0 .. T/2 - 1) -------------------------
             # Column r of both triangles is one warp's job (columns r and T-1-r share a warp: equal work); a lane
@@ -1185,24 +1193,57 @@ class UcacheVerifyFlush:
             # 8 of the warp's rows (B: rows 16w + 8 nt + g), k = channels. k-pairs (q, q + 4) of step ks are the
             # channel pairs of _pair_group(ks, q): two consecutive bf16 words of the thread's checkpoint chunk,
             # an exact B operand as loaded (no conversion, no split; bdec rides on x).
-            load_checkpoint_rows()
-            s0_words = cute.recast_tensor(s0_raw, Int32)  # [row nt][chunk m][4 channel pairs]
-            acc = cute.make_rmem_tensor((8,), Float32)  # n-tile nt: (s = g, v = 2q, 2q + 1), (s = g + 8, same)
-            for i in cutlass.range_constexpr(8):
-                acc[i] = Float32(0.0)
-            for ks in cutlass.range_constexpr(K // MMA_K):
-                grp_k = _pair_group(ks, q4)
-                xop_hi = cute.make_rmem_tensor((4,), Int32)
-                xop_lo = cute.make_rmem_tensor((4,), Int32)
-                cute.autovec_copy(sXb[0, g4, grp_k, None], xop_hi)
-                cute.autovec_copy(sXb[1, g4, grp_k, None], xop_lo)
-                for nt in cutlass.range_constexpr(2):
-                    w0 = nt * 16 + (ks // 2) * 4 + 2 * (ks % 2)
-                    b_s0 = (s0_words[w0], s0_words[w0 + 1])
-                    d = _mma_bf16_m16n8k16([xop_hi[i] for i in range(4)], b_s0, [acc[4 * nt + i] for i in range(4)])
-                    d = _mma_bf16_m16n8k16([xop_lo[i] for i in range(4)], b_s0, d)
-                    for i in cutlass.range_constexpr(4):
-                        acc[4 * nt + i] = d[i]
+            if const_expr(self.pool_fp32):
+                # An fp32 checkpoint (frozen verify): the same products with S0 split into bf16 hi + lo as it is
+                # loaded, one 8-channel chunk m (k-steps 2m, 2m + 1) of both rows at a time (16 words live, not
+                # 64): x_hi S_hi + x_lo S_hi + x_hi S_lo per step, to about fp32 accuracy (_split_bf16x2).
+                acc = cute.make_rmem_tensor((8,), Float32)
+                for i in cutlass.range_constexpr(8):
+                    acc[i] = Float32(0.0)
+                for m in cutlass.range_constexpr(CHUNKS_PER_THREAD):
+                    s0_f = cute.make_rmem_tensor((2 * CHUNK,), Float32)  # [row nt][channel e]
+                    s0_f_chunks = cute.zipped_divide(s0_f, (CHUNK,))
+                    for rho in cutlass.range_constexpr(2):
+                        s0_row = cute.zipped_divide(gPool[v0 + rows[rho], None], (CHUNK,))
+                        cute.autovec_copy(s0_row[None, m * ROW_THREADS + q4], s0_f_chunks[None, rho])
+                    s_hi = cute.make_rmem_tensor((2 * CHUNK // 2,), Int32)  # [row nt][channel pair]
+                    s_lo = cute.make_rmem_tensor((2 * CHUNK // 2,), Int32)
+                    for z in cutlass.range_constexpr(CHUNK):
+                        s_hi[z], s_lo[z] = _split_bf16x2(s0_f[2 * z], s0_f[2 * z + 1])
+                    for half in cutlass.range_constexpr(2):
+                        grp_k = _pair_group(2 * m + half, q4)
+                        xop_hi = cute.make_rmem_tensor((4,), Int32)
+                        xop_lo = cute.make_rmem_tensor((4,), Int32)
+                        cute.autovec_copy(sXb[0, g4, grp_k, None], xop_hi)
+                        cute.autovec_copy(sXb[1, g4, grp_k, None], xop_lo)
+                        a_hi = [xop_hi[i] for i in range(4)]
+                        for nt in cutlass.range_constexpr(2):
+                            w0 = nt * (CHUNK // 2) + 2 * half
+                            b_hi = (s_hi[w0], s_hi[w0 + 1])
+                            d = _mma_bf16_m16n8k16(a_hi, b_hi, [acc[4 * nt + i] for i in range(4)])
+                            d = _mma_bf16_m16n8k16([xop_lo[i] for i in range(4)], b_hi, d)
+                            d = _mma_bf16_m16n8k16(a_hi, (s_lo[w0], s_lo[w0 + 1]), d)
+                            for i in cutlass.range_constexpr(4):
+                                acc[4 * nt + i] = d[i]
+            else:
+                load_checkpoint_rows()
+                s0_words = cute.recast_tensor(s0_raw, Int32)  # [row nt][chunk m][4 channel pairs]
+                acc = cute.make_rmem_tensor((8,), Float32)  # n-tile nt: (s = g, v = 2q, 2q + 1), (s = g + 8, same)
+                for i in cutlass.range_constexpr(8):
+                    acc[i] = Float32(0.0)
+                for ks in cutlass.range_constexpr(K // MMA_K):
+                    grp_k = _pair_group(ks, q4)
+                    xop_hi = cute.make_rmem_tensor((4,), Int32)
+                    xop_lo = cute.make_rmem_tensor((4,), Int32)
+                    cute.autovec_copy(sXb[0, g4, grp_k, None], xop_hi)
+                    cute.autovec_copy(sXb[1, g4, grp_k, None], xop_lo)
+                    for nt in cutlass.range_constexpr(2):
+                        w0 = nt * 16 + (ks // 2) * 4 + 2 * (ks % 2)
+                        b_s0 = (s0_words[w0], s0_words[w0 + 1])
+                        d = _mma_bf16_m16n8k16([xop_hi[i] for i in range(4)], b_s0, [acc[4 * nt + i] for i in range(4)])
+                        d = _mma_bf16_m16n8k16([xop_lo[i] for i in range(4)], b_s0, d)
+                        for i in cutlass.range_constexpr(4):
+                            acc[4 * nt + i] = d[i]
             if const_expr(self.ring):
                 if is_flush:
                     # S_commit = S0 * bdec + U^T WK in fp32 registers, one rounding to bf16. Fold on MMA: M = the
@@ -1409,6 +1450,7 @@ def _frozen_fakes(cfg: UcacheVerifyFlush):
     )
     vec = lambda dt, n: _launch.fake_tensor(dt, (n,), (1,), align_bytes=4)  # noqa: E731
     T_max = _launch.sym_size()
+    pool_type = f32 if cfg.pool_fp32 else bf16
     records = (None, None)
     if cfg.records:
         records = (
@@ -1427,7 +1469,7 @@ def _frozen_fakes(cfg: UcacheVerifyFlush):
         _launch.fake_tensor(bf16, (BA, TA, H), (None, None, None), align_bytes=2),  # beta logits
         vec(f32, H),  # A_log
         vec(f32, H * K) if cfg.has_dt_bias else None,  # dt_bias
-        _launch.fake_tensor(bf16, (N, H, K, K), (None, K * K, K, 1), align_bytes=align(bf16)),  # pool
+        _launch.fake_tensor(pool_type, (N, H, K, K), (None, K * K, K, 1), align_bytes=align(pool_type)),  # pool
         _launch.fake_tensor(cutlass.Int64 if cfg.slot_int64 else i32, (B,), (None,) if cfg.slots_strided else (1,),
                             align_bytes=8 if cfg.slot_int64 else 4),  # slot indices
         None,  # k_cache
@@ -1486,10 +1528,12 @@ def build_frozen_kernel(
     records: bool = False,
     varlen: bool = False,
     cu_int64: bool = False,
+    pool_fp32: bool = False,
 ):
     """Compile one frozen-verify configuration (the ucache kernel with ``ring=False``) against fake tensors."""
     cfg = UcacheVerifyFlush(heads, t_draft, 0, tile_v, softplus_gate, aligned, min_ctas, has_dt_bias, null_policy,
-                            slot_int64, slots_strided, ring=False, records=records, varlen=varlen, cu_int64=cu_int64)
+                            slot_int64, slots_strided, ring=False, records=records, varlen=varlen, cu_int64=cu_int64,
+                            pool_fp32=pool_fp32)
     return cute.compile(
         cfg,
         *_frozen_fakes(cfg),
@@ -1703,7 +1747,8 @@ def frozen_verify(
 
     A_log [H] fp32, dt_bias [H*128] fp32 (contiguous) or None (zeros), lower_bound (None: the softplus gate);
     q, k, v, g [B, T, H, 128] bf16 (last dim contiguous), T in {4, 8}, H == HV; b [B, T, H] bf16 beta logits;
-    state_pool [N, H, 128, 128] bf16 (inner dims contiguous, slot stride any number of elements >= the row);
+    state_pool [N, H, 128, 128] bf16 or fp32 (inner dims contiguous, slot stride any number of elements >= the
+    row; an fp32 checkpoint enters the MMAs as bf16 hi + lo, to about fp32 accuracy);
     slot_indices [B] int32 or int64, any stride; output [B, T, H, 128] bf16. A null slot under ``null_policy``
     (docs/design.md §4) makes the row inactive: zero output, nothing read or written (no records).
 
@@ -1767,14 +1812,15 @@ def frozen_verify(
     slot_int64 = slot_indices.dtype == torch.int64
     slots_strided = B > 1 and slot_indices.stride(0) != 1
     cu_int64 = varlen and cu_seqlens.dtype == torch.int64
+    pool_fp32 = state_pool.dtype == torch.float32
     key = ("kda_frozen_verify", H, T, cfg.tile_v, cfg.floor, softplus_gate, bool(aligned), has_dt_bias, null_policy,
-           slot_int64, slots_strided, records, varlen, cu_int64)  # fmt: skip
+           slot_int64, slots_strided, records, varlen, cu_int64, pool_fp32)  # fmt: skip
     fn = _launch.get_or_compile(
         key,
         lambda arch: build_frozen_kernel(H, T, cfg.tile_v, softplus_gate, bool(aligned), arch, min_ctas=cfg.floor,
                                          has_dt_bias=has_dt_bias, null_policy=null_policy, slot_int64=slot_int64,
                                          slots_strided=slots_strided, records=records, varlen=varlen,
-                                         cu_int64=cu_int64),  # fmt: skip
+                                         cu_int64=cu_int64, pool_fp32=pool_fp32),  # fmt: skip
     )
     args = [q, k, v, g, b, A_log, dt_bias, state_pool, slot_indices, None, None, None, None, None, output,
             correction_cache, kg_cache, cu_seqlens, float(scale), float(-5.0 if lower_bound is None else lower_bound),
