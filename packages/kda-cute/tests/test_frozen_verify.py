@@ -219,11 +219,18 @@ def test_unaligned_pool_stride_takes_the_element_wide_variant():
 @pytest.mark.parametrize("T,cu_dtype", [(4, torch.int32), (8, torch.int32), (8, torch.int64)],
                          ids=["T4-cu32", "T8-cu32", "T8-cu64"])  # fmt: skip
 def test_varlen_rows_of_0_1_T_and_more_tokens(T, cu_dtype):
-    # lengths 0, 1, T, T + 3 (only the first T run; the rest of the row's outputs are not written), 2, and 5 tail
-    # tokens no row owns; with T_max = T - 1 a row of T tokens also leaves its last record unwritten
-    lengths = [0, 1, T, T + 3, 2, T]
-    case = make_case(len(lengths), T, 12, seed=17 + T, lengths=lengths, tail=5, T_max=T - 1, cu_dtype=cu_dtype)
-    check(case)
+    # lengths 0, 1, T, T + 3 (only the first T run; the rest of the row's outputs are not written), 2, T, 3, and 5
+    # tail tokens no row owns; with T_max = T - 1 a row of T tokens also leaves its last record unwritten. Row 4 is
+    # null (zero outputs over its tokens, no records). The offsets are a strided view (a column of a wider table).
+    lengths = [0, 1, T, T + 3, 2, T, 3]
+    case = make_case(len(lengths), T, 12, seed=17 + T, lengths=lengths, tail=5, T_max=T - 1, cu_dtype=cu_dtype,
+                     slots=[3, 9, 0, 14, -1, 7, 2])  # fmt: skip
+    table = torch.zeros(len(lengths) + 1, 2, dtype=cu_dtype, device="cuda")
+    table[:, 0] = case.cu
+    case.cu = table[:, 0]
+    out, _, _ = check(case)
+    bos = int(case.cu[4])
+    assert bool((out[0, bos : bos + 2] == 0).all())
 
 
 def test_varlen_offsets_are_clamped_to_the_tokens():

@@ -556,9 +556,9 @@ class UcacheVerifyFlush:
         min(eos - bos, T). The offsets are volatile loads, issued where written (:func:`_ld_volatile`)."""
         cu_type = Int64 if const_expr(self.cu_int64) else Int32
         t_total64 = Int64(tokens)
-        at = cute.domain_offset((bi,), mCu).iterator
-        bos64 = cutlass.min(cutlass.max(Int64(_ld_volatile(at, cu_type)), Int64(0)), t_total64)
-        eos64 = cutlass.min(cutlass.max(Int64(_ld_volatile(at + 1, cu_type)), bos64), t_total64)
+        cu_at = lambda n: _ld_volatile(cute.domain_offset((n,), mCu).iterator, cu_type)  # noqa: E731 (any stride)
+        bos64 = cutlass.min(cutlass.max(Int64(cu_at(bi)), Int64(0)), t_total64)
+        eos64 = cutlass.min(cutlass.max(Int64(cu_at(bi + 1)), bos64), t_total64)
         return Int32(bos64), Int32(cutlass.min(eos64 - bos64, Int64(self.t_draft)))
 
     @cute.jit
