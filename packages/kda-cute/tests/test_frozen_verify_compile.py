@@ -171,6 +171,7 @@ def test_arguments_reach_the_kernel_in_its_order(monkeypatch):
         (dict(varlen=True, t_draft=None), "t_draft"),
         (dict(varlen=True, t_draft=6), "t_draft"),
         (dict(t_draft=4), "t_draft"),
+        (dict(T=6), "q"),
         (dict(varlen=True, cu="short"), "cu_seqlens"),
         (dict(slots="three"), "slot_indices"),
         (dict(records="correction only"), "kg_cache"),
@@ -179,7 +180,7 @@ def test_arguments_reach_the_kernel_in_its_order(monkeypatch):
         (dict(config=(128, 3)), "config"),
         (dict(null_policy="nonpositive"), "null_policy"),
     ],
-    ids=["varlen-no-T", "varlen-T6", "dense-T-mismatch", "cu-shape", "slots-per-request", "records-pair",
+    ids=["varlen-no-T", "varlen-T6", "dense-T-mismatch", "dense-T6", "cu-shape", "slots-per-request", "records-pair",
          "correction-shape", "kg-shape", "config", "policy"],
 )  # fmt: skip
 def test_refusals_name_the_argument_before_launch(kw, argument, monkeypatch):

@@ -31,6 +31,10 @@ Rows whose slot is null (outside [0, pool), or 0 too under the NONPOSITIVE polic
 their output is zero and nothing else is read or written.
 The cursors (hist_len, cache_base) are only read here; the caller's commit is applied by the wrapper in
 kda-recurrent.
+
+The same kernel with no ring (``UcacheVerifyFlush(..., ring=False)``, launcher :func:`frozen_verify`) is spec
+decode's frozen verify: P = 0 at compile time, so it reads the checkpoint, writes the outputs and, optionally, vLLM
+RecoverSSM's per-token records; it also takes varlen rows and fp32 checkpoints (docs/ucache.md, "The frozen verify").
 """
 
 from dataclasses import dataclass
@@ -1776,6 +1780,8 @@ def frozen_verify(
         fail("t_draft", f"one of {FROZEN_T_DRAFT} with cu_seqlens (the tokens each row runs at most)", t_draft)
     if not varlen and t_draft is not None and t_draft != q.shape[1]:
         fail("t_draft", f"None or q's token count {q.shape[1]} without cu_seqlens", t_draft)
+    if not varlen and T not in FROZEN_T_DRAFT:
+        fail("q", f"a token count (dim 1) in {FROZEN_T_DRAFT}", T)
     if varlen and (cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != B + 1 or q.shape[0] != 1):
         fail("cu_seqlens", f"[B + 1] = [{B + 1}] offsets with [1, tokens, H, 128] activations",
              f"{tuple(cu_seqlens.shape)} with q {tuple(q.shape)}")
