@@ -4,7 +4,8 @@ kda-core's spec-decode oracle (``kda_core.oracle_spec.spec_verify_ref`` with ``d
 Each test builds random bf16 inputs, runs the kernel and the oracle on separate copies of the records, and compares
 outputs (fp32 oracle vs bf16 kernel: atol = rtol = 8e-3, the ucache tests' tolerance), the correction records (fp32
 u, the same tolerance), the kg records (raw copies: bitwise) and the pool (bitwise untouched). Record rows the oracle
-does not write hold a sentinel that must survive bitwise; so must outputs the kernel does not own (varlen).
+does not write hold a sentinel that must survive bitwise; so must the outputs of varlen tokens past the first T of
+their row (tokens no row owns must be zero, as the oracle has them).
 """
 
 from __future__ import annotations
@@ -117,17 +118,17 @@ def run_oracle(case: Case, slots=None, null_policy=NullSlotPolicy.OUT_OF_RANGE):
 
 
 def owned_tokens(case: Case) -> torch.Tensor:
-    """bool [Ba, Ta]: the output positions the kernel writes (every token of a dense call; varlen: the first
-    min(length, T) tokens of each row)."""
+    """bool [Ba, Ta]: the output positions the kernel writes (every token of a dense call; varlen: every token but
+    those past the first T of their row, which are left as they were; tokens no row owns are zeroed)."""
     Ba, Ta = case.q.shape[:2]
+    mask = torch.ones(Ba, Ta, dtype=torch.bool, device=case.q.device)
     if case.cu is None:
-        return torch.ones(Ba, Ta, dtype=torch.bool, device=case.q.device)
-    mask = torch.zeros(Ba, Ta, dtype=torch.bool, device=case.q.device)
+        return mask
     cu = case.cu.long().clamp(0, Ta).tolist()
     for n in range(len(cu) - 1):
         bos = cu[n]
         eos = max(cu[n + 1], bos)
-        mask[0, bos : min(eos, bos + case.T)] = True
+        mask[0, min(eos, bos + case.T) : eos] = False
     return mask
 
 
@@ -142,7 +143,7 @@ def check(case: Case, slots=None, null_policy=NullSlotPolicy.OUT_OF_RANGE, **kw)
     owned = owned_tokens(case)
     assert torch.isfinite(out[owned].float()).all()
     torch.testing.assert_close(out[owned].float(), ref_o[owned], **OUT_TOL)
-    assert bool((out[~owned] == OUT_SENTINEL).all()), "an output no row owns (or past T in its row) was written"
+    assert bool((out[~owned] == OUT_SENTINEL).all()), "an output past the first T tokens of its row was written"
     if cc is not None:
         written = ref_cc != CORR_SENTINEL  # what the oracle wrote (a u exactly equal to 7.0 has probability 0)
         assert bool((cc[~written] == CORR_SENTINEL).all()), "a correction record outside the rows' tokens changed"
@@ -233,11 +234,13 @@ def test_varlen_rows_of_0_1_T_and_more_tokens(T, cu_dtype):
 
 
 def test_varlen_offsets_are_clamped_to_the_tokens():
-    # a last offset past the tokens clamps to them, a decreasing one makes an empty row
+    # a last offset past the tokens clamps to them (and tokens 0, 1 before the first row are zeroed), a decreasing
+    # one makes an empty row
     lengths = [3, 8, 2]
     case = make_case(3, 8, 12, seed=19, lengths=lengths, tail=0)
-    case.cu = torch.tensor([0, 3, 11, 1 << 20], dtype=torch.int32, device="cuda")
-    check(case)
+    case.cu = torch.tensor([2, 3, 11, 1 << 20], dtype=torch.int32, device="cuda")
+    out, _, _ = check(case)
+    assert bool((out[0, :2] == 0).all())
     case.cu = torch.tensor([0, 3, 2, 13], dtype=torch.int32, device="cuda")  # row 1 empty; row 2 [2, 13) as 8
     # (row 2 overlaps row 0's tokens: outputs are unspecified there, so compare the records and the pool only)
     pool_before = case.pool.clone()

@@ -58,6 +58,7 @@ __all__ = [
     "ucache_verify_flush",
     "frozen_verify",
     "build_frozen_kernel",
+    "FROZEN_STATE_DTYPES",
     "restart_cursors",
     "build_ucache_kernel",
     "build_restart_kernel",
@@ -1395,6 +1396,21 @@ class UcacheVerifyFlush:
                         mOut[0, tok0 + t, h, v0 + r] = Float32(0.0).to(mOut.element_type)
                 else:
                     mOut[bi, t, h, v0 + r] = Float32(0.0).to(mOut.element_type)
+        if const_expr(self.varlen):
+            # Tokens no row owns are zero (common rule 1: outputs are exact outside [bos_0, eos_last) for
+            # non-decreasing offsets): the first row's CTAs zero those before its start, the last row's those past its
+            # end, each its head and V tile. (Tokens past T inside a row are not written.)
+            if bi == 0:
+                head = sRow[0]
+                for i in cutlass.range(tidx, head * TV, NT):
+                    mOut[0, i // TV, h, v0 + i % TV] = Float32(0.0).to(mOut.element_type)
+            if bi == mSlot.shape[0] - 1:
+                tokens = mQ.shape[1]
+                cu_type = Int64 if const_expr(self.cu_int64) else Int32
+                end64 = Int64(_ld_volatile(cute.domain_offset((bi + 1,), mCu).iterator, cu_type))
+                tail0 = Int32(cutlass.min(cutlass.max(end64, Int64(sRow[0])), Int64(tokens)))  # eos_last, clamped
+                for i in cutlass.range(tidx, (tokens - tail0) * TV, NT):
+                    mOut[0, tail0 + i // TV, h, v0 + i % TV] = Float32(0.0).to(mOut.element_type)
 
 
 def _fakes(cfg: UcacheVerifyFlush):
@@ -1720,6 +1736,8 @@ def ucache_verify_flush(
 
 
 FROZEN_T_DRAFT = (4, 8)
+FROZEN_STATE_DTYPES = (torch.bfloat16, torch.float32)
+"""The checkpoint dtypes :func:`frozen_verify` reads (fp32 as bf16 hi + lo MMA operands)."""
 _FROZEN_BATCH_ARGS = (0, 1, 2, 3, 4, 8, 14)  # q, k, v, g, b, slot_indices, output (dense activations)
 
 
@@ -1764,8 +1782,9 @@ def frozen_verify(
     Varlen (``cu_seqlens`` [B + 1] int32 / int64, vLLM's query_start_loc): q, k, v, g, output [1, tokens, H, 128],
     b [1, tokens, H]; ``t_draft`` (4 or 8) is then required. Row b owns tokens [bos_b, eos_b) (clamped per the
     common rule: ``bos = clamp(cu[b], 0, tokens)``, ``eos = clamp(cu[b + 1], bos, tokens)``) and runs its first
-    min(eos - bos, T) of them: a shorter row masks the missing tokens (no output or record for them), and the output
-    of a token past T in its row, or of a token no row owns, is not written (left as it was).
+    min(eos - bos, T) of them: a shorter row masks the missing tokens (no output or record for them); the output of
+    a token past T in its row is not written (left as it was), and tokens no row owns (before the first row's start,
+    past the last row's end) are zeroed, as common rule 1 has it. At most 65535 rows (one launch: grid z).
 
     ``aligned``: every pointer and non-unit stride of q, k, v, g, output, state_pool and kg_cache is a multiple of
     16 bytes (``kda_core.validation.tensor_alignment`` == 16 on each); else the same code with element-wide
@@ -1810,6 +1829,8 @@ def frozen_verify(
         if null_policy == NullSlotPolicy.NONPOSITIVE:
             flat = flat[flat != 0]  # slot 0 is null there: padding rows may repeat it
         debug_check_slots(flat, state_pool.shape[0], argument="slot_indices")
+    if varlen and B > GRID_Z_MAX:  # one launch: its first and last rows zero the tokens no row owns
+        fail("cu_seqlens", f"at most {GRID_Z_MAX} rows ({GRID_Z_MAX + 1} offsets; grid z limit)", cu_seqlens.shape[0])
     if B == 0 or H == 0:  # nothing to launch (a grid dimension would be 0)
         return output
     cfg = select_config(B, H) if config is None else config
@@ -1834,15 +1855,8 @@ def frozen_verify(
     if B <= GRID_Z_MAX:
         fn(*args)
     else:
-        # The grid puts the rows on gridDim.z: a larger batch runs as several launches on row views (rows are
-        # independent). Dense: every batch-indexed argument; varlen: the slots and the offsets' window (the
-        # activations are indexed by the offsets' values).
+        # The grid puts the rows on gridDim.z: a larger dense batch runs as several launches on row views of every
+        # batch-indexed argument (rows are independent; varlen calls are refused above).
         for b0 in range(0, B, GRID_Z_MAX):
-            if varlen:
-                part = list(args)
-                part[8] = slot_indices[b0 : b0 + GRID_Z_MAX]
-                part[17] = cu_seqlens[b0 : b0 + GRID_Z_MAX + 1]
-                fn(*part)
-            else:
-                fn(*[a[b0 : b0 + GRID_Z_MAX] if i in _FROZEN_BATCH_ARGS else a for i, a in enumerate(args)])
+            fn(*[a[b0 : b0 + GRID_Z_MAX] if i in _FROZEN_BATCH_ARGS else a for i, a in enumerate(args)])
     return output
