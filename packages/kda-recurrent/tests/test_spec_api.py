@@ -17,7 +17,6 @@ import types
 import pytest
 import torch
 
-from kda_core.contracts import NullSlotPolicy
 from kda_core.errors import KDAError
 from kda_core.oracle import recurrent_kda_ref
 from kda_recurrent import RecoverSSMCommit, explain, recoverssm_commit, recurrent_kda
@@ -157,7 +156,7 @@ def test_vllm_recoverssm_verify_then_commit_context(device, request_indices):
         out = kimi_k3.kda_recoverssm_verify(q, k, v, graw, beta, layer.A_log, layer.dt_bias, LB, layer.kv_cache[1],
                                             layer.kv_cache[2], layer.kv_cache[3], qsl, slots, T)
         inputs.append((q, k, v, graw, beta, out))
-    for (conv0, pool0), layer in zip(initial, layers):
+    for (_, pool0), layer in zip(initial, layers):
         assert torch.equal(layer.kv_cache[1], pool0)  # the verify is read only
     ctx = kimi_k3.KDARecoverSSMCommitContext.create(layers, spec_query_len=T, max_num_reqs=4, conv_dim_first=True)
     if request_indices:
