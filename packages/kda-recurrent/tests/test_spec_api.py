@@ -204,7 +204,7 @@ def test_verify_commit_chain_over_20_steps_equals_the_recurrence_over_the_accept
     kg = torch.zeros(blocks, H, T, 2 * D, device=device, dtype=BF16)
     qsl = torch.arange(0, N * T + 1, T, dtype=torch.int32, device=device)
     ref = {n: pool[s].float().clone() for n, s in enumerate(slots.tolist()) if s > 0}
-    for step in range(20):
+    for _step in range(20):
         q, k, v, graw = (rnd(g, 1, N * T, H, D, device=device) for _ in range(4))
         beta = rnd(g, 1, N * T, H, device=device)
         kimi_k3.kda_recoverssm_verify(q, k, v, graw, beta, par["A_log"], par["dt_bias"], LB, pool, corr, kg, qsl,
