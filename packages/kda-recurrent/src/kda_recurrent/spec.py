@@ -70,20 +70,19 @@ def tc_reason(call, args: RecurrentArgs, spec: SpecArgs, rows_t: int | None = No
     if read_dtype not in _tc_state_dtypes():
         return f"the read tensor is {read_dtype} (the tensor-core verify reads {_tc_state_dtypes()})"
     if call.varlen:
-        if rows_t is None or rows_t > max(UCACHE_T) or not _tc_varlen():
-            return "varlen rows of unknown or too large a length for the tensor-core verify"
+        if rows_t is None or rows_t > max(UCACHE_T):
+            return f"varlen rows of {'unknown' if rows_t is None else rows_t} tokens at most (tensor-core: <= 8)"
     elif call.T not in UCACHE_T:
         return f"T={call.T} tokens (the tensor-core verify is built for T in {UCACHE_T})"
     return None
 
 
-def _tc_state_dtypes():
-    fn = _entry("kda_cute.ucache", "FROZEN_STATE_DTYPES")
-    return fn if fn is not None else ()
-
-
-def _tc_varlen() -> bool:
-    return bool(_entry("kda_cute.ucache", "FROZEN_VARLEN"))
+def _tc_state_dtypes() -> tuple:
+    """The read-tensor dtypes the tensor-core frozen verify takes (``kda_cute.ucache.FROZEN_STATE_DTYPES``; bf16
+    where kda-cute does not say)."""
+    if _entry("kda_cute.ucache", "frozen_verify") is None:
+        return ()
+    return _entry("kda_cute.ucache", "FROZEN_STATE_DTYPES") or (torch.bfloat16,)
 
 
 def spec_call(args: RecurrentArgs, spec: SpecArgs, null_policy=NullSlotPolicy.OUT_OF_RANGE, rows_t: int | None = None):
@@ -150,7 +149,8 @@ def _run_tc(tc, call, args: RecurrentArgs, spec: SpecArgs, null_policy, rows_t):
         t_draft = min(t for t in UCACHE_T if t >= rows_t)
     tc(A_log.reshape(-1), g, None if dt_bias is None else dt_bias.reshape(-1), call.lower_bound, q, k, v, beta,
        pool, slots, call.scale, output, correction_cache=spec.correction_cache, kg_cache=spec.kg_cache,
-       cu_seqlens=args.cu_seqlens, t_draft=t_draft, aligned=call.aligned, null_policy=null_policy)
+       cu_seqlens=args.cu_seqlens, t_draft=t_draft,
+       aligned=call.aligned and (not call.records or call.records_aligned), null_policy=null_policy)
     return output
 
 
