@@ -193,21 +193,30 @@ def test_the_gate_form_follows_A_log_and_lower_bound(monkeypatch):
     assert calls[0][-1] == -5.0
 
 
-@pytest.mark.parametrize("bad", ["config", "policy", "head-dim", "heads"])
+@pytest.mark.parametrize("bad", ["config", "policy", "head-dim", "heads", "dt-bias", "counts", "offsets"])
 def test_a_launch_the_kernel_cannot_take_is_refused_before_launch(bad, monkeypatch):
+    # what the kernel would index out of its tensors (or cannot build) is refused on the host, naming the argument
     calls, _ = _recorder(monkeypatch)
     state, corr, kg, slots, nat, A_log, dt_bias = _single()
     kw = {}
     match = {"config": "^config: expected a CommitConfig", "policy": "^null_policy: expected",
-             "head-dim": "^checkpoint_state: expected", "heads": "^A_log: expected"}[bad]
+             "head-dim": "^checkpoint_state: expected", "heads": "^A_log: expected",
+             "dt-bias": r"^dt_bias: expected \[H\*K\] = \[256\]", "counts": "^num_accepted_tokens: expected",
+             "offsets": r"^query_start_loc: expected \[N \+ 1\] = \[4\]"}[bad]
     if bad == "config":
         kw["config"] = R.CommitConfig(128)  # 16 rows per thread at K=128
     elif bad == "policy":
         kw["null_policy"] = "nonpositive"
     elif bad == "head-dim":
         state = torch.zeros(6, 4, 96, 96)
-    else:
+    elif bad == "heads":
         A_log = torch.zeros(3)  # 3 does not divide HV = 4
+    elif bad == "dt-bias":
+        dt_bias = torch.zeros(128)
+    elif bad == "counts":
+        nat = nat[:2]
+    else:
+        kw["query_start_loc"] = torch.zeros(3, dtype=torch.int32)
     with pytest.raises(KDAError, match=match):
         R.recoverssm_commit(state, corr, kg, slots, nat, A_log, dt_bias, -5.0, **kw)
     assert calls == []

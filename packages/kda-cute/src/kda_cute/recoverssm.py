@@ -481,16 +481,20 @@ def compile_variant(key: tuple, arch: str, extra_options: str = ""):
     return _compile(key, arch, extra_options)
 
 
-def _check_launch(checkpoint_state, A_log, HV_rows: int, config, null_policy, argument: str) -> int:
-    """The facts the launch itself needs; returns K."""
+def _check_launch(checkpoint_state, A_log, dt_bias, HV_rows: int, config, null_policy, argument: str) -> int:
+    """The facts the launch itself needs (the kernel indexes the gate parameters by head); returns K."""
+    if checkpoint_state.dim() != 4:
+        fail(argument, "[P, HV, V, K]", tuple(checkpoint_state.shape))
     K = checkpoint_state.shape[-1]
     if K not in GENERIC_HEAD_DIMS or checkpoint_state.shape[-2] != K:
         fail(argument, f"[P, HV, V, K] with K = V in {GENERIC_HEAD_DIMS}", tuple(checkpoint_state.shape))
     HV = checkpoint_state.shape[1]
     if A_log is not None:
-        H = A_log.shape[-1]
+        H = A_log.numel()
         if H == 0 or HV % H:
             fail("A_log", f"[H] with H dividing the value heads HV = {HV}", tuple(A_log.shape))
+        if dt_bias is not None and dt_bias.numel() != H * K:
+            fail("dt_bias", f"[H*K] = [{H * K}] values", tuple(dt_bias.shape))
     if HV_rows > GRID_Y_MAX:
         fail(argument, f"at most {GRID_Y_MAX} value heads x layers per launch (grid y limit)", HV_rows)
     if config is not None and (not isinstance(config, CommitConfig) or config.tile_v not in tile_v_choices(K)):
@@ -500,12 +504,25 @@ def _check_launch(checkpoint_state, A_log, HV_rows: int, config, null_policy, ar
     return K
 
 
-def _debug_check(state_indices, num_accepted_tokens, P: int, null_policy) -> None:
+def _check_rows(state_indices, num_accepted_tokens, query_start_loc) -> None:
+    """The kernel reads num_accepted_tokens[n] and query_start_loc[n], [n + 1] for every row n of state_indices."""
+    N = state_indices.shape[0]
+    if num_accepted_tokens.dim() != 1 or num_accepted_tokens.shape[0] != N:
+        fail("num_accepted_tokens", f"[N] = [{N}] counts (one per row of state_indices)",
+             tuple(num_accepted_tokens.shape))
+    if query_start_loc is not None and (query_start_loc.dim() != 1 or query_start_loc.shape[0] != N + 1):
+        fail("query_start_loc", f"[N + 1] = [{N + 1}] offsets", tuple(query_start_loc.shape))
+
+
+def _debug_check(state_indices, num_accepted_tokens, query_start_loc, P: int, null_policy) -> None:
     """KDA_DEBUG_VALIDATE: two committing rows naming one slot race on its checkpoint (rows that commit nothing are
     null and may repeat)."""
     if debug_checks_enabled():
-        debug_check_slots(state_indices[num_accepted_tokens > 0], P, argument="state_indices",
-                          null_policy=null_policy)
+        live = num_accepted_tokens.to(torch.int64) > 0
+        if query_start_loc is not None:
+            q = query_start_loc.to(torch.int64)
+            live &= q[1:] > q[:-1]
+        debug_check_slots(state_indices[live], P, argument="state_indices", null_policy=null_policy)
 
 
 def _launch_rows(fn, fixed_before: tuple, state_indices, num_accepted_tokens, query_start_loc, fixed_after: tuple):
@@ -567,12 +584,14 @@ def recoverssm_commit(
                           null_policy=NullSlotPolicy.NONPOSITIVE)
     """
     HV = checkpoint_state.shape[1]
-    K = _check_launch(checkpoint_state, A_log, HV, config, null_policy, "checkpoint_state")
-    _debug_check(state_indices, num_accepted_tokens, checkpoint_state.shape[0], null_policy)
+    gate = commit_gate_mode(A_log, lower_bound)
+    K = _check_launch(checkpoint_state, A_log, None if gate == GateMode.PRECOMPUTED else dt_bias, HV, config,
+                      null_policy, "checkpoint_state")
+    _check_rows(state_indices, num_accepted_tokens, query_start_loc)
+    _debug_check(state_indices, num_accepted_tokens, query_start_loc, checkpoint_state.shape[0], null_policy)
     n_rows = state_indices.shape[0]
     if n_rows == 0 or HV == 0 or correction_cache.shape[2] == 0:
         return checkpoint_state  # nothing to commit (a grid dimension would be 0)
-    gate = commit_gate_mode(A_log, lower_bound)
     if gate == GateMode.PRECOMPUTED:
         A_log = dt_bias = None
     elif dt_bias is not None:
@@ -659,15 +678,22 @@ class RecoverSSMCommitPlan:
                 fail(name, f"{L} layers (one per checkpoint) or None", len(seq))
         ref = states[0]
         HV = ref.shape[1]
-        self.K = _check_launch(ref, None if A_logs is None else A_logs[0], HV * L, config, null_policy,
-                               "checkpoint_states")
+        self.gate = commit_gate_mode(None if A_logs is None else A_logs[0], lower_bound)
+        gated = self.gate != GateMode.PRECOMPUTED
+        self.K = _check_launch(ref, A_logs[0] if gated else None, dt_biases[0] if gated and dt_biases else None,
+                               HV * L, config, null_policy, "checkpoint_states")
+        if gated:
+            for name, seq, size in (("A_logs", A_logs, A_logs[0].numel()),
+                                    ("dt_biases", dt_biases or [], self.K * A_logs[0].numel())):
+                for i, t in enumerate(seq):
+                    if t is None or t.numel() != size:
+                        fail(f"{name}[{i}]", f"{size} values, as layer 0", None if t is None else tuple(t.shape))
         device = ref.device
         offsets = list(zip(_element_offsets(states, "checkpoint_states"),
                            _element_offsets(corrs, "correction_caches"), _element_offsets(kgs, "kg_caches")))
         self.offsets = torch.tensor(offsets, dtype=torch.int64, device=device)  # [L, 3]
-        self.gate = commit_gate_mode(None if A_logs is None else A_logs[0], lower_bound)
         self.A_log = self.dt_bias = None
-        if self.gate != GateMode.PRECOMPUTED:
+        if gated:
             self.A_log = torch.stack([a.reshape(-1).float() for a in A_logs]).to(device)  # [L, H]
             if dt_biases is not None:
                 self.dt_bias = torch.stack([b.reshape(-1).float() for b in dt_biases]).to(device)  # [L, H*K]
@@ -686,7 +712,8 @@ class RecoverSSMCommitPlan:
         layer, in place, in one launch (several past ``GRID_Z_MAX`` rows). No host sync, no allocation."""
         ref = self.states[0]
         HV = ref.shape[1]
-        _debug_check(state_indices, num_accepted_tokens, ref.shape[0], self.null_policy)
+        _check_rows(state_indices, num_accepted_tokens, query_start_loc)
+        _debug_check(state_indices, num_accepted_tokens, query_start_loc, ref.shape[0], self.null_policy)
         n_rows = state_indices.shape[0]
         if n_rows == 0 or HV == 0 or self.corrs[0].shape[2] == 0:
             return
