@@ -109,13 +109,16 @@ def assert_untouched(got, before, untouched_slots):
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus", "precomputed"])
 def test_commit_matches_the_oracle(state_dtype, gate):
+    from kda_cute.recoverssm import CommitConfig
+
     P, HV, H, T_max = 12, 4, 2, 4  # GQA: value head hv reads gate parameters of q/k head hv // 2
     ck, corr, kg, gate_kw, _ = make_records(P, HV, H, T_max=T_max, state_dtype=state_dtype, gate=gate, seed=1)
     slots = torch.tensor([3, 7, 1, 10, 5, 8, 2, 11], dtype=torch.int32, device=DEV)
     #                 partial, all, past T, negative, INT_MIN, zero, one, past len
     nat = torch.tensor([2, 4, 9, -1, INT32_MIN, 0, 1, 4], dtype=torch.int32, device=DEV)
     qsl = torch.tensor([0, 4, 8, 12, 16, 20, 24, 28, 31], dtype=torch.int32, device=DEV)  # last row: length 3
-    got, ref, before = commit_both(ck, corr, kg, slots, nat, gate_kw, query_start_loc=qsl)
+    # tile 64: the schedule's tile for large grids (8 rows per thread); the small calls below take its tile 16
+    got, ref, before = commit_both(ck, corr, kg, slots, nat, gate_kw, query_start_loc=qsl, config=CommitConfig(64))
     assert_committed(got, ref)
     # rows with nothing to commit and slots no row names are bitwise untouched
     assert_untouched(got, before, [10, 5, 8, 0, 4, 6, 9])
@@ -123,16 +126,19 @@ def test_commit_matches_the_oracle(state_dtype, gate):
         assert not torch.equal(got[s], before[s])
 
 
-@pytest.mark.parametrize("K", [64, 128])
-def test_head_dims(K):
+@pytest.mark.parametrize("K,tile_v", [(64, 16), (64, 64), (128, 16)])
+def test_head_dims(K, tile_v):
+    from kda_cute.recoverssm import CommitConfig
+
+    # K=64: 8 lanes per row, 16 row groups (16 tokens per chunk), 1 or 4 rows per thread
     ck, corr, kg, gate_kw, _ = make_records(9, 2, 2, K=K, T_max=8, seed=2, state_dtype=torch.float32)
     slots = torch.tensor([4, 0, 8], dtype=torch.int32, device=DEV)
     nat = torch.tensor([8, 5, 3], dtype=torch.int32, device=DEV)
-    got, ref, _ = commit_both(ck, corr, kg, slots, nat, gate_kw)
+    got, ref, _ = commit_both(ck, corr, kg, slots, nat, gate_kw, config=CommitConfig(tile_v))
     assert_committed(got, ref)
 
 
-@pytest.mark.parametrize("flags", ["no-l2norm", "no-dt-bias", "kg-fp32", "tile16"])
+@pytest.mark.parametrize("flags", ["no-l2norm", "no-dt-bias", "kg-fp32", "tile32", "tile8"])
 def test_variant_flags(flags):
     from kda_cute.recoverssm import CommitConfig
 
@@ -144,8 +150,8 @@ def test_variant_flags(flags):
         kw["use_qk_l2norm_in_kernel"] = False
     if flags == "no-dt-bias":
         gate_kw["dt_bias"] = None
-    if flags == "tile16":
-        kw["config"] = CommitConfig(16)
+    if flags.startswith("tile"):  # tile 8 at K=128: fewer u values than lanes, one row per thread
+        kw["config"] = CommitConfig(int(flags[4:]))
     slots = torch.tensor([1, 6, 3], dtype=torch.int32, device=DEV)
     nat = torch.tensor([4, 2, 3], dtype=torch.int32, device=DEV)
     got, ref, _ = commit_both(ck, corr, kg, slots, nat, gate_kw, **kw)
