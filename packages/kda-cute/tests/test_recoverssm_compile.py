@@ -264,6 +264,14 @@ def test_plan_commit_is_one_launch_over_every_layer(monkeypatch):
     assert key[8] == key[9] == torch.int64
 
 
+def test_plan_takes_a_list_of_no_dt_bias_as_none():
+    states, corrs, kgs = _layers()
+    plan = R.RecoverSSMCommitPlan(states, corrs, kgs, [torch.zeros(2)] * 3, [None] * 3, -5.0)
+    assert plan.dt_bias is None and plan.A_log.shape == (3, 2)
+    with pytest.raises(KDAError, match=r"^dt_biases\[1\]: expected 256 values"):
+        R.RecoverSSMCommitPlan(states, corrs, kgs, [torch.zeros(2)] * 3, [torch.zeros(256), None, None], -5.0)
+
+
 @pytest.mark.parametrize("bad", ["stride", "dtype", "count", "grid-y"])
 def test_plan_refuses_layers_it_cannot_address_from_layer_0(bad):
     states, corrs, kgs = _layers()

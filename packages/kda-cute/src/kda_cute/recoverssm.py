@@ -676,6 +676,8 @@ class RecoverSSMCommitPlan:
         for name, seq in (("A_logs", A_logs), ("dt_biases", dt_biases)):
             if seq is not None and len(seq) != L:
                 fail(name, f"{L} layers (one per checkpoint) or None", len(seq))
+        if dt_biases is not None and all(b is None for b in dt_biases):
+            dt_biases = None  # the oracle's spelling of "no dt_bias in any layer"
         ref = states[0]
         HV = ref.shape[1]
         self.gate = commit_gate_mode(None if A_logs is None else A_logs[0], lower_bound)
