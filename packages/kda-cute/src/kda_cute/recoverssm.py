@@ -164,6 +164,10 @@ class RecoverSSMCommitKernel:
         self.rows = tile_v // self.groups
         self.u_per_lane = (tile_v + self.lanes - 1) // self.lanes  # u values of a token one lane prepares
 
+    def smem_bytes(self) -> int:
+        """Shared memory of one CTA: two buffers of ``groups`` prepared tokens (k^ and decay [K], u [tile_v], fp32)."""
+        return 2 * self.groups * (2 * self.head_dim + self.tile_v) * 4
+
     # ---- small helpers ------------------------------------------------------------------------
 
     def _copy_bits(self, dtype) -> int:
