@@ -275,6 +275,22 @@ def test_plan_commit_is_one_launch_over_every_layer(monkeypatch):
     assert key[8] == key[9] == torch.int64
 
 
+def test_plan_refreshes_its_stacked_gate_parameters_in_place():
+    # weights loaded into the layers' tensors after the plan was built reach the same stacked buffers (a graph
+    # captured before reads them)
+    states, corrs, kgs = _layers()
+    A_logs, dt_biases = [torch.zeros(2) for _ in range(3)], [torch.zeros(256) for _ in range(3)]
+    plan = R.RecoverSSMCommitPlan(states, corrs, kgs, A_logs, dt_biases, -5.0)
+    a_ptr, d_ptr = plan.A_log.data_ptr(), plan.dt_bias.data_ptr()
+    A_logs[2].fill_(3.0)
+    dt_biases[1][7] = -1.0
+    assert plan.A_log[2, 0] == 0.0
+    plan.refresh_gate_parameters()
+    assert plan.A_log.data_ptr() == a_ptr and plan.dt_bias.data_ptr() == d_ptr
+    assert plan.A_log[2].tolist() == [3.0, 3.0] and plan.A_log[:2].abs().sum() == 0
+    assert plan.dt_bias[1, 7] == -1.0 and plan.dt_bias.abs().sum() == 1.0
+
+
 def test_plan_takes_a_list_of_no_dt_bias_as_none():
     states, corrs, kgs = _layers()
     plan = R.RecoverSSMCommitPlan(states, corrs, kgs, [torch.zeros(2)] * 3, [None] * 3, -5.0)

@@ -647,9 +647,10 @@ class RecoverSSMCommitPlan:
         use_qk_l2norm_in_kernel, null_policy, config: as in :func:`recoverssm_commit`.
 
     The plan holds the layers' tensors (the per-layer element offsets it gives the kernel stay valid while it
-    lives) and copies of A_log / dt_bias stacked to [L, H] / [L, H*K] at construction: rebuild the plan when those
-    change. Not validated beyond what the launch needs (``kda_recurrent.RecoverSSMCommit`` validates through
-    ``kda_core.validation_spec.validate_recoverssm_layers``).
+    lives) and copies of A_log / dt_bias stacked to [L, H] / [L, H*K] at construction; after the per-layer values
+    change in place (weights loaded after the plan was built), :meth:`refresh_gate_parameters` copies them into the
+    same stacked buffers, so a graph captured before stays valid. Not validated beyond what the launch needs
+    (``kda_recurrent.RecoverSSMCommit`` validates through ``kda_core.validation_spec.validate_recoverssm_layers``).
 
     Example::
 
@@ -704,6 +705,8 @@ class RecoverSSMCommitPlan:
             if dt_biases is not None:
                 self.dt_bias = torch.stack([b.reshape(-1).float() for b in dt_biases]).to(device)  # [L, H*K]
         self.states, self.corrs, self.kgs = states, corrs, kgs
+        self._A_logs = None if self.A_log is None else list(A_logs)
+        self._dt_biases = None if self.dt_bias is None else list(dt_biases)
         self.n_layers = L
         self.lower_bound = -1.0 if self.gate != GateMode.LOWER_BOUND else float(lower_bound)
         self.use_qk_l2norm = bool(use_qk_l2norm_in_kernel)
@@ -711,6 +714,13 @@ class RecoverSSMCommitPlan:
         self.config = config
         self.aligned = _launch.alignment_of(*states, *kgs, self.dt_bias) == _launch.VECTOR_BYTES
         self.arch = _launch.arch_for(device) if device.type == "cuda" else None
+
+    def refresh_gate_parameters(self) -> None:
+        """Copy the per-layer A_log / dt_bias the plan was built from into its stacked buffers, in place."""
+        if self.A_log is not None:
+            self.A_log.copy_(torch.stack([a.reshape(-1) for a in self._A_logs]))
+        if self.dt_bias is not None:
+            self.dt_bias.copy_(torch.stack([b.reshape(-1) for b in self._dt_biases]))
 
     def commit(self, state_indices: torch.Tensor, num_accepted_tokens: torch.Tensor,
                query_start_loc: torch.Tensor | None = None) -> None:
