@@ -88,13 +88,17 @@ def commit_both(checkpoint, corr, kg, slots, nat, gate_kw, **kw):
 
 
 def assert_committed(got, ref):
-    """fp32: max |got - ref| / max |ref| <= 1e-5; bf16: every element within one bf16 ulp of the reference."""
+    """fp32: max |got - ref| / max |ref| <= 1e-5; bf16: every element within one bf16 ulp of the reference, or, where
+    the fold cancels to a value near zero, within the fp32 sums' own error (1e-5 of the largest state value: the
+    kernel and the oracle add the same terms in different orders, and one bf16 ulp of a cancelled value is smaller
+    than that; measured on the H200: 9.5e-7 on a state of magnitude 0.3)."""
     if got.dtype == torch.float32:
         err = (got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)
         assert err <= 1e-5, f"max relative error {float(err):.3g}"
     else:
         g, r = got.float(), ref.float()
-        assert bool(((g - r).abs() <= r.abs() * 2**-7 + 1e-30).all()), f"max diff {float((g - r).abs().max()):.3g}"
+        tol = r.abs() * 2**-7 + 1e-5 * r.abs().max()
+        assert bool(((g - r).abs() <= tol).all()), f"max diff {float((g - r).abs().max()):.3g}"
         assert (g == r).float().mean() > 0.99
 
 
