@@ -287,3 +287,57 @@ def test_sglang_target_verify_runs_each_token_on_its_root_to_token_path(device, 
                                  pool[n + 1], lower_bound=None)
             torch.testing.assert_close(o[0, n * T + t].float(), o_ref[-1].float(), rtol=2e-2, atol=2e-2)
             torch.testing.assert_close(inter[n, t], s_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pool_dtype", [torch.float32, BF16])
+def test_vllm_verify_and_commit_context_replay_in_a_cuda_graph_bit_for_bit(pool_dtype):
+    """One spec step as vLLM runs it under FULL CUDA graphs: the verify of every layer, then the commit context; five
+    replays against five eager steps on copies of every cache."""
+    g = torch.Generator().manual_seed(9)
+    H, T, N, blocks, L = 12, 4, 3, 5, 2
+    dev = "cuda"
+    layers = recoverssm_layers(g, layers=L, blocks=blocks, H=H, T=T, conv_dim=16, history=3, pool_dtype=pool_dtype,
+                               device=dev)
+    twins = [types.SimpleNamespace(**{**vars(m), "kv_cache": tuple(c.clone() for c in m.kv_cache)}) for m in layers]
+    slots = torch.tensor([2, 0, 4], dtype=torch.int32, device=dev)  # a padding row (block 0)
+    qsl = torch.arange(0, N * T + 1, T, dtype=torch.int32, device=dev)
+    acts = [[rnd(g, 1, N * T, H, D, device=dev) for _ in range(4)] + [rnd(g, 1, N * T, H, device=dev)]
+            for _ in range(L)]
+    nat = torch.tensor([3, 1, 4], dtype=torch.int32, device=dev)
+    outs = [torch.empty(1, N * T, H, D, dtype=BF16, device=dev) for _ in range(L)]
+    twin_outs = [o.clone() for o in outs]
+
+    def step(ls, os_):
+        for layer, (q, k, v, graw, beta), out in zip(ls, acts, os_):
+            kimi_k3.kda_recoverssm_verify(q, k, v, graw, beta, layer.A_log, layer.dt_bias, LB, layer.kv_cache[1],
+                                          layer.kv_cache[2], layer.kv_cache[3], qsl, slots, T, out=out)
+        return ls
+
+    ctx = kimi_k3.KDARecoverSSMCommitContext.create(layers, spec_query_len=T, max_num_reqs=N, conv_dim_first=True)
+    twin_ctx = kimi_k3.KDARecoverSSMCommitContext.create(twins, spec_query_len=T, max_num_reqs=N,
+                                                         conv_dim_first=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles) on copies, outside the capture
+        warm = [types.SimpleNamespace(**{**vars(m), "kv_cache": tuple(c.clone() for c in m.kv_cache)})
+                for m in layers]
+        step(warm, [o.clone() for o in outs])
+        kimi_k3.KDARecoverSSMCommitContext.create(warm, spec_query_len=T, max_num_reqs=N,
+                                                  conv_dim_first=True).commit(nat, slots, qsl)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(layers, outs)
+        ctx.commit(nat, slots, qsl)
+    for _ in range(5):
+        graph.replay()
+        step(twins, twin_outs)
+        twin_ctx.commit(nat, slots, qsl)
+        torch.cuda.synchronize()
+        for a, b in zip(layers, twins):
+            for x, y in zip(a.kv_cache, b.kv_cache):
+                assert torch.equal(x, y)
+        for o, p in zip(outs, twin_outs):
+            assert torch.equal(o, p)
