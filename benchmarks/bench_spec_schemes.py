@@ -57,25 +57,25 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def workload(B, T, H, pool_dtype, seed):
+def workload(B, T, H, pool_dtype, seed, device="cuda"):
     """One verify step's inputs: draft activations [B, T, H, K], gate parameters, a committed pool of B + 1 slots
     (slot 0 is vLLM's null block: live rows use 1..B, permuted), per-token checkpoint slots, accepted counts."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape, scale=1.0):
-        return torch.randn(*shape, generator=gen, device="cuda") * scale
+        return torch.randn(*shape, generator=gen, device=device) * scale
 
-    slots = (torch.randperm(B, generator=gen, device="cuda") + 1).to(torch.int32)
+    slots = (torch.randperm(B, generator=gen, device=device) + 1).to(torch.int32)
     return dict(
         q=randn(B, T, H, K).bfloat16(), k=randn(B, T, H, K).bfloat16(), v=randn(B, T, H, K).bfloat16(),
         g=randn(B, T, H, K).bfloat16(), b=randn(B, T, H).bfloat16(),
-        A_log=torch.log(torch.rand(H, generator=gen, device="cuda") * 15 + 1), dt_bias=randn(H * K, scale=0.5),
+        A_log=torch.log(torch.rand(H, generator=gen, device=device) * 15 + 1), dt_bias=randn(H * K, scale=0.5),
         pool=randn(B + 1, H, K, K, scale=0.1).to(pool_dtype), slots=slots,
         spec_pool=randn(B * T, H, K, K, scale=0.1).to(pool_dtype),
-        spec_idx=torch.randperm(B * T, generator=gen, device="cuda").to(torch.int32).view(B, T),
-        accepted=torch.randint(1, T + 1, (B,), generator=gen, device="cuda").to(torch.int32),
-        correction=torch.zeros(B + 1, H, T, K, device="cuda"),
-        kg=torch.zeros(B + 1, H, T, 2 * K, device="cuda", dtype=torch.bfloat16),
+        spec_idx=torch.randperm(B * T, generator=gen, device=device).to(torch.int32).view(B, T),
+        accepted=torch.randint(1, T + 1, (B,), generator=gen, device=device).to(torch.int32),
+        correction=torch.zeros(B + 1, H, T, K, device=device),
+        kg=torch.zeros(B + 1, H, T, 2 * K, device=device, dtype=torch.bfloat16),
     )  # fmt: skip
 
 
@@ -107,7 +107,7 @@ def frozen_fn(x, out):
 def _flat(x):
     B, T = x["q"].shape[:2]
     flat = {n: x[n].reshape(1, B * T, *x[n].shape[2:]) for n in ("q", "k", "v", "g", "b")}
-    flat["qsl"] = torch.arange(0, B * T + 1, T, device="cuda", dtype=torch.int32)
+    flat["qsl"] = torch.arange(0, B * T + 1, T, device=x["q"].device, dtype=torch.int32)
     return flat
 
 
