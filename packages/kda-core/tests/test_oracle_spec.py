@@ -643,3 +643,41 @@ def test_refusals_of_the_oracle(kda):
     for name, a, spec in cases:
         with pytest.raises(KDAError, match=f"^{name}:"):
             spec_verify_ref(a, spec)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On a GPU: the references run on CUDA tensors (the kernels' tests call them there) and agree with the CPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_references_on_cuda_agree_with_the_cpu(kda, policy):
+    from kda_core.validation_spec import validate_recoverssm_commit, validate_spec
+
+    B, T, H, HV, K, P = 3, 4, 2, 4, 64, 6
+    results = []
+    for device in ("cpu", "cuda"):
+        args = RecurrentArgs(**kda.make_inputs(B=B, T=T, H=H, HV=HV, K=K, seed=70, device=device))
+        pool = kda.make_pool(P, HV, K, seed=71, device=device)
+        cc = torch.zeros(P, HV, T, K, device=device)
+        kg = torch.zeros(P, HV, T, 2 * K, dtype=torch.bfloat16, device=device)
+        slots = torch.tensor([1, -1, 4], device=device)
+        a = args._replace(initial_state=pool, ssm_state_indices=slots)
+        s = SpecArgs(disable_state_update=True, correction_cache=cc, kg_cache=kg)
+        if device == "cuda":
+            validate_spec(a, s, policy)
+        o, _ = spec_verify_ref(a, s, null_policy=policy, **F32)
+        nat = torch.tensor([2, 3, 4], device=device)
+        if device == "cuda":
+            validate_recoverssm_commit(pool, cc, kg, slots, nat, args.A_log, args.dt_bias, args.lower_bound,
+                                       null_policy=policy)
+        recoverssm_commit_ref(pool, cc, kg, slots, nat, args.A_log, args.dt_bias, args.lower_bound,
+                              null_policy=policy)
+        tree = args._replace(initial_state=kda.make_pool(16, HV, K, seed=72, device=device),
+                             ssm_state_indices=torch.arange(1, 1 + B * T, device=device).reshape(B, T))
+        parents = torch.tensor([[-1, 0, 0, 1]] * B, device=device)
+        o_tree, tree_pool = spec_verify_ref(tree, SpecArgs(pool, slots, parent_indices=parents), null_policy=policy,
+                                            **F32)
+        results.append([x.cpu() for x in (o, cc, kg, pool, o_tree, tree_pool)])
+    for cpu, gpu in zip(*results):
+        _close(gpu, cpu, rtol=1e-4, atol=1e-5)
