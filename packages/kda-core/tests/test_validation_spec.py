@@ -543,6 +543,8 @@ LAYER_RULES = [
     (_layer_change("dt_biases", 1, lambda t: t.reshape(H, K)), "dt_biases[1]", "layer 0's shape"),
     (_layer_change("dt_biases", 2, lambda t: torch.zeros(H * K + 2)), "dt_biases[2]", "[H*K]"),
     (_layer_change("checkpoints", 1, lambda t: None), "checkpoints[1]", "torch.Tensor"),
+    (_layer_change("A_logs", 1, lambda t: [0.0] * H), "A_logs[1]", "torch.Tensor"),
+    (_layer_change("dt_biases", 2, lambda t: t.reshape(H, K).t()), "dt_biases[2]", "[H*K]"),
 ]
 
 

@@ -594,6 +594,7 @@ def validate_recoverssm_layers(checkpoints, correction_caches, kg_caches, A_logs
                 if (dt_biases is None or dt_biases[i] is None) != (d0 is None):
                     fail("dt_biases" + sfx, "a tensor exactly when layer 0 has one", dt_biases[i] if dt_biases
                          else None)
+                _tensor("A_logs" + sfx, A_logs[i])
                 if A_logs[i].shape != A0.shape:
                     fail("A_logs" + sfx, f"layer 0's shape {tuple(A0.shape)}", tuple(A_logs[i].shape))
                 _commit_gate(A_logs[i], None if dt_biases is None else dt_biases[i], lower_bound, call.HV, call.K,
