@@ -49,11 +49,20 @@ from kda_core.validation import (
     _self_overlapping,
     _slots,
     _span,
+    debug_check_slots,
     validate_recurrent,
 )
 from kda_core.validation import _MEMO as _VALIDATION_MEMO
 
-__all__ = ["SpecCall", "CommitCall", "validate_spec", "validate_recoverssm_commit", "validate_recoverssm_layers"]
+__all__ = [
+    "SpecCall",
+    "CommitCall",
+    "validate_spec",
+    "validate_recoverssm_commit",
+    "validate_recoverssm_layers",
+    "spec_combination",
+    "debug_check_spec_slots",
+]
 
 _Tensor = torch.Tensor
 _F32 = torch.float32
@@ -159,6 +168,21 @@ def _inner_span(t) -> int:
     return (sum((n - 1) * s for n, s in zip(shape[1:], st[1:])) + 1) * t.element_size()
 
 
+def _rows_meet(a, b, pa: int, pb: int) -> bool:
+    """Whether ``a`` (at byte ``pa``) and ``b`` (at ``pb``), whose byte ranges intersect, share a byte: False only
+    for a paged pair whose rows provably miss each other (see :func:`_overlap`)."""
+    if a.dim() >= 2 and b.dim() >= 2 and (Pa := a.shape[0]) > 1 and (Pb := b.shape[0]) > 1:
+        s = a.stride(0) * a.element_size()
+        if s > 0 and s == b.stride(0) * b.element_size():
+            la, lb = _inner_span(a), _inner_span(b)
+            if la <= s and lb <= s:
+                d = pb - pa
+                m_lo = (-lb - d) // s + 1
+                m_hi = -((d - la) // s) - 1
+                return max(m_lo, 1 - Pa) <= min(m_hi, Pb - 1)
+    return True
+
+
 def _overlap(a, b) -> bool:
     """Whether tensors ``a`` and ``b`` may share a byte (metadata only).
 
@@ -171,24 +195,21 @@ def _overlap(a, b) -> bool:
     pa, pb = a.data_ptr(), b.data_ptr()
     if (not pa and a.is_meta) or (not pb and b.is_meta):
         return False
-    if not (pa < pb + sb and pb < pa + sa):
-        return False
-    if a.dim() >= 2 and b.dim() >= 2 and a.shape[0] > 1 and b.shape[0] > 1:
-        s = a.stride(0) * a.element_size()
-        if s > 0 and s == b.stride(0) * b.element_size():
-            la, lb = _inner_span(a), _inner_span(b)
-            if la <= s and lb <= s:
-                d = pb - pa
-                m_lo = (-lb - d) // s + 1
-                m_hi = -((d - la) // s) - 1
-                return max(m_lo, 1 - a.shape[0]) <= min(m_hi, b.shape[0] - 1)
-    return True
+    return pa < pb + sb and pb < pa + sa and _rows_meet(a, b, pa, pb)
 
 
 def _check_aliasing(written, read) -> None:
     """Each (name, tensor) of ``written`` writes each element once and shares no byte with any other tensor of
-    ``written`` or ``read`` (None entries skipped); a clash is named by the written tensor."""
-    everything = [(n, t) for n, t in written + read if t is not None]
+    ``written`` or ``read`` (None entries skipped); a clash is named by the written tensor. Each byte range is
+    computed once; only pairs whose ranges meet are compared row by row."""
+    ranges = []
+    for name, t in written + read:
+        if t is None:
+            continue
+        span = _span(t)
+        lo = t.data_ptr()
+        if span and (lo or not t.is_meta):
+            ranges.append((name, t, lo, lo + span))
     for name, t in written:
         if t is None:
             continue
@@ -196,11 +217,14 @@ def _check_aliasing(written, read) -> None:
             fail(name, "a tensor whose elements do not overlap (sorted by stride, each dimension steps at least the "
                        "span of the dimensions inside it; no stride 0)",
                  f"shape {tuple(t.shape)}, strides {t.stride()}")
-        for other_name, o in everything:
-            if other_name != name and _overlap(t, o):
+        mine = next((r for r in ranges if r[0] == name), None)
+        if mine is None:
+            continue
+        lo, hi = mine[2], mine[3]
+        for other_name, o, olo, ohi in ranges:
+            if other_name != name and lo < ohi and olo < hi and _rows_meet(t, o, lo, olo):
                 fail(name, f"a tensor that shares no byte with {other_name}",
-                     f"bytes from {t.data_ptr():#x} (span {_span(t)}) overlapping {other_name}'s from "
-                     f"{o.data_ptr():#x} (span {_span(o)})")
+                     f"bytes [{lo:#x}, {hi:#x}) overlapping {other_name}'s [{olo:#x}, {ohi:#x})")
 
 
 def _index_rows(name, t, shape, text, dev):
@@ -385,8 +409,10 @@ def validate_spec(args: RecurrentArgs, spec: SpecArgs, null_policy=NullSlotPolic
         read.append(("initial_state", pool))
     if args.use_gate_in_kernel:
         read += [("A_log", args.A_log), ("dt_bias", args.dt_bias)]
-    written = [("initial_state", pool_written), ("correction_cache", cc), ("kg_cache", kg), ("output", args.output)]
-    _check_aliasing(written, read)
+    written = [("initial_state", pool_written), ("correction_cache", cc), ("kg_cache", kg)]
+    _check_aliasing(written, read + [("output", args.output)])
+    if args.output is not None:  # validate_recurrent compared it with the plain arguments already
+        _check_aliasing([("output", args.output)], written + list(spec_tensors))
 
     alignment = min(base.alignment, _pow2_alignment(acc)) if src is not None else base.alignment
     key = ("spec", base, policy, source_rows, source_dtype, source_index_dtype, frozen, records, t_max, kg_dtype,
@@ -404,6 +430,26 @@ def validate_spec(args: RecurrentArgs, spec: SpecArgs, null_policy=NullSlotPolic
             tree=parents is not None, parent_cols=parent_cols, parent_dtype=parent_dtype,
         ))
     return call
+
+
+def debug_check_spec_slots(args: RecurrentArgs, spec: SpecArgs, call: SpecCall) -> None:
+    """Raise when two active entries name one slot that the call writes (docs/design.md §4: a caller error): the
+    pool's write slots (``ssm_state_indices``, 2-D flattened) unless the verify is frozen, and with records the read
+    slots (``initial_state_indices``, else ``ssm_state_indices`` or its column 0), whose record rows are written.
+    Read-only slots may repeat. Reads values and synchronises: run it only where
+    :func:`kda_core.validation.debug_checks_enabled` says so (``KDA_DEBUG_VALIDATE=1``, no graph capture); the
+    commit's rows are checked with ``debug_check_slots(state_indices, P)``."""
+    idx = args.ssm_state_indices
+    policy = call.null_policy
+    if idx is not None and not call.frozen:
+        debug_check_slots(idx, call.N, argument="ssm_state_indices", null_policy=policy)
+    if call.records:
+        if spec.initial_state_source is not None:
+            debug_check_slots(spec.initial_state_indices, call.read_rows, argument="initial_state_indices",
+                              null_policy=policy)
+        else:
+            debug_check_slots(idx if idx.dim() == 1 else idx[:, 0], call.read_rows, argument="ssm_state_indices",
+                              null_policy=policy)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -577,6 +623,7 @@ def validate_recoverssm_layers(checkpoints, correction_caches, kg_caches, A_logs
                 if (dt_biases is None or dt_biases[i] is None) != (d0 is None):
                     fail("dt_biases" + sfx, "a tensor exactly when layer 0 has one", dt_biases[i] if dt_biases
                          else None)
+                _tensor("A_logs" + sfx, A_logs[i])
                 if A_logs[i].shape != A0.shape:
                     fail("A_logs" + sfx, f"layer 0's shape {tuple(A0.shape)}", tuple(A_logs[i].shape))
                 _commit_gate(A_logs[i], None if dt_biases is None else dt_biases[i], lower_bound, call.HV, call.K,
