@@ -92,12 +92,12 @@ def spec_call(args: RecurrentArgs, spec: SpecArgs, null_policy=NullSlotPolicy.OU
     FlashInfer's ``1 + num_spec_tokens``), so a varlen frozen verify can take the tensor-core kernel; rows longer
     than it are malformed device data (their tokens past ``rows_t`` get no output written).
     """
-    from kda_core.validation_spec import validate_spec
+    from kda_core.validation_spec import debug_check_spec_slots, validate_spec
 
     null_policy = _policy(null_policy)
     call = validate_spec(args, spec, null_policy, device_kind="any")
-    if debug_checks_enabled():
-        _debug_slots(call, args, spec, null_policy)
+    if debug_checks_enabled():  # KDA_DEBUG_VALIDATE: the slots this call writes (pool, record rows), no repeats
+        debug_check_spec_slots(args, spec, call)
     path = spec_route(call, args, spec, rows_t).path
     if path is Path.FROZEN_TC:
         o = _run_tc(_entry("kda_cute.ucache", "frozen_verify"), call, args, spec, null_policy, rows_t)
@@ -121,14 +121,6 @@ def spec_route(call, args: RecurrentArgs, spec: SpecArgs, rows_t: int | None = N
     if _entry("kda_cute.generic", "run") is not None:
         return Route(Path.GENERIC, f"generic kernel, spec modes ({why_not})")
     return Route(Path.ORACLE, "kda-cute's generic kernel is not importable: the oracle runs")
-
-
-def _debug_slots(call, args, spec, null_policy):
-    if call.has_source:
-        debug_check_slots(spec.initial_state_indices, call.source_rows, argument="initial_state_indices",
-                          null_policy=null_policy)
-    if args.ssm_state_indices is not None and not call.frozen:
-        debug_check_slots(args.ssm_state_indices, call.N, argument="ssm_state_indices", null_policy=null_policy)
 
 
 def _run_tc(tc, call, args: RecurrentArgs, spec: SpecArgs, null_policy, rows_t):
