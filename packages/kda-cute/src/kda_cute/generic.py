@@ -741,7 +741,7 @@ def variant_key(
     spec = (source_dtype, source_idx_dtype, bool(frozen), bool(records), parents_dtype)
     if spec == (None, None, False, False, None):
         return base
-    return (*base, "spec", *spec)
+    return (*base, "spec-verify", *spec)
 
 
 _PLAIN_KEY_LEN = 20
