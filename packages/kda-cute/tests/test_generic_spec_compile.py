@@ -359,3 +359,16 @@ def test_no_sequence_launches_nothing_in_any_spec_mode(monkeypatch):
                                    ssm_state_indices=torch.zeros(0, dtype=torch.int32), disable_state_update=True,
                                    correction_cache=corr, kg_cache=kg)
     assert calls == [] and o.shape == (0, T, HV, K) and torch.count_nonzero(corr) == 0
+
+
+def test_2d_indices_without_a_column_read_nothing(monkeypatch):
+    # no read column and no write slot: every row inactive (the oracle's), so nothing reads the empty table
+    calls = _spy_launches(monkeypatch)
+    pool = _states(9)
+    out = torch.full((B, T, HV, K), 5.0).bfloat16()
+    empty = torch.zeros(B, 0, dtype=torch.int32)
+    o, final = R.kda_recurrent_fwd(**_inputs(), initial_state=pool, ssm_state_indices=empty, output=out)
+    assert calls == [] and o is out and final is pool and torch.count_nonzero(out) == 0
+    R.kda_recurrent_fwd(**_inputs(), initial_state=pool, ssm_state_indices=empty, disable_state_update=True)
+    ((_, launch),) = calls
+    assert launch["mSlots"].shape == (B,) and (launch["mSlots"] == -1).all()

@@ -30,9 +30,26 @@ preamble, 8 exps and a division per channel, dominated the old loop). The next c
 into registers before the current chunk's rows are updated (latency hidden) and prepared after; two shared
 buffers, one barrier per chunk.
 
+Spec verify (docs/design.md §9; the semantics are :func:`kda_core.oracle_spec.spec_verify_ref`'s), four more
+compile-time facets, off for a plain call (whose key and code they leave as they were):
+
+- source read: the first state comes from ``initial_state_source[initial_state_indices[n]]`` (its own dtype and
+  row count for the null test); the pool is only written, the final state (1-D indices, skipped for a null slot)
+  or per-token checkpoints (2-D);
+- frozen: no state is written. A frozen call reads one slot per row, so the host launches it as a frozen pool read:
+  of the pool at the 1-D indices or at column 0 of the 2-D ones (a strided view), or of the source, which then plays
+  the pool;
+- records (frozen only): ``correction_cache[r, hv, t, :] = u_t`` (fp32, unrounded; lane 0 of each row group) and
+  ``kg_cache[r, hv, t] = raw k | raw g`` (the CTA of V tile 0, from the raw registers the preparing row group
+  loaded), r the read slot, t < T_max;
+- tree (spec mode): ``parent_indices`` choose each token's start state: R_n (kept in registers, in the read
+  tensor's dtype), the registers rounded through the pool dtype (parent t - 1) or the checkpoint this thread
+  stored for an earlier parent; a 64-bit mask holds which tokens ran (so T_idx <= 64).
+
 Compile-time variants: head dim, activation / g / beta dtypes, state mode (pool / spec / dense with or without
 initial and final state), state dtype, num_accepted_tokens present, varlen, cu_seqlens dtype, gate form, beta
-logit, L2 norm, dt_bias present, tile_v, alignment, null-slot policy. B, T, H, HV, N and the pool rows are runtime
+logit, L2 norm, dt_bias present, tile_v, alignment, null-slot policy, and the spec facets (source and its index
+dtype, frozen, records, parents dtype). B, T, H, HV, N, the pool, source and cache rows and T_max are runtime
 values.
 """
 
@@ -1005,7 +1022,12 @@ def _spec_plan(args: RecurrentArgs, spec: SpecArgs) -> _Plan:
                 fail("initial_state" if pool is None else "ssm_state_indices",
                      "the pool and its slot indices with disable_state_update=True and no initial_state_source",
                      None)
-            read, read_slots = pool, (slots if slots.dim() == 1 else slots[:, 0])
+            if slots.dim() == 2 and slots.shape[1] == 0:
+                # no column to read: every row is inactive (the oracle's -1); a stride-0 view of one null slot
+                read_slots = torch.full((1,), -1, dtype=slots.dtype, device=slots.device).expand(slots.shape[0])
+            else:
+                read_slots = slots if slots.dim() == 1 else slots[:, 0]
+            read = pool
         # only the records are written: their rows are the read slots
         name = "initial_state_indices" if source is not None else "ssm_state_indices"
         return _Plan(StateMode.POOL, read, read_slots, None, None, True, corr, kg, None,
@@ -1076,9 +1098,11 @@ def _launch_call(args: RecurrentArgs, spec: SpecArgs | None, state_mode: str, n_
         if written is not None:
             debug_check_slots(written, initial_state.shape[0], argument=name, null_policy=null_policy)
 
-    if n_seq == 0 or T == 0 or HV == 0:
+    no_column = state_mode == StateMode.SPEC and ssm_state_indices.shape[1] == 0
+    if n_seq == 0 or T == 0 or HV == 0 or no_column:
         # Nothing to launch (a grid dimension would be 0): no token or no head, so no output value and no state
-        # change.
+        # change. 2-D indices without a column: no row has a read slot or a token a write slot (the oracle's
+        # inactive rows), so the outputs are zero and nothing is written; the kernel never reads that table.
         output.zero_()
         if final_state is not None and state_mode == StateMode.DENSE:
             if initial_state is None:
