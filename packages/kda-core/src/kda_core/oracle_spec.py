@@ -21,6 +21,7 @@ from kda_core.contracts import NullSlotPolicy, first_live_slot, null_policy_of
 from kda_core.errors import fail
 from kda_core.oracle import _in_pool, _prepare, _scatter_output, _spec_read_slots
 from kda_core.oracle_step import _l2norm, kda_gate_ref, kda_step_ref
+from kda_core.validation_spec import spec_combination
 
 __all__ = ["spec_verify_ref", "recoverssm_commit_ref", "recoverssm_commit_layers_ref"]
 
@@ -42,46 +43,12 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _spec_mode(args: RecurrentArgs, spec: SpecArgs) -> None:
-    """Refuse the keyword combinations spec decode leaves undefined (docs/design.md §9); validation refuses the same
-    and more (shapes, dtypes, strides)."""
-    src, frozen = spec.initial_state_source, bool(spec.disable_state_update)
-    idx = args.ssm_state_indices
-    if (src is None) != (spec.initial_state_indices is None):
-        fail("initial_state_indices", "a tensor exactly when initial_state_source is given",
-             "None" if spec.initial_state_indices is None else "a tensor")
-    if (spec.correction_cache is None) != (spec.kg_cache is None):
-        fail("kg_cache", "a tensor exactly when correction_cache is given",
-             "None" if spec.kg_cache is None else "a tensor")
-    records = spec.correction_cache is not None
-    if records and not frozen:
-        fail("correction_cache", "None unless disable_state_update=True", "a tensor")
-    if src is not None and args.num_accepted_tokens is not None:
-        fail("num_accepted_tokens", "None with initial_state_source", "a tensor")
-    if frozen:
-        if args.num_accepted_tokens is not None:
-            fail("num_accepted_tokens", "None with disable_state_update=True", "a tensor")
-        if args.output_final_state:
-            fail("output_final_state", "False with disable_state_update=True", True)
-        if spec.parent_indices is not None:
-            fail("parent_indices", "None with disable_state_update=True (tree verify stores per-token states)",
-                 "a tensor")
-        if src is None:
-            if args.initial_state is None or idx is None:
-                fail("ssm_state_indices" if args.initial_state is not None else "initial_state",
-                     "initial_state with ssm_state_indices (the pool read) when disable_state_update=True without "
-                     "initial_state_source", "None")
-        elif args.initial_state is not None or idx is not None:
-            fail("initial_state" if args.initial_state is not None else "ssm_state_indices",
-                 "None with initial_state_source and disable_state_update=True (nothing is written)", "a tensor")
-    elif src is not None:
-        if args.initial_state is None or idx is None:
-            fail("ssm_state_indices" if args.initial_state is not None else "initial_state",
-                 "initial_state with ssm_state_indices (the written pool) with initial_state_source", "None")
+    """Refuse what validation refuses about the keyword combination (docs/design.md §9), and a pool overlapping the
+    source; shapes, dtypes and strides are validation's alone (:func:`kda_core.validation_spec.validate_spec`)."""
+    spec_combination(args, spec)
+    src = spec.initial_state_source
     if src is not None and args.initial_state is not None and _overlap(src, args.initial_state):
         fail("initial_state", "a pool not overlapping initial_state_source", "an overlapping tensor")
-    if spec.parent_indices is not None and (idx is None or idx.dim() != 2):
-        fail("ssm_state_indices", "2-D [N_seq, T_idx] indices with parent_indices",
-             "None" if idx is None else f"{idx.dim()}-D")
 
 
 def _raw_rows(x, grid, group=1):
