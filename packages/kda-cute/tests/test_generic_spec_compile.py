@@ -372,3 +372,43 @@ def test_2d_indices_without_a_column_read_nothing(monkeypatch):
     R.kda_recurrent_fwd(**_inputs(), initial_state=pool, ssm_state_indices=empty, disable_state_update=True)
     ((_, launch),) = calls
     assert launch["mSlots"].shape == (B,) and (launch["mSlots"] == -1).all()
+
+
+def _spec_calls():
+    """(RecurrentArgs keywords, SpecArgs keywords) of one call per spec facet, on CPU tensors."""
+    slots1, slots2 = torch.tensor([3, 1, 7], dtype=torch.int32), torch.arange(B * T, dtype=torch.int32).view(B, T)
+    src = dict(initial_state_source=_states(6, torch.float32),
+               initial_state_indices=torch.tensor([5, -1, 0], dtype=torch.int64))
+    corr, kg = _records(6)
+    return {
+        "frozen-1d": (dict(initial_state=_states(20), ssm_state_indices=slots1), dict(disable_state_update=True)),
+        "frozen-2d": (dict(initial_state=_states(20), ssm_state_indices=slots2), dict(disable_state_update=True)),
+        "frozen-source-records": ({}, dict(**src, disable_state_update=True, correction_cache=corr, kg_cache=kg)),
+        "source-1d": (dict(initial_state=_states(20), ssm_state_indices=slots1), src),
+        "source-2d-tree": (dict(initial_state=_states(20), ssm_state_indices=slots2),
+                           dict(**src, parent_indices=torch.tensor([[-1, 0, 0, 2]] * B))),
+    }
+
+
+@pytest.mark.parametrize("name", list(_spec_calls()))
+def test_run_on_validate_spec_launches_what_the_keyword_entry_launches(name, monkeypatch):
+    from kda_core.call_args import RecurrentArgs, SpecArgs
+    from kda_core.validation_spec import validate_spec
+
+    calls = _spy_launches(monkeypatch)
+    state_kw, spec_kw = _spec_calls()[name]
+    inputs = _inputs()
+    args, spec = RecurrentArgs(**inputs, **state_kw), SpecArgs(**spec_kw)
+    call = validate_spec(args, spec, NullSlotPolicy.NONPOSITIVE, device_kind="any")
+    o_run, final_run = R.run(call, args, spec, null_policy=NullSlotPolicy.NONPOSITIVE)
+    o_fwd, final_fwd = R.kda_recurrent_fwd(**inputs, **state_kw, **spec_kw, null_policy=NullSlotPolicy.NONPOSITIVE)
+    (key_run, launch_run), (key_fwd, launch_fwd) = calls
+    assert key_run == key_fwd and len(key_run) > R._PLAIN_KEY_LEN and final_run is final_fwd
+    for param in _PARAMS:
+        a, b = launch_run[param], launch_fwd[param]
+        if param == "mOut":
+            assert a is o_run and b is o_fwd
+        elif isinstance(a, torch.Tensor):
+            assert (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride())
+        else:
+            assert a == b
