@@ -116,12 +116,13 @@ def assert_state_close(state, ref_state):
 
 
 def assert_records_match(corr, kg, ref_corr, ref_kg):
-    """u within fp32 summation order of the oracle's; raw k | raw g copies exact; every other element (sentinels of
-    other slots and positions) bitwise the oracle's, which writes nothing else."""
+    """u within fp32 summation order of the oracle's (tight enough that a u rounded to bf16 fails); raw k | raw g
+    copies exact; every other element (sentinels of other slots and positions) bitwise the oracle's, which writes
+    nothing else."""
     written = ref_corr != 7.0
     assert torch.equal(corr[~written], ref_corr[~written])
     scale = ref_corr[written].abs().max().item() + 1e-6 if written.any() else 1.0
-    torch.testing.assert_close(corr, ref_corr, atol=2e-3 * scale, rtol=1e-3)
+    torch.testing.assert_close(corr, ref_corr, atol=2e-4 * scale, rtol=2e-4)
     assert torch.equal(kg, ref_kg)
 
 
