@@ -263,7 +263,7 @@ def test_source_read_with_the_final_state_to_the_pool(source_dtype, pool_dtype, 
 def test_source_read_with_per_token_checkpoints_varlen(K):
     lengths = [8, 0, 3, 1]
     inputs = make_inputs(0, 0, K, seed=12 + K, lengths=lengths)
-    source = make_states(5, K, seed=13)
+    source = make_states(5, K, seed=13, row_pad=17 if K == 128 else 0)  # K=128: the unaligned variant
     pool = make_states(40, K, seed=14)
     slots = torch.arange(32, dtype=torch.int32, device=DEV).view(4, 8) + 1
     slots[0, 2] = -1  # a null write slot skips the token: zero output, not absorbed
@@ -320,11 +320,12 @@ def test_tree_verify_matches_oracle(pool_dtype, policy, parents_dtype, with_sour
     assert_state_close(pool, ref_pool)
 
 
-def test_tree_verify_chains_match_the_chain_form_when_every_slot_is_live():
-    # parents t - 1 everywhere: the stored-parent form of a chain (its states round-trip through the pool dtype)
+def test_tree_verify_chains_match_oracle_with_an_unaligned_pool():
+    # parents t - 1 everywhere: the stored-parent form of a chain (its states round-trip through the pool dtype);
+    # a slot stride of the row + 17 elements takes the unaligned variant
     B, T = 3, 8
     inputs = make_inputs(B, T, seed=20)
-    pool = make_states(30, seed=21)
+    pool = make_states(30, seed=21, row_pad=17)
     slots = torch.arange(24, dtype=torch.int32, device=DEV).view(B, T)
     parents = torch.arange(-1, T - 1, dtype=torch.int32, device=DEV).expand(B, T)  # stride 0 rows: any stride
     (o, _), (ref_o, ref_pool), _ = run_both(inputs, initial_state=pool, ssm_state_indices=slots,
