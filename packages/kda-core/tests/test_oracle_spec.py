@@ -681,3 +681,79 @@ def test_the_references_on_cuda_agree_with_the_cpu(kda, policy):
         results.append([x.cpu() for x in (o, cc, kg, pool, o_tree, tree_pool)])
     for cpu, gpu in zip(*results):
         _close(gpu, cpu, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every call validation accepts has an answer here, and what it refuses by combination the oracle refuses alike
+
+BAD_SLOTS = [-1, INT_MIN, 2**31 + 5, 2**40, -(2**40)]
+
+
+@st.composite
+def spec_calls(draw):
+    B = draw(st.integers(1, 3))
+    T = draw(st.integers(1, 4))
+    H = 1
+    HV = draw(st.sampled_from([1, 2]))
+    varlen = draw(st.booleans())
+    frozen = draw(st.booleans())
+    source = draw(st.booleans())
+    records = draw(st.booleans())
+    tree = draw(st.booleans())
+    idx_form = draw(st.sampled_from([None, 1, 2]))
+    nat = draw(st.booleans())
+    i64 = draw(st.booleans())
+
+    def slots(n, rows):
+        dt = I64 if i64 else I32
+        vals = [draw(st.one_of(st.integers(-1, rows), st.sampled_from(BAD_SLOTS if i64 else [-1, INT_MIN])))
+                for _ in range(n)]
+        return torch.tensor(vals, dtype=I64).to(dt)
+
+    return dict(B=B, T=T, H=H, HV=HV, varlen=varlen, frozen=frozen, source=source, records=records, tree=tree,
+                idx_form=idx_form, nat=nat, slots=slots, policy=draw(st.sampled_from(POLICIES)),
+                pool_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])), seed=draw(st.integers(0, 99)),
+                t_max=draw(st.integers(1, 5)), t_p=draw(st.integers(0, 5)))
+
+
+@given(spec_calls())
+def test_what_validation_accepts_the_oracle_answers(kda, case):
+    from kda_core.validation_spec import validate_spec
+
+    B, T, H, HV, K = case["B"], case["T"], case["H"], case["HV"], 64
+    slots = case["slots"]
+    args = _args(kda, B=B, T=T, H=H, HV=HV, K=K, seed=case["seed"])
+    N_seq = B
+    if case["varlen"]:
+        args = _varlen(args)._replace(cu_seqlens=torch.tensor(sorted(slots(B + 1, B * T).clamp(0, B * T).tolist())))
+    P, Ps = 5, 4
+    pool = kda.make_pool(P, HV, K, dtype=case["pool_dtype"], seed=1)
+    src = kda.make_pool(Ps, HV, K, dtype=torch.bfloat16, seed=2) if case["source"] else None
+    idx = None
+    if case["idx_form"] == 1:
+        idx = slots(N_seq, P)
+    elif case["idx_form"] == 2:
+        idx = slots(N_seq * T, P).reshape(N_seq, T)
+    a = args._replace(initial_state=pool if idx is not None else None, ssm_state_indices=idx,
+                      num_accepted_tokens=slots(N_seq, T + 1) if case["nat"] else None)
+    Pr = Ps if src is not None else P
+    cc = torch.full((Pr, HV, case["t_max"], K), 7.0) if case["records"] else None
+    kg = torch.zeros(Pr, HV, case["t_max"], 2 * K, dtype=torch.bfloat16) if case["records"] else None
+    s = SpecArgs(src, slots(N_seq, Ps) if src is not None else None, case["frozen"], cc, kg,
+                 slots(N_seq * case["t_p"], T).reshape(N_seq, case["t_p"]) if case["tree"] else None)
+    try:
+        call = validate_spec(a, s, case["policy"], device_kind="any")
+    except KDAError as e:
+        name = str(e).split(":")[0]
+        try:
+            spec_verify_ref(a, s, null_policy=case["policy"])
+        except KDAError as e2:
+            assert str(e2).split(":")[0] == name
+        return
+    read = (src if src is not None else pool).clone()
+    o, _ = spec_verify_ref(a, s, null_policy=case["policy"])
+    assert torch.isfinite(o.float()).all()
+    if call.frozen:
+        assert kda.same_bits(src if src is not None else pool, read)
+    if src is not None:
+        assert kda.same_bits(src, read)

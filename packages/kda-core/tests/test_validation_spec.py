@@ -611,3 +611,28 @@ def test_overlap_is_sound_and_exact_for_pages(views):
     paged = Pa > 1 and Pb > 1 and sa == sb and (na - 1) * ia + 1 <= sa and (nb - 1) * ib + 1 <= sb
     if paged and ia == 1 and ib == 1:  # compact rows: the row intervals are the bytes, so the answer is exact
         assert said == real
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Duplicate written slots (debug checks: read values)
+
+
+def test_debug_check_spec_slots_flags_duplicate_written_slots_only():
+    from kda_core.validation_spec import debug_check_spec_slots
+
+    a, s = frozen_source()
+    s = s._replace(initial_state_indices=torch.tensor([1, 1, 2], dtype=I32))
+    _raises(lambda: debug_check_spec_slots(a, s, _spec(a, s)), "initial_state_indices", "distinct")
+    a, s = frozen_pool()
+    a = a._replace(ssm_state_indices=torch.tensor([3, -1, 3], dtype=I32))
+    _raises(lambda: debug_check_spec_slots(a, s, _spec(a, s)), "ssm_state_indices", "distinct")
+    a, s = frozen_pool()
+    a = a._replace(ssm_state_indices=torch.tensor([[3, 3, 3, 3], [4, 4, 4, 4], [5, 5, 5, 5]], dtype=I32))
+    debug_check_spec_slots(a, s, _spec(a, s))  # frozen: columns past 0 are never written; records by column 0
+    a, s = source_2d()
+    s = s._replace(initial_state_indices=torch.tensor([1, 1, 1], dtype=I32))
+    debug_check_spec_slots(a, s, _spec(a, s))  # a source slot read by several rows is fine
+    a = a._replace(ssm_state_indices=torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 1]], dtype=I32))
+    _raises(lambda: debug_check_spec_slots(a, s, _spec(a, s)), "ssm_state_indices", "distinct")
+    a = a._replace(ssm_state_indices=torch.tensor([[0, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 0]], dtype=I32))
+    debug_check_spec_slots(a, s, _spec(a, s, null_policy="nonpositive"))  # slot 0 is null under NONPOSITIVE

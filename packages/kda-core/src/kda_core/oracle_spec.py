@@ -21,25 +21,9 @@ from kda_core.contracts import NullSlotPolicy, first_live_slot, null_policy_of
 from kda_core.errors import fail
 from kda_core.oracle import _in_pool, _prepare, _scatter_output, _spec_read_slots
 from kda_core.oracle_step import _l2norm, kda_gate_ref, kda_step_ref
-from kda_core.validation_spec import spec_combination
+from kda_core.validation_spec import _overlap, spec_combination
 
 __all__ = ["spec_verify_ref", "recoverssm_commit_ref", "recoverssm_commit_layers_ref"]
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors share storage bytes (a coarse span test: enough to refuse an aliased pool)."""
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-
-    def span(t):
-        lo = t.storage_offset() * t.element_size()
-        hi = lo + (1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))) * t.element_size()
-        return lo, hi
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
 
 
 def _spec_mode(args: RecurrentArgs, spec: SpecArgs) -> None:
@@ -96,9 +80,9 @@ def spec_verify_ref(args: RecurrentArgs, spec: SpecArgs, *, null_policy=NullSlot
 
     Tree verify (``parent_indices`` [N_seq, T_p]; 2-D indices, no frozen verify): token t has parent
     ``p = parent_indices[n, t]`` for t < T_p, else t - 1 (compared in 64 bits). With 0 <= p < t it starts from the
-    state stored for token p (rounded to the pool's dtype) and is dead when token p was dead or skipped; otherwise
-    it starts from R_n. A skipped token (null write slot, or t >= T_idx) and a dead one have zero output and write
-    nothing.
+    state stored for token p (``initial_state[idx[n, p]]`` as this call wrote it, so rounded to the pool's dtype)
+    and is dead when token p was dead or skipped; otherwise it starts from R_n. A skipped token (null write slot, or
+    t >= T_idx) and a dead one have zero output and write nothing.
 
     Returns (o [B, T, HV, V] in ``out_dtype`` (None: ``dtype``), the pool ``initial_state`` when
     ``ssm_state_indices`` is given, else the final dense state when ``output_final_state``, else None).
@@ -177,7 +161,6 @@ def spec_verify_ref(args: RecurrentArgs, spec: SpecArgs, *, null_policy=NullSlot
         parents = spec.parent_indices.to(device=dev, dtype=torch.long)
         T_p = parents.shape[1]
         R = S
-        stored = torch.zeros(N, t_max, HV, V, K, dtype=pool.dtype, device=dev)  # the state stored for each token
         ok = torch.zeros(N, t_max, dtype=torch.bool, device=dev)  # token ran (neither skipped nor dead)
         rows = torch.arange(N, device=dev)
 
@@ -191,9 +174,13 @@ def spec_verify_ref(args: RecurrentArgs, spec: SpecArgs, *, null_policy=NullSlot
             p = parents[:, t] if t < T_p else torch.full((N,), t - 1, dtype=torch.long, device=dev)
             from_parent = (p >= 0) & (p < t)
             pc = torch.where(from_parent, p, torch.zeros_like(p))
-            dead = from_parent & ~ok[rows, pc] if t > 0 else torch.zeros_like(from_parent)
-            step = step & ~dead
-            S_in = torch.where(from_parent[:, None, None, None], stored[rows, pc].to(dtype), R) if t > 0 else R
+            live_parent = from_parent & ok[rows, pc]
+            step = step & ~(from_parent & ~live_parent)  # a dead parent: the token is dead too
+            S_in = R
+            if bool(live_parent.any()):  # the state stored for token p, read back from its slot (pool dtype)
+                slot = write_slots[rows, pc.clamp(max=write_slots.shape[1] - 1)]
+                slot = torch.where(live_parent, slot, torch.full_like(slot, first))
+                S_in = torch.where(live_parent[:, None, None, None], pool[slot].to(dtype), R)
         else:
             S_in = S
         S_new, o, u, _ = kda_step_ref(
@@ -203,7 +190,6 @@ def spec_verify_ref(args: RecurrentArgs, spec: SpecArgs, *, null_policy=NullSlot
         S = torch.where(m, S_new, S)
         o_seq[:, t] = torch.where(step[:, None, None], o, torch.zeros_like(o))
         if tree:
-            stored[:, t] = torch.where(m, S_new.to(pool.dtype), stored[:, t])
             ok[:, t] = step
             if bool(step.any()):
                 pool[write_slots[step, t]] = S_new[step].to(pool.dtype)

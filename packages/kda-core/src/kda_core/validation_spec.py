@@ -49,11 +49,20 @@ from kda_core.validation import (
     _self_overlapping,
     _slots,
     _span,
+    debug_check_slots,
     validate_recurrent,
 )
 from kda_core.validation import _MEMO as _VALIDATION_MEMO
 
-__all__ = ["SpecCall", "CommitCall", "validate_spec", "validate_recoverssm_commit", "validate_recoverssm_layers"]
+__all__ = [
+    "SpecCall",
+    "CommitCall",
+    "validate_spec",
+    "validate_recoverssm_commit",
+    "validate_recoverssm_layers",
+    "spec_combination",
+    "debug_check_spec_slots",
+]
 
 _Tensor = torch.Tensor
 _F32 = torch.float32
@@ -421,6 +430,26 @@ def validate_spec(args: RecurrentArgs, spec: SpecArgs, null_policy=NullSlotPolic
             tree=parents is not None, parent_cols=parent_cols, parent_dtype=parent_dtype,
         ))
     return call
+
+
+def debug_check_spec_slots(args: RecurrentArgs, spec: SpecArgs, call: SpecCall) -> None:
+    """Raise when two active entries name one slot that the call writes (docs/design.md §4: a caller error): the
+    pool's write slots (``ssm_state_indices``, 2-D flattened) unless the verify is frozen, and with records the read
+    slots (``initial_state_indices``, else ``ssm_state_indices`` or its column 0), whose record rows are written.
+    Read-only slots may repeat. Reads values and synchronises: run it only where
+    :func:`kda_core.validation.debug_checks_enabled` says so (``KDA_DEBUG_VALIDATE=1``, no graph capture); the
+    commit's rows are checked with ``debug_check_slots(state_indices, P)``."""
+    idx = args.ssm_state_indices
+    policy = call.null_policy
+    if idx is not None and not call.frozen:
+        debug_check_slots(idx, call.N, argument="ssm_state_indices", null_policy=policy)
+    if call.records:
+        if spec.initial_state_source is not None:
+            debug_check_slots(spec.initial_state_indices, call.read_rows, argument="initial_state_indices",
+                              null_policy=policy)
+        else:
+            debug_check_slots(idx if idx.dim() == 1 else idx[:, 0], call.read_rows, argument="ssm_state_indices",
+                              null_policy=policy)
 
 
 # ----------------------------------------------------------------------------------------------------------------
