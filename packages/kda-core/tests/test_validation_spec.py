@@ -636,3 +636,21 @@ def test_debug_check_spec_slots_flags_duplicate_written_slots_only():
     _raises(lambda: debug_check_spec_slots(a, s, _spec(a, s)), "ssm_state_indices", "distinct")
     a = a._replace(ssm_state_indices=torch.tensor([[0, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 0]], dtype=I32))
     debug_check_spec_slots(a, s, _spec(a, s, null_policy="nonpositive"))  # slot 0 is null under NONPOSITIVE
+
+
+def test_tree_verify_refuses_more_index_columns_than_the_kernel_tracks():
+    from kda_core.call_args import RecurrentArgs, SpecArgs
+    from kda_core.contracts import MAX_TREE_TOKENS
+    from kda_core.errors import KDAError
+    from kda_core.validation_spec import validate_spec
+
+    T = MAX_TREE_TOKENS + 1
+    q = torch.zeros(1, T, 2, 64, dtype=torch.bfloat16)
+    beta = torch.zeros(1, T, 2, dtype=torch.bfloat16)
+    pool = torch.zeros(T + 1, 2, 64, 64)
+    idx = torch.arange(T, dtype=torch.int32)[None]
+    args = RecurrentArgs(q, q, q, q, beta, initial_state=pool, ssm_state_indices=idx)
+    spec = SpecArgs(initial_state_source=pool.clone(), initial_state_indices=torch.zeros(1, dtype=torch.int32),
+                    parent_indices=torch.zeros(1, T, dtype=torch.int32))
+    with pytest.raises(KDAError, match="ssm_state_indices.*at most 64 columns"):
+        validate_spec(args, spec, device_kind="any")

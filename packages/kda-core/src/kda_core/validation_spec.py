@@ -32,7 +32,14 @@ from dataclasses import dataclass, fields
 import torch
 
 from kda_core.call_args import RecurrentArgs, SpecArgs
-from kda_core.contracts import GENERIC_HEAD_DIMS, GateMode, NullSlotPolicy, gate_mode, null_policy_of
+from kda_core.contracts import (
+    GENERIC_HEAD_DIMS,
+    MAX_TREE_TOKENS,
+    GateMode,
+    NullSlotPolicy,
+    gate_mode,
+    null_policy_of,
+)
 from kda_core.errors import fail
 from kda_core.validation import (
     _ACT_DTYPES,
@@ -396,6 +403,9 @@ def validate_spec(args: RecurrentArgs, spec: SpecArgs, null_policy=NullSlotPolic
         _same_device("parent_indices", parents, dev)
         parent_cols = parents.shape[1]
         parent_dtype = parents.dtype
+        if idx is not None and idx.dim() == 2 and idx.shape[1] > MAX_TREE_TOKENS:
+            fail("ssm_state_indices", f"at most {MAX_TREE_TOKENS} columns with parent_indices (tree verify)",
+                 idx.shape[1])
 
     spec_tensors = (("initial_state_source", src), ("initial_state_indices", src_idx), ("correction_cache", cc),
                     ("kg_cache", kg), ("parent_indices", parents))

@@ -63,7 +63,7 @@ import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
 from kda_core.call_args import RecurrentArgs, SpecArgs
-from kda_core.contracts import GENERIC_HEAD_DIMS, GateMode, NullSlotPolicy, gate_mode
+from kda_core.contracts import GENERIC_HEAD_DIMS, MAX_TREE_TOKENS, GateMode, NullSlotPolicy, gate_mode
 from kda_core.errors import fail
 from kda_core.validation import RecurrentCall, debug_check_slots, debug_checks_enabled
 
@@ -961,7 +961,6 @@ def _is_plain(spec: SpecArgs | None) -> bool:
                             and spec.kg_cache is None and spec.parent_indices is None)
 
 
-MAX_TREE_TOKENS = 64  # tree verify: a token's alive bit lives in one 64-bit mask, so T_idx <= 64
 
 
 @dataclass(frozen=True)
