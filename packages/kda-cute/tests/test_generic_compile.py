@@ -321,12 +321,12 @@ def test_host_path_compiles_its_variant_and_passes_every_kernel_argument(mode, m
 def test_the_keyword_entry_takes_the_bundles_fields_then_the_launch_options():
     import inspect
 
-    from kda_core.call_args import RecurrentArgs
+    from kda_core.call_args import RecurrentArgs, SpecArgs
 
     params = list(inspect.signature(R.kda_recurrent_fwd).parameters.values())
     assert [(p.name, p.default) for p in params] == [
         (n, RecurrentArgs._field_defaults.get(n, inspect.Parameter.empty)) for n in RecurrentArgs._fields
-    ] + [("config", None), ("null_policy", NullSlotPolicy.OUT_OF_RANGE)]
+    ] + list(SpecArgs._field_defaults.items()) + [("config", None), ("null_policy", NullSlotPolicy.OUT_OF_RANGE)]
 
 
 @pytest.mark.parametrize("gate", ["lower_bound", "precomputed"])

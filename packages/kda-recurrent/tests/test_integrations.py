@@ -200,3 +200,31 @@ def test_the_entry_point_is_declared_for_vllm():
     group = meta["project"]["entry-points"]["vllm.general_plugins"]
     module, _, name = group["kda"].partition(":")
     assert module == vllm_integration.__name__ and callable(getattr(vllm_integration, name))
+
+
+RECOVERSSM = "vllm.models.kimi_k3.nvidia.ops.recoverssm"
+
+
+def test_vllm_recoverssm_verify_and_commit_context_are_replaced(engine):
+    rs = engine(RECOVERSSM, "vllm_k3_recoverssm.py")
+    originals = (rs.kda_recoverssm_verify, rs.KDARecoverSSMCommitContext)
+    replaced = vllm_integration.enable()
+    assert sorted(replaced) == [f"{RECOVERSSM}.KDARecoverSSMCommitContext", f"{RECOVERSSM}.kda_recoverssm_verify"]
+    assert rs.kda_recoverssm_verify is kimi_k3.kda_recoverssm_verify
+    assert rs.KDARecoverSSMCommitContext is kimi_k3.KDARecoverSSMCommitContext
+    vllm_integration.disable()
+    assert (rs.kda_recoverssm_verify, rs.KDARecoverSSMCommitContext) == originals
+
+
+def test_vllm_commit_context_with_a_changed_method_is_left_alone(engine, caplog):
+    rs = engine(RECOVERSSM, "vllm_k3_recoverssm.py")
+
+    class KDARecoverSSMCommitContext(rs.KDARecoverSSMCommitContext):  # an engine whose commit grew a positional
+        def commit(self, num_accepted_tokens, new_positional, state_indices, query_start_loc):
+            pass
+
+    rs.KDARecoverSSMCommitContext = KDARecoverSSMCommitContext
+    with caplog.at_level(logging.WARNING, logger="kda_recurrent.integrations"):
+        assert vllm_integration.enable() == [f"{RECOVERSSM}.kda_recoverssm_verify"]
+    assert rs.KDARecoverSSMCommitContext is KDARecoverSSMCommitContext
+    assert any("commit:" in r.getMessage() for r in caplog.records)

@@ -560,9 +560,12 @@ BUNDLE = [(name, RecurrentArgs._field_defaults.get(name, inspect.Parameter.empty
 
 @pytest.mark.parametrize("fn", [recurrent_kda, explain], ids=["recurrent_kda", "explain"])
 def test_the_public_signatures_are_the_bundles_fields_then_the_keyword_only_policy(fn):
-    assert _params(fn) == BUNDLE + [("null_policy", NullSlotPolicy.OUT_OF_RANGE), ("num_spec_tokens", None),
-                                    ("backend", None)]
-    for name in ("null_policy", "num_spec_tokens", "backend"):
+    from kda_core.call_args import SpecArgs
+
+    keywords = [("null_policy", NullSlotPolicy.OUT_OF_RANGE), ("num_spec_tokens", None), ("backend", None),
+                *((name, SpecArgs._field_defaults[name]) for name in SpecArgs._fields)]
+    assert _params(fn) == BUNDLE + keywords
+    for name, _ in keywords:
         assert inspect.signature(fn).parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
 
 

@@ -14,6 +14,9 @@ L2NORM_EPS = 1e-6
 RING_SLOTS = 32
 """Physical slots of each ucache ring (the logical row j lives at (base + j) & 31)."""
 UCACHE_T = (4, 8)
+MAX_TREE_TOKENS = 64
+"""Tree verify (``parent_indices``): at most this many tokens per row (the generic kernel keeps each token's alive bit
+in one 64-bit mask), i.e. ``ssm_state_indices`` columns."""
 UCACHE_WRING = (16, 32)
 
 

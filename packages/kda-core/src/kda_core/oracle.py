@@ -7,9 +7,9 @@ rounded once to the pool's dtype from the running fp32/fp64 state. Device data (
 accepted counts, ucache cursors) is bounded exactly as the kernels bound it, so every input validation accepts has
 an answer here. The references run without autograd: they update pools in place as the kernels do.
 
-The ucache references live in :mod:`kda_core.oracle_ucache` and the spec-decode references (source pool, frozen
-verify, RecoverSSM records and commit, tree verify) in :mod:`kda_core.oracle_spec`; both are re-exported here (the
-spec-decode ones on first access, since that module builds on this one).
+The ucache references live in :mod:`kda_core.oracle_ucache` and are re-exported here; the spec-decode references
+(source pool, frozen verify, RecoverSSM records and commit, tree verify) live in :mod:`kda_core.oracle_spec`, which
+builds on this module (import them from there: a re-export here would make the two modules import each other).
 """
 
 from __future__ import annotations
@@ -31,21 +31,7 @@ __all__ = [
     "unpack_packed",
     "ucache_verify_flush_ref",
     "commit_ucache_ref",
-    "spec_verify_ref",  # noqa: F822 (module __getattr__ below)
-    "recoverssm_commit_ref",  # noqa: F822 (module __getattr__ below)
-    "recoverssm_commit_layers_ref",  # noqa: F822 (module __getattr__ below)
 ]
-
-_SPEC_NAMES = ("spec_verify_ref", "recoverssm_commit_ref", "recoverssm_commit_layers_ref")
-
-
-def __getattr__(name):
-    """The spec-decode references of :mod:`kda_core.oracle_spec`, imported on first access (it imports this module)."""
-    if name in _SPEC_NAMES:
-        from kda_core import oracle_spec
-
-        return getattr(oracle_spec, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _token_grid(B, T, cu_seqlens, device):

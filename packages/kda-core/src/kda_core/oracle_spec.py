@@ -21,67 +21,18 @@ from kda_core.contracts import NullSlotPolicy, first_live_slot, null_policy_of
 from kda_core.errors import fail
 from kda_core.oracle import _in_pool, _prepare, _scatter_output, _spec_read_slots
 from kda_core.oracle_step import _l2norm, kda_gate_ref, kda_step_ref
+from kda_core.validation_spec import _overlap, spec_combination
 
 __all__ = ["spec_verify_ref", "recoverssm_commit_ref", "recoverssm_commit_layers_ref"]
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors share storage bytes (a coarse span test: enough to refuse an aliased pool)."""
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-
-    def span(t):
-        lo = t.storage_offset() * t.element_size()
-        hi = lo + (1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))) * t.element_size()
-        return lo, hi
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
-
-
 def _spec_mode(args: RecurrentArgs, spec: SpecArgs) -> None:
-    """Refuse the keyword combinations spec decode leaves undefined (docs/design.md §9); validation refuses the same
-    and more (shapes, dtypes, strides)."""
-    src, frozen = spec.initial_state_source, bool(spec.disable_state_update)
-    idx = args.ssm_state_indices
-    if (src is None) != (spec.initial_state_indices is None):
-        fail("initial_state_indices", "a tensor exactly when initial_state_source is given",
-             "None" if spec.initial_state_indices is None else "a tensor")
-    if (spec.correction_cache is None) != (spec.kg_cache is None):
-        fail("kg_cache", "a tensor exactly when correction_cache is given",
-             "None" if spec.kg_cache is None else "a tensor")
-    records = spec.correction_cache is not None
-    if records and not frozen:
-        fail("correction_cache", "None unless disable_state_update=True", "a tensor")
-    if src is not None and args.num_accepted_tokens is not None:
-        fail("num_accepted_tokens", "None with initial_state_source", "a tensor")
-    if frozen:
-        if args.num_accepted_tokens is not None:
-            fail("num_accepted_tokens", "None with disable_state_update=True", "a tensor")
-        if args.output_final_state:
-            fail("output_final_state", "False with disable_state_update=True", True)
-        if spec.parent_indices is not None:
-            fail("parent_indices", "None with disable_state_update=True (tree verify stores per-token states)",
-                 "a tensor")
-        if src is None:
-            if args.initial_state is None or idx is None:
-                fail("ssm_state_indices" if args.initial_state is not None else "initial_state",
-                     "initial_state with ssm_state_indices (the pool read) when disable_state_update=True without "
-                     "initial_state_source", "None")
-        elif args.initial_state is not None or idx is not None:
-            fail("initial_state" if args.initial_state is not None else "ssm_state_indices",
-                 "None with initial_state_source and disable_state_update=True (nothing is written)", "a tensor")
-    elif src is not None:
-        if args.initial_state is None or idx is None:
-            fail("ssm_state_indices" if args.initial_state is not None else "initial_state",
-                 "initial_state with ssm_state_indices (the written pool) with initial_state_source", "None")
+    """Refuse what validation refuses about the keyword combination (docs/design.md §9), and a pool overlapping the
+    source; shapes, dtypes and strides are validation's alone (:func:`kda_core.validation_spec.validate_spec`)."""
+    spec_combination(args, spec)
+    src = spec.initial_state_source
     if src is not None and args.initial_state is not None and _overlap(src, args.initial_state):
         fail("initial_state", "a pool not overlapping initial_state_source", "an overlapping tensor")
-    if spec.parent_indices is not None and (idx is None or idx.dim() != 2):
-        fail("ssm_state_indices", "2-D [N_seq, T_idx] indices with parent_indices",
-             "None" if idx is None else f"{idx.dim()}-D")
 
 
 def _raw_rows(x, grid, group=1):
@@ -129,9 +80,9 @@ def spec_verify_ref(args: RecurrentArgs, spec: SpecArgs, *, null_policy=NullSlot
 
     Tree verify (``parent_indices`` [N_seq, T_p]; 2-D indices, no frozen verify): token t has parent
     ``p = parent_indices[n, t]`` for t < T_p, else t - 1 (compared in 64 bits). With 0 <= p < t it starts from the
-    state stored for token p (rounded to the pool's dtype) and is dead when token p was dead or skipped; otherwise
-    it starts from R_n. A skipped token (null write slot, or t >= T_idx) and a dead one have zero output and write
-    nothing.
+    state stored for token p (``initial_state[idx[n, p]]`` as this call wrote it, so rounded to the pool's dtype)
+    and is dead when token p was dead or skipped; otherwise it starts from R_n. A skipped token (null write slot, or
+    t >= T_idx) and a dead one have zero output and write nothing.
 
     Returns (o [B, T, HV, V] in ``out_dtype`` (None: ``dtype``), the pool ``initial_state`` when
     ``ssm_state_indices`` is given, else the final dense state when ``output_final_state``, else None).
@@ -210,7 +161,6 @@ def spec_verify_ref(args: RecurrentArgs, spec: SpecArgs, *, null_policy=NullSlot
         parents = spec.parent_indices.to(device=dev, dtype=torch.long)
         T_p = parents.shape[1]
         R = S
-        stored = torch.zeros(N, t_max, HV, V, K, dtype=pool.dtype, device=dev)  # the state stored for each token
         ok = torch.zeros(N, t_max, dtype=torch.bool, device=dev)  # token ran (neither skipped nor dead)
         rows = torch.arange(N, device=dev)
 
@@ -224,9 +174,13 @@ def spec_verify_ref(args: RecurrentArgs, spec: SpecArgs, *, null_policy=NullSlot
             p = parents[:, t] if t < T_p else torch.full((N,), t - 1, dtype=torch.long, device=dev)
             from_parent = (p >= 0) & (p < t)
             pc = torch.where(from_parent, p, torch.zeros_like(p))
-            dead = from_parent & ~ok[rows, pc] if t > 0 else torch.zeros_like(from_parent)
-            step = step & ~dead
-            S_in = torch.where(from_parent[:, None, None, None], stored[rows, pc].to(dtype), R) if t > 0 else R
+            live_parent = from_parent & ok[rows, pc]
+            step = step & ~(from_parent & ~live_parent)  # a dead parent: the token is dead too
+            S_in = R
+            if bool(live_parent.any()):  # the state stored for token p, read back from its slot (pool dtype)
+                slot = write_slots[rows, pc.clamp(max=write_slots.shape[1] - 1)]
+                slot = torch.where(live_parent, slot, torch.full_like(slot, first))
+                S_in = torch.where(live_parent[:, None, None, None], pool[slot].to(dtype), R)
         else:
             S_in = S
         S_new, o, u, _ = kda_step_ref(
@@ -236,7 +190,6 @@ def spec_verify_ref(args: RecurrentArgs, spec: SpecArgs, *, null_policy=NullSlot
         S = torch.where(m, S_new, S)
         o_seq[:, t] = torch.where(step[:, None, None], o, torch.zeros_like(o))
         if tree:
-            stored[:, t] = torch.where(m, S_new.to(pool.dtype), stored[:, t])
             ok[:, t] = step
             if bool(step.any()):
                 pool[write_slots[step, t]] = S_new[step].to(pool.dtype)

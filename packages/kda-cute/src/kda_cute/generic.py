@@ -30,9 +30,26 @@ preamble, 8 exps and a division per channel, dominated the old loop). The next c
 into registers before the current chunk's rows are updated (latency hidden) and prepared after; two shared
 buffers, one barrier per chunk.
 
+Spec verify (docs/design.md §9; the semantics are :func:`kda_core.oracle_spec.spec_verify_ref`'s), four more
+compile-time facets, off for a plain call (whose key and code they leave as they were):
+
+- source read: the first state comes from ``initial_state_source[initial_state_indices[n]]`` (its own dtype and
+  row count for the null test); the pool is only written, the final state (1-D indices, skipped for a null slot)
+  or per-token checkpoints (2-D);
+- frozen: no state is written. A frozen call reads one slot per row, so the host launches it as a frozen pool read:
+  of the pool at the 1-D indices or at column 0 of the 2-D ones (a strided view), or of the source, which then plays
+  the pool;
+- records (frozen only): ``correction_cache[r, hv, t, :] = u_t`` (fp32, unrounded; lane 0 of each row group) and
+  ``kg_cache[r, hv, t] = raw k | raw g`` (the CTA of V tile 0, from the raw registers the preparing row group
+  loaded), r the read slot, t < T_max;
+- tree (spec mode): ``parent_indices`` choose each token's start state: R_n (kept in registers, in the read
+  tensor's dtype), the registers rounded through the pool dtype (parent t - 1) or the checkpoint this thread
+  stored for an earlier parent; a 64-bit mask holds which tokens ran (so T_idx <= 64).
+
 Compile-time variants: head dim, activation / g / beta dtypes, state mode (pool / spec / dense with or without
 initial and final state), state dtype, num_accepted_tokens present, varlen, cu_seqlens dtype, gate form, beta
-logit, L2 norm, dt_bias present, tile_v, alignment, null-slot policy. B, T, H, HV, N and the pool rows are runtime
+logit, L2 norm, dt_bias present, tile_v, alignment, null-slot policy, and the spec facets (source and its index
+dtype, frozen, records, parents dtype). B, T, H, HV, N, the pool, source and cache rows and T_max are runtime
 values.
 """
 
@@ -45,8 +62,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
-from kda_core.call_args import RecurrentArgs
-from kda_core.contracts import GENERIC_HEAD_DIMS, GateMode, NullSlotPolicy, gate_mode
+from kda_core.call_args import RecurrentArgs, SpecArgs
+from kda_core.contracts import GENERIC_HEAD_DIMS, MAX_TREE_TOKENS, GateMode, NullSlotPolicy, gate_mode
 from kda_core.errors import fail
 from kda_core.validation import RecurrentCall, debug_check_slots, debug_checks_enabled
 
@@ -153,11 +170,26 @@ class KDARecurrent:
         null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
         slot_dtype=Int32,  # cutlass type of the slot indices (Int32 or Int64; compared in that width)
         nat_dtype=Int32,  # and of num_accepted_tokens
+        source_dtype=None,  # spec: cutlass type of initial_state_source (the first state's read tensor), or None
+        source_idx_dtype=Int32,  # and of initial_state_indices
+        frozen: bool = False,  # spec: disable_state_update (pool mode only: nothing is written to any state)
+        records: bool = False,  # spec: RecoverSSM records (correction_cache, kg_cache) of a frozen verify
+        parents_dtype=None,  # spec: cutlass type of parent_indices (tree verify, spec mode), or None
     ):
         if head_dim not in GENERIC_HEAD_DIMS:
             raise ValueError(f"head_dim: expected one of {GENERIC_HEAD_DIMS}, got {head_dim}")
         if tile_v not in tile_v_choices(head_dim):
             raise ValueError(f"tile_v: expected one of {tile_v_choices(head_dim)} for K={head_dim}, got {tile_v}")
+        # The spec facets the host entry produces (a frozen 2-D or source read is launched as a frozen pool read of
+        # column 0 or of the source; see ``_spec_launch``); any other combination is a caller error of this class.
+        if source_dtype is not None and (state_mode == StateMode.DENSE or frozen):
+            raise ValueError("source_dtype: expected a source only with a written pool (pool or spec mode)")
+        if frozen and state_mode != StateMode.POOL:
+            raise ValueError(f"frozen: expected pool mode (a frozen read of one slot per row), got {state_mode}")
+        if records and not frozen:
+            raise ValueError("records: expected RecoverSSM records only with a frozen verify")
+        if parents_dtype is not None and state_mode != StateMode.SPEC:
+            raise ValueError(f"parents_dtype: expected tree parents only in spec mode, got {state_mode}")
         self.head_dim = head_dim
         self.lanes = lanes_per_row(head_dim)
         self.groups = row_groups(head_dim)
@@ -177,6 +209,16 @@ class KDARecurrent:
         self.first_slot = 1 if null_policy == NullSlotPolicy.NONPOSITIVE else 0
         self.slot_dtype = slot_dtype
         self.nat_dtype = nat_dtype
+        self.source_dtype = source_dtype
+        self.has_source = source_dtype is not None
+        self.source_idx_dtype = source_idx_dtype
+        self.frozen = frozen
+        self.records = records
+        self.parents_dtype = parents_dtype
+        self.tree = parents_dtype is not None
+        # the first state's tensor (the read tensor of docs/design.md §9) and the dtype of its read slot
+        self.read_dtype = source_dtype if self.has_source else state_dtype
+        self.read_idx_dtype = source_idx_dtype if self.has_source else slot_dtype
         self.rows = tile_v // self.groups
         self.v_per_lane = (tile_v + self.lanes - 1) // self.lanes  # v values of a token one lane prepares
 
@@ -231,6 +273,11 @@ class KDARecurrent:
         mNumAccepted,  # [N] int32 or None
         mCuSeqlens,  # [N + 1] int32/int64 or None
         mOut: cute.Tensor,  # [B, T, HV, V]
+        mSource,  # initial_state_source [Ps, HV, V, K] or None
+        mSourceIdx,  # initial_state_indices [N] int32/int64 or None
+        mCorr,  # correction_cache [Pr, HV, T_max, V] fp32 or None
+        mKG,  # kg_cache [Pr, HV, T_max, 2K] (k's dtype) or None
+        mParents,  # parent_indices [N, T_p] int32/int64 or None
         scale: Float32,
         lower_bound: Float32,
         stream,
@@ -241,8 +288,8 @@ class KDARecurrent:
         else:
             n_seq = cute.size(mQ, mode=[0])
         self.kernel(
-            mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mFinal, mSlots, mNumAccepted, mCuSeqlens, mOut, scale,
-            lower_bound,
+            mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mFinal, mSlots, mNumAccepted, mCuSeqlens, mOut, mSource,
+            mSourceIdx, mCorr, mKG, mParents, scale, lower_bound,
         ).launch(grid=[self.head_dim // self.tile_v, HV, n_seq], block=[THREADS, 1, 1], stream=stream)
 
     # ---- kernel ---------------------------------------------------------------------------------
@@ -263,6 +310,11 @@ class KDARecurrent:
         mNumAccepted,
         mCuSeqlens,
         mOut: cute.Tensor,
+        mSource,
+        mSourceIdx,
+        mCorr,
+        mKG,
+        mParents,
         scale: Float32,
         lower_bound: Float32,
     ):
@@ -295,47 +347,80 @@ class KDARecurrent:
         # ---- which state it starts from ----------------------------------------------------------
         active = cutlass.Boolean(True)
         read_slot = Int32(0)
+        final_ok = cutlass.Boolean(True)  # pool mode with a source: the final state's slot is not null
+        final_slot = Int32(0)
         if const_expr(self.state_mode != StateMode.DENSE):
             n_slots = cute.size(mState, mode=[0])
             row_ok = cutlass.Boolean(True)
-            if const_expr(self.state_mode == StateMode.POOL):
-                read_slot = mSlots[n]
+            if const_expr(self.has_source):
+                # docs/design.md §9 (spec §1): the first state is source[initial_state_indices[n]], null under the
+                # call's policy against the source's rows; the pool is only written (final state or checkpoints)
+                read_slot = mSourceIdx[n]
+                n_read = cute.size(mSource, mode=[0])
+                if const_expr(self.state_mode == StateMode.POOL):
+                    final_slot = mSlots[n]
+                    final_ok = ((final_slot >= self.slot_dtype(self.first_slot))
+                                & (final_slot < self.slot_dtype(n_slots)))
             else:
-                t_idx = cute.size(mSlots, mode=[1])
-                col = Int32(0)
-                if const_expr(self.has_num_accepted):
-                    # clamp first, subtract after: INT_MIN, 0 and negatives read column 0, counts past T_idx the last
-                    # (an int64 count clamps in 64 bits, then narrows)
-                    nat = self.nat_dtype(mNumAccepted[n])
-                    col = Int32(cutlass.max(cutlass.min(nat, self.nat_dtype(t_idx)), self.nat_dtype(1)) - 1)
-                    if const_expr(self.null_policy == NullSlotPolicy.NONPOSITIVE):
-                        # vLLM: a count outside [1, T_idx] nulls the row
-                        row_ok = (nat >= self.nat_dtype(1)) & (nat <= self.nat_dtype(t_idx))
-                read_slot = mSlots[n, col]
+                n_read = n_slots
+                if const_expr(self.state_mode == StateMode.POOL):
+                    read_slot = mSlots[n]
+                else:
+                    t_idx = cute.size(mSlots, mode=[1])
+                    col = Int32(0)
+                    if const_expr(self.has_num_accepted):
+                        # clamp first, subtract after: INT_MIN, 0 and negatives read column 0, counts past T_idx
+                        # the last (an int64 count clamps in 64 bits, then narrows)
+                        nat = self.nat_dtype(mNumAccepted[n])
+                        col = Int32(cutlass.max(cutlass.min(nat, self.nat_dtype(t_idx)), self.nat_dtype(1)) - 1)
+                        if const_expr(self.null_policy == NullSlotPolicy.NONPOSITIVE):
+                            # vLLM: a count outside [1, T_idx] nulls the row
+                            row_ok = (nat >= self.nat_dtype(1)) & (nat <= self.nat_dtype(t_idx))
+                    read_slot = mSlots[n, col]
             # a null slot (policy, docs/design.md §4) makes the sequence inactive; compared in the indices' width, so
             # an int64 slot past 2^32 is null rather than wrapped into the pool
-            active = (row_ok & (read_slot >= self.slot_dtype(self.first_slot))
-                      & (read_slot < self.slot_dtype(n_slots)))
+            active = (row_ok & (read_slot >= self.read_idx_dtype(self.first_slot))
+                      & (read_slot < self.read_idx_dtype(n_read)))
 
         state_rows = []
         for _ in cutlass.range_constexpr(self.rows):
             r = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
             r.fill(0.0)
             state_rows.append(r)
+        # tree verify: the first state R_n stays in registers (in the read tensor's dtype, so exact) for every root
+        # token, since the read slot may be one this row's checkpoints overwrite
+        root_rows = []
 
         has_initial = const_expr(self.state_mode != StateMode.DENSE or self.state_dtype is not None)
         if const_expr(has_initial):
+            if const_expr(self.tree):
+                for _ in cutlass.range_constexpr(self.rows):
+                    root_rows.append(cute.make_rmem_tensor((CHANNELS_PER_LANE,), self.read_dtype))
             if active:
                 if const_expr(self.state_mode == StateMode.DENSE):
                     gState = mState[n, hv, None, None]
+                elif const_expr(self.has_source):
+                    gState = mSource[Int64(read_slot), hv, None, None]
                 else:
                     # Int64 slot: slot * (HV*V*K) overflows 32 bits past ~4.3 GB of pool.
                     gState = mState[Int64(read_slot), hv, None, None]
                 for j in cutlass.range_constexpr(self.rows):
-                    frag = cute.make_rmem_tensor((CHANNELS_PER_LANE,), self.state_dtype)
+                    frag = cute.make_rmem_tensor((CHANNELS_PER_LANE,), self.read_dtype)
                     gRow = cute.local_tile(gState[row0 + j * self.groups, None], (CHANNELS_PER_LANE,), (lane,))
-                    self.copy_lane(gRow, frag, self.state_dtype, "load")
+                    self.copy_lane(gRow, frag, self.read_dtype, "load")
                     state_rows[j].store(frag.load().to(Float32))
+                    if const_expr(self.tree):
+                        root_rows[j].store(frag.load())
+
+        # ---- RecoverSSM records (frozen verify): rows of the read slot, tokens t < T_max ----------------------
+        rec_ok = cutlass.Boolean(False)
+        t_max = Int32(0)
+        if const_expr(self.records):
+            # the read slot is bounded by the read tensor; bound it by both caches too (their rows are metadata
+            # validation compares, not something this kernel assumes)
+            rec_ok = (active & (read_slot < self.read_idx_dtype(cute.size(mCorr, mode=[0])))
+                      & (read_slot < self.read_idx_dtype(cute.size(mKG, mode=[0]))))
+            t_max = cutlass.min(Int32(cute.size(mCorr, mode=[2])), Int32(cute.size(mKG, mode=[2])))
 
         # ---- the token loop, in chunks of ``groups`` tokens -------------------------------------------
         # Per chunk, row group g prepares token g once for the whole CTA (decay, norms, k^.q^, beta and the
@@ -369,6 +454,9 @@ class KDARecurrent:
         if seq_len > 0:
             self.load_chunk_token(mQ, mK, mV, mG, mBeta, b_in, bos, seq_len, h, hv, v_tile0, group, lane,
                                   raw_q, raw_k, raw_v, raw_g, raw_beta)
+            if const_expr(self.records):
+                self.record_kg(mKG, rec_ok, v_tile, read_slot, hv, Int32(0), seq_len, t_max, group, lane, raw_k,
+                               raw_g)
             self.prepare_chunk_token(0, seq_len, group, lane, raw_q, raw_k, raw_v, raw_g, raw_beta, mDtBias, h, rate,
                                      scale, lower_bound, sK, sQ, sD, sV, sKQ, sBeta)
 
@@ -376,6 +464,9 @@ class KDARecurrent:
         qf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
         decay = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
         v_rows = cute.make_rmem_tensor((self.rows,), Float32)
+        # tree verify: bit t is set once token t ran (alive, checkpoint stored); T_idx <= 64 (host-checked), and a
+        # token at or past T_idx has no write slot, so it never runs and no bit past 63 is ever needed
+        alive = Int64(0)
         for ch in cutlass.range(n_chunks, unroll=1):
             cute.arch.sync_threads()
             buf = ch % 2
@@ -387,15 +478,26 @@ class KDARecurrent:
             if left > C:  # load the next chunk's token while this one runs
                 self.load_chunk_token(mQ, mK, mV, mG, mBeta, b_in, bos + first + C, left - C, h, hv, v_tile0,
                                       group, lane, raw_q, raw_k, raw_v, raw_g, raw_beta)
+                if const_expr(self.records):
+                    self.record_kg(mKG, rec_ok, v_tile, read_slot, hv, first + C, left - C, t_max, group, lane,
+                                   raw_k, raw_g)
             for t in cutlass.range(n_here, unroll=1):
                 tok = bos + first + t
+                ti = first + t  # the token's index in its sequence
                 step = active
                 write_slot = self.slot_dtype(-1)
                 if const_expr(self.state_mode == StateMode.SPEC):
-                    if first + t < cute.size(mSlots, mode=[1]):
-                        write_slot = mSlots[n, first + t]
+                    if ti < cute.size(mSlots, mode=[1]):
+                        write_slot = mSlots[n, ti]
                     step = (active & (write_slot >= self.slot_dtype(self.first_slot))
                             & (write_slot < self.slot_dtype(cute.size(mState, mode=[0]))))
+                if const_expr(self.tree):
+                    if active:
+                        step = step & self.tree_start(mState, mSlots, mParents, n, hv, ti, alive, state_rows,
+                                                      root_rows, row0, lane)
+                rec_t = cutlass.Boolean(False)
+                if const_expr(self.records):
+                    rec_t = rec_ok & (ti < t_max)
                 if step:
                     cute.autovec_copy(cute.local_tile(sK[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), kf)
                     cute.autovec_copy(cute.local_tile(sQ[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), qf)
@@ -419,8 +521,13 @@ class KDARecurrent:
                             sf[c] = sf[c] + u * kf[c]
                         if lane == 0:
                             mOut[b_in, tok, hv, row0 + j * self.groups] = (sq + u * kq).to(mOut.element_type)
+                            if const_expr(self.records):
+                                if rec_t:  # u_t, fp32 and unrounded (spec §3)
+                                    mCorr[Int64(read_slot), hv, ti, row0 + j * self.groups] = u
                     if const_expr(self.state_mode == StateMode.SPEC):
                         self.store_rows(mState[Int64(write_slot), hv, None, None], state_rows, row0, lane)
+                    if const_expr(self.tree):
+                        alive = alive | (Int64(1) << Int64(ti))
                 else:
                     if lane == 0:
                         for j in cutlass.range_constexpr(self.rows):
@@ -430,9 +537,14 @@ class KDARecurrent:
                                          mDtBias, h, rate, scale, lower_bound, sK, sQ, sD, sV, sKQ, sBeta)
 
         # ---- final state ------------------------------------------------------------------------------
-        if const_expr(self.state_mode == StateMode.POOL):
-            if active:
-                self.store_rows(mState[Int64(read_slot), hv, None, None], state_rows, row0, lane)
+        if const_expr(self.state_mode == StateMode.POOL and not self.frozen):
+            if const_expr(self.has_source):
+                # the final state goes to the pool slot of the row when that slot is not null (outputs regardless)
+                if active & final_ok:
+                    self.store_rows(mState[Int64(final_slot), hv, None, None], state_rows, row0, lane)
+            else:
+                if active:
+                    self.store_rows(mState[Int64(read_slot), hv, None, None], state_rows, row0, lane)
         if const_expr(self.state_mode == StateMode.DENSE and self.store_final):
             self.store_rows(mFinal[n, hv, None, None], state_rows, row0, lane)
 
@@ -446,6 +558,53 @@ class KDARecurrent:
             if n == n_seq - 1:
                 for t in cutlass.range(bos + seq_len, T_total, 1, unroll=1):
                     self.zero_out(mOut, t, hv, row0, lane)
+
+    @cute.jit
+    def tree_start(self, mState, mSlots, mParents, n, hv, ti, alive, state_rows, root_rows, row0, lane):
+        """Tree verify (spec §4): set the thread's rows to token ``ti``'s start state and return whether it has one.
+
+        Parent p = parent_indices[n, ti] (ti < T_p), else ti - 1. A root (p < 0 or p >= ti, malformed values
+        included) starts from R_n (the registers kept at the start); otherwise the token starts from the state
+        stored for token p, and has none (it is dead) unless token p ran. For p == ti - 1 the registers hold that
+        state unrounded: rounded through the pool dtype they equal a re-read bitwise; any other p re-reads the
+        checkpoint this same thread stored (same addresses, program order: a plain load, not the read-only path).
+        CTA-uniform (depends on n and ti only)."""
+        pdt = self.parents_dtype
+        p = pdt(ti) - pdt(1)
+        if ti < cute.size(mParents, mode=[1]):
+            p = pdt(mParents[n, ti])
+        ok = cutlass.Boolean(True)
+        if (p < pdt(0)) | (p >= pdt(ti)):
+            for j in cutlass.range_constexpr(self.rows):
+                state_rows[j].store(root_rows[j].load().to(Float32))
+        else:
+            p32 = Int32(p)  # in [0, ti): narrowing is exact
+            ok = p32 < cute.size(mSlots, mode=[1])  # a token at or past T_idx never ran
+            if ok:
+                ok = ((alive >> Int64(p32)) & Int64(1)) != Int64(0)
+            if ok:
+                if p32 == ti - 1:
+                    if const_expr(self.state_dtype != Float32):
+                        for j in cutlass.range_constexpr(self.rows):
+                            state_rows[j].store(state_rows[j].load().to(self.state_dtype).to(Float32))
+                else:
+                    gState = mState[Int64(mSlots[n, p32]), hv, None, None]
+                    frag = cute.make_rmem_tensor((CHANNELS_PER_LANE,), self.state_dtype)
+                    for j in cutlass.range_constexpr(self.rows):
+                        gRow = cute.local_tile(gState[row0 + j * self.groups, None], (CHANNELS_PER_LANE,), (lane,))
+                        self.copy_lane(gRow, frag, self.state_dtype)
+                        state_rows[j].store(frag.load().to(Float32))
+        return ok
+
+    @cute.jit
+    def record_kg(self, mKG, rec_ok, v_tile, slot, hv, rel0, n_left, t_max, group, lane, raw_k, raw_g):
+        """kg_cache[slot, hv, rel0 + group] <- raw k | raw g of this row group's token (the registers just
+        loaded), by the CTA of V tile 0, for a token of the sequence (group < n_left) below T_max."""
+        if rec_ok & (v_tile == 0) & (group < n_left) & (rel0 + group < t_max):
+            gRow = mKG[Int64(slot), hv, rel0 + group, None]
+            dtype = mKG.element_type
+            self.copy_lane(raw_k, cute.local_tile(gRow, (CHANNELS_PER_LANE,), (lane,)), dtype, "store")
+            self.copy_lane(raw_g, cute.local_tile(gRow, (CHANNELS_PER_LANE,), (self.lanes + lane,)), dtype, "store")
 
     @cute.jit
     def load_chunk_token(self, mQ, mK, mV, mG, mBeta, b_in, tok0, n_left, h, hv, v_tile0, group, lane, dq, dk, dv,
@@ -562,9 +721,18 @@ def variant_key(
     null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
     slot_dtype: torch.dtype | None = torch.int32,
     nat_dtype: torch.dtype | None = torch.int32,
+    source_dtype: torch.dtype | None = None,
+    source_idx_dtype: torch.dtype | None = None,
+    frozen: bool = False,
+    records: bool = False,
+    parents_dtype: torch.dtype | None = None,
 ) -> tuple:
     """Every code-generation parameter of one variant, in the order ``_compile`` reads them (arch added by
-    ``_launch.get_or_compile``). Facts that cannot change the code are normalised so they share one entry."""
+    ``_launch.get_or_compile``). Facts that cannot change the code are normalised so they share one entry.
+
+    The spec-verify facets (``source_dtype`` / ``source_idx_dtype``: the first state from
+    ``initial_state_source``; ``frozen``; ``records``; ``parents_dtype``: tree parents) extend the key only when one
+    is on, so a plain call's key is the one it had before they existed."""
     if gate == GateMode.PRECOMPUTED:
         has_dt_bias = False
     if state_mode != StateMode.DENSE:
@@ -578,16 +746,29 @@ def variant_key(
     if state_mode == StateMode.DENSE:
         null_policy = NullSlotPolicy.OUT_OF_RANGE  # no slot to be null
         slot_dtype = None
-    return (
+    base = (
         "recurrent", int(head_dim), act_dtype, g_dtype, beta_dtype, state_mode, state_dtype, bool(store_final),
         bool(has_num_accepted), bool(varlen), cu_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm),
         bool(has_dt_bias), int(tile_v), bool(aligned), NullSlotPolicy(null_policy), slot_dtype, nat_dtype,
     )
+    if source_dtype is None:
+        source_idx_dtype = None
+    elif source_idx_dtype is None:
+        source_idx_dtype = torch.int32
+    spec = (source_dtype, source_idx_dtype, bool(frozen), bool(records), parents_dtype)
+    if spec == (None, None, False, False, None):
+        return base
+    return (*base, "spec-verify", *spec)
+
+
+_PLAIN_KEY_LEN = 20
 
 
 def _compile(key: tuple, arch: str, extra_options: str = ""):
     (_, K, act_dt, g_dt, beta_dt, state_mode, state_dt, store_final, has_nat, varlen, cu_dt, gate, beta_is_logit,
-     l2norm, has_dt_bias, tile_v, aligned, null_policy, slot_dt, nat_dt) = key
+     l2norm, has_dt_bias, tile_v, aligned, null_policy, slot_dt, nat_dt) = key[:_PLAIN_KEY_LEN]
+    source_dt, source_idx_dt, frozen, records, parents_dt = (
+        key[_PLAIN_KEY_LEN + 1:] if len(key) > _PLAIN_KEY_LEN else (None, None, False, False, None))
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     sym = _launch.sym_size
@@ -622,18 +803,31 @@ def _compile(key: tuple, arch: str, extra_options: str = ""):
         m_alog = _launch.fake_tensor(cutlass.Float32, (H,), (None,), align_bytes=1)
         if has_dt_bias:
             m_dt_bias = _launch.fake_tensor(cutlass.Float32, (sym(),), (1,), align_bytes=align)
+    m_source = m_source_idx = m_corr = m_kg = m_parents = None
+    if source_dt is not None:
+        m_source = states(source_dt, sym())
+        m_source_idx = _launch.fake_tensor(cdt(source_idx_dt), (n_seq,), (None,), align_bytes=1)
+    if records:
+        # last dim contiguous, every other stride free (vLLM interleaves pages); u is stored per element
+        m_corr = _launch.fake_tensor(cutlass.Float32, (sym(), HV, sym(), K), (None, None, None, 1), align_bytes=1)
+        m_kg = _launch.fake_tensor(cdt(act_dt), (sym(), HV, sym(), 2 * K), (None, None, None, 1), align_bytes=align)
+    if parents_dt is not None:
+        m_parents = _launch.fake_tensor(cdt(parents_dt), (n_seq, sym()), (None, None), align_bytes=1)
     kernel = KDARecurrent(
         head_dim=K, state_mode=state_mode, state_dtype=None if state_dt is None else cdt(state_dt),
         store_final=store_final, has_num_accepted=has_nat, varlen=varlen, gate=gate, beta_is_logit=beta_is_logit,
         use_qk_l2norm=l2norm, has_dt_bias=has_dt_bias, tile_v=tile_v, aligned=aligned, null_policy=null_policy,
         slot_dtype=Int32 if slot_dt is None else cdt(slot_dt), nat_dtype=Int32 if nat_dt is None else cdt(nat_dt),
+        source_dtype=None if source_dt is None else cdt(source_dt),
+        source_idx_dtype=Int32 if source_idx_dt is None else cdt(source_idx_dt), frozen=frozen, records=records,
+        parents_dtype=None if parents_dt is None else cdt(parents_dt),
     )
     return cute.compile(
         kernel,
         act(act_dt, H), act(act_dt, H), act(act_dt, HV), act(g_dt, HV),
         _launch.fake_tensor(cdt(beta_dt), (B, T, HV), (None, None, None), align_bytes=1),
         m_alog, m_dt_bias, m_state, m_final, m_slots, m_nat, m_cu,
-        act(torch.bfloat16, HV),
+        act(torch.bfloat16, HV), m_source, m_source_idx, m_corr, m_kg, m_parents,
         cutlass.Float32(1.0), cutlass.Float32(-1.0), _launch.fake_stream(),
         options=_launch.compile_options(arch, extra_options),
     )
@@ -673,12 +867,20 @@ def kda_recurrent_fwd(
     ssm_state_indices=None,
     num_accepted_tokens=None,
     output=None,
+    initial_state_source=None,
+    initial_state_indices=None,
+    disable_state_update=False,
+    correction_cache=None,
+    kg_cache=None,
+    parent_indices=None,
     config: GenericConfig | None = None,
     null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
 ):
     """The KDA recurrence over T tokens per sequence on the GPU; same semantics as
-    :func:`kda_core.oracle.recurrent_kda_ref` (its docstring is the spec). Arguments are not validated here (the
-    facade validates, then calls :func:`run`); the head dim, the grid limits, ``config`` and ``null_policy`` are.
+    :func:`kda_core.oracle.recurrent_kda_ref` (its docstring is the spec) and, with a spec-verify keyword, as
+    :func:`kda_core.oracle_spec.spec_verify_ref`. Arguments are not validated here (the facade validates, then calls
+    :func:`run`); the head dim, the grid limits, ``config``, ``null_policy`` and the combinations of the spec
+    keywords this kernel takes are.
 
     Args (B batch, T tokens, H q/k heads, HV value heads, K = V in {64, 128}, N sequences, P pool rows):
         q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K]; beta: [B, T, HV]. bf16/fp16/fp32, last dim
@@ -693,13 +895,17 @@ def kda_recurrent_fwd(
             stride (spec decode only). Values are read and bounded in the kernel.
         cu_seqlens: [N + 1] int32/int64 with B == 1 (varlen); values are read in the kernel.
         output: [B, T, HV, V] bf16 or None (allocated).
+        initial_state_source, initial_state_indices, disable_state_update, correction_cache, kg_cache,
+            parent_indices: the spec-verify keywords (:class:`kda_core.call_args.SpecArgs`; docs/generic.md, "Spec
+            verify", says what each does here).
         config: the launch schedule (:class:`GenericConfig`); None takes :func:`select_config`'s for the call.
         null_policy: which slot indices are null (docs/design.md §4): ``OUT_OF_RANGE`` (idx < 0 or idx >= P) or
             ``NONPOSITIVE`` (vLLM: idx <= 0 or idx >= P; slot 0 is never read or written, and in spec decode a
             ``num_accepted_tokens`` outside [1, T_idx] makes the whole row null).
 
-    Returns (o [B, T, HV, V] bf16, final_state): the pool in pool/spec modes, the fp32 dense state
-    [N, HV, V, K] when ``output_final_state`` in dense mode, else None.
+    Returns (o [B, T, HV, V] bf16, final_state): the pool in pool/spec modes (``initial_state`` as given, also
+    when frozen, so None for a frozen read of a source), the fp32 dense state [N, HV, V, K] when
+    ``output_final_state`` in dense mode, else None.
 
     Duplicate active slots in one call are a caller error (CTAs would race on one state). No host sync; no
     allocation when ``output`` is given (and no final state is requested).
@@ -713,6 +919,8 @@ def kda_recurrent_fwd(
     args = RecurrentArgs(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                          use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens,
                          ssm_state_indices, num_accepted_tokens, output)
+    spec = SpecArgs(initial_state_source, initial_state_indices, disable_state_update, correction_cache, kg_cache,
+                    parent_indices)
     K = q.shape[3]
     if K not in GENERIC_HEAD_DIMS:
         fail("q", f"a head dim K in {GENERIC_HEAD_DIMS}", K)
@@ -726,25 +934,127 @@ def kda_recurrent_fwd(
     else:
         state_mode = StateMode.SPEC
     gate = gate_mode(use_gate_in_kernel, lower_bound)
-    return _launch_call(args, state_mode, n_seq, v.shape[2], K, gate, K**-0.5 if scale is None else float(scale),
+    return _launch_call(args, spec, state_mode, n_seq, v.shape[2], K, gate,
+                        K**-0.5 if scale is None else float(scale),
                         lower_bound if gate == GateMode.LOWER_BOUND else None, config, null_policy)
 
 
-def run(call: RecurrentCall, args: RecurrentArgs, *, config: GenericConfig | None = None,
-        null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE):
-    """Launch a validated call: ``call`` is kda-core's description (``validate_recurrent(args)``) of exactly the
-    bundled arguments ``args`` (:class:`kda_core.call_args.RecurrentArgs`). Returns what :func:`kda_recurrent_fwd`
-    returns; ``config`` and ``null_policy`` as there.
+def run(call: RecurrentCall, args: RecurrentArgs, spec: SpecArgs | None = None, *,
+        config: GenericConfig | None = None, null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE):
+    """Launch a validated call: ``call`` is kda-core's description (``validate_recurrent(args)``, or
+    ``validate_spec(args, spec)``) of exactly the bundled arguments ``args``
+    (:class:`kda_core.call_args.RecurrentArgs`) and ``spec`` (:class:`kda_core.call_args.SpecArgs`; None or
+    ``SpecArgs()`` is a plain call). Returns what :func:`kda_recurrent_fwd` returns; ``config`` and ``null_policy``
+    as there.
 
-    The state mode, sequence and head counts, head dim, gate form, scale and lower bound come from the description
-    (``call.mode`` is a :class:`StateMode` value); the tensors come from the bundle.
+    The sequence and head counts, head dim, gate form, scale and lower bound come from the description; the state
+    mode too (``call.mode`` is a :class:`StateMode` value) for a plain call, while a spec call's kernel mode follows
+    from the tensors the bundles carry (``_spec_plan``); the tensors come from the bundles.
     """
-    return _launch_call(args, call.mode, call.N_seq, call.HV, call.K, call.gate_mode, call.scale, call.lower_bound,
-                        config, null_policy)
+    return _launch_call(args, spec, call.mode, call.N_seq, call.HV, call.K, call.gate_mode, call.scale,
+                        call.lower_bound, config, null_policy)
 
 
-def _launch_call(args: RecurrentArgs, state_mode: str, n_seq: int, HV: int, K: int, gate: GateMode, scale: float,
-                 lower_bound: float | None, config: GenericConfig | None, null_policy: NullSlotPolicy):
+def _is_plain(spec: SpecArgs | None) -> bool:
+    return spec is None or (spec.initial_state_source is None and spec.initial_state_indices is None
+                            and not spec.disable_state_update and spec.correction_cache is None
+                            and spec.kg_cache is None and spec.parent_indices is None)
+
+
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one spec call launches: the kernel's state mode and facets, and the tensors in the kernel's places."""
+
+    state_mode: str
+    pool: torch.Tensor | None  # mState: the pool written (or, frozen, the read tensor)
+    slots: torch.Tensor | None  # mSlots
+    source: torch.Tensor | None
+    source_idx: torch.Tensor | None
+    frozen: bool
+    corr: torch.Tensor | None
+    kg: torch.Tensor | None
+    parents: torch.Tensor | None
+    written: tuple  # (the slot indices whose slots are written, their argument's name): the duplicate check
+    returned: torch.Tensor | None  # the final state returned
+
+
+def _spec_plan(args: RecurrentArgs, spec: SpecArgs) -> _Plan:
+    """Map a spec call (docs/design.md §9; the team's spec-decode contracts §1-§4) onto the kernel's facets, and
+    refuse, naming the argument, the combinations it does not take (the facade's ``validate_spec`` refuses them
+    first, with the same rules).
+
+    A frozen verify writes no state, so its read is a frozen pool read of one slot per row: of the source at
+    ``initial_state_indices`` when given (the source plays the pool), else of the pool at ``ssm_state_indices``
+    (1-D) or its column 0 (2-D, a strided view: no copy). Otherwise the source facet reads the first state from the
+    source and the pool is only written: the final state with 1-D indices, per-token checkpoints with 2-D ones."""
+    (source, source_idx, frozen, corr, kg, parents) = spec
+    pool, slots, nat = args.initial_state, args.ssm_state_indices, args.num_accepted_tokens
+    if (corr is None) != (kg is None):
+        fail("kg_cache" if kg is None else "correction_cache",
+             "correction_cache and kg_cache together (both or neither)", "only one of them")
+    if (source is None) != (source_idx is None):
+        fail("initial_state_indices" if source_idx is None else "initial_state_source",
+             "initial_state_source and initial_state_indices together", "only one of them")
+    if source is not None and source_idx.dim() != 1:
+        fail("initial_state_indices", "a 1-D tensor [N_seq] of source slots", tuple(source_idx.shape))
+    if source is not None and nat is not None:
+        fail("num_accepted_tokens", "None with initial_state_source (the source slot is the read slot)",
+             "a tensor")
+    if frozen:
+        if nat is not None:
+            fail("num_accepted_tokens", "None with disable_state_update=True", "a tensor")
+        if args.output_final_state:
+            fail("output_final_state", "False with disable_state_update=True (no state is written)", True)
+        if parents is not None:
+            fail("parent_indices", "None with disable_state_update=True (tree states are stored per token)",
+                 "a tensor")
+        if source is not None:
+            if pool is not None or slots is not None:
+                fail("initial_state" if pool is not None else "ssm_state_indices",
+                     "None with disable_state_update=True and initial_state_source (nothing writes the pool)",
+                     "a tensor")
+            read, read_slots = source, source_idx
+        else:
+            if pool is None or slots is None:
+                fail("initial_state" if pool is None else "ssm_state_indices",
+                     "the pool and its slot indices with disable_state_update=True and no initial_state_source",
+                     None)
+            if slots.dim() == 2 and slots.shape[1] == 0:
+                # no column to read: every row is inactive (the oracle's -1); a stride-0 view of one null slot
+                read_slots = torch.full((1,), -1, dtype=slots.dtype, device=slots.device).expand(slots.shape[0])
+            else:
+                read_slots = slots if slots.dim() == 1 else slots[:, 0]
+            read = pool
+        # only the records are written: their rows are the read slots
+        name = "initial_state_indices" if source is not None else "ssm_state_indices"
+        return _Plan(StateMode.POOL, read, read_slots, None, None, True, corr, kg, None,
+                     (read_slots if corr is not None else None, name), pool)
+    if corr is not None:
+        fail("correction_cache", "None unless disable_state_update=True (records belong to a frozen verify)",
+             "a tensor")
+    if pool is None or slots is None:
+        fail("initial_state" if pool is None else "ssm_state_indices",
+             "the pool and its slot indices (the states written)", None)
+    if pool.dim() != 4:
+        fail("initial_state", "a pool [P, HV, V, K]", tuple(pool.shape))
+    mode = StateMode.POOL if slots.dim() == 1 else StateMode.SPEC
+    if parents is not None:
+        if mode != StateMode.SPEC:
+            fail("ssm_state_indices", "2-D [N_seq, T_idx] indices with parent_indices (one state per token)",
+                 tuple(slots.shape))
+        if parents.dim() != 2:
+            fail("parent_indices", "a 2-D tensor [N_seq, T_p] of parent tokens", tuple(parents.shape))
+        if slots.shape[1] > MAX_TREE_TOKENS:
+            fail("ssm_state_indices", f"at most {MAX_TREE_TOKENS} columns with parent_indices", slots.shape[1])
+    return _Plan(mode, pool, slots, source, source_idx, False, None, None, parents, (slots, "ssm_state_indices"),
+                 pool)
+
+
+def _launch_call(args: RecurrentArgs, spec: SpecArgs | None, state_mode: str, n_seq: int, HV: int, K: int,
+                 gate: GateMode, scale: float, lower_bound: float | None, config: GenericConfig | None,
+                 null_policy: NullSlotPolicy):
     """The one launch body of both entries: the call's tensors, and the facts of its description (``lower_bound``
     None unless the gate is the lower-bound one)."""
     (q, k, v, g, beta, A_log, dt_bias, _, initial_state, output_final_state, use_qk_l2norm_in_kernel, _, _,
@@ -759,6 +1069,15 @@ def _launch_call(args: RecurrentArgs, state_mode: str, n_seq: int, HV: int, K: i
         fail("q" if not varlen else "cu_seqlens", f"at most {MAX_SEQUENCES} sequences per call (grid z limit)", n_seq)
     if HV > MAX_VALUE_HEADS:
         fail("v", f"at most {MAX_VALUE_HEADS} value heads (dim 2) per call (grid y limit)", HV)
+
+    plan = None
+    if not _is_plain(spec):
+        plan = _spec_plan(args, spec)
+        state_mode, initial_state, ssm_state_indices = plan.state_mode, plan.pool, plan.slots
+        if plan.kg is not None and not (plan.kg.dtype == k.dtype == g.dtype):
+            fail("kg_cache", f"k's dtype with g of that dtype too (raw k | raw g), k {k.dtype} and g {g.dtype}",
+                 plan.kg.dtype)
+
     if output is None:
         output = torch.empty((B, T, HV, K), dtype=torch.bfloat16, device=q.device)
 
@@ -769,17 +1088,20 @@ def _launch_call(args: RecurrentArgs, state_mode: str, n_seq: int, HV: int, K: i
         if output_final_state:
             final_state = torch.empty((n_seq, HV, K, K), dtype=torch.float32, device=q.device)
     else:
-        final_state = initial_state
+        final_state = initial_state if plan is None else plan.returned
 
     if state_mode != StateMode.DENSE and debug_checks_enabled():
-        flat = ssm_state_indices.reshape(-1)
-        if null_policy == NullSlotPolicy.NONPOSITIVE:
-            flat = flat[flat != 0]  # slot 0 is null there: padding rows may repeat it
-        debug_check_slots(flat, initial_state.shape[0], argument="ssm_state_indices")
+        # the slots this call writes (a frozen verify's records are rows of its read slots; a frozen read without
+        # records writes nothing, and repeated read slots, such as padding clamped to one slot, are legal there)
+        written, name = (ssm_state_indices, "ssm_state_indices") if plan is None else plan.written
+        if written is not None:
+            debug_check_slots(written, initial_state.shape[0], argument=name, null_policy=null_policy)
 
-    if n_seq == 0 or T == 0 or HV == 0:
+    no_column = state_mode == StateMode.SPEC and ssm_state_indices.shape[1] == 0
+    if n_seq == 0 or T == 0 or HV == 0 or no_column:
         # Nothing to launch (a grid dimension would be 0): no token or no head, so no output value and no state
-        # change.
+        # change. 2-D indices without a column: no row has a read slot or a token a write slot (the oracle's
+        # inactive rows), so the outputs are zero and nothing is written; the kernel never reads that table.
         output.zero_()
         if final_state is not None and state_mode == StateMode.DENSE:
             if initial_state is None:
@@ -794,7 +1116,13 @@ def _launch_call(args: RecurrentArgs, state_mode: str, n_seq: int, HV: int, K: i
         A_log = A_log.reshape(-1)
         if dt_bias is not None:
             dt_bias = dt_bias.reshape(-1)
-    aligned = _launch.alignment_of(q, k, v, g, initial_state, final_state, output, dt_bias) == _launch.VECTOR_BYTES
+    source = source_idx = corr = kg = parents = None
+    frozen = False
+    if plan is not None:
+        source, source_idx, corr, kg, parents, frozen = (plan.source, plan.source_idx, plan.corr, plan.kg,
+                                                         plan.parents, plan.frozen)
+    aligned = _launch.alignment_of(q, k, v, g, initial_state, final_state if state_mode == StateMode.DENSE else None,
+                                   output, dt_bias, source, kg) == _launch.VECTOR_BYTES
     cfg = select_config(n_seq * HV, K) if config is None else config
     key = variant_key(
         head_dim=K, act_dtype=q.dtype, g_dtype=g.dtype, beta_dtype=beta.dtype, state_mode=state_mode,
@@ -804,12 +1132,16 @@ def _launch_call(args: RecurrentArgs, state_mode: str, n_seq: int, HV: int, K: i
         use_qk_l2norm=use_qk_l2norm_in_kernel, has_dt_bias=dt_bias is not None, tile_v=cfg.tile_v, aligned=aligned,
         null_policy=null_policy, slot_dtype=None if ssm_state_indices is None else ssm_state_indices.dtype,
         nat_dtype=None if num_accepted_tokens is None else num_accepted_tokens.dtype,
+        source_dtype=None if source is None else source.dtype,
+        source_idx_dtype=None if source_idx is None else source_idx.dtype, frozen=frozen, records=corr is not None,
+        parents_dtype=None if parents is None else parents.dtype,
     )
     fn = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(q.device))
     fn(
         q, k, v, g, beta, A_log, dt_bias, initial_state,
         final_state if state_mode == StateMode.DENSE else None,
         ssm_state_indices, num_accepted_tokens if state_mode == StateMode.SPEC else None, cu_seqlens, output,
+        source, source_idx, corr, kg, parents,
         scale, -1.0 if lower_bound is None else float(lower_bound),
     )
     return output, final_state

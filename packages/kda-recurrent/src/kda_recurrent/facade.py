@@ -49,14 +49,12 @@ full path and checks for duplicate active slots (``kda_core.validation.debug_che
 
 from __future__ import annotations
 
-import enum
 import warnings
-from typing import NamedTuple
 
 import torch
 
 from kda_core import knobs
-from kda_core.call_args import RecurrentArgs
+from kda_core.call_args import RecurrentArgs, SpecArgs
 from kda_core.contracts import NullSlotPolicy, first_live_slot, null_policy_of
 from kda_core.errors import fail
 from kda_core.oracle import recurrent_kda_ref_args
@@ -68,22 +66,9 @@ from kda_core.validation import (
     revalidate_recurrent_t1_varlen,
     validate_recurrent,
 )
+from kda_recurrent.routes import Path, Route
 
 __all__ = ["recurrent_kda", "explain", "Path", "Route"]
-
-
-class Path(str, enum.Enum):
-    """Where a call runs."""
-
-    T1 = "t1_decode"  # kda_cute.decode_t1: the fast T=1 pool-update kernel
-    T1_VARLEN = "t1_decode_varlen"  # the same kernel on [1, T, H, 128] tokens + cu_seqlens (decode_t1._run_varlen)
-    GENERIC = "generic"  # kda_cute.generic: every other shape of call
-    ORACLE = "oracle"  # kda_core.oracle.recurrent_kda_ref: CPU tensors, or CUDA without kda-cute
-
-
-class Route(NamedTuple):
-    path: Path
-    reason: str
 
 
 # Kernel entry points, imported on the first CUDA call that needs them (importing kda-cute's kernels pulls in the
@@ -222,6 +207,12 @@ def recurrent_kda(
     null_policy=NullSlotPolicy.OUT_OF_RANGE,
     num_spec_tokens=None,
     backend=None,
+    initial_state_source=None,
+    initial_state_indices=None,
+    disable_state_update=False,
+    correction_cache=None,
+    kg_cache=None,
+    parent_indices=None,
 ):
     r"""Kimi Delta Attention over T tokens per sequence, with an in-place state pool or dense states.
 
@@ -281,6 +272,23 @@ def recurrent_kda(
             dense ``initial_state`` (no indices) is updated in place with the final states, as FlashInfer's is,
             and returned as final_state when ``output_final_state``; kda's own form (None) keeps it read only
             (FLA's convention, which ``kda_recurrent.compat.fla`` relies on).
+        initial_state_source, initial_state_indices: keyword only (FlashInfer's names): a separate, read-only
+            committed pool [Ps, HV, V, K] (bf16 or fp32) and the slot [N_seq] (int32/int64, any stride) each
+            sequence's first state is read from; ``initial_state`` with ``ssm_state_indices`` is then only written
+            (2-D: per-token checkpoints; 1-D: the final state). A null source slot makes the sequence inactive.
+        disable_state_update: keyword only; a frozen verify: outputs only, no state written anywhere (the pool read
+            is ``initial_state_source`` at ``initial_state_indices``, else ``initial_state`` at 1-D
+            ``ssm_state_indices`` or column 0 of 2-D ones); ``num_accepted_tokens`` and ``output_final_state`` are
+            refused.
+        correction_cache, kg_cache: keyword only, together, with ``disable_state_update`` (vLLM's RecoverSSM
+            records, FlashInfer's layout): fp32 [Pr, HV, T_max, V] and [Pr, HV, T_max, 2K] in k's dtype, Pr the
+            read pool's rows. Per token t < T_max of a sequence read from slot r: ``u_t = b_t (v_t - S'_{t-1}
+            k^_t)`` at ``correction_cache[r, hv, t]`` and raw k_t | raw g_t at ``kg_cache[r, hv, t]``;
+            :func:`kda_recurrent.recoverssm_commit` later folds an accepted prefix of them into the checkpoint.
+        parent_indices: keyword only; a tree verify (SGLang's EAGLE trees) [N_seq, T_p] int32/int64: token t
+            continues from the state stored for token ``parent_indices[n, t]`` when that lies in [0, t), else
+            from the sequence's first state; needs 2-D ``ssm_state_indices`` (the per-token states are stored)
+            and ``disable_state_update=False``. docs/design.md §9 gives every rule.
 
     Returns:
         ``(o, final_state)``: o [B, T, HV, V] bf16 (``output`` when given). final_state: with 1-D
@@ -318,8 +326,12 @@ def recurrent_kda(
             use_gate_in_kernel, lower_bound, beta_is_logit, cu_seqlens, ssm_state_indices, num_accepted_tokens, output)
     if type(null_policy) is not _POLICY:  # its string value, or a KDAError naming null_policy
         null_policy = null_policy_of(null_policy)
-    if num_spec_tokens is not None or backend is not None:  # FlashInfer's keywords: see _flashinfer_form
-        return _flashinfer_form(_named(RecurrentArgs, args), null_policy, num_spec_tokens, backend)
+    if (num_spec_tokens is not None or backend is not None or initial_state_source is not None
+            or initial_state_indices is not None or disable_state_update or correction_cache is not None
+            or kg_cache is not None or parent_indices is not None):  # FlashInfer's keywords: see _flashinfer_form
+        spec = SpecArgs(initial_state_source, initial_state_indices, disable_state_update, correction_cache,
+                        kg_cache, parent_indices)
+        return _flashinfer_form(_named(RecurrentArgs, args), null_policy, num_spec_tokens, backend, spec)
     if torch.compiler.is_compiling():
         return _traced(_named(RecurrentArgs, args), null_policy)
     # The T=1 hot path (see _run_full for the rest): a call whose facts kda-core has described before, re-validated
@@ -350,16 +362,24 @@ def recurrent_kda(
 _POLICY = NullSlotPolicy
 
 
-def _check_flashinfer_keywords(args, num_spec_tokens, backend):
+def _check_flashinfer_keywords(args, num_spec_tokens, backend, spec=None):
     """:func:`_flashinfer_form`'s checks, for :func:`explain` (runs nothing: the call is not made)."""
-    _flashinfer_form(args, NullSlotPolicy.OUT_OF_RANGE, num_spec_tokens, backend, check_only=True)
+    _flashinfer_form(args, NullSlotPolicy.OUT_OF_RANGE, num_spec_tokens, backend, spec, check_only=True)
+
+
+_NO_SPEC = SpecArgs()
+
+
+def _is_spec(spec) -> bool:
+    return spec is not None and spec != _NO_SPEC
 
 
 BACKENDS = ("cute-dsl", "cake", "auto")
 """FlashInfer's ``backend`` values; every one runs kda's kernels (routed as any other call)."""
 
 
-def _flashinfer_form(args: RecurrentArgs, null_policy: NullSlotPolicy, num_spec_tokens, backend, check_only=False):
+def _flashinfer_form(args: RecurrentArgs, null_policy: NullSlotPolicy, num_spec_tokens, backend, spec=None,
+                     check_only=False):
     """A call with FlashInfer's keywords ``num_spec_tokens`` / ``backend`` (FlashInfer 0.7.2's ``recurrent_kda``).
 
     ``backend``: one of :data:`BACKENDS` or None, else a KDAError naming it. Given (not None), a dense
@@ -367,8 +387,12 @@ def _flashinfer_form(args: RecurrentArgs, null_policy: NullSlotPolicy, num_spec_
     ``output_final_state`` returns. ``num_spec_tokens`` S: None or an int >= 1; each sequence then has 1 + S tokens:
     without ``cu_seqlens`` q is [B, 1 + S, ...]; ``ssm_state_indices`` must be 2-D with 1 + S columns, and without
     ``cu_seqlens`` may be omitted, when the pool's first B * (1 + S) slots are the checkpoint slots (row b's
-    token t at slot b * (1 + S) + t; FlashInfer's batched spec-decode form).
+    token t at slot b * (1 + S) + t; FlashInfer's batched spec-decode form). A frozen verify
+    (``spec.disable_state_update``) writes no checkpoint, so its indices may be 1-D, 2-D or (with a source) absent.
+    ``spec``: the spec keywords (:class:`kda_core.call_args.SpecArgs`), run by :func:`kda_recurrent.spec.spec_call`
+    with ``1 + S`` as the rows' token bound.
     """
+    frozen = spec is not None and spec.disable_state_update is True
     if backend is not None and (type(backend) is not str or backend not in BACKENDS):
         fail("backend", f"one of {BACKENDS} (all run kda's kernels) or None", repr(backend))
     q, idx, cu, state = args.q, args.ssm_state_indices, args.cu_seqlens, args.initial_state
@@ -380,7 +404,9 @@ def _flashinfer_form(args: RecurrentArgs, null_policy: NullSlotPolicy, num_spec_
             _validate(args)  # names the malformed argument
         if cu is None and q.shape[1] != T_spec:
             fail("q", f"T = 1 + num_spec_tokens = {T_spec} tokens per sequence (dim 1)", f"T={q.shape[1]}")
-        if idx is None and cu is None:
+        if frozen:
+            pass  # no checkpoint is written: the read slots are validated with the rest of the call
+        elif idx is None and cu is None:
             B = q.shape[0]
             if not isinstance(state, torch.Tensor) or state.dim() != 4 or state.shape[0] < B * T_spec:
                 fail("initial_state", f"the checkpoint pool of at least B * (1 + num_spec_tokens) = {B * T_spec} "
@@ -395,6 +421,11 @@ def _flashinfer_form(args: RecurrentArgs, null_policy: NullSlotPolicy, num_spec_
                  tuple(idx.shape) if isinstance(idx, torch.Tensor) else None)
     if check_only:
         return None
+    if _is_spec(spec):
+        from kda_recurrent.spec import spec_call
+
+        rows_t = None if num_spec_tokens is None else 1 + num_spec_tokens
+        return spec_call(args, spec, null_policy, rows_t)
     if backend is not None and idx is None and isinstance(state, torch.Tensor):
         # FlashInfer's dense form: the final states overwrite initial_state (rounded once to its dtype).
         o, final = _call(args._replace(output_final_state=True), null_policy)
@@ -503,6 +534,12 @@ def explain(
     null_policy=NullSlotPolicy.OUT_OF_RANGE,
     num_spec_tokens=None,
     backend=None,
+    initial_state_source=None,
+    initial_state_indices=None,
+    disable_state_update=False,
+    correction_cache=None,
+    kg_cache=None,
+    parent_indices=None,
 ) -> Route:
     """The :class:`Route` (path, reason) :func:`recurrent_kda` would take for these arguments; runs nothing.
 
@@ -516,9 +553,17 @@ def explain(
     args = _named(RecurrentArgs, (q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                                   use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, beta_is_logit,
                                   cu_seqlens, ssm_state_indices, num_accepted_tokens, output))
-    null_policy_of(null_policy)
-    if num_spec_tokens is not None or backend is not None:
-        _check_flashinfer_keywords(args, num_spec_tokens, backend)
+    policy = null_policy_of(null_policy)
+    spec = SpecArgs(initial_state_source, initial_state_indices, disable_state_update, correction_cache, kg_cache,
+                    parent_indices)
+    if num_spec_tokens is not None or backend is not None or _is_spec(spec):
+        _check_flashinfer_keywords(args, num_spec_tokens, backend, spec)
+        if _is_spec(spec):
+            from kda_core.validation_spec import validate_spec
+            from kda_recurrent.spec import spec_route
+
+            rows_t = None if num_spec_tokens is None else 1 + num_spec_tokens
+            return spec_route(validate_spec(args, spec, policy, device_kind="any"), args, spec, rows_t)
         if num_spec_tokens is not None and args.ssm_state_indices is None and args.cu_seqlens is None:
             B, T = args.q.shape[:2]
             args = args._replace(ssm_state_indices=torch.zeros(B, T, dtype=torch.int32, device=args.q.device))

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from kda_core.call_args import RecurrentArgs
+from kda_core.call_args import RecurrentArgs, SpecArgs
 from kda_core.contracts import NullSlotPolicy
 from kda_core.errors import fail
 from kda_core.oracle import kda_gate_ref
@@ -37,7 +37,7 @@ from kda_core.validation import validate_gate_params, validate_recurrent
 from kda_recurrent.compat import optional_entry, shape_text
 from kda_recurrent.facade import recurrent_kda
 
-__all__ = ["fused_recurrent_kda_packed_decode"]
+__all__ = ["fused_recurrent_kda_packed_decode", "kda_target_verify"]
 
 _NULL_POLICY = NullSlotPolicy.OUT_OF_RANGE
 
@@ -153,3 +153,85 @@ def fused_recurrent_kda_packed_decode(
         output=out, null_policy=_NULL_POLICY,
     )
     return out, initial_state
+
+
+def kda_target_verify(
+    A_log,
+    dt_bias,
+    q,
+    k,
+    v,
+    a,
+    b,
+    *,
+    ssm_states,
+    cache_indices,
+    query_start_loc,
+    intermediate_states_buffer=None,
+    intermediate_state_indices=None,
+    cache_steps=None,
+    retrieve_parent_token=None,
+    lower_bound=None,
+    **kwargs,
+):
+    """SGLang's KDA speculative verify (``TritonKDAKernel.target_verify``'s arguments, without ``self``).
+
+    Read from sgl-project/sglang ``python/sglang/srt/layers/attention/linear/kernels/kda_triton.py`` (stored copy
+    without a recorded commit, the one whose ``target_verify`` passes ``lower_bound``) and the kernel it calls,
+    ``python/sglang/srt/layers/attention/fla/fused_sigmoid_gating_recurrent.py``
+    @ 06a2775440b93b1d4e570c952a8fefcd8a94b4df (``fused_sigmoid_gating_delta_rule_update`` with ``is_kda=True``,
+    ``disable_state_update=True``); docs/serving.md §4.
+
+    Args (N requests, concatenated, at most ``cache_steps`` tokens each; H q/k heads, HV value heads):
+        A_log: [HV] fp32; dt_bias: [HV * K] fp32 (per value head, as SGLang indexes them).
+        q, k: [1, Ntok, H, K]; v: [1, Ntok, HV, V] (head dims compact); a: the raw gate, [1, Ntok, HV * K] (or
+            [Ntok, HV * K]); b: beta logits [1, Ntok, HV] (or [Ntok, HV]).
+        ssm_states: the committed pool [slots, HV, V, K], **read only**; cache_indices: [N] its slots (``< 0``:
+            null, as SGLang pads).
+        query_start_loc: [N + 1] int offsets (device data, bounded in the kernel).
+        intermediate_states_buffer: [cache_slots, cache_steps, HV, V, K] (or any view of that memory as
+            [cache_slots * cache_steps, HV, V, K]) receiving the state after every draft token;
+            intermediate_state_indices: [N] each request's cache slot (``< 0``: no states stored, and then the
+            request has no output either); cache_steps: int, the buffer's steps per slot.
+        retrieve_parent_token: None (a chain) or [N, T] (EAGLE trees): token t > 0 continues from the stored state
+            of token ``retrieve_parent_token[n, t]`` (docs/design.md §9 gives the rule for parents outside [0, t),
+            which SGLang's kernel reads out of bounds).
+        lower_bound: None (softplus gate) or a negative float. ``kwargs``: SGLang's other keywords, ignored.
+
+    Without an intermediate buffer the call is a frozen verify (outputs only). The committed pool is never
+    written. Returns the output [1, Ntok, HV, V] (q's dtype is SGLang's; kda writes bf16 there).
+    """
+    from kda_recurrent.spec import spec_call
+
+    if not isinstance(ssm_states, torch.Tensor) or ssm_states.dim() != 4:
+        fail("ssm_states", "the state pool [slots, HV, V, K]", shape_text(ssm_states))
+    _, HV, V, K = ssm_states.shape
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != 1:
+        fail("q", "[1, Ntok, H, K]", shape_text(q))
+    n_tok, H = q.shape[1], q.shape[2]
+    g = a.reshape(1, n_tok, HV, K)
+    beta = b.reshape(1, n_tok, HV)
+    use_gate = H == HV
+    if not use_gate:  # per-value-head gate parameters: the decay first (see fused_recurrent_kda_packed_decode)
+        validate_gate_params(A_log, dt_bias, lower_bound, HV, K, like=q, heads_text="HV")
+        g = kda_gate_ref(g, A_log, dt_bias, lower_bound)
+    out = torch.empty(1, n_tok, HV, V, dtype=torch.bfloat16, device=q.device)
+    pool = idx = None
+    if intermediate_states_buffer is not None:
+        if type(cache_steps) is not int or cache_steps < 1:
+            fail("cache_steps", "an int >= 1 (the intermediate buffer's steps per slot)", repr(cache_steps))
+        if intermediate_state_indices is None:
+            fail("intermediate_state_indices", "[N] cache slots with an intermediate_states_buffer", None)
+        pool = intermediate_states_buffer.reshape(-1, HV, V, K)
+        steps = torch.arange(cache_steps, device=q.device, dtype=intermediate_state_indices.dtype)
+        cache = intermediate_state_indices
+        # request n's step t at row cache * cache_steps + t; a negative cache slot nulls every step
+        idx = torch.where(cache[:, None] >= 0, cache[:, None] * cache_steps + steps, torch.full_like(steps, -1))
+    args = RecurrentArgs(q, k, v, g, beta, A_log if use_gate else None, dt_bias if use_gate else None, None, pool,
+                         False, True, use_gate, lower_bound if use_gate else None, True, query_start_loc, idx, None,
+                         out)
+    spec = SpecArgs(initial_state_source=ssm_states, initial_state_indices=cache_indices,
+                    disable_state_update=pool is None,
+                    parent_indices=retrieve_parent_token if pool is not None else None)
+    o, _ = spec_call(args, spec, _NULL_POLICY, rows_t=cache_steps)
+    return o

@@ -39,6 +39,21 @@ class Target:
     module: str
     name: str
     adapter: str
+    via: tuple[str, ...] = ()
+    """For a class: the attributes (its constructor and methods the engine calls) whose signatures must match;
+    empty for a function, whose own signature is compared."""
+
+    def mismatch(self, original, adapter) -> str | None:
+        """Why ``adapter`` cannot stand in for ``original`` (:func:`signature_mismatch`, per ``via`` attribute)."""
+        if not self.via:
+            return signature_mismatch(original, adapter)
+        for attr in self.via:
+            if not hasattr(original, attr) or not hasattr(adapter, attr):
+                return f"{attr!r} missing"
+            why = signature_mismatch(getattr(original, attr), getattr(adapter, attr))
+            if why is not None:
+                return f"{attr}: {why}"
+        return None
 
     def load_adapter(self) -> Callable:
         module, function = self.adapter.split(":")
@@ -118,7 +133,7 @@ class Patcher:
                 logger.warning("kda: %s has no %s; nothing replaced", target.module, target.name)
                 continue
             if current is not adapter:
-                why = signature_mismatch(current, adapter)
+                why = target.mismatch(current, adapter)
                 if why is not None:
                     logger.warning("kda: %s.%s kept: %s", target.module, target.name, why)
                     continue

@@ -21,9 +21,14 @@ Replaced (each where the module imports; see :mod:`kda_recurrent.integrations` f
   ``vllm/model_executor/layers/mamba/gdn/kda_linear_attn.py`` @ eda8c32aa92dc346443a4b9890f9dc71633af9c4 binds by
   ``from ... import fused_recurrent_kda`` at import.
 
+- Kimi K3 RecoverSSM (``--use-replayssm``), ``vllm/models/kimi_k3/nvidia/ops/recoverssm.py``
+  @ 055e47c28003156421365af985d676fc921cb075: ``kda_recoverssm_verify`` and ``KDARecoverSSMCommitContext`` (its
+  ``create`` and ``commit`` signatures compared) by :mod:`kda_recurrent.compat.vllm.kimi_k3`; the layer and the
+  metadata builder import both from that module at call time. kda's commit refuses the prefix-cache align mode.
+
 Not replaced: the native fused CUDA op (``torch.ops._C.fused_kda_decode``: conv, norm and gate in one kernel; select
 ``additional_config={"kda_decode_backend": "triton"}`` so that the layer takes the packed-decode call kda replaces),
-FlashInfer's decode ops, RecoverSSM, and prefill. Every replacement treats slot ``<= 0`` as null (vLLM's
+FlashInfer's decode ops, and prefill. Every replacement treats slot ``<= 0`` as null (vLLM's
 ``NULL_BLOCK_ID``).
 """
 
@@ -35,12 +40,16 @@ from kda_recurrent.integrations import Patcher, Target
 __all__ = ["TARGETS", "disable", "enable", "patched", "register"]
 
 _K3 = "vllm.models.kimi_k3.nvidia.ops.third_party.kda.fused_recurrent"
+_K3_RS = "vllm.models.kimi_k3.nvidia.ops.recoverssm"
 TARGETS = (
     Target(_K3, "fused_recurrent_kda_packed_decode",
            "kda_recurrent.compat.vllm.kimi_k3:fused_recurrent_kda_packed_decode"),
     Target(_K3, "fused_recurrent_kda", "kda_recurrent.compat.vllm.kimi_k3:fused_recurrent_kda"),
     Target("vllm.third_party.flash_linear_attention.ops.kda", "fused_recurrent_kda",
            "kda_recurrent.compat.vllm.kimi_linear:fused_recurrent_kda"),
+    Target(_K3_RS, "kda_recoverssm_verify", "kda_recurrent.compat.vllm.kimi_k3:kda_recoverssm_verify"),
+    Target(_K3_RS, "KDARecoverSSMCommitContext", "kda_recurrent.compat.vllm.kimi_k3:KDARecoverSSMCommitContext",
+           via=("create", "commit")),
 )
 
 _patcher = Patcher("vllm", TARGETS, "vLLM")

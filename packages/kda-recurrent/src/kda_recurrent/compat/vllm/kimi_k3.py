@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kda_core.call_args import RecurrentArgs
+from kda_core.call_args import RecurrentArgs, SpecArgs
 from kda_core.contracts import NullSlotPolicy
 from kda_core.errors import fail
 from kda_core.oracle import kda_gate_ref
@@ -32,7 +32,8 @@ from kda_core.validation import validate_recurrent
 from kda_recurrent.compat import optional_entry, shape_text
 from kda_recurrent.facade import recurrent_kda
 
-__all__ = ["fused_recurrent_kda", "fused_recurrent_kda_packed_decode"]
+__all__ = ["fused_recurrent_kda", "fused_recurrent_kda_packed_decode", "kda_recoverssm_verify",
+           "KDARecoverSSMCommitContext"]
 
 _NULL_POLICY = NullSlotPolicy.NONPOSITIVE
 
@@ -207,3 +208,157 @@ def fused_recurrent_kda(
         ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens, output=out,
         null_policy=_NULL_POLICY,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RecoverSSM (``--use-replayssm``): read from vllm-project/vllm ``vllm/models/kimi_k3/nvidia/ops/recoverssm.py``
+# @ 055e47c28003156421365af985d676fc921cb075 (``kda_recoverssm_verify`` and ``KDARecoverSSMCommitContext``; the copy
+# @ 7752ecb8ac83fc27b687de672711efc5b8d94d32 has the same signatures). docs/serving.md §1 summarises both.
+
+
+def kda_recoverssm_verify(
+    q,
+    k,
+    v,
+    raw_g,
+    raw_beta,
+    A_log,
+    dt_bias,
+    lower_bound,
+    checkpoint_state,
+    correction_cache,
+    kg_cache,
+    query_start_loc,
+    state_indices,
+    spec_query_len,
+    out=None,
+):
+    """vLLM Kimi K3's RecoverSSM verify: run each request's speculative window from its checkpoint without writing
+    it, and record what the commit needs.
+
+    Args (n requests of at most ``spec_query_len`` tokens each, concatenated; H heads, K = V = 128):
+        q, k, v: [1, Ntok, H, K] bf16 (head dims compact, token stride free); raw_g: [1, Ntok, H, K] raw gate;
+            raw_beta: [1, Ntok, H] beta logits.
+        A_log [H] fp32, dt_bias [H * K] fp32, lower_bound (negative float or None: softplus): the gate.
+        checkpoint_state: [blocks, H, V, K] bf16 or fp32, **read only**.
+        correction_cache: [blocks, H, spec_query_len, V] fp32; kg_cache: [blocks, H, spec_query_len, 2K] in k's
+            dtype: per token t of request n, at its block ``state_indices[n]``, ``u_t = sigmoid(beta_t) (v_t -
+            S'_{t-1} k^_t)`` and raw k_t | raw g_t (the records :class:`KDARecoverSSMCommitContext` folds).
+        query_start_loc: [n + 1] int32/int64 offsets; state_indices: [n] int32/int64 (column 0 of the spec index
+            rows, any stride). Device data, bounded in the kernel.
+        spec_query_len: int, 1 + the draft tokens (the records' T_max; the tensor-core kernel is compiled for the
+            smallest of 4 and 8 that covers it).
+        out: None (a new bf16 [1, Ntok, H, V]) or a bf16 buffer of that shape written in place.
+
+    vLLM's null policy (an index ``<= 0`` is null: zero output, nothing read or written); an index past the pool is
+    null too (vLLM reads it). Scale K ** -0.5 and the q/k L2 norm, as vLLM fixes them. A request with more than
+    ``spec_query_len`` tokens is malformed: its tokens past the window get no record (and, on the tensor-core
+    kernel, no output), as vLLM's kernel processes only the window. Returns ``out``.
+    """
+    from kda_recurrent.spec import spec_call
+
+    if type(spec_query_len) is not int or spec_query_len < 1:
+        fail("spec_query_len", "an int >= 1 (1 + the draft tokens per request)", repr(spec_query_len))
+    args = RecurrentArgs(q, k, v, raw_g, raw_beta, A_log, dt_bias, None, checkpoint_state, False, True, True,
+                         lower_bound, True, query_start_loc, state_indices, None, out)
+    spec = SpecArgs(disable_state_update=True, correction_cache=correction_cache, kg_cache=kg_cache)
+    o, _ = spec_call(args, spec, _NULL_POLICY, rows_t=spec_query_len)
+    return o
+
+
+class KDARecoverSSMCommitContext:
+    """vLLM Kimi K3's RecoverSSM commit context on kda's commit kernel: ``create(layers, *, spec_query_len,
+    max_num_reqs)`` once, ``commit(num_accepted_tokens, state_indices, query_start_loc, request_indices=None)``
+    after every sampling step.
+
+    ``layers``: vLLM's KDA layer objects; each has ``kv_cache`` = (conv state, checkpoint [blocks, H, V, K],
+    correction cache, kg cache), ``A_log`` [H], ``dt_bias`` ([H*K] or [H, K]), ``gate_lower_bound`` (one value for
+    all layers). The checkpoints of every layer are folded in one launch (:class:`kda_recurrent.RecoverSSMCommit`);
+    each layer's conv state (``[blocks, conv_dim, history + spec_query_len - 1]`` dim-first, or
+    ``[blocks, width, conv_dim]``: ``conv_dim_first``, by default vLLM's ``is_conv_state_dim_first()``, else
+    dim-first) is compacted as vLLM's commit compacts it: the ``history`` columns that end at the last accepted token
+    move to the front, with device ops only
+    (a gather and a masked copy per layer; no sync; null rows rewrite block 0's columns with their own values, so
+    block 0 stays bitwise unchanged). Counts come from ``num_accepted_tokens[request_indices[n]]``
+    when ``request_indices`` is given. Commit length, null rows: :func:`kda_recurrent.recoverssm_commit`, under
+    vLLM's policy (an index ``<= 0`` is null).
+
+    Not supported: vLLM's prefix-cache "align" mode (``block_table``, ``num_computed_tokens``, ``mamba_block_size``,
+    which commit into another block and a boundary checkpoint): passing them raises a KDAError.
+    """
+
+    def __init__(self, commit, conv_states, history, spec_query_len, max_num_reqs):
+        self._commit = commit
+        self.conv_states = tuple(conv_states)
+        self.conv_history_len = history
+        self.spec_query_len = spec_query_len
+        self.max_num_reqs = max_num_reqs
+
+    @classmethod
+    def create(cls, layers, *, spec_query_len, max_num_reqs, conv_dim_first=None):
+        from kda_recurrent.spec import RecoverSSMCommit
+
+        if conv_dim_first is None:  # vLLM's own switch when vLLM is importable, else its default (dim-first)
+            try:
+                from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+            except ImportError:
+                conv_dim_first = True
+            else:
+                conv_dim_first = bool(is_conv_state_dim_first())
+
+        layers = list(layers)
+        if not layers:
+            fail("layers", "at least one KDA layer", 0)
+        if type(spec_query_len) is not int or spec_query_len < 1:
+            fail("spec_query_len", "an int >= 1 (1 + the draft tokens per request)", repr(spec_query_len))
+        for i, layer in enumerate(layers):
+            cache = getattr(layer, "kv_cache", None)
+            if cache is None or len(cache) != 4:
+                fail(f"layers[{i}].kv_cache", "(conv state, checkpoint, correction cache, kg cache)",
+                     None if cache is None else len(cache))
+        bounds = {layer.gate_lower_bound for layer in layers}
+        if len(bounds) != 1:
+            fail("layers", "one gate_lower_bound for every layer", sorted(bounds, key=str))
+        convs = [layer.kv_cache[0] if conv_dim_first else layer.kv_cache[0].transpose(-1, -2) for layer in layers]
+        for i, conv in enumerate(convs):
+            if conv.dim() != 3 or conv.shape[2] < spec_query_len:
+                fail(f"layers[{i}].kv_cache[0]", f"a conv state [blocks, conv_dim, history + {spec_query_len} - 1]",
+                     tuple(conv.shape))
+        history = convs[0].shape[2] - spec_query_len + 1
+        commit = RecoverSSMCommit(
+            [layer.kv_cache[1] for layer in layers], [layer.kv_cache[2] for layer in layers],
+            [layer.kv_cache[3] for layer in layers], [layer.A_log for layer in layers],
+            [layer.dt_bias.reshape(-1) for layer in layers], bounds.pop(), null_policy=_NULL_POLICY)
+        return cls(commit, convs, history, spec_query_len, max_num_reqs)
+
+    def commit(self, num_accepted_tokens, state_indices, query_start_loc, request_indices=None, block_table=None,
+               num_computed_tokens=None, mamba_block_size=None):
+        """Fold the accepted prefix of every layer into its checkpoint and compact every layer's conv state."""
+        for name, value in (("block_table", block_table), ("num_computed_tokens", num_computed_tokens),
+                            ("mamba_block_size", mamba_block_size)):
+            if value is not None:
+                fail(name, "None (vLLM's prefix-cache align mode is not supported by kda's commit)", "a value")
+        n = state_indices.shape[0]
+        if n == 0:
+            return
+        if n > self.max_num_reqs:
+            fail("state_indices", f"at most max_num_reqs = {self.max_num_reqs} rows", n)
+        nat = num_accepted_tokens if request_indices is None else num_accepted_tokens[request_indices[:n].long()]
+        self._commit.commit(state_indices, nat, query_start_loc)
+        self._compact_conv(state_indices, nat, query_start_loc)
+
+    def _compact_conv(self, state_indices, nat, query_start_loc):
+        """Each live row's conv window: columns [commit_len - 1, commit_len - 1 + history) move to [0, history)."""
+        T = self.spec_query_len
+        conv0 = self.conv_states[0]
+        slots = state_indices.long()
+        lens = (query_start_loc[1:] - query_start_loc[:-1]).long().clamp(0, T)
+        commit_len = torch.minimum(nat.long().clamp(0, T), lens)
+        live = (slots > 0) & (slots < conv0.shape[0]) & (commit_len > 0)
+        safe = torch.where(live, slots, torch.zeros_like(slots))
+        cols = (commit_len.clamp(min=1) - 1)[:, None] + torch.arange(self.conv_history_len, device=slots.device)
+        for conv in self.conv_states:
+            window = conv[safe]  # [n, conv_dim, width] (a copy: the source columns are read before any write)
+            moved = window.gather(2, cols[:, None, :].expand(-1, window.shape[1], -1))
+            keep = window[:, :, : self.conv_history_len]
+            conv[safe, :, : self.conv_history_len] = torch.where(live[:, None, None], moved, keep)

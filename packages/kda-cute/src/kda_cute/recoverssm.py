@@ -1,0 +1,746 @@
+"""RecoverSSM commit: fold the accepted prefix of a frozen verify into the checkpoints, in place.
+
+Spec: docs/design.md §9 (RecoverSSM) and the commit contract its oracle implements,
+``kda_core.oracle_spec.recoverssm_commit_ref`` (single layer) and ``recoverssm_commit_layers_ref`` (several layers).
+The verify that precedes it (a frozen verify that records, per token t of row r's window, ``u_t`` into
+``correction_cache[r, hv, t]`` and ``raw k_t | raw g_t`` into ``kg_cache[r, hv, t]``) is the generic kernel's;
+the source it follows is vLLM's RecoverSSM (``vllm/models/kimi_k3/nvidia/ops/recoverssm.py`` at
+055e47c28003156421365af985d676fc921cb075), with kda's bounds and null-slot rules.
+
+Per row n (slot s = state_indices[n]) and value head hv (q/k head h = hv // (HV / H) for A_log and dt_bias):
+
+- ``len_n = max(query_start_loc[n+1] - query_start_loc[n], 0)`` when the offsets are given, else T_max;
+  ``commit_len = clamp(num_accepted_tokens[n], 0, min(len_n, T_max))``, all in 64 bits before narrowing;
+- the row is null (nothing read or written) iff s is null under the compile-time policy (docs/design.md §4, against
+  the checkpoint's row count) or commit_len == 0;
+- else, in fp32 from S = checkpoint[s, hv]: for t < commit_len, with k = kg[s, hv, t, :K], graw = kg[s, hv, t, K:],
+  u = correction_cache[s, hv, t]: k^ = k / sqrt(sum k^2 + 1e-6) (with the in-kernel L2 norm), a = exp(gate(graw))
+  (docs/design.md §3 steps 1-3: lower-bound, softplus, or graw itself when A_log is None), S = S * a[None, :] +
+  u[:, None] * k^[None, :]; then S is stored once, rounded to the checkpoint dtype.
+
+Work split (docs/recoverssm.md). A CTA owns (V tile of ``tile_v`` state rows, value head x layer, row) and 128
+threads; a state row (K channels) belongs to K / 8 lanes, 8 channels each, as in the generic kernel, and each
+thread keeps ``tile_v / groups`` rows in fp32 registers: the checkpoint is read once and written once. Tokens run in
+chunks of ``groups``: row group g prepares token g of the chunk once for the CTA (k^ with a sub-warp butterfly,
+the decay, and the tile's u values, into shared memory; two buffers, one barrier per chunk), then every thread
+applies the chunk's tokens to its rows. The update needs no reduction (u is recorded), so a token costs each
+thread two FMAs per state element.
+
+Several layers (vLLM commits every KDA layer in one launch): :class:`RecoverSSMCommitPlan` takes per-layer
+tensors of one shape, dtype and strides (base pointers free); the kernel gets layer 0's tensors, an int64 device
+table of per-layer element offsets [L, 3] (checkpoint, correction cache, kg cache) and stacked gate parameters
+A_log [L, H] / dt_bias [L, H*K]; grid.y = HV * L.
+
+Compile-time variants: head dim (64, 128), checkpoint dtype (bf16, fp32), kg dtype (bf16, fp16, fp32), gate form,
+L2 norm, dt_bias present, query_start_loc present and its dtype, slot / count dtypes (int32, int64), single or
+layered, tile_v, alignment class, null-slot policy. Rows, pool rows, HV, H, T_max and L are runtime values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32, Int64, const_expr
+
+from kda_core.contracts import GENERIC_HEAD_DIMS, L2NORM_EPS, GateMode, NullSlotPolicy
+from kda_core.errors import fail
+from kda_core.validation import debug_check_slots, debug_checks_enabled
+
+from . import _lane_math, _launch
+
+__all__ = [
+    "CommitConfig",
+    "RecoverSSMCommitKernel",
+    "RecoverSSMCommitPlan",
+    "compile_variant",
+    "recoverssm_commit",
+    "select_config",
+    "tile_v_choices",
+    "variant_key",
+]
+
+THREADS = 128
+CHANNELS_PER_LANE = 8  # one 16-byte vector of a bf16 row per lane
+MAX_ROWS_PER_THREAD = 8  # 64 fp32 registers of state per thread, the generic kernel's bound
+GRID_Y_MAX = 65535  # value heads x layers ride on gridDim.y, whose CUDA limit this is
+GRID_Z_MAX = 65535  # rows ride on gridDim.z: more rows run as several launches
+OFFSET_COLUMNS = 3  # per-layer element offsets: checkpoint, correction cache, kg cache
+
+
+def lanes_per_row(head_dim: int) -> int:
+    return head_dim // CHANNELS_PER_LANE
+
+
+def row_groups(head_dim: int) -> int:
+    """State rows one CTA covers per step (128 threads, K / 8 lanes per row)."""
+    return THREADS // lanes_per_row(head_dim)
+
+
+def tile_v_choices(head_dim: int) -> tuple[int, ...]:
+    """Legal tiles: whole row groups per thread, at most ``MAX_ROWS_PER_THREAD`` rows each."""
+    groups = row_groups(head_dim)
+    return tuple(t for t in (8, 16, 32, 64, 128)
+                 if t % groups == 0 and t <= head_dim and t // groups <= MAX_ROWS_PER_THREAD)
+
+
+@dataclass(frozen=True)
+class CommitConfig:
+    """Schedule of one launch: ``tile_v`` state rows per CTA (grid (V / tile_v, HV * L, rows)); legal tiles are
+    :func:`tile_v_choices`."""
+
+    tile_v: int
+
+
+# (max rows * HV * L states, tile_v): the first row that holds the call. Not measured for this kernel: the
+# thresholds are the generic kernel's (docs/generic.md, measured on the H200 for its spec-decode mode, whose CTAs
+# hold the same per-thread rows), on the reasoning that small grids want more CTAs and large grids more bytes in
+# flight per thread. A sweep of this kernel may move them.
+_SCHEDULE = (
+    (48, CommitConfig(16)),
+    (96, CommitConfig(32)),
+    (1 << 62, CommitConfig(64)),
+)
+
+
+def select_config(n_states: int, head_dim: int) -> CommitConfig:
+    """Pure schedule policy: the config for ``n_states`` = rows * HV * L (row, value head, layer) triples."""
+    for max_states, cfg in _SCHEDULE:
+        if n_states <= max_states:
+            return cfg if cfg.tile_v in tile_v_choices(head_dim) else CommitConfig(tile_v_choices(head_dim)[0])
+    raise AssertionError("unreachable: the schedule's last row is unbounded")
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------------
+
+LOAD_STREAM = dict(load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
+STORE_STREAM = dict(store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING)
+
+
+class RecoverSSMCommitKernel:
+    """Compile-time configuration of one commit variant (init / __call__ / kernel)."""
+
+    def __init__(
+        self,
+        *,
+        head_dim: int,
+        gate: GateMode,
+        use_qk_l2norm: bool,
+        has_dt_bias: bool,
+        has_qsl: bool,
+        layered: bool,
+        tile_v: int,
+        aligned: bool,
+        null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+        slot_dtype=Int32,  # cutlass type of state_indices (compared in that width)
+        nat_dtype=Int32,  # of num_accepted_tokens
+        qsl_dtype=Int32,  # of query_start_loc
+    ):
+        if head_dim not in GENERIC_HEAD_DIMS:
+            raise ValueError(f"head_dim: expected one of {GENERIC_HEAD_DIMS}, got {head_dim}")
+        if tile_v not in tile_v_choices(head_dim):
+            raise ValueError(f"tile_v: expected one of {tile_v_choices(head_dim)} for K={head_dim}, got {tile_v}")
+        self.head_dim = head_dim
+        self.lanes = lanes_per_row(head_dim)
+        self.groups = row_groups(head_dim)
+        self.gate = gate
+        self.use_qk_l2norm = use_qk_l2norm
+        self.has_dt_bias = has_dt_bias and gate != GateMode.PRECOMPUTED
+        self.has_qsl = has_qsl
+        self.layered = layered
+        self.tile_v = tile_v
+        self.aligned = aligned
+        self.null_policy = null_policy
+        # smallest live slot (docs/design.md §4): 0 under out_of_range, 1 under nonpositive (slot 0 never touched)
+        self.first_slot = 1 if null_policy == NullSlotPolicy.NONPOSITIVE else 0
+        self.slot_dtype = slot_dtype
+        self.nat_dtype = nat_dtype
+        self.qsl_dtype = qsl_dtype
+        self.rows = tile_v // self.groups
+        self.u_per_lane = (tile_v + self.lanes - 1) // self.lanes  # u values of a token one lane prepares
+
+    def smem_bytes(self) -> int:
+        """Shared memory of one CTA: two buffers of ``groups`` prepared tokens (k^ and decay [K], u [tile_v], fp32)."""
+        return 2 * self.groups * (2 * self.head_dim + self.tile_v) * 4
+
+    # ---- small helpers ------------------------------------------------------------------------
+
+    def _copy_bits(self, dtype) -> int:
+        return min(CHANNELS_PER_LANE * dtype.width, 128) if self.aligned else dtype.width
+
+    @cute.jit
+    def row_sum(self, x):
+        """Sum over the ``lanes`` lanes that share one state row (an xor butterfly inside the group)."""
+        for i in cutlass.range_constexpr(self.lanes.bit_length() - 1):
+            x = x + cute.arch.shuffle_sync_bfly(x, offset=(self.lanes >> 1) >> i)
+        return x
+
+    @cute.jit
+    def copy_lane(self, src: cute.Tensor, dst: cute.Tensor, dtype, hints: cutlass.Constexpr = None):
+        """Copy the lane's 8 contiguous elements between gmem and registers (vector width by alignment)."""
+        bits = self._copy_bits(dtype)
+        vec = bits // dtype.width
+        if const_expr(hints == "load"):
+            atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=bits, **LOAD_STREAM)
+        elif const_expr(hints == "store"):
+            atom = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), dtype, num_bits_per_copy=bits, **STORE_STREAM)
+        else:
+            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+        cute.copy(atom, cute.logical_divide(src, (vec,)), cute.logical_divide(dst, (vec,)))
+
+    @cute.jit
+    def layer_view(self, tensor: cute.Tensor, mOffsets, layer, column: cutlass.Constexpr, vector: cutlass.Constexpr):
+        """Layer ``layer``'s tensor: layer 0's layout at layer 0's pointer plus the layer's element offset (a
+        host-computed device table, not caller data). With ``vector`` the offset is declared a multiple of a 16-byte
+        vector, which the host checked for the aligned variant, so the vector accesses of layer 0 stay legal."""
+        if const_expr(not self.layered):
+            return tensor
+        offset = Int64(mOffsets[layer, column])
+        if const_expr(vector and self.aligned):
+            offset = cute.assume(offset, divby=max(128 // tensor.element_type.width, 1))
+        return cute.make_tensor(tensor.iterator + offset, tensor.layout)
+
+    # ---- launch ---------------------------------------------------------------------------------
+
+    @cute.jit
+    def __call__(
+        self,
+        mState: cute.Tensor,  # [P, HV, V, K] bf16/fp32 (layer 0 when layered)
+        mCorr: cute.Tensor,  # [P, HV, T_max, V] fp32
+        mKG: cute.Tensor,  # [P, HV, T_max, 2K] bf16/fp16/fp32
+        mSlots: cute.Tensor,  # [N] int32/int64
+        mNat: cute.Tensor,  # [N] int32/int64
+        mQsl,  # [N + 1] int32/int64 or None
+        mALog,  # [H] / [L, H] fp32 or None (precomputed gate)
+        mDtBias,  # [H*K] / [L, H*K] fp32 or None
+        mOffsets,  # [L, 3] int64 element offsets (layered) or None
+        lower_bound: Float32,
+        stream,
+    ):
+        HV = cute.size(mState, mode=[1])
+        n_rows = cute.size(mSlots, mode=[0])
+        n_layers = 1
+        if const_expr(self.layered):
+            n_layers = cute.size(mOffsets, mode=[0])
+        self.kernel(mState, mCorr, mKG, mSlots, mNat, mQsl, mALog, mDtBias, mOffsets, lower_bound).launch(
+            grid=[self.head_dim // self.tile_v, HV * n_layers, n_rows], block=[THREADS, 1, 1], stream=stream)
+
+    # ---- kernel ---------------------------------------------------------------------------------
+
+    @cute.kernel
+    def kernel(self, mState: cute.Tensor, mCorr: cute.Tensor, mKG: cute.Tensor, mSlots: cute.Tensor,
+               mNat: cute.Tensor, mQsl, mALog, mDtBias, mOffsets, lower_bound: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        v_tile, y, n = cute.arch.block_idx()
+        lane = tidx % self.lanes
+        group = tidx // self.lanes
+        HV = cute.size(mState, mode=[1])
+        hv = y % HV
+        layer = y // HV
+        row0 = v_tile * self.tile_v + group  # this thread's rows: row0 + j * groups
+        T_max = cute.size(mCorr, mode=[2])
+        # the caches are validated to have the checkpoint's rows; bounding by all three keeps an unvalidated call
+        # inside every tensor anyway
+        n_slots = cutlass.min(cutlass.min(cute.size(mState, mode=[0]), cute.size(mCorr, mode=[0])),
+                              cute.size(mKG, mode=[0]))
+
+        # ---- the row's commit length and slot, bounded in 64 bits before narrowing ----------------------
+        limit = Int64(T_max)
+        if const_expr(self.has_qsl):
+            seq_len = cutlass.max(Int64(mQsl[n + 1]) - Int64(mQsl[n]), Int64(0))
+            limit = cutlass.min(seq_len, limit)
+        commit_len = Int32(cutlass.min(cutlass.max(Int64(mNat[n]), Int64(0)), limit))
+        slot = mSlots[n]
+        # compared in the indices' width, so an int64 slot past 2^31 is null rather than wrapped into the pool
+        active = ((slot >= self.slot_dtype(self.first_slot)) & (slot < self.slot_dtype(n_slots))
+                  & (commit_len > Int32(0)))
+
+        if active:
+            mStateL = self.layer_view(mState, mOffsets, layer, 0, True)
+            mCorrL = self.layer_view(mCorr, mOffsets, layer, 1, False)
+            mKGL = self.layer_view(mKG, mOffsets, layer, 2, True)
+            # Int64 slot: slot * (HV*V*K) overflows 32 bits past ~4.3 GB of checkpoints.
+            gState = mStateL[Int64(slot), hv, None, None]  # [V, K]
+            gCorr = mCorrL[Int64(slot), hv, None, None]  # [T_max, V]
+            gKG = mKGL[Int64(slot), hv, None, None]  # [T_max, 2K]
+
+            state_dtype = mState.element_type
+            state_rows = []
+            for j in cutlass.range_constexpr(self.rows):
+                frag = cute.make_rmem_tensor((CHANNELS_PER_LANE,), state_dtype)
+                gRow = cute.local_tile(gState[row0 + j * self.groups, None], (CHANNELS_PER_LANE,), (lane,))
+                self.copy_lane(gRow, frag, state_dtype, "load")
+                r = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+                r.store(frag.load().to(Float32))
+                state_rows.append(r)
+
+            # ---- gate parameters of query head h (of this layer) ---------------------------------------
+            rate = Float32(0.0)
+            bias = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+            bias.fill(0.0)
+            if const_expr(self.gate != GateMode.PRECOMPUTED):
+                if const_expr(self.layered):
+                    H = cute.size(mALog, mode=[1])
+                    a_log = mALog[layer, hv // (HV // H)]
+                else:
+                    H = cute.size(mALog, mode=[0])
+                    a_log = mALog[hv // (HV // H)]
+                rate = cute.math.exp(Float32(a_log))
+                if const_expr(self.has_dt_bias):
+                    gBias = mDtBias
+                    if const_expr(self.layered):
+                        gBias = mDtBias[layer, None]
+                    gBias = cute.local_tile(gBias, (self.head_dim,), (hv // (HV // H),))
+                    frag = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+                    self.copy_lane(cute.local_tile(gBias, (CHANNELS_PER_LANE,), (lane,)), frag, Float32)
+                    bias.store(frag.load())
+
+            # ---- the token loop, in chunks of ``groups`` tokens ----------------------------------------
+            C = self.groups
+            smem = cutlass.memory.SmemAllocator()
+
+            def chunk_buffers(width):  # [buffer, token of the chunk, width] fp32, row-major
+                layout = cute.make_layout((2, C, width), stride=(C * width, width, 1))
+                return smem.allocate_tensor(Float32, layout, byte_alignment=16)
+
+            sK, sD, sU = chunk_buffers(self.head_dim), chunk_buffers(self.head_dim), chunk_buffers(self.tile_v)
+            v_tile0 = v_tile * self.tile_v
+
+            self.prepare_chunk_token(0, 0, commit_len, gKG, gCorr, group, lane, v_tile0, bias, rate, lower_bound,
+                                     sK, sD, sU)
+            kf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+            decay = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+            u_rows = cute.make_rmem_tensor((self.rows,), Float32)
+            n_chunks = (commit_len + C - 1) // C
+            for ch in cutlass.range(n_chunks, unroll=1):
+                cute.arch.sync_threads()
+                buf = ch % 2
+                first = ch * C
+                n_here = commit_len - first
+                if n_here > C:
+                    n_here = Int32(C)
+                for t in cutlass.range(n_here, unroll=1):
+                    cute.autovec_copy(cute.local_tile(sK[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), kf)
+                    cute.autovec_copy(cute.local_tile(sD[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), decay)
+                    cute.autovec_copy(cute.local_tile(sU[buf, t, None], (self.rows,), (group,)), u_rows)
+                    # S = S * a + u k^ (the recurrence's own update with the recorded u)
+                    for j in cutlass.range_constexpr(self.rows):
+                        sf = state_rows[j]
+                        u = u_rows[j]
+                        for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                            sf[c] = sf[c] * decay[c] + u * kf[c]
+                if commit_len - first > C:
+                    self.prepare_chunk_token(1 - buf, first + C, commit_len, gKG, gCorr, group, lane, v_tile0, bias,
+                                             rate, lower_bound, sK, sD, sU)
+
+            # ---- store once, rounded to the checkpoint dtype -------------------------------------------
+            out = cute.make_rmem_tensor((CHANNELS_PER_LANE,), state_dtype)
+            for j in cutlass.range_constexpr(self.rows):
+                out.store(state_rows[j].load().to(state_dtype))
+                gRow = cute.local_tile(gState[row0 + j * self.groups, None], (CHANNELS_PER_LANE,), (lane,))
+                self.copy_lane(out, gRow, state_dtype, "store")
+
+    @cute.jit
+    def prepare_chunk_token(self, buf, tok0, commit_len, gKG, gCorr, group, lane, v_tile0, bias, rate, lower_bound,
+                            sK, sD, sU):
+        """Shared memory [buf, group] <- token ``tok0 + group``'s prepared vectors: k^ (the lane's channels), the
+        decay a = exp(g_log(raw g)) and the tile's u values, stored at ``group' * rows + j`` for tile row
+        ``group' + j * groups`` (each thread then reads its rows contiguously). Runs in every row group, also past
+        the commit length (zeros, so that every lane of a warp reaches the butterfly); only real tokens load and
+        store."""
+        kg_dtype = gKG.element_type
+        raw_k = cute.make_rmem_tensor((CHANNELS_PER_LANE,), kg_dtype)
+        raw_g = cute.make_rmem_tensor((CHANNELS_PER_LANE,), kg_dtype)
+        uf = cute.make_rmem_tensor((self.u_per_lane,), Float32)
+        tok = tok0 + group
+        live = tok < commit_len
+        if live:
+            gRow = gKG[tok, None]
+            self.copy_lane(cute.local_tile(gRow, (CHANNELS_PER_LANE,), (lane,)), raw_k, kg_dtype, "load")
+            self.copy_lane(cute.local_tile(gRow, (CHANNELS_PER_LANE,), (lane + self.lanes,)), raw_g, kg_dtype,
+                           "load")
+            for e in cutlass.range_constexpr(self.u_per_lane):
+                r = lane + e * self.lanes
+                if const_expr(self.tile_v % self.lanes == 0):
+                    uf[e] = gCorr[tok, v_tile0 + r]
+                else:
+                    if r < self.tile_v:
+                        uf[e] = gCorr[tok, v_tile0 + r]
+        else:
+            raw_k.fill(0.0)
+            raw_g.fill(0.0)
+        kf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        gf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        decay = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        kf.store(raw_k.load().to(Float32))
+        gf.store(raw_g.load().to(Float32))
+        _lane_math.gate_decay(decay, gf, bias, rate, lower_bound, self.gate, self.has_dt_bias)
+        if const_expr(self.use_qk_l2norm):
+            k_ss = Float32(0.0)
+            for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                k_ss = k_ss + kf[c] * kf[c]
+            k_scale = cute.math.rsqrt(self.row_sum(k_ss) + L2NORM_EPS)
+            for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                kf[c] = kf[c] * k_scale
+        if live:
+            cute.autovec_copy(kf, cute.local_tile(sK[buf, group, None], (CHANNELS_PER_LANE,), (lane,)))
+            cute.autovec_copy(decay, cute.local_tile(sD[buf, group, None], (CHANNELS_PER_LANE,), (lane,)))
+            for e in cutlass.range_constexpr(self.u_per_lane):
+                r = lane + e * self.lanes
+                if const_expr(self.tile_v % self.lanes == 0):
+                    sU[buf, group, (r % self.groups) * self.rows + r // self.groups] = uf[e]
+                else:
+                    if r < self.tile_v:
+                        sU[buf, group, (r % self.groups) * self.rows + r // self.groups] = uf[e]
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side: compile cache, the single-layer launcher and the multi-layer plan. Neither validates the call (the
+# facade does, through kda_core.validation_spec); both check what the launch itself needs (head dim, grid limits,
+# config, policy) and read metadata only: no host sync, no allocation per call, CUDA-graph capturable.
+# --------------------------------------------------------------------------------------------------
+
+
+def commit_gate_mode(A_log, lower_bound) -> GateMode:
+    """The commit's gate form: graw is the log decay itself without A_log, else lower-bound or softplus."""
+    if A_log is None:
+        return GateMode.PRECOMPUTED
+    return GateMode.SOFTPLUS if lower_bound is None else GateMode.LOWER_BOUND
+
+
+def variant_key(
+    *,
+    head_dim: int,
+    state_dtype: torch.dtype,
+    kg_dtype: torch.dtype,
+    gate: GateMode,
+    use_qk_l2norm: bool,
+    has_dt_bias: bool,
+    qsl_dtype: torch.dtype | None,
+    slot_dtype: torch.dtype,
+    nat_dtype: torch.dtype,
+    layered: bool,
+    tile_v: int,
+    aligned: bool,
+    null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+) -> tuple:
+    """Every code-generation parameter of one variant, in the order ``_compile`` reads them (arch added by
+    ``_launch.get_or_compile``). Facts that cannot change the code are normalised so they share one entry."""
+    if gate == GateMode.PRECOMPUTED:
+        has_dt_bias = False
+    return (
+        "recoverssm_commit", int(head_dim), state_dtype, kg_dtype, GateMode(gate), bool(use_qk_l2norm),
+        bool(has_dt_bias), qsl_dtype, slot_dtype, nat_dtype, bool(layered), int(tile_v), bool(aligned),
+        NullSlotPolicy(null_policy),
+    )
+
+
+def _compile(key: tuple, arch: str, extra_options: str = ""):
+    (_, K, state_dt, kg_dt, gate, l2norm, has_dt_bias, qsl_dt, slot_dt, nat_dt, layered, tile_v, aligned,
+     null_policy) = key
+    cdt = _launch.cutlass_dtype
+    align = _launch.VECTOR_BYTES if aligned else 1
+    sym = _launch.sym_size
+    HV, T_max, N = sym(), sym(), sym()
+    # inner dims of the checkpoint compact, slot stride free; caches: last dim contiguous, every other stride free
+    m_state = _launch.fake_tensor(cdt(state_dt), (sym(), HV, K, K), (None, K * K, K, 1), align_bytes=align)
+    m_corr = _launch.fake_tensor(cutlass.Float32, (sym(), HV, T_max, K), (None, None, None, 1), align_bytes=1)
+    m_kg = _launch.fake_tensor(cdt(kg_dt), (sym(), HV, T_max, 2 * K), (None, None, None, 1), align_bytes=align)
+    m_slots = _launch.fake_tensor(cdt(slot_dt), (N,), (None,), align_bytes=1)
+    m_nat = _launch.fake_tensor(cdt(nat_dt), (N,), (None,), align_bytes=1)
+    m_qsl = None if qsl_dt is None else _launch.fake_tensor(cdt(qsl_dt), (sym(),), (None,), align_bytes=1)
+    m_alog = m_dt_bias = m_offsets = None
+    H = sym()
+    if layered:
+        L = sym()
+        m_offsets = _launch.fake_tensor(cutlass.Int64, (L, OFFSET_COLUMNS), (OFFSET_COLUMNS, 1), align_bytes=8)
+        if gate != GateMode.PRECOMPUTED:
+            m_alog = _launch.fake_tensor(cutlass.Float32, (L, H), (None, None), align_bytes=1)
+            if has_dt_bias:
+                m_dt_bias = _launch.fake_tensor(cutlass.Float32, (L, sym()), (None, 1), align_bytes=align)
+    elif gate != GateMode.PRECOMPUTED:
+        m_alog = _launch.fake_tensor(cutlass.Float32, (H,), (None,), align_bytes=1)
+        if has_dt_bias:
+            m_dt_bias = _launch.fake_tensor(cutlass.Float32, (sym(),), (1,), align_bytes=align)
+    kernel = RecoverSSMCommitKernel(
+        head_dim=K, gate=gate, use_qk_l2norm=l2norm, has_dt_bias=has_dt_bias, has_qsl=qsl_dt is not None,
+        layered=layered, tile_v=tile_v, aligned=aligned, null_policy=null_policy, slot_dtype=cdt(slot_dt),
+        nat_dtype=cdt(nat_dt), qsl_dtype=Int32 if qsl_dt is None else cdt(qsl_dt),
+    )
+    return cute.compile(
+        kernel, m_state, m_corr, m_kg, m_slots, m_nat, m_qsl, m_alog, m_dt_bias, m_offsets,
+        cutlass.Float32(-1.0), _launch.fake_stream(),
+        options=_launch.compile_options(arch, extra_options),
+    )
+
+
+def compile_variant(key: tuple, arch: str, extra_options: str = ""):
+    """Compile one variant outside the cache (CI compile checks, PTX dumps: ``extra_options`` e.g.
+    ``"--keep-ptx --dump-dir D"``)."""
+    return _compile(key, arch, extra_options)
+
+
+def _check_launch(checkpoint_state, A_log, dt_bias, HV_rows: int, config, null_policy, argument: str) -> int:
+    """The facts the launch itself needs (the kernel indexes the gate parameters by head); returns K."""
+    if checkpoint_state.dim() != 4:
+        fail(argument, "[P, HV, V, K]", tuple(checkpoint_state.shape))
+    K = checkpoint_state.shape[-1]
+    if K not in GENERIC_HEAD_DIMS or checkpoint_state.shape[-2] != K:
+        fail(argument, f"[P, HV, V, K] with K = V in {GENERIC_HEAD_DIMS}", tuple(checkpoint_state.shape))
+    HV = checkpoint_state.shape[1]
+    if A_log is not None:
+        H = A_log.numel()
+        if H == 0 or HV % H:
+            fail("A_log", f"[H] with H dividing the value heads HV = {HV}", tuple(A_log.shape))
+        if dt_bias is not None and dt_bias.numel() != H * K:
+            fail("dt_bias", f"[H*K] = [{H * K}] values", tuple(dt_bias.shape))
+    if HV_rows > GRID_Y_MAX:
+        fail(argument, f"at most {GRID_Y_MAX} value heads x layers per launch (grid y limit)", HV_rows)
+    if config is not None and (not isinstance(config, CommitConfig) or config.tile_v not in tile_v_choices(K)):
+        fail("config", f"a CommitConfig whose tile_v is one of {tile_v_choices(K)} for K={K}", config)
+    if not isinstance(null_policy, NullSlotPolicy):
+        fail("null_policy", "a kda_core.contracts.NullSlotPolicy", null_policy)
+    return K
+
+
+def _check_rows(state_indices, num_accepted_tokens, query_start_loc) -> None:
+    """The kernel reads num_accepted_tokens[n] and query_start_loc[n], [n + 1] for every row n of state_indices."""
+    N = state_indices.shape[0]
+    if num_accepted_tokens.dim() != 1 or num_accepted_tokens.shape[0] != N:
+        fail("num_accepted_tokens", f"[N] = [{N}] counts (one per row of state_indices)",
+             tuple(num_accepted_tokens.shape))
+    if query_start_loc is not None and (query_start_loc.dim() != 1 or query_start_loc.shape[0] != N + 1):
+        fail("query_start_loc", f"[N + 1] = [{N + 1}] offsets", tuple(query_start_loc.shape))
+
+
+def _debug_check(state_indices, num_accepted_tokens, query_start_loc, P: int, null_policy) -> None:
+    """KDA_DEBUG_VALIDATE: two committing rows naming one slot race on its checkpoint (rows that commit nothing are
+    null and may repeat)."""
+    if debug_checks_enabled():
+        live = num_accepted_tokens.to(torch.int64) > 0
+        if query_start_loc is not None:
+            q = query_start_loc.to(torch.int64)
+            live &= q[1:] > q[:-1]
+        debug_check_slots(state_indices[live], P, argument="state_indices", null_policy=null_policy)
+
+
+def _launch_rows(fn, fixed_before: tuple, state_indices, num_accepted_tokens, query_start_loc, fixed_after: tuple):
+    """One launch per ``GRID_Z_MAX`` rows (rows are independent; a row view moves index pointers only)."""
+    n = state_indices.shape[0]
+    for r0 in range(0, n, GRID_Z_MAX):
+        r1 = min(r0 + GRID_Z_MAX, n)
+        whole = r0 == 0 and r1 == n
+        fn(*fixed_before,
+           state_indices if whole else state_indices[r0:r1],
+           num_accepted_tokens if whole else num_accepted_tokens[r0:r1],
+           None if query_start_loc is None else (query_start_loc if whole else query_start_loc[r0 : r1 + 1]),
+           *fixed_after)
+
+
+def recoverssm_commit(
+    checkpoint_state: torch.Tensor,
+    correction_cache: torch.Tensor,
+    kg_cache: torch.Tensor,
+    state_indices: torch.Tensor,
+    num_accepted_tokens: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    lower_bound: float | None,
+    *,
+    query_start_loc: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = True,
+    null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+    config: CommitConfig | None = None,
+) -> torch.Tensor:
+    """Fold each row's accepted prefix of a RecoverSSM verify into its checkpoint, in place (one layer).
+
+    Same semantics as ``kda_core.oracle_spec.recoverssm_commit_ref`` (its docstring is the spec; summary in this
+    module's docstring). Not validated here (``kda_recurrent.recoverssm_commit`` validates through
+    ``kda_core.validation_spec.validate_recoverssm_commit``); the head dim, the grid limit, ``config`` and
+    ``null_policy`` are checked.
+
+    Args (N rows, P checkpoint rows, HV value heads, H q/k heads, K = V in {64, 128}, T_max recorded tokens):
+        checkpoint_state: [P, HV, V, K] bf16/fp32, inner dims compact, slot stride any number of elements >= the row
+            (one that is not a 16-byte multiple takes the unaligned variant). Updated in place.
+        correction_cache: [P, HV, T_max, V] fp32, the verify's u_t; last dim contiguous, other strides free.
+        kg_cache: [P, HV, T_max, 2K] bf16/fp16/fp32, raw k_t | raw g_t; last dim contiguous, other strides free.
+        state_indices: [N] int32/int64, any stride; read and bounded in the kernel (null under ``null_policy``).
+        num_accepted_tokens: [N] int32/int64, any stride; clamped to [0, min(len_n, T_max)] in the kernel.
+        A_log: [H] fp32 (any stride), or None: then raw g is the log-space decay itself (dt_bias, lower_bound unused).
+        dt_bias: [H*K] or [H, K] fp32 contiguous, or None (zeros).
+        lower_bound: float < 0 (Kimi K3's lower-bound gate) or None (softplus gate).
+        query_start_loc: [N + 1] int32/int64 or None; len_n = max(qsl[n+1] - qsl[n], 0), else T_max.
+        use_qk_l2norm_in_kernel: normalise raw k as the verify did (eps 1e-6).
+        null_policy: ``OUT_OF_RANGE`` (null iff s < 0 or s >= P) or ``NONPOSITIVE`` (vLLM: also s == 0).
+        config: the launch schedule (:class:`CommitConfig`); None takes :func:`select_config`'s.
+
+    Returns ``checkpoint_state``. Rows sharing an active slot race (a caller error; ``KDA_DEBUG_VALIDATE=1``
+    detects it). No host sync and no allocation: capturable in a CUDA graph.
+
+    Example::
+
+        recoverssm_commit(pool, corr, kg, slots, accepted, A_log, dt_bias, -5.0, query_start_loc=qsl,
+                          null_policy=NullSlotPolicy.NONPOSITIVE)
+    """
+    HV = checkpoint_state.shape[1]
+    gate = commit_gate_mode(A_log, lower_bound)
+    K = _check_launch(checkpoint_state, A_log, None if gate == GateMode.PRECOMPUTED else dt_bias, HV, config,
+                      null_policy, "checkpoint_state")
+    _check_rows(state_indices, num_accepted_tokens, query_start_loc)
+    _debug_check(state_indices, num_accepted_tokens, query_start_loc, checkpoint_state.shape[0], null_policy)
+    n_rows = state_indices.shape[0]
+    if n_rows == 0 or HV == 0 or correction_cache.shape[2] == 0:
+        return checkpoint_state  # nothing to commit (a grid dimension would be 0)
+    if gate == GateMode.PRECOMPUTED:
+        A_log = dt_bias = None
+    elif dt_bias is not None:
+        dt_bias = dt_bias.reshape(-1)
+    aligned = _launch.alignment_of(checkpoint_state, kg_cache, dt_bias) == _launch.VECTOR_BYTES
+    cfg = config or select_config(n_rows * HV, K)
+    key = variant_key(
+        head_dim=K, state_dtype=checkpoint_state.dtype, kg_dtype=kg_cache.dtype, gate=gate,
+        use_qk_l2norm=use_qk_l2norm_in_kernel, has_dt_bias=dt_bias is not None,
+        qsl_dtype=None if query_start_loc is None else query_start_loc.dtype, slot_dtype=state_indices.dtype,
+        nat_dtype=num_accepted_tokens.dtype, layered=False, tile_v=cfg.tile_v, aligned=aligned,
+        null_policy=null_policy,
+    )
+    fn = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(checkpoint_state.device))
+    lb = -1.0 if lower_bound is None or gate != GateMode.LOWER_BOUND else float(lower_bound)
+    _launch_rows(fn, (checkpoint_state, correction_cache, kg_cache), state_indices, num_accepted_tokens,
+                 query_start_loc, (A_log, dt_bias, None, lb))
+    return checkpoint_state
+
+
+def _element_offsets(tensors: Sequence[torch.Tensor], argument: str) -> list[int]:
+    """(t.data_ptr() - ref.data_ptr()) // itemsize for each layer's tensor against layer 0's, checked divisible
+    and checked to share layer 0's shape, dtype, strides and device."""
+    ref = tensors[0]
+    out = []
+    for i, t in enumerate(tensors):
+        if (t.dtype != ref.dtype or tuple(t.shape) != tuple(ref.shape) or t.stride() != ref.stride()
+                or t.device != ref.device):
+            fail(f"{argument}[{i}]", f"layer 0's shape {tuple(ref.shape)}, dtype {ref.dtype}, strides "
+                 f"{ref.stride()} and device {ref.device}",
+                 f"{tuple(t.shape)}, {t.dtype}, {t.stride()}, {t.device}")
+        delta = t.data_ptr() - ref.data_ptr()
+        if delta % t.element_size():
+            fail(f"{argument}[{i}]", f"a data pointer a whole number of {ref.dtype} elements from layer 0's",
+                 f"{delta} bytes away")
+        out.append(delta // t.element_size())
+    return out
+
+
+class RecoverSSMCommitPlan:
+    """Commit every layer in one launch: built once from per-layer tensors, then :meth:`commit` per step.
+
+    Args (L layers, each as in :func:`recoverssm_commit`; shapes, dtypes and strides equal across layers, base
+    pointers free, e.g. separately allocated or pages of one buffer):
+        checkpoint_states, correction_caches, kg_caches: sequences of L tensors.
+        A_logs: L tensors [H] fp32, or None (raw g is the log decay in every layer).
+        dt_biases: L tensors [H*K] / [H, K] fp32, or None (zeros).
+        lower_bound: one float < 0 for every layer, or None (softplus).
+        use_qk_l2norm_in_kernel, null_policy, config: as in :func:`recoverssm_commit`.
+
+    The plan holds the layers' tensors (the per-layer element offsets it gives the kernel stay valid while it
+    lives) and copies of A_log / dt_bias stacked to [L, H] / [L, H*K] at construction; after the per-layer values
+    change in place (weights loaded after the plan was built), :meth:`refresh_gate_parameters` copies them into the
+    same stacked buffers, so a graph captured before stays valid. Not validated beyond what the launch needs
+    (``kda_recurrent.RecoverSSMCommit`` validates through ``kda_core.validation_spec.validate_recoverssm_layers``).
+
+    Example::
+
+        plan = RecoverSSMCommitPlan(pools, corrs, kgs, A_logs, dt_biases, -5.0, null_policy=NullSlotPolicy.NONPOSITIVE)
+        plan.commit(slots, accepted, query_start_loc=qsl)  # every layer, one launch; graph-capturable
+    """
+
+    def __init__(
+        self,
+        checkpoint_states: Sequence[torch.Tensor],
+        correction_caches: Sequence[torch.Tensor],
+        kg_caches: Sequence[torch.Tensor],
+        A_logs: Sequence[torch.Tensor] | None,
+        dt_biases: Sequence[torch.Tensor] | None,
+        lower_bound: float | None,
+        *,
+        use_qk_l2norm_in_kernel: bool = True,
+        null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+        config: CommitConfig | None = None,
+    ):
+        states, corrs, kgs = list(checkpoint_states), list(correction_caches), list(kg_caches)
+        L = len(states)
+        if L == 0:
+            fail("checkpoint_states", "at least one layer", 0)
+        for name, seq in (("correction_caches", corrs), ("kg_caches", kgs)):
+            if len(seq) != L:
+                fail(name, f"{L} layers (one per checkpoint)", len(seq))
+        for name, seq in (("A_logs", A_logs), ("dt_biases", dt_biases)):
+            if seq is not None and len(seq) != L:
+                fail(name, f"{L} layers (one per checkpoint) or None", len(seq))
+        if dt_biases is not None and all(b is None for b in dt_biases):
+            dt_biases = None  # the oracle's spelling of "no dt_bias in any layer"
+        ref = states[0]
+        HV = ref.shape[1]
+        self.gate = commit_gate_mode(None if A_logs is None else A_logs[0], lower_bound)
+        gated = self.gate != GateMode.PRECOMPUTED
+        self.K = _check_launch(ref, A_logs[0] if gated else None, dt_biases[0] if gated and dt_biases else None,
+                               HV * L, config, null_policy, "checkpoint_states")
+        if gated:
+            for name, seq, size in (("A_logs", A_logs, A_logs[0].numel()),
+                                    ("dt_biases", dt_biases or [], self.K * A_logs[0].numel())):
+                for i, t in enumerate(seq):
+                    if t is None or t.numel() != size:
+                        fail(f"{name}[{i}]", f"{size} values, as layer 0", None if t is None else tuple(t.shape))
+        device = ref.device
+        offsets = list(zip(_element_offsets(states, "checkpoint_states"),
+                           _element_offsets(corrs, "correction_caches"), _element_offsets(kgs, "kg_caches")))
+        self.offsets = torch.tensor(offsets, dtype=torch.int64, device=device)  # [L, 3]
+        self.A_log = self.dt_bias = None
+        if gated:
+            self.A_log = torch.stack([a.reshape(-1).float() for a in A_logs]).to(device)  # [L, H]
+            if dt_biases is not None:
+                self.dt_bias = torch.stack([b.reshape(-1).float() for b in dt_biases]).to(device)  # [L, H*K]
+        self.states, self.corrs, self.kgs = states, corrs, kgs
+        self._A_logs = None if self.A_log is None else list(A_logs)
+        self._dt_biases = None if self.dt_bias is None else list(dt_biases)
+        self.n_layers = L
+        self.lower_bound = -1.0 if self.gate != GateMode.LOWER_BOUND else float(lower_bound)
+        self.use_qk_l2norm = bool(use_qk_l2norm_in_kernel)
+        self.null_policy = null_policy
+        self.config = config
+        self.aligned = _launch.alignment_of(*states, *kgs, self.dt_bias) == _launch.VECTOR_BYTES
+        self.arch = _launch.arch_for(device) if device.type == "cuda" else None
+
+    def refresh_gate_parameters(self) -> None:
+        """Copy the per-layer A_log / dt_bias the plan was built from into its stacked buffers, in place."""
+        if self.A_log is not None:
+            self.A_log.copy_(torch.stack([a.reshape(-1) for a in self._A_logs]))
+        if self.dt_bias is not None:
+            self.dt_bias.copy_(torch.stack([b.reshape(-1) for b in self._dt_biases]))
+
+    def commit(self, state_indices: torch.Tensor, num_accepted_tokens: torch.Tensor,
+               query_start_loc: torch.Tensor | None = None) -> None:
+        """Commit rows [N] (``state_indices``, ``num_accepted_tokens``, ``query_start_loc`` [N + 1] or None) in every
+        layer, in place, in one launch (several past ``GRID_Z_MAX`` rows). No host sync, no allocation."""
+        ref = self.states[0]
+        HV = ref.shape[1]
+        _check_rows(state_indices, num_accepted_tokens, query_start_loc)
+        _debug_check(state_indices, num_accepted_tokens, query_start_loc, ref.shape[0], self.null_policy)
+        n_rows = state_indices.shape[0]
+        if n_rows == 0 or HV == 0 or self.corrs[0].shape[2] == 0:
+            return
+        cfg = self.config or select_config(n_rows * HV * self.n_layers, self.K)
+        key = variant_key(
+            head_dim=self.K, state_dtype=ref.dtype, kg_dtype=self.kgs[0].dtype, gate=self.gate,
+            use_qk_l2norm=self.use_qk_l2norm, has_dt_bias=self.dt_bias is not None,
+            qsl_dtype=None if query_start_loc is None else query_start_loc.dtype, slot_dtype=state_indices.dtype,
+            nat_dtype=num_accepted_tokens.dtype, layered=True, tile_v=cfg.tile_v, aligned=self.aligned,
+            null_policy=self.null_policy,
+        )
+        fn = _launch.get_or_compile(key, lambda arch: _compile(key, arch), self.arch or _launch.target_arch())
+        _launch_rows(fn, (ref, self.corrs[0], self.kgs[0]), state_indices, num_accepted_tokens, query_start_loc,
+                     (self.A_log, self.dt_bias, self.offsets, self.lower_bound))

@@ -1,0 +1,343 @@
+"""The spec-decode entries of kda-recurrent: the facade's spec keywords, vLLM's RecoverSSM verify + commit context,
+SGLang's tree verify, and :func:`kda_recurrent.recoverssm_commit` / :class:`kda_recurrent.RecoverSSMCommit`.
+
+The references are independent readings of each contract built from kda-core's plain recurrence
+(``recurrent_kda_ref`` on dense states): a verify -> commit chain must reach the state the recurrence reaches over
+the accepted tokens; a tree token's output and stored state are the recurrence's over its root-to-token path.
+Inputs follow the engines' tests (docs/serving.md §3-§4): vLLM's RecoverSSM test (2 layers, 2 sequences x 8 tokens,
+slots [1, 2], accepted [2, 8], optionally through request indices [1, 3] into [0, 2, 0, 8], a conv state
+[blocks, 12, 3 + 8 - 1]) and SGLang's target-verify test (N requests x T tokens, ``cu_seqlens`` every T tokens,
+cache slots 0..N-1, EAGLE-tree parents). CPU cases run the oracle path; ``gpu`` cases the kernels.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from kda_core.errors import KDAError
+from kda_core.oracle import recurrent_kda_ref
+from kda_recurrent import RecoverSSMCommit, explain, recoverssm_commit, recurrent_kda
+from kda_recurrent.compat import sglang
+from kda_recurrent.compat.vllm import kimi_k3
+from kda_recurrent.routes import Path
+
+D = 128
+BF16 = torch.bfloat16
+LB = -5.0
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                 reason="needs a CUDA GPU")])]
+
+
+def rnd(g, *shape, dtype=BF16, scale=1.0, device="cpu"):
+    return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+
+def gate(g, H, device):
+    return dict(A_log=rnd(g, H, dtype=torch.float32, scale=0.5, device=device),
+                dt_bias=rnd(g, H * D, dtype=torch.float32, scale=0.1, device=device))
+
+
+def plain(q, k, v, graw, beta, A_log, dt_bias, state, lower_bound=LB):
+    """The recurrence over one sequence's tokens q [T, H, K] ... from a dense fp32 state [H, V, K]: (o, final)."""
+    o, final = recurrent_kda_ref(q[None], k[None], v[None], graw[None], beta[None], A_log=A_log, dt_bias=dt_bias,
+                                 initial_state=state[None].float(), output_final_state=True, use_gate_in_kernel=True,
+                                 lower_bound=lower_bound, beta_is_logit=True)
+    return o[0], final[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the facade
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T", [4, 3])
+def test_frozen_verify_writes_nothing_and_matches_the_recurrence(device, T):
+    g = torch.Generator().manual_seed(T)
+    B, H = 3, 12
+    q, k, v, graw = (rnd(g, B, T, H, D, device=device) for _ in range(4))
+    beta = rnd(g, B, T, H, device=device)
+    par = gate(g, H, device)
+    pool = rnd(g, 5, H, D, D, scale=0.1, device=device)
+    before = pool.clone()
+    slots = torch.tensor([4, -1, 1], dtype=torch.int32, device=device)
+    o, _ = recurrent_kda(q, k, v, graw, beta, **par, initial_state=pool, ssm_state_indices=slots,
+                         use_gate_in_kernel=True, lower_bound=LB, beta_is_logit=True, disable_state_update=True)
+    assert torch.equal(pool, before)
+    for n, s in enumerate(slots.tolist()):
+        if s < 0:
+            assert bool((o[n] == 0).all())
+            continue
+        o_ref, _ = plain(q[n], k[n], v[n], graw[n], beta[n], par["A_log"], par["dt_bias"], pool[s])
+        torch.testing.assert_close(o[n].float(), o_ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_source_pool_is_read_and_checkpoints_go_to_the_scratch_pool(device):
+    g = torch.Generator().manual_seed(5)
+    B, T, H = 2, 3, 4
+    q, k, v, graw = (rnd(g, B, T, H, D, device=device) for _ in range(4))
+    beta = rnd(g, B, T, H, device=device)
+    par = gate(g, H, device)
+    source = rnd(g, 3, H, D, D, dtype=torch.float32, scale=0.1, device=device)
+    source_before = source.clone()
+    scratch = torch.zeros(B * T, H, D, D, device=device)
+    idx = torch.arange(B * T, dtype=torch.int32, device=device).view(B, T)
+    src_idx = torch.tensor([2, 0], dtype=torch.int32, device=device)
+    o, _ = recurrent_kda(q, k, v, graw, beta, **par, initial_state=scratch, ssm_state_indices=idx,
+                         use_gate_in_kernel=True, lower_bound=LB, beta_is_logit=True, initial_state_source=source,
+                         initial_state_indices=src_idx)
+    assert torch.equal(source, source_before)
+    for n in range(B):
+        for t in range(T):
+            o_ref, s_ref = plain(q[n, : t + 1], k[n, : t + 1], v[n, : t + 1], graw[n, : t + 1], beta[n, : t + 1],
+                                 par["A_log"], par["dt_bias"], source[int(src_idx[n])])
+            torch.testing.assert_close(o[n, t].float(), o_ref[t].float(), rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(scratch[n * T + t], s_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_spec_keywords_are_refused_by_name_before_anything_runs():
+    g = torch.Generator().manual_seed(0)
+    q, k, v, graw = (rnd(g, 1, 4, 4, D) for _ in range(4))
+    beta = rnd(g, 1, 4, 4)
+    pool = torch.zeros(2, 4, D, D)
+    slots = torch.tensor([1], dtype=torch.int32)
+    with pytest.raises(KDAError, match="kg_cache"):  # the records come in pairs
+        recurrent_kda(q, k, v, graw, beta, initial_state=pool, ssm_state_indices=slots, disable_state_update=True,
+                      correction_cache=torch.zeros(2, 4, 4, D))
+    with pytest.raises(KDAError, match="num_accepted_tokens"):  # a frozen verify reads no accepted column
+        recurrent_kda(q, k, v, graw, beta, initial_state=pool, ssm_state_indices=slots[:, None].expand(1, 4),
+                      num_accepted_tokens=slots, disable_state_update=True)
+
+
+def test_explain_names_the_spec_route():
+    g = torch.Generator().manual_seed(0)
+    q, k, v, graw = (rnd(g, 2, 4, 12, D) for _ in range(4))
+    beta = rnd(g, 2, 4, 12)
+    pool = torch.zeros(3, 12, D, D, dtype=BF16)
+    route = explain(q, k, v, graw, beta, initial_state=pool, ssm_state_indices=torch.tensor([1, 2]),
+                    disable_state_update=True)
+    assert route.path is Path.ORACLE and "cpu" in route.reason
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM RecoverSSM
+
+
+def recoverssm_layers(g, *, layers, blocks, H, T, conv_dim, history, pool_dtype, device):
+    made = []
+    for _ in range(layers):
+        made.append(types.SimpleNamespace(
+            kv_cache=(rnd(g, blocks, conv_dim, history + T - 1, device=device),
+                      rnd(g, blocks, H, D, D, scale=0.1, device=device, dtype=pool_dtype),
+                      torch.zeros(blocks, H, T, D, device=device), torch.zeros(blocks, H, T, 2 * D, device=device,
+                                                                               dtype=BF16)),
+            local_num_heads=H, head_dim=D, gate_lower_bound=LB, **gate(g, H, device)))
+    return made
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("request_indices", [False, True])
+def test_vllm_recoverssm_verify_then_commit_context(device, request_indices):
+    g = torch.Generator().manual_seed(11)
+    H, T, N, blocks = 4, 8, 2, 4
+    layers = recoverssm_layers(g, layers=2, blocks=blocks, H=H, T=T, conv_dim=12, history=3,
+                               pool_dtype=torch.float32, device=device)
+    slots = torch.tensor([1, 2], dtype=torch.int32, device=device)
+    qsl = torch.arange(0, N * T + 1, T, dtype=torch.int32, device=device)
+    accepted = [2, 8]
+    initial = [(layer.kv_cache[0].clone(), layer.kv_cache[1].clone()) for layer in layers]
+    inputs = []
+    for layer in layers:
+        q, k, v, graw = (rnd(g, 1, N * T, H, D, device=device) for _ in range(4))
+        beta = rnd(g, 1, N * T, H, device=device)
+        out = kimi_k3.kda_recoverssm_verify(q, k, v, graw, beta, layer.A_log, layer.dt_bias, LB, layer.kv_cache[1],
+                                            layer.kv_cache[2], layer.kv_cache[3], qsl, slots, T)
+        inputs.append((q, k, v, graw, beta, out))
+    for (_, pool0), layer in zip(initial, layers):
+        assert torch.equal(layer.kv_cache[1], pool0)  # the verify is read only
+    ctx = kimi_k3.KDARecoverSSMCommitContext.create(layers, spec_query_len=T, max_num_reqs=4, conv_dim_first=True)
+    if request_indices:
+        counts = torch.tensor([0, 2, 0, 8], dtype=torch.int32, device=device)
+        ctx.commit(counts, slots, qsl, request_indices=torch.tensor([1, 3], dtype=torch.int32, device=device))
+    else:
+        ctx.commit(torch.tensor(accepted, dtype=torch.int32, device=device), slots, qsl)
+    for (conv0, pool0), layer, (q, k, v, graw, beta, out) in zip(initial, layers, inputs):
+        for n, s in enumerate(slots.tolist()):
+            rows = slice(n * T, (n + 1) * T)
+            o_ref, _ = plain(q[0, rows], k[0, rows], v[0, rows], graw[0, rows], beta[0, rows], layer.A_log,
+                             layer.dt_bias, pool0[s])
+            torch.testing.assert_close(out[0, rows].float(), o_ref.float(), rtol=3e-2, atol=3e-2)
+            a = accepted[n]
+            _, s_ref = plain(q[0, rows][:a], k[0, rows][:a], v[0, rows][:a], graw[0, rows][:a], beta[0, rows][:a],
+                             layer.A_log, layer.dt_bias, pool0[s])
+            torch.testing.assert_close(layer.kv_cache[1][s], s_ref, rtol=1e-4, atol=1e-5)
+            assert torch.equal(layer.kv_cache[0][s, :, :3], conv0[s, :, a - 1 : a + 2])  # the conv window moved
+        untouched = [b for b in range(blocks) if b not in slots.tolist()]
+        assert torch.equal(layer.kv_cache[1][untouched], pool0[untouched])
+        assert torch.equal(layer.kv_cache[0][untouched], conv0[untouched])
+
+
+def test_vllm_commit_context_refuses_the_align_mode():
+    g = torch.Generator().manual_seed(1)
+    layers = recoverssm_layers(g, layers=1, blocks=3, H=4, T=4, conv_dim=12, history=3, pool_dtype=torch.float32,
+                               device="cpu")
+    ctx = kimi_k3.KDARecoverSSMCommitContext.create(layers, spec_query_len=4, max_num_reqs=2, conv_dim_first=True)
+    one = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(KDAError, match="block_table"):
+        ctx.commit(one, one, torch.tensor([0, 4], dtype=torch.int32), block_table=one[:, None])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pool_dtype", [torch.float32, BF16])
+def test_verify_commit_chain_over_20_steps_equals_the_recurrence_over_the_accepted_stream(device, pool_dtype):
+    g = torch.Generator().manual_seed(20)
+    H, T, blocks = 12, 4, 5
+    slots = torch.tensor([3, 0, 1, 4], dtype=torch.int32, device=device)  # slot 0: vLLM's null block (a padding row)
+    N = slots.numel()
+    par = gate(g, H, device)
+    pool = rnd(g, blocks, H, D, D, scale=0.1, device=device, dtype=pool_dtype)
+    start = pool.clone()
+    corr = torch.zeros(blocks, H, T, D, device=device)
+    kg = torch.zeros(blocks, H, T, 2 * D, device=device, dtype=BF16)
+    qsl = torch.arange(0, N * T + 1, T, dtype=torch.int32, device=device)
+    ref = {n: pool[s].float().clone() for n, s in enumerate(slots.tolist()) if s > 0}
+    for _step in range(20):
+        q, k, v, graw = (rnd(g, 1, N * T, H, D, device=device) for _ in range(4))
+        beta = rnd(g, 1, N * T, H, device=device)
+        kimi_k3.kda_recoverssm_verify(q, k, v, graw, beta, par["A_log"], par["dt_bias"], LB, pool, corr, kg, qsl,
+                                      slots, T)
+        nat = torch.randint(1, T + 1, (N,), generator=g)
+        recoverssm_commit(pool, corr, kg, slots, nat.to(device=device, dtype=torch.int32), par["A_log"],
+                          par["dt_bias"], LB, query_start_loc=qsl, null_policy="nonpositive")
+        for n in ref:
+            rows = slice(n * T, n * T + int(nat[n]))
+            _, ref[n] = plain(q[0, rows], k[0, rows], v[0, rows], graw[0, rows], beta[0, rows], par["A_log"],
+                              par["dt_bias"], ref[n])
+            ref[n] = ref[n].to(pool_dtype).float()  # the checkpoint is stored once per step
+    assert torch.equal(pool[0], start[0])  # the null block, never touched
+    assert torch.equal(pool[2], start[2])  # a slot no row owns
+    for n, s in enumerate(slots.tolist()):
+        if s > 0:
+            got, want = pool[s].float(), ref[n]
+            if pool_dtype == torch.float32:
+                assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+            else:
+                torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_multi_layer_commit_equals_one_commit_per_layer(device):
+    g = torch.Generator().manual_seed(3)
+    H, T, blocks, L = 4, 4, 4, 3
+    made = [recoverssm_layers(g, layers=1, blocks=blocks, H=H, T=T, conv_dim=4, history=3, pool_dtype=torch.float32,
+                              device=device)[0] for _ in range(L)]
+    for layer in made:
+        layer.kv_cache[2].normal_(generator=None).mul_(0.1)
+        layer.kv_cache[3].copy_(rnd(g, *layer.kv_cache[3].shape, device=device))
+    slots = torch.tensor([2, -1, 1], dtype=torch.int32, device=device)
+    nat = torch.tensor([3, 4, 9], dtype=torch.int32, device=device)
+    expect = [layer.kv_cache[1].clone() for layer in made]
+    for e, layer in zip(expect, made):
+        recoverssm_commit(e, layer.kv_cache[2], layer.kv_cache[3], slots, nat, layer.A_log, layer.dt_bias, LB)
+    ctx = RecoverSSMCommit([m.kv_cache[1] for m in made], [m.kv_cache[2] for m in made],
+                           [m.kv_cache[3] for m in made], [m.A_log for m in made], [m.dt_bias for m in made], LB)
+    ctx.commit(slots, nat)
+    for e, layer in zip(expect, made):
+        torch.testing.assert_close(layer.kv_cache[1], e, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SGLang tree verify
+
+TREE = [-1, 0, 0, 1, 1, 2, 5, 3]  # token t's parent; -1 the root (EAGLE topk > 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("parents", [None, TREE], ids=["chain", "tree"])
+def test_sglang_target_verify_runs_each_token_on_its_root_to_token_path(device, parents):
+    g = torch.Generator().manual_seed(7)
+    N, T, H = 2, len(TREE), 4
+    q, k, v, graw = (rnd(g, 1, N * T, H, D, device=device) for _ in range(4))
+    a = graw.reshape(1, N * T, H * D)
+    b = rnd(g, 1, N * T, H, device=device)
+    A_log = rnd(g, H, dtype=torch.float32, scale=0.5, device=device)
+    dt_bias = rnd(g, H * D, dtype=torch.float32, scale=0.1, device=device)
+    pool = rnd(g, N + 1, H, D, D, dtype=torch.float32, scale=0.1, device=device)
+    pool_before = pool.clone()
+    cache = torch.arange(N, dtype=torch.int32, device=device)
+    inter = torch.zeros(N, T, H, D, D, device=device)
+    parent = None if parents is None else torch.tensor([parents] * N, dtype=torch.int32, device=device)
+    qsl = torch.arange(0, N * T + 1, T, dtype=torch.int32, device=device)
+    o = sglang.kda_target_verify(A_log, dt_bias, q, k, v, a, b, ssm_states=pool, cache_indices=cache + 1,
+                                 query_start_loc=qsl, intermediate_states_buffer=inter,
+                                 intermediate_state_indices=cache, cache_steps=T, retrieve_parent_token=parent,
+                                 lower_bound=None)
+    assert torch.equal(pool, pool_before)  # the committed pool is read only
+    for n in range(N):
+        for t in range(T):
+            path = [t]
+            while parents is not None and parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
+            path = list(range(t + 1)) if parents is None else path[::-1]
+            rows = [n * T + j for j in path]
+            o_ref, s_ref = plain(q[0, rows], k[0, rows], v[0, rows], graw[0, rows], b[0, rows], A_log, dt_bias,
+                                 pool[n + 1], lower_bound=None)
+            torch.testing.assert_close(o[0, n * T + t].float(), o_ref[-1].float(), rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(inter[n, t], s_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pool_dtype", [torch.float32, BF16])
+def test_vllm_verify_and_commit_context_replay_in_a_cuda_graph_bit_for_bit(pool_dtype):
+    """One spec step as vLLM runs it under FULL CUDA graphs: the verify of every layer, then the commit context; five
+    replays against five eager steps on copies of every cache."""
+    g = torch.Generator().manual_seed(9)
+    H, T, N, blocks, L = 12, 4, 3, 5, 2
+    dev = "cuda"
+    layers = recoverssm_layers(g, layers=L, blocks=blocks, H=H, T=T, conv_dim=16, history=3, pool_dtype=pool_dtype,
+                               device=dev)
+    twins = [types.SimpleNamespace(**{**vars(m), "kv_cache": tuple(c.clone() for c in m.kv_cache)}) for m in layers]
+    slots = torch.tensor([2, 0, 4], dtype=torch.int32, device=dev)  # a padding row (block 0)
+    qsl = torch.arange(0, N * T + 1, T, dtype=torch.int32, device=dev)
+    acts = [[rnd(g, 1, N * T, H, D, device=dev) for _ in range(4)] + [rnd(g, 1, N * T, H, device=dev)]
+            for _ in range(L)]
+    nat = torch.tensor([3, 1, 4], dtype=torch.int32, device=dev)
+    outs = [torch.empty(1, N * T, H, D, dtype=BF16, device=dev) for _ in range(L)]
+    twin_outs = [o.clone() for o in outs]
+
+    def step(ls, os_):
+        for layer, (q, k, v, graw, beta), out in zip(ls, acts, os_):
+            kimi_k3.kda_recoverssm_verify(q, k, v, graw, beta, layer.A_log, layer.dt_bias, LB, layer.kv_cache[1],
+                                          layer.kv_cache[2], layer.kv_cache[3], qsl, slots, T, out=out)
+        return ls
+
+    ctx = kimi_k3.KDARecoverSSMCommitContext.create(layers, spec_query_len=T, max_num_reqs=N, conv_dim_first=True)
+    twin_ctx = kimi_k3.KDARecoverSSMCommitContext.create(twins, spec_query_len=T, max_num_reqs=N,
+                                                         conv_dim_first=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles) on copies, outside the capture
+        warm = [types.SimpleNamespace(**{**vars(m), "kv_cache": tuple(c.clone() for c in m.kv_cache)})
+                for m in layers]
+        step(warm, [o.clone() for o in outs])
+        kimi_k3.KDARecoverSSMCommitContext.create(warm, spec_query_len=T, max_num_reqs=N,
+                                                  conv_dim_first=True).commit(nat, slots, qsl)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(layers, outs)
+        ctx.commit(nat, slots, qsl)
+    for _ in range(5):
+        graph.replay()
+        step(twins, twin_outs)
+        twin_ctx.commit(nat, slots, qsl)
+        torch.cuda.synchronize()
+        for a, b in zip(layers, twins):
+            for x, y in zip(a.kv_cache, b.kv_cache):
+                assert torch.equal(x, y)
+        for o, p in zip(outs, twin_outs):
+            assert torch.equal(o, p)
