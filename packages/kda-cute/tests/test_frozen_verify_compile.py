@@ -247,7 +247,7 @@ def test_varlen_rows_past_grid_z_raise_naming_cu_seqlens(monkeypatch):
     assert launches == []
 
 
-def test_debug_validate_refuses_duplicate_active_slots(monkeypatch):
+def test_debug_validate_refuses_duplicate_record_rows(monkeypatch):
     import torch
 
     from kda_core.contracts import NullSlotPolicy
@@ -256,8 +256,9 @@ def test_debug_validate_refuses_duplicate_active_slots(monkeypatch):
     launches = _recorder(monkeypatch)
     monkeypatch.setenv("KDA_DEBUG_VALIDATE", "1")
     slots = torch.tensor([0, 0], dtype=torch.int32)
-    _call(slots=slots, null_policy=NullSlotPolicy.NONPOSITIVE)  # slot 0 is null there: it may repeat
-    assert len(launches) == 1
+    _call(slots=slots, records=True, null_policy=NullSlotPolicy.NONPOSITIVE)  # slot 0 is null there: it may repeat
+    _call(slots=slots)  # no records: nothing is written, a read-only slot may repeat
+    assert len(launches) == 2
     with pytest.raises(KDAError, match="^slot_indices: expected distinct active slots"):
         _call(slots=slots, records=True)
-    assert len(launches) == 1
+    assert len(launches) == 2

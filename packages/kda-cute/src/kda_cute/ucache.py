@@ -1824,7 +1824,9 @@ def frozen_verify(
             fail("correction_cache", f"[{N}, {H}, T_max, {HEAD_DIM}]", tuple(correction_cache.shape))
         if tuple(kg_cache.shape) != (N, H, correction_cache.shape[2], 2 * HEAD_DIM):
             fail("kg_cache", f"[{N}, {H}, {correction_cache.shape[2]}, {2 * HEAD_DIM}]", tuple(kg_cache.shape))
-    if debug_checks_enabled():  # KDA_DEBUG_VALIDATE: duplicate active slots (records would race)
+    if records and debug_checks_enabled():
+        # KDA_DEBUG_VALIDATE: duplicate active slots race on their record rows (without records nothing is written,
+        # and a read-only slot may repeat, as kda_core.validation_spec.debug_check_spec_slots has it)
         flat = slot_indices.reshape(-1)
         if null_policy == NullSlotPolicy.NONPOSITIVE:
             flat = flat[flat != 0]  # slot 0 is null there: padding rows may repeat it
