@@ -70,6 +70,8 @@ def tc_reason(call, args: RecurrentArgs, spec: SpecArgs, rows_t: int | None = No
     if read_dtype not in _tc_state_dtypes():
         return f"the read tensor is {read_dtype} (the tensor-core verify reads {_tc_state_dtypes()})"
     if call.varlen:
+        if call.N_seq > 65535:
+            return f"{call.N_seq} varlen rows (the tensor-core verify's grid takes at most 65535)"
         if rows_t is None or rows_t > max(UCACHE_T):
             return f"varlen rows of {'unknown' if rows_t is None else rows_t} tokens at most (tensor-core: <= 8)"
     elif call.T not in UCACHE_T:
