@@ -134,6 +134,26 @@ def test_fused_cluster_variant_does_not_spill(state_dtype, cluster, arch, tmp_pa
         assert needle in text, needle
 
 
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.sm100_share(lambda params, indices: params["norm"])  # see conftest
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "nonorm"])
+def test_fused_ds_variant_does_not_spill(norm, arch, tmp_path, ptxas):
+    """vLLM's DS conv layout with the longest preamble (softplus gate, conv bias, fp32 state, register path), with
+    and without the norm: no spill, no stack frame."""
+    from kda_core.contracts import GateMode
+    from kda_cute import fused_decode
+
+    key = fused_decode.variant_key(state_dtype=torch.float32, gate=GateMode.SOFTPLUS, has_dt_bias=True,
+                                   has_bias=True, aligned=True, has_norm=norm, conv_layout="ds")
+    fused_decode.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    (ptx,) = sorted(tmp_path.glob("*.ptx"))
+    registers, spills = ptxas.registers_and_spills(ptx, arch)
+    assert spills == 0, (registers, spills)
+    report = ptxas.report(ptx, arch)
+    assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes stack frame", report)), report
+
+
 def test_schedule_and_key_normalisation():
     """The ring only in the aligned class (the unaligned call keeps the register path); the ring replaces rows in
     flight and the cache hint in the key; the precomputed gate and unknown dtypes are refused by name."""
