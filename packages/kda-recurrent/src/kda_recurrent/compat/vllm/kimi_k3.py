@@ -373,7 +373,10 @@ class KDARecoverSSMCommitContext:
 # ``from vllm import _custom_ops as ops`` at import and calls ``ops.fused_kda_decode(x=..., ..., norm_eps=...)``
 # with every argument by keyword; vLLM's test ``tests/models/kimi_k3/test_kda.py``
 # @ 8c4f545247ba170836eec21c7d181490de09c7fa calls it without ``out`` and reads the returned tensor.
-# docs/serving.md §1 "Native fused op" summarises it.
+# docs/serving.md §1 "Native fused op" summarises it. The Python function's own source (``vllm/_custom_ops.py``) was
+# not among the stored copies read: the parameter order here is the C++ op's, the defaults follow its optional
+# parameters and the call sites (every argument by keyword, ``out`` left out); ``integrations.vllm.enable()``
+# compares the installed function's signature and keeps vLLM's own on a mismatch.
 
 __all__ += ["fused_kda_decode"]
 
