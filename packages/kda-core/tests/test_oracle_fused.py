@@ -49,8 +49,9 @@ def _clone(t):
     return out.copy_(t)
 
 
-def _composed_t1(inp, slots, lower_bound, eps=1e-5):
-    """The T=1 layer from independent parts; returns (output, conv cache after, state after)."""
+def _composed_t1(inp, slots, lower_bound, eps=1e-5, norm=True):
+    """The T=1 layer from independent parts; returns (output, conv cache after, state after). ``norm=False``: the
+    output is the recurrence's o (no gated RMSNorm)."""
     x, conv, state = inp["x"], _clone(inp["conv_state"]), _clone(inp["state"])
     B, C = x.shape
     H = C // (3 * D)
@@ -68,6 +69,8 @@ def _composed_t1(inp, slots, lower_bound, eps=1e-5):
         dt_bias=inp["dt_bias"], initial_state=state, use_gate_in_kernel=True, lower_bound=lower_bound,
         beta_is_logit=True, ssm_state_indices=pool_slots,
     )
+    if not norm:
+        return o.view(1, B, H, D), conv, state
     o = o.float().view(B, H, D)
     y = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + eps) * inp["norm_weight"]
     y = y * torch.sigmoid(inp["output_gate"].float())
@@ -91,6 +94,32 @@ def test_t1_layer_matches_conv1d_then_the_recurrence_then_the_norm(lower_bound, 
     tol = dict(rtol=1e-5, atol=1e-5) if state_dtype is torch.float32 else dict(rtol=2**-7, atol=1e-4)
     torch.testing.assert_close(state.float(), want_state.float(), **tol)
     assert not torch.equal(state[4], inp["state"][4])
+
+
+def _ds(conv):
+    """The same conv cache values in the DS layout (each channel's columns contiguous: vLLM's dim-first cache)."""
+    slots, C, W = conv.shape
+    return torch.empty_strided((slots, C, W), (C * W + 3, W, 1), dtype=conv.dtype).copy_(conv)
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["lower_bound", "softplus"])
+def test_t1_layer_without_the_norm_and_with_the_ds_conv_layout(lower_bound):
+    """output_gate and norm_weight both None: the output is the recurrence's o (the composition without its norm);
+    a DS conv cache gives the SD cache's results and is updated in its own layout."""
+    H, B, N = 2, 3, 6
+    inp = _inputs(H, B, N, seed=3)
+    slots = torch.tensor([4, 0, 5], dtype=torch.int32)
+    want, want_conv, want_state = _composed_t1(inp, slots, lower_bound, norm=False)
+    for conv in (_clone(inp["conv_state"]), _ds(inp["conv_state"])):
+        state = _clone(inp["state"])
+        got = fused_kda_decode_ref(**{**inp, "conv_state": conv, "state": state, "output_gate": None,
+                                      "norm_weight": None}, state_indices=slots, lower_bound=lower_bound)
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+        assert not got[0, 1].any()  # slot 0: a null row
+        assert torch.equal(conv, want_conv)
+        torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
+    with pytest.raises(KDAError, match="^norm_weight: expected output_gate and norm_weight both or neither"):
+        fused_kda_decode_ref(**{**inp, "norm_weight": None}, state_indices=slots)
 
 
 @pytest.mark.parametrize("policy, slots, dead", [

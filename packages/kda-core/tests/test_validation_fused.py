@@ -63,6 +63,21 @@ def test_optional_and_alternative_forms():
     assert validate_fused_decode(**b).B == 0
 
 
+def test_conv_layouts_and_the_optional_norm():
+    """Both conv cache layouts (SD: columns channel-contiguous; DS: each channel's columns contiguous, vLLM's
+    dim-first cache, also in a page wider than the slot) and the call without the gated RMSNorm (output_gate and
+    norm_weight both None) are legal and told apart in the description, which the launcher keys its variant on."""
+    a = _args()
+    sd = validate_fused_decode(**a)
+    assert sd.conv_layout == "sd" and sd.has_norm
+    for conv in (torch.zeros(4, C, 3, dtype=BF16), torch.zeros(4 * (C * 3 + 9), dtype=BF16).as_strided(
+            (4, C, 3), (C * 3 + 9, 3, 1)), torch.zeros(4, C, 5, dtype=BF16)):
+        ds = validate_fused_decode(**{**a, "conv_state": conv})
+        assert ds.conv_layout == "ds" and ds is not sd and ds.N == 4
+    bare = validate_fused_decode(**{**a, "output_gate": None, "norm_weight": None})
+    assert not bare.has_norm and bare is not sd and bare.conv_layout == "sd"
+
+
 def test_alignment_is_a_classification():
     assert validate_fused_decode(**_args(state_pad=0)).aligned
     unaligned = validate_fused_decode(**_args(state_pad=3))  # a slot stride that is no 16-byte multiple: legal
@@ -82,7 +97,12 @@ BAD = [
     ("weight", dict(weight=torch.zeros(4, 3, H * D)), "[3, 4, H*128]"),
     ("weight", dict(weight=torch.zeros(3, H * D, 4).transpose(1, 2)), "contiguous"),
     ("bias", dict(bias=torch.zeros(C - 1)), "[3*H*128]"),
-    ("conv_state", dict(conv_state=torch.zeros(4, C, 3, dtype=BF16)), "channel-contiguous (SD) layout"),
+    ("conv_state", dict(conv_state=torch.zeros(4 * C * 6, dtype=BF16).as_strided((4, C, 3), (C * 6, 2, C * 2))),
+     "channel-contiguous (SD) layout"),
+    ("conv_state", dict(conv_state=torch.zeros(4 * C * 3, dtype=BF16).as_strided((4, C, 3), (C * 3, 2, 1))),
+     "channel stride >= 3 in the DS layout"),
+    ("conv_state", dict(conv_state=torch.zeros(4 * C * 3, dtype=BF16).as_strided((4, C, 3), (C * 2, 3, 1))),
+     "slot stride >= "),
     ("conv_state", dict(conv_state=torch.zeros(4, 3, C, dtype=BF16).transpose(1, 2)[:, :, :2]), ">= 3"),
     ("conv_state", dict(conv_state=torch.zeros(4, 3, C, dtype=F32).transpose(1, 2)), "dtype bfloat16"),
     ("conv_state", dict(conv_state=torch.zeros(4 * C * 3, dtype=BF16).as_strided((4, C, 3), (C * 2, 1, C))),
@@ -105,6 +125,8 @@ BAD = [
     ("output_gate", dict(output_gate=torch.zeros(3, H, D)), "dtype bfloat16"),
     ("norm_weight", dict(norm_weight=torch.zeros(D, dtype=BF16)), "float32"),
     ("norm_weight", dict(norm_weight=torch.zeros(2 * D)), "[128]"),
+    ("norm_weight", dict(norm_weight=None), "both or neither"),
+    ("output_gate", dict(output_gate=None), "both or neither"),
     ("norm_eps", dict(norm_eps=-1.0), ">= 0"),
     ("norm_eps", dict(norm_eps=float("nan")), ">= 0"),
     ("output", dict(output=torch.zeros(3, 1, H, D, dtype=BF16)), "[1, B, H, 128]"),

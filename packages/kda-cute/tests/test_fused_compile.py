@@ -46,6 +46,15 @@ def _variants():
     out.append({**base, "aligned": False, "cluster": 4})
     out.append({**base, "state_dtype": torch.float32, "cluster": 4, "index_dtype": torch.int64, **oor})
     out.append({**base, "has_bias": True, "has_dt_bias": False, "cluster": 8, **oor})
+    # vLLM's native op forms: no gated RMSNorm, the DS conv layout (column stride 1), both, on each state path.
+    nonorm, ds = {"has_norm": False}, {"conv_layout": "ds"}
+    out.append({**base, "state_dtype": torch.float32, **nonorm})
+    out.append({**base, "state_dtype": torch.float32, **ds})
+    out.append({**base, "state_dtype": torch.float32, "gate": GateMode.SOFTPLUS, **nonorm, **ds})
+    out.append({**base, "state_dtype": torch.float32, "bulk_ring": 8, **nonorm, **ds})
+    out.append({**base, "aligned": False, "has_bias": True, **ds})
+    out.append({**base, "cluster": 4, **nonorm})
+    out.append({**base, "state_dtype": torch.float32, "cluster": 8, **nonorm, **ds})
     return out
 
 
@@ -57,7 +66,8 @@ def _ident(v):
             f"{'-' + v['null_policy'].value if 'null_policy' in v else ''}"
             f"{'-idx64' if v.get('index_dtype') is torch.int64 else ''}"
             f"{'-convbias' if v['has_bias'] else ''}{'' if v['has_dt_bias'] else '-nodtbias'}"
-            f"{'-cluster%d' % v['cluster'] if v.get('cluster', 1) > 1 else ''}")
+            f"{'-cluster%d' % v['cluster'] if v.get('cluster', 1) > 1 else ''}"
+            f"{'' if v.get('has_norm', True) else '-nonorm'}{'-ds' if v.get('conv_layout') == 'ds' else ''}")
 
 
 VARIANTS = _variants()
@@ -124,6 +134,26 @@ def test_fused_cluster_variant_does_not_spill(state_dtype, cluster, arch, tmp_pa
         assert needle in text, needle
 
 
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.sm100_share(lambda params, indices: params["norm"])  # see conftest
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "nonorm"])
+def test_fused_ds_variant_does_not_spill(norm, arch, tmp_path, ptxas):
+    """vLLM's DS conv layout with the longest preamble (softplus gate, conv bias, fp32 state, register path), with
+    and without the norm: no spill, no stack frame."""
+    from kda_core.contracts import GateMode
+    from kda_cute import fused_decode
+
+    key = fused_decode.variant_key(state_dtype=torch.float32, gate=GateMode.SOFTPLUS, has_dt_bias=True,
+                                   has_bias=True, aligned=True, has_norm=norm, conv_layout="ds")
+    fused_decode.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    (ptx,) = sorted(tmp_path.glob("*.ptx"))
+    registers, spills = ptxas.registers_and_spills(ptx, arch)
+    assert spills == 0, (registers, spills)
+    report = ptxas.report(ptx, arch)
+    assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes stack frame", report)), report
+
+
 def test_schedule_and_key_normalisation():
     """The ring only in the aligned class (the unaligned call keeps the register path); the ring replaces rows in
     flight and the cache hint in the key; the precomputed gate and unknown dtypes are refused by name."""
@@ -142,6 +172,12 @@ def test_schedule_and_key_normalisation():
     assert ring == fd.variant_key(**base, aligned=True, bulk_ring=8)
     assert fd.variant_key(**base, aligned=False, bulk_ring=8) == fd.variant_key(**base, aligned=False)
     assert fd.variant_key(**base, aligned=True)[-3] is NullSlotPolicy.NONPOSITIVE  # FlashInfer's default
+    assert fd.variant_key(**base, aligned=True) == fd.variant_key(**base, aligned=True, has_norm=True,
+                                                                  conv_layout="sd")
+    assert len({fd.variant_key(**base, aligned=True, has_norm=n, conv_layout=c)
+                for n in (True, False) for c in ("sd", "ds")}) == 4
+    with pytest.raises(KDAError, match="^conv_state: expected a layout in"):
+        fd.variant_key(**base, aligned=True, conv_layout="dim-first")
     with pytest.raises(KDAError, match="^gate: expected"):
         fd.variant_key(**{**base, "gate": GateMode.PRECOMPUTED}, aligned=True)
     with pytest.raises(KDAError, match="^state_indices: expected"):

@@ -148,6 +148,45 @@ def test_cluster_variant_matches_reference(cluster, state_dtype, lower_bound, po
             assert not torch.any(actual[0, r]), (H, B, r)
 
 
+def _ds(conv):
+    """The conv cache's values in the DS layout (strides (slot, 3, 1) in a slot of the same size: vLLM's dim-first
+    cache)."""
+    slots, C, W = conv.shape
+    ds = torch.empty_strided((slots, C, W), (conv.stride(0), W, 1), dtype=conv.dtype, device=conv.device)
+    return ds.copy_(conv)
+
+
+FORMS = [("sd", False), ("ds", True), ("ds", False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout, norm", FORMS, ids=[f"{c}-{'norm' if n else 'nonorm'}" for c, n in FORMS])
+@pytest.mark.parametrize("path", ["regs", "ring8", "cluster4"])
+@pytest.mark.parametrize("H, B", [(12, 1), (24, 4), (96, 4)], ids=["h12-b1", "h24-b4", "h96-b4"])
+def test_vllm_native_forms_match_reference(H, B, path, layout, norm):
+    """The DS conv layout and the call without the gated RMSNorm (vLLM's native op's other forms; docs/serving.md
+    §1) on the register path, the bulk ring and a cluster: output, conv cache (bitwise, in its own layout) and state
+    against the reference; row 0 names the null slot 0 from B = 4 on."""
+    from kda_cute.fused_decode import FusedDecodeConfig
+
+    config = {"regs": FusedDecodeConfig(), "ring8": FusedDecodeConfig(bulk_ring=8),
+              "cluster4": FusedDecodeConfig(cluster=4)}[path]
+    inputs = _inputs(H, B, seed=H + B)
+    if layout == "ds":
+        inputs["conv_state"] = _ds(inputs["conv_state"])
+    if not norm:
+        inputs["output_gate"] = inputs["norm_weight"] = None
+    if B >= 4:
+        inputs["state_indices"][0] = 0
+    before_conv = _clone(inputs["conv_state"])
+    result = _run_both(inputs, config=config)
+    _assert_matches(*result)
+    assert result[2][0].stride() == before_conv.stride()
+    if B >= 4:
+        assert not result[0][0, 0].any()
+        assert torch.equal(result[2][0][0], before_conv[0])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", list(NullSlotPolicy), ids=[p.value for p in NullSlotPolicy])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

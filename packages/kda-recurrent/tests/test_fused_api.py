@@ -99,3 +99,28 @@ def test_cuda_call_is_the_kernel_and_matches_the_reference(state_dtype):
     want = fused_kda_decode_ref(**ref)
     torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=2e-2)
     assert torch.equal(a["conv_state"], ref["conv_state"])
+
+
+def test_ds_conv_layout_and_no_norm_in_eager_and_compiled_calls():
+    """The DS conv cache and the call without the gated RMSNorm (both None) through the entry and through the
+    ``kda::fused_kda_decode`` op under ``torch.compile``: the reference's results, the DS cache updated in place."""
+    inp = _inputs(B=3, slots=5, seed=4)
+    conv = inp["conv_state"]
+    inp["conv_state"] = torch.empty_strided(conv.shape, (conv.shape[1] * 3 + 6, 3, 1), dtype=conv.dtype).copy_(conv)
+    inp["output_gate"] = inp["norm_weight"] = None
+    ref, eager_in, compiled_in = _copies(inp), _copies(inp), _copies(inp)
+    want = fused_kda_decode_ref(**ref)
+    assert torch.equal(fused_kda_decode(**eager_in), want)
+    assert torch.equal(eager_in["conv_state"], ref["conv_state"]) and torch.equal(eager_in["state"], ref["state"])
+    assert eager_in["conv_state"].stride()[1:] == (3, 1)
+
+    def layer(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state):
+        return fused_kda_decode(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state,
+                                None, None, None)
+
+    args = {k: v for k, v in compiled_in.items() if k not in ("output_gate", "norm_weight")}
+    got = torch.compile(layer, fullgraph=True, backend="aot_eager")(**args)  # lower_bound None: the softplus gate
+    soft = _copies(inp)
+    assert torch.equal(got, fused_kda_decode_ref(**soft, lower_bound=None)) and not torch.equal(got, want)
+    assert torch.equal(compiled_in["conv_state"], soft["conv_state"]) and torch.equal(compiled_in["state"],
+                                                                                      soft["state"])

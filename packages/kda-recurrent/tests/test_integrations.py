@@ -228,3 +228,34 @@ def test_vllm_commit_context_with_a_changed_method_is_left_alone(engine, caplog)
         assert vllm_integration.enable() == [f"{RECOVERSSM}.kda_recoverssm_verify"]
     assert rs.KDARecoverSSMCommitContext is KDARecoverSSMCommitContext
     assert any("commit:" in r.getMessage() for r in caplog.records)
+
+
+CUSTOM_OPS = "vllm._custom_ops"
+
+
+def test_vllm_native_fused_op_is_replaced_where_the_layer_reads_it(engine):
+    """``vllm._custom_ops.fused_kda_decode`` (the native op's Python function) gets kda's adapter; the layer, which
+    bound the module as ``ops`` at import, reads the adapter at call time; other ops of the module stay vLLM's."""
+    ops = engine(CUSTOM_OPS, "vllm_custom_ops.py")
+    layer = engine("vllm.models.kimi_k3.nvidia.kda", "vllm_k3_native_layer.py")
+    original = ops.fused_kda_decode
+    assert layer.native_decode_function() is original
+    assert vllm_integration.enable() == [f"{CUSTOM_OPS}.fused_kda_decode"]
+    assert ops.fused_kda_decode is kimi_k3.fused_kda_decode
+    assert layer.native_decode_function() is kimi_k3.fused_kda_decode
+    assert ops.rms_norm(None, None, None, 1e-6) == ("vllm-custom-ops", "rms_norm")
+    assert vllm_integration.disable() == [f"{CUSTOM_OPS}.fused_kda_decode"]
+    assert layer.native_decode_function() is original
+
+
+def test_native_fused_adapter_takes_the_engines_signature():
+    spec = importlib.util.spec_from_file_location("custom_ops_signatures", STANDINS / "vllm_custom_ops.py")
+    ops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ops)
+    assert signature_mismatch(ops.fused_kda_decode, kimi_k3.fused_kda_decode) is None
+
+    def keyword_only(*, x, weight, bias, conv_state, raw_g, raw_beta, A_log, dt_bias, state_indices, state,
+                     out=None, lower_bound=None, output_gate=None, norm_weight=None, norm_eps=1e-5):
+        pass  # a wrapper that took everything by keyword: the adapter takes that call too
+
+    assert signature_mismatch(keyword_only, kimi_k3.fused_kda_decode) is None

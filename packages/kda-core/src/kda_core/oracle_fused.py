@@ -88,7 +88,7 @@ def _layer_params(x, weight, conv_state, state, A_log, dt_bias, norm_weight, bia
         fail("state", f"shape [slots, {H}, 128, 128]", tuple(state.shape))
     if conv_state.shape[0] != state.shape[0]:
         fail("state", f"as many slots as conv_state ({conv_state.shape[0]})", state.shape[0])
-    if norm_weight.numel() != HEAD_DIM:
+    if norm_weight is not None and norm_weight.numel() != HEAD_DIM:
         fail("norm_weight", "128 elements", norm_weight.numel())
     b = None
     if bias is not None:
@@ -133,17 +133,21 @@ def fused_kda_decode_ref(
     (history in columns 0..2, oldest first; any strides); raw_gate B·H·128 elements ([1, B, H, 128] or
     [B, H·128]); raw_beta B·H elements (a logit); A_log [H]; dt_bias H·128 elements or None; state_indices [B];
     state [slots, H, 128, 128] bf16 or fp32 (rounded once on store); output_gate B·H·128 elements; norm_weight [128];
-    ``lower_bound`` None selects the softplus gate; ``bias`` [3·H·128] the conv bias, optional.
+    ``lower_bound`` None selects the softplus gate; ``bias`` [3·H·128] the conv bias, optional. ``output_gate`` and
+    ``norm_weight`` both None: no gated RMSNorm, the output is o rounded to bf16 (vLLM's native op without them).
 
     Returns output [1, B, H, 128] bf16 (``output`` when given, written in place).
     """
     B = x.shape[0]
+    if (output_gate is None) != (norm_weight is None):
+        fail("output_gate" if output_gate is None else "norm_weight", "output_gate and norm_weight both or neither",
+             None)
     H, taps, b = _layer_params(x, weight, conv_state, state, A_log, dt_bias, norm_weight, bias, dtype)
     N = state.shape[0]
     out = torch.zeros(1, B, H, HEAD_DIM, dtype=dtype, device=x.device)
     gates = raw_gate.reshape(B, H, HEAD_DIM)
     betas = raw_beta.reshape(B, H)
-    ogate = output_gate.reshape(B, H, HEAD_DIM)
+    ogate = None if output_gate is None else output_gate.reshape(B, H, HEAD_DIM)
     for r, s in enumerate(state_indices.reshape(B).tolist()):
         if not _live(s, N, null_policy):
             continue
@@ -153,7 +157,8 @@ def fused_kda_decode_ref(
         q, k, v, g_log, beta = _step_head_inputs(mixed, gates[r], betas[r], A_log, dt_bias, lower_bound, H, dtype)
         S, o, _, _ = kda_step_ref(state[s].to(dtype), q, k, v, g_log, beta, HEAD_DIM**-0.5, True)
         state[s] = S.to(state.dtype)
-        out[0, r] = _gated_rmsnorm(o.to(torch.bfloat16).to(dtype), norm_weight, ogate[r], norm_eps)
+        o = o.to(torch.bfloat16).to(dtype)
+        out[0, r] = o if ogate is None else _gated_rmsnorm(o, norm_weight, ogate[r], norm_eps)
     out = out.to(torch.bfloat16)
     return out if output is None else output.copy_(out.reshape(output.shape))
 

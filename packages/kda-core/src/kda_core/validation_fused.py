@@ -10,13 +10,17 @@ What the fused kernel takes (B rows, H heads in ``T1_HEAD_COUNTS``, C = 3·H·12
 
 - ``x`` [B, C] bf16, channels contiguous, row stride >= C (a view of the projection's output rows).
 - ``weight`` [3, 4, H·128] fp32 contiguous (part-major conv taps); ``bias`` [C] fp32 contiguous or None.
-- ``conv_state`` [slots, C, W >= 3] bf16 in the channel-contiguous ("SD") layout: strides (slot, 1, column) with
-  the column stride >= C and the slot stride past the slot's last column (any value: pages shared with the state
-  pool are legal). The kernel reads and writes columns 0..2 only.
+- ``conv_state`` [slots, C, W >= 3] bf16 in one of two layouts, told apart by the strides:
+  the channel-contiguous "SD" layout (strides (slot, 1, column), column stride >= C) or the column-contiguous
+  "DS" layout (strides (slot, channel, 1), channel stride >= W: vLLM's dim-first conv cache); either way the slot
+  stride is past the slot's last element (any value: pages shared with the state pool are legal). The kernel
+  reads and writes columns 0..2 only.
 - ``raw_gate`` [1, B, H, 128] bf16, last dim contiguous (other strides free); ``raw_beta`` [1, B, H] bf16, any
-  strides; ``output_gate`` [B, H, 128] or [1, B, H, 128] bf16, last dim contiguous.
-- ``A_log`` [H] fp32; ``dt_bias`` [H·128] or [H, 128] fp32 contiguous or None (zeros); ``norm_weight`` [128] fp32
-  contiguous; ``lower_bound`` a finite negative float or None (softplus gate); ``norm_eps`` a finite float >= 0.
+  strides; ``output_gate`` [B, H, 128] or [1, B, H, 128] bf16, last dim contiguous, and ``norm_weight`` [128] fp32
+  contiguous: both, or both None (no gated RMSNorm: the output is the KDA step's o, as vLLM's native op without
+  its norm arguments).
+- ``A_log`` [H] fp32; ``dt_bias`` [H·128] or [H, 128] fp32 contiguous or None (zeros); ``lower_bound`` a finite
+  negative float or None (softplus gate); ``norm_eps`` a finite float >= 0 (read only with the norm).
 - ``state_indices`` [B] int32 or int64, any stride (values are device data, bounded in the kernel).
 - ``state`` [slots, H, 128, 128] bf16 or fp32, inner dims compact, slot stride >= H·128·128 elements (any value:
   a stride that is not a 16-byte multiple takes the unaligned variant). As many slots as ``conv_state``.
@@ -50,10 +54,14 @@ from kda_core.validation import (
     _pow2_alignment,
 )
 
-__all__ = ["FusedDecodeCall", "validate_fused_decode", "CONV_WIDTH", "CONV_HISTORY"]
+__all__ = ["FusedDecodeCall", "validate_fused_decode", "CONV_WIDTH", "CONV_HISTORY", "CONV_SD", "CONV_DS",
+           "CONV_LAYOUTS", "conv_layout"]
 
 CONV_WIDTH = 4
 CONV_HISTORY = CONV_WIDTH - 1
+CONV_SD = "sd"
+CONV_DS = "ds"
+CONV_LAYOUTS = (CONV_SD, CONV_DS)
 _PARTS = 3  # q | k | v
 _Tensor = torch.Tensor
 _BF16 = torch.bfloat16
@@ -81,6 +89,10 @@ class FusedDecodeCall:
     """The state rows, raw_gate and dt_bias are 16-byte aligned (pointers and stepped strides)."""
     alignment: int
     has_output: bool
+    has_norm: bool = True
+    """``output_gate`` and ``norm_weight`` given: the gated RMSNorm runs (else the output is o)."""
+    conv_layout: str = CONV_SD
+    """``CONV_SD`` (channel-contiguous columns) or ``CONV_DS`` (each channel's columns contiguous)."""
 
 
 _MEMO: dict = {}
@@ -132,7 +144,16 @@ def _contiguous_f32(name, t, shape, text, dev):
         fail(name, "a contiguous tensor", f"strides {t.stride()}")
 
 
-def _check_conv_state(conv_state, C: int, dev: int) -> int:
+def conv_layout(conv_state) -> str:
+    """``CONV_DS`` when the conv cache's columns are contiguous per channel (column stride 1, channel stride > 1),
+    else ``CONV_SD``; metadata only (:func:`_check_conv_state` says whether the layout is legal)."""
+    _, s_chan, s_col = conv_state.stride()
+    return CONV_DS if s_col == 1 and s_chan != 1 else CONV_SD
+
+
+def _check_conv_state(conv_state, C: int, dev: int, *, ds_ok: bool = False) -> int:
+    """The conv cache's rules (the module docstring); returns its slot count. ``ds_ok``: the DS layout is legal
+    too (the T=1 call); without it only SD is."""
     _tensor("conv_state", conv_state)
     shape = tuple(conv_state.shape)
     if len(shape) != 3 or shape[1] != C or shape[2] < CONV_HISTORY:
@@ -142,9 +163,20 @@ def _check_conv_state(conv_state, C: int, dev: int) -> int:
     _same_device("conv_state", conv_state, dev)
     slots, _, width = shape
     s_slot, s_chan, s_col = conv_state.stride()
+    if ds_ok and conv_layout(conv_state) == CONV_DS:
+        if s_chan < width:
+            fail("conv_state", f"a channel stride >= {width} in the DS layout (channels must not overlap)",
+                 f"strides {conv_state.stride()}")
+        span = (C - 1) * s_chan + width  # elements of one slot
+        if slots > 1 and s_slot < span:
+            fail("conv_state", f"a slot stride >= {span} elements (slots must not overlap)",
+                 f"strides {conv_state.stride()}")
+        return slots
     if s_chan != 1:
-        fail("conv_state", "the channel-contiguous (SD) layout: strides (slot_stride, 1, column_stride)",
-             f"strides {conv_state.stride()}")
+        layouts = ("the channel-contiguous (SD) layout, strides (slot_stride, 1, column_stride), or the DS layout, "
+                   "strides (slot_stride, channel_stride, 1)") if ds_ok else \
+            "the channel-contiguous (SD) layout: strides (slot_stride, 1, column_stride)"
+        fail("conv_state", layouts, f"strides {conv_state.stride()}")
     if width > 1 and s_col < C:
         fail("conv_state", f"a column stride >= {C} (columns must not overlap)", f"strides {conv_state.stride()}")
     span = (width - 1) * s_col + C  # elements of one slot
@@ -216,7 +248,7 @@ def validate_fused_decode(
     _contiguous_f32("weight", weight, (_PARTS, CONV_WIDTH, HK), "[3, 4, H*128]", dev)
     if bias is not None:
         _contiguous_f32("bias", bias, (C,), "[3*H*128]", dev)
-    n_conv = _check_conv_state(conv_state, C, dev)
+    n_conv = _check_conv_state(conv_state, C, dev, ds_ok=True)
 
     _activation("raw_gate", raw_gate, (1, B, H, HEAD_DIM), "[1, B, H, 128]", dev)
     _last_contiguous("raw_gate", raw_gate)
@@ -237,11 +269,17 @@ def validate_fused_decode(
     if N != n_conv:
         fail("state", f"as many slots as conv_state ({n_conv}; one slot owns both caches)", N)
 
-    _tensor("output_gate", output_gate)
-    og_shape = (B, H, HEAD_DIM) if output_gate.dim() == 3 else (1, B, H, HEAD_DIM)
-    _activation("output_gate", output_gate, og_shape, "[B, H, 128] or [1, B, H, 128]", dev)
-    _last_contiguous("output_gate", output_gate)
-    _contiguous_f32("norm_weight", norm_weight, (HEAD_DIM,), "[128]", dev)
+    has_norm = output_gate is not None or norm_weight is not None
+    if has_norm:
+        if output_gate is None:
+            fail("output_gate", "a bf16 tensor [B, H, 128] when norm_weight is given (both or neither)", None)
+        if norm_weight is None:
+            fail("norm_weight", "an fp32 tensor [128] when output_gate is given (both or neither)", None)
+        _tensor("output_gate", output_gate)
+        og_shape = (B, H, HEAD_DIM) if output_gate.dim() == 3 else (1, B, H, HEAD_DIM)
+        _activation("output_gate", output_gate, og_shape, "[B, H, 128] or [1, B, H, 128]", dev)
+        _last_contiguous("output_gate", output_gate)
+        _contiguous_f32("norm_weight", norm_weight, (HEAD_DIM,), "[128]", dev)
     if not _is_number(norm_eps) or not (norm_eps >= 0 and math.isfinite(norm_eps)):
         fail("norm_eps", "a finite float >= 0", norm_eps)
 
@@ -258,8 +296,9 @@ def validate_fused_decode(
 
     acc = _bits(state) | _bits(raw_gate) | (dt_bias.data_ptr() if dt_bias is not None else 0)
     has_output = output is not None
+    layout = conv_layout(conv_state)
     key = (B, H, N, state.dtype, state_indices.dtype, lower_bound, float(norm_eps), dt_bias is not None,
-           bias is not None, acc & 15, has_output)
+           bias is not None, acc & 15, has_output, has_norm, layout)
     call = _MEMO.get(key)
     if call is None:
         alignment = _pow2_alignment(acc)
@@ -269,5 +308,6 @@ def validate_fused_decode(
             B=B, H=H, N=N, state_dtype=state.dtype, index_dtype=state_indices.dtype,
             gate_mode=gate_mode(True, lower_bound), lower_bound=None if lower_bound is None else float(lower_bound),
             norm_eps=float(norm_eps), has_dt_bias=dt_bias is not None, has_bias=bias is not None,
-            aligned=alignment >= VECTOR_BYTES, alignment=alignment, has_output=has_output)
+            aligned=alignment >= VECTOR_BYTES, alignment=alignment, has_output=has_output, has_norm=has_norm,
+            conv_layout=layout)
     return call

@@ -7,7 +7,8 @@ arguments. Per row b (slot s = state_indices[b]) and head h:
    SiLU, rounded to bf16; ``conv_state[s]`` <- the window's last 3 columns;
 2. the KDA step of docs/design.md §3 (L2 norms, the lower-bound or softplus gate from raw_gate + dt_bias,
    beta = sigmoid(raw_beta)) on the state ``state[s, h]``, o rounded to bf16;
-3. ``y = o * rsqrt(mean(o^2) + norm_eps) * norm_weight * sigmoid(output_gate)``, output [1, B, H, 128] bf16.
+3. ``y = o * rsqrt(mean(o^2) + norm_eps) * norm_weight * sigmoid(output_gate)``, output [1, B, H, 128] bf16; without
+   ``output_gate`` / ``norm_weight`` (the no-norm variant, vLLM's native op called without them) ``y = o``.
 
 Work split: one CTA of 128 threads per (row, head), grid (B, H, 1) (B on grid x: any batch, no split). The CTA owns
 every conv channel of its head, so the conv cache of a slot is read and rewritten by the H CTAs of its row, each on
@@ -33,8 +34,9 @@ packages/kda-cute/docs/fused_decode.md).
 Null rows (``NullSlotPolicy``, default NONPOSITIVE as FlashInfer's op; a slot >= N is null under both): zero
 output, neither the conv cache nor the state read or written. Slot offsets are 64-bit (``Int64(slot) * stride``),
 int64 indices are compared in 64 bits. Variants (compile-time): pool dtype x gate x dt_bias / conv bias present x
-alignment class x rows in flight x cache hint x bulk ring x null policy x index dtype x cluster size; B, H, the pool's
-slots and both caches' strides are runtime values, and so are ``lower_bound`` and ``norm_eps``.
+norm present x conv layout (SD: channel stride 1; DS: column stride 1, each thread reading its channel's 3 contiguous
+columns) x alignment class x rows in flight x cache hint x bulk ring x null policy x index dtype x cluster size; B, H,
+the pool's slots and both caches' remaining strides are runtime values, and so are ``lower_bound`` and ``norm_eps``.
 """
 
 import dataclasses
@@ -49,7 +51,7 @@ from cutlass._mlir.dialects import llvm
 from kda_core.contracts import HEAD_DIM, GateMode, NullSlotPolicy
 from kda_core.errors import fail
 from kda_core.validation import WRAPPER_REJECTED, debug_check_slots, debug_checks_enabled
-from kda_core.validation_fused import CONV_HISTORY, CONV_WIDTH, validate_fused_decode
+from kda_core.validation_fused import CONV_HISTORY, CONV_LAYOUTS, CONV_SD, CONV_WIDTH, validate_fused_decode
 
 from . import _launch
 from .decode_t1 import (
@@ -151,11 +153,13 @@ class KDAFusedDecode(KDADecodeT1):
     def __init__(self, *, state_dtype, gate: GateMode, has_dt_bias: bool, has_bias: bool, aligned: bool,
                  rows_in_flight: int = 0, cache_hint: str = "stream", bulk_ring: int = 0,
                  null_policy: NullSlotPolicy = NullSlotPolicy.NONPOSITIVE, index_dtype=cutlass.Int32,
-                 cluster: int = 1):
+                 cluster: int = 1, has_norm: bool = True, conv_layout: str = CONV_SD):
         if gate == GateMode.PRECOMPUTED:
             raise ValueError("fused_decode: the layer's gate is computed in the kernel (lower bound or softplus)")
         if cluster not in CLUSTER_SIZES:
             raise ValueError(f"fused_decode: cluster must be one of {CLUSTER_SIZES}, got {cluster}")
+        if conv_layout not in CONV_LAYOUTS:
+            raise ValueError(f"fused_decode: conv_layout must be one of {CONV_LAYOUTS}, got {conv_layout!r}")
         if cluster > 1:
             bulk_ring = 0  # the cluster variant streams its rows through registers
         super().__init__(state_dtype=state_dtype, gate=gate, beta_is_logit=True, use_qk_l2norm=True,
@@ -164,6 +168,8 @@ class KDAFusedDecode(KDADecodeT1):
                          null_policy=null_policy, index_dtype=index_dtype)
         self.has_bias = bool(has_bias)
         self.cluster = cluster
+        self.has_norm = bool(has_norm)
+        self.conv_layout = conv_layout  # the conv cache's strides are in the compiled tensor's layout; kept for repr
 
     @cute.jit
     def __call__(
@@ -171,15 +177,15 @@ class KDAFusedDecode(KDADecodeT1):
         mX: cute.Tensor,  # [B, C] bf16, C = 3*H*128
         mW: cute.Tensor,  # [3, 4, H*128] fp32
         mBias,  # [C] fp32, or None
-        mConv: cute.Tensor,  # [slots, C, W >= 3] bf16, channel-contiguous
+        mConv: cute.Tensor,  # [slots, C, W >= 3] bf16, SD (channel stride 1) or DS (column stride 1)
         mGate: cute.Tensor,  # [1, B, H, 128] bf16
         mBeta: cute.Tensor,  # [1, B, H] bf16
         mALog: cute.Tensor,  # [H] fp32
         mDtBias,  # [H*128] fp32, or None
         mState: cute.Tensor,  # [slots, H, 128, 128]
         mSlot: cute.Tensor,  # [B] int32 / int64
-        mOGate: cute.Tensor,  # [B, H, 128] bf16
-        mNormW: cute.Tensor,  # [128] fp32
+        mOGate,  # [B, H, 128] bf16, or None (no norm)
+        mNormW,  # [128] fp32, or None (no norm)
         mOut: cute.Tensor,  # [1, B, H, 128] bf16
         scale: Float32,
         lower_bound: Float32,
@@ -281,8 +287,7 @@ class KDAFusedDecode(KDADecodeT1):
     @cute.kernel
     def layer_kernel(self, mX: cute.Tensor, mW: cute.Tensor, mBias, mConv: cute.Tensor, mGate: cute.Tensor,
                      mBeta: cute.Tensor, mALog: cute.Tensor, mDtBias, mState: cute.Tensor, mSlot: cute.Tensor,
-                     mOGate: cute.Tensor, mNormW: cute.Tensor, mOut: cute.Tensor, scale: Float32, lower_bound: Float32,
-                     norm_eps: Float32):
+                     mOGate, mNormW, mOut: cute.Tensor, scale: Float32, lower_bound: Float32, norm_eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         bx, h, _ = cute.arch.block_idx()
         split = self.cluster > 1
@@ -318,8 +323,10 @@ class KDAFusedDecode(KDADecodeT1):
         cbias = None
         if const_expr(self.has_bias):
             cbias = [mBias[p * heads + chans[p]] for p in range(PARTS)]
-        og = mOGate[b, h, row0 + own]
-        nw = mNormW[row0 + own]
+        og = nw = None
+        if const_expr(self.has_norm):
+            og = mOGate[b, h, row0 + own]
+            nw = mNormW[row0 + own]
         g_raw = self.load_lane_vector(mGate[0, b, h, None], lane, mGate.element_type)
         beta_raw = mBeta[0, b, h]
         a_log = mALog[h]
@@ -338,36 +345,45 @@ class KDAFusedDecode(KDADecodeT1):
                               b, ctx)
             cute.arch.sync_threads()  # the CTA's o rows are in shared memory
             o = sO[row0 + own].to(Float32)
-            ss = o * o
-            if const_expr(split and self.tile_v < 32):
-                ss = cutlass.select_(tidx < self.tile_v, ss, Float32(0.0))
-            for shift in cutlass.range_constexpr(5):  # xor 16, 8, 4, 2, 1: the warp's sum
-                ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=16 >> shift)
-            if tidx % 32 == 0:
-                sSum[tidx // 32] = ss
-            cute.arch.sync_threads()
-            n_warps = WARPS if const_expr(not split) else max(self.tile_v // 32, 1)  # the warps holding CTA rows
-            total = sSum[0]
-            for w in cutlass.range_constexpr(n_warps - 1):
-                total = total + sSum[w + 1]
+            total = None
+            if const_expr(self.has_norm):
+                ss = o * o
+                if const_expr(split and self.tile_v < 32):
+                    ss = cutlass.select_(tidx < self.tile_v, ss, Float32(0.0))
+                for shift in cutlass.range_constexpr(5):  # xor 16, 8, 4, 2, 1: the warp's sum
+                    ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=16 >> shift)
+                if tidx % 32 == 0:
+                    sSum[tidx // 32] = ss
+                cute.arch.sync_threads()
+                n_warps = WARPS if const_expr(not split) else max(self.tile_v // 32, 1)  # the warps holding CTA rows
+                total = sSum[0]
+                for w in cutlass.range_constexpr(n_warps - 1):
+                    total = total + sSum[w + 1]
             if const_expr(split):
+                # Without the norm the cluster barriers stay: they order every CTA's history reads before rank 0's
+                # q / k history writes.
                 cute.arch.cluster_wait()  # every CTA of the cluster has started: its shared memory is there
-                if tidx < self.cluster:  # this CTA's partial into slot `rank` of CTA tidx's array
-                    self.store_remote(sPart, rank, tidx, total)
+                if const_expr(self.has_norm):
+                    if tidx < self.cluster:  # this CTA's partial into slot `rank` of CTA tidx's array
+                        self.store_remote(sPart, rank, tidx, total)
                 cute.arch.cluster_arrive()  # release: the partials; and every CTA is past its history reads
                 cute.arch.cluster_wait()
-                total = sPart[0]
-                for r in cutlass.range_constexpr(self.cluster - 1):
-                    total = total + sPart[r + 1]
+                if const_expr(self.has_norm):
+                    total = sPart[0]
+                    for r in cutlass.range_constexpr(self.cluster - 1):
+                        total = total + sPart[r + 1]
                 if rank == 0:  # the q / k channels' new history, now that no CTA of the cluster reads it
                     gConv = mConv[Int64(slot), None, None]
                     for c, h1, h2, xv in deferred:
                         gConv[c, 0] = h1
                         gConv[c, 1] = h2
                         gConv[c, 2] = xv
-            inv_rms = cute.math.rsqrt(total * (1.0 / HEAD_DIM) + norm_eps)
-            gate = 1.0 / (1.0 + cute.math.exp(-og.to(Float32)))
-            y = (o * inv_rms * nw * gate).to(mOut.element_type)
+            if const_expr(self.has_norm):
+                inv_rms = cute.math.rsqrt(total * (1.0 / HEAD_DIM) + norm_eps)
+                gate = 1.0 / (1.0 + cute.math.exp(-og.to(Float32)))
+                y = (o * inv_rms * nw * gate).to(mOut.element_type)
+            else:
+                y = o.to(mOut.element_type)  # no norm: o itself (already a bf16 value)
             if const_expr(split):
                 if tidx < self.tile_v:
                     mOut[0, b, h, row0 + own] = y
@@ -396,11 +412,16 @@ class KDAFusedDecode(KDADecodeT1):
 
 
 def variant_key(*, state_dtype, gate, has_dt_bias, has_bias, aligned, rows_in_flight=0, cache_hint="stream",
-                bulk_ring=0, null_policy=NullSlotPolicy.NONPOSITIVE, index_dtype=torch.int32, cluster=1):
-    """Every code-generation parameter of one fused variant, in the order ``_compile`` reads them (the signature's).
-    ``rows_in_flight`` / ``bulk_ring`` are normalised as :func:`effective_config` does (a cluster drops the ring);
-    ``gate`` is ``GateMode.LOWER_BOUND`` or ``GateMode.SOFTPLUS``; ``cluster`` one of ``CLUSTER_SIZES``."""
+                bulk_ring=0, null_policy=NullSlotPolicy.NONPOSITIVE, index_dtype=torch.int32, cluster=1,
+                has_norm=True, conv_layout=CONV_SD):
+    """Every code-generation parameter of one fused variant, in the order ``_compile`` reads them (``has_norm`` and
+    ``conv_layout`` right after ``has_bias``, the rest in the signature's order). ``rows_in_flight`` / ``bulk_ring``
+    are normalised as :func:`effective_config` does (a cluster drops the ring); ``gate`` is ``GateMode.LOWER_BOUND``
+    or ``GateMode.SOFTPLUS``; ``cluster`` one of ``CLUSTER_SIZES``; ``has_norm`` False skips the gated RMSNorm (the
+    output is o); ``conv_layout`` ``"sd"`` (channel stride 1) or ``"ds"`` (column stride 1)."""
     null_policy = NullSlotPolicy(null_policy)
+    if conv_layout not in CONV_LAYOUTS:
+        fail("conv_state", f"a layout in {CONV_LAYOUTS}", repr(conv_layout))
     if gate not in (GateMode.LOWER_BOUND, GateMode.SOFTPLUS):
         fail("gate", "GateMode.LOWER_BOUND or GateMode.SOFTPLUS (the layer's gate is in the kernel)", gate)
     if index_dtype not in (torch.int32, torch.int64):
@@ -409,16 +430,16 @@ def variant_key(*, state_dtype, gate, has_dt_bias, has_bias, aligned, rows_in_fl
         fail("state", "dtype bfloat16 or float32", state_dtype)
     cfg = effective_config(FusedDecodeConfig(rows_in_flight, cache_hint, bulk_ring, cluster), state_dtype,
                            bool(aligned))
-    return (state_dtype, gate, bool(has_dt_bias), bool(has_bias), bool(aligned), cfg.rows_in_flight, cfg.cache_hint,
-            cfg.bulk_ring, null_policy, index_dtype, cfg.cluster)
+    return (state_dtype, gate, bool(has_dt_bias), bool(has_bias), bool(has_norm), conv_layout, bool(aligned),
+            cfg.rows_in_flight, cfg.cache_hint, cfg.bulk_ring, null_policy, index_dtype, cfg.cluster)
 
 
 _EXTRA_OPTIONS = ""  # tests set "--keep-ptx --dump-dir D" through compile_variant()
 
 
 def _compile(key, arch):
-    (state_dt, gate, has_dt_bias, has_bias, aligned, rows_in_flight, cache_hint, bulk_ring, null_policy,
-     index_dtype, cluster) = key
+    (state_dt, gate, has_dt_bias, has_bias, has_norm, conv_layout, aligned, rows_in_flight, cache_hint, bulk_ring,
+     null_policy, index_dtype, cluster) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     B, N, H, C, HK = (_launch.sym_size() for _ in range(5))
@@ -428,15 +449,17 @@ def _compile(key, arch):
         fake(bf16, (B, C), (None, 1), align_bytes=1),  # x: one element per thread
         fake(cutlass.Float32, (PARTS, CONV_WIDTH, HK), (None, None, 1), align_bytes=1),  # weight
         fake(cutlass.Float32, (C,), (1,), align_bytes=1) if has_bias else None,  # conv bias
-        fake(bf16, (N, C, _launch.sym_size()), (None, 1, None), align_bytes=1),  # conv_state (SD layout)
+        # conv_state: SD (channel stride 1, column stride free) or DS (column stride 1, channel stride free)
+        fake(bf16, (N, C, _launch.sym_size()), (None, 1, None) if conv_layout == CONV_SD else (None, None, 1),
+             align_bytes=1),
         fake(bf16, (1, B, H, HEAD_DIM), (None, None, None, 1), align_bytes=align),  # raw_gate: lane vectors
         fake(bf16, (1, B, H), (None, None, None), align_bytes=1),  # raw_beta
         fake(cutlass.Float32, (H,), (None,), align_bytes=1),  # A_log
         fake(cutlass.Float32, (_launch.sym_size(),), (1,), align_bytes=align) if has_dt_bias else None,
         fake(cdt(state_dt), (N, H, HEAD_DIM, HEAD_DIM), (None, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), align_bytes=align),
         fake(cdt(index_dtype), (B,), (None,), align_bytes=1),  # state_indices, any stride
-        fake(bf16, (B, H, HEAD_DIM), (None, None, 1), align_bytes=1),  # output_gate
-        fake(cutlass.Float32, (HEAD_DIM,), (1,), align_bytes=1),  # norm_weight
+        fake(bf16, (B, H, HEAD_DIM), (None, None, 1), align_bytes=1) if has_norm else None,  # output_gate
+        fake(cutlass.Float32, (HEAD_DIM,), (1,), align_bytes=1) if has_norm else None,  # norm_weight
         fake(bf16, (1, B, H, HEAD_DIM), (None, None, None, 1), align_bytes=1),  # output
         cutlass.Float32(1.0),
         cutlass.Float32(-1.0),
@@ -446,7 +469,7 @@ def _compile(key, arch):
     kernel = KDAFusedDecode(state_dtype=cdt(state_dt), gate=gate, has_dt_bias=has_dt_bias, has_bias=has_bias,
                             aligned=aligned, rows_in_flight=rows_in_flight, cache_hint=cache_hint,
                             bulk_ring=bulk_ring, null_policy=null_policy, index_dtype=cdt(index_dtype),
-                            cluster=cluster)
+                            cluster=cluster, has_norm=has_norm, conv_layout=conv_layout)
     return cute.compile(kernel, *args, options=_launch.compile_options(arch, _EXTRA_OPTIONS))
 
 
@@ -485,7 +508,8 @@ def _function(call, null_policy, config, device):
         vkey = variant_key(state_dtype=call.state_dtype, gate=call.gate_mode, has_dt_bias=call.has_dt_bias,
                            has_bias=call.has_bias, aligned=call.aligned, rows_in_flight=cfg.rows_in_flight,
                            cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring, null_policy=null_policy,
-                           index_dtype=call.index_dtype, cluster=cfg.cluster)
+                           index_dtype=call.index_dtype, cluster=cfg.cluster, has_norm=call.has_norm,
+                           conv_layout=call.conv_layout)
         compiled = _launch.get_or_compile(("fused_decode", *vkey), lambda arch: _compile(vkey, arch),
                                           _launch.arch_for(device))
         raw = getattr(compiled, "__tvm_ffi_object__", None)
@@ -520,12 +544,14 @@ def fused_kda_decode(
     ``state`` in place and returns ``output`` [1, B, H, 128] bf16.
 
     Args (B rows, H heads in ``T1_HEAD_COUNTS``, C = 3*H*128): x [B, C] bf16 (row stride free); weight [3, 4, H*128]
-    fp32; conv_state [slots, C, >= 3] bf16, strides (slot, 1, column) (the SD layout; columns 0..2 are the history,
-    oldest first); raw_gate [1, B, H, 128] bf16; raw_beta [1, B, H] bf16 (logits); A_log [H] fp32; dt_bias
-    [H*128] fp32 or None; state_indices [B] int32 / int64; state [slots, H, 128, 128] bf16 or fp32 (any slot
-    stride); output_gate [B, H, 128] or [1, B, H, 128] bf16; norm_weight [128] fp32; ``lower_bound`` < 0, or None
-    for the softplus gate; ``norm_eps`` >= 0; ``output`` [1, B, H, 128] bf16 (allocated when None); ``bias`` [C] fp32,
-    the conv bias, optional. The full rules: :mod:`kda_core.validation_fused`.
+    fp32; conv_state [slots, C, >= 3] bf16, strides (slot, 1, column) (the SD layout) or (slot, channel, 1) (the DS
+    layout, vLLM's dim-first cache; a compile-time variant); columns 0..2 are the history, oldest first; raw_gate
+    [1, B, H, 128] bf16; raw_beta [1, B, H] bf16 (logits); A_log [H] fp32; dt_bias [H*128] fp32 or None;
+    state_indices [B] int32 / int64; state [slots, H, 128, 128] bf16 or fp32 (any slot stride); output_gate
+    [B, H, 128] or [1, B, H, 128] bf16 and norm_weight [128] fp32, or both None (no gated RMSNorm, a compile-time
+    variant: the output is o); ``lower_bound`` < 0, or None for the softplus gate; ``norm_eps`` >= 0; ``output``
+    [1, B, H, 128] bf16 (allocated when None); ``bias`` [C] fp32, the conv bias, optional. The full rules:
+    :mod:`kda_core.validation_fused`.
 
     ``null_policy``: which slots are null (docs/design.md §4), NONPOSITIVE by default (FlashInfer's op, vLLM: slot 0
     is reserved); a null row gets zero output and neither cache is read or written. ``config``: a
@@ -546,7 +572,7 @@ def fused_kda_decode(
     if call.B == 0:
         return output
     fn = _function(call, null_policy, config, x.device)
-    if output_gate.dim() == 4:
+    if output_gate is not None and output_gate.dim() == 4:
         output_gate = output_gate[0]
     lb = -1.0 if call.lower_bound is None else call.lower_bound
     if dt_bias is not None and dt_bias.dim() != 1:

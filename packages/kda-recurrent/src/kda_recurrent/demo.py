@@ -11,6 +11,14 @@ oracle run on a mirror of the pool, and checks the bounds policy. On a GPU the f
 machine without one it runs the oracle (and says so), so the error is zero there by construction.
 
     python -m kda_recurrent.demo --heads 12 --batch 8 --steps 32 --state-dtype bf16 [--spec-t 4]
+
+``--fused`` runs a whole K3-shaped KDA layer instead (:func:`run_fused_demo`): the conv update, the recurrence and the
+gated RMSNorm in one call of ``kda_recurrent.fused_kda_decode`` per step, on conv and state caches that share one
+page per slot as vLLM keeps them, against kda-core's ``fused_kda_decode_ref`` on mirror caches. It prints the largest
+difference and, on CUDA, each step's time as a CUDA-graph replay (the layer captured once, its inputs refreshed in
+place between replays); on a machine without a GPU the call runs the oracle itself, so the error is zero there:
+
+    python -m kda_recurrent.demo --fused --heads 12 --batch 8 --steps 8 [--state-dtype fp32]
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ import torch
 
 from kda_core.contracts import HEAD_DIM
 from kda_core.oracle import recurrent_kda_ref
+from kda_core.oracle_fused import fused_kda_decode_ref
 from kda_recurrent.facade import explain, recurrent_kda
+from kda_recurrent.fused import fused_kda_decode
 
 K3_LOWER_BOUND = -5.0
 """Kimi K3's gate: g_log = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) (docs/design.md §3, lower-bound form)."""
@@ -208,6 +218,191 @@ def check_bounds_policy(run: DemoRun) -> list[str]:
     return problems
 
 
+@dataclass
+class FusedDemoRun:
+    """One fused-layer run: what a test needs to check it."""
+
+    slots: torch.Tensor  # [batch] int32; 0 (vLLM's null block) or N on padding rows
+    initial_pages: torch.Tensor  # [N, page bytes] uint8: both caches of every slot before the first step
+    pages: torch.Tensor  # [N, page bytes] after the last step
+    layer: dict = field(default_factory=dict)  # weight, A_log, dt_bias, norm_weight, lower_bound
+    inputs: list[dict] = field(default_factory=list)  # per step: x, raw_gate, raw_beta, output_gate
+    outputs: list[torch.Tensor] = field(default_factory=list)  # per step: [1, batch, H, 128] bf16
+    step_us: list[float] = field(default_factory=list)
+    max_err: float = 0.0  # largest |layer - oracle| over every output, the conv cache and the state
+    graph: bool = False  # the steps were CUDA-graph replays
+    state_dtype: torch.dtype = torch.float32
+
+
+def fused_page_views(pages: torch.Tensor, H: int, state_dtype: torch.dtype):
+    """(conv [slots, C, 3] bf16, state [slots, H, 128, 128]) views of ``pages`` [slots, page] uint8: each slot's conv
+    cache (SD: columns channel-contiguous) and then its state, vLLM's hybrid cache layout."""
+    slots, page = pages.shape
+    C = 3 * H * HEAD_DIM
+    elem = torch.empty((), dtype=state_dtype).element_size()
+    conv_bytes = C * 3 * 2
+    flat = pages.view(-1)
+    conv = torch.as_strided(flat.view(torch.bfloat16), (slots, C, 3), (page // 2, 1, C))
+    state = torch.as_strided(flat.view(state_dtype), (slots, H, HEAD_DIM, HEAD_DIM),
+                             (page // elem, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), conv_bytes // elem)
+    return conv, state
+
+
+def fused_pages(slots: int, C: int, H: int, state_dtype: torch.dtype, device: str):
+    """Zeroed pages for ``slots`` slots of both caches; returns (pages [slots, page] uint8, conv view, state view)."""
+    elem = torch.empty((), dtype=state_dtype).element_size()
+    pages = torch.zeros(slots, C * 3 * 2 + H * HEAD_DIM * HEAD_DIM * elem, dtype=torch.uint8, device=device)
+    return (pages, *fused_page_views(pages, H, state_dtype))
+
+
+def run_fused_demo(
+    heads: int = 12,
+    batch: int = 8,
+    steps: int = 8,
+    state_dtype: str = "fp32",
+    pool_size: int | None = None,
+    padding: int | None = None,
+    seed: int = 0,
+    log=print,
+    device: str | None = None,
+    graph: bool | None = None,
+) -> FusedDemoRun:
+    """Run ``steps`` fused T=1 layer steps through :func:`kda_recurrent.fused_kda_decode` (and kda-core's reference
+    on mirror caches); ``graph`` (default: on CUDA) captures the call once and replays it per step."""
+    H, D = heads, HEAD_DIM
+    C = 3 * H * D
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    graph = device.startswith("cuda") if graph is None else graph
+    pool_size = 2 * batch + 1 if pool_size is None else pool_size
+    padding = max(1, batch // 4) if padding is None else padding
+    if not 0 <= padding < batch:
+        raise ValueError(f"padding: expected 0 <= padding < batch ({batch}), got {padding}")
+    if pool_size < batch - padding + 1:
+        raise ValueError(f"pool_size: expected at least {batch - padding + 1} slots (active rows + the null slot 0), "
+                         f"got {pool_size}")
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0, dtype=torch.bfloat16):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
+
+    # Slots: distinct live slots in [1, N) (slot 0 is vLLM's null block); padding rows alternate 0 and N.
+    live = (torch.randperm(pool_size - 1, generator=gen)[: batch - padding] + 1).to(torch.int32)
+    pads = torch.tensor([0 if i % 2 == 0 else pool_size for i in range(padding)], dtype=torch.int32)
+    slots = torch.cat([live, pads])[torch.randperm(batch, generator=gen)].to(device)
+    dtype = STATE_DTYPES[state_dtype]
+    pages, conv, state = fused_pages(pool_size, C, H, dtype, device)
+    conv.copy_(randn(pool_size, C, 3, scale=0.5))
+    state.copy_(randn(pool_size, H, D, D, scale=0.05, dtype=dtype))
+    ref_pages, ref_conv, ref_state = fused_pages(pool_size, C, H, dtype, device)
+    ref_pages.copy_(pages)
+    layer = dict(weight=randn(3, 4, H * D, scale=0.3, dtype=torch.float32),
+                 A_log=torch.log(torch.linspace(1.0, 16.0, H)).to(device),
+                 dt_bias=randn(H * D, scale=0.1, dtype=torch.float32),
+                 norm_weight=(1.0 + randn(D, scale=0.1, dtype=torch.float32)), lower_bound=K3_LOWER_BOUND)
+    x_rows = torch.empty(batch, C + 16, dtype=torch.bfloat16, device=device)  # x: a row-strided view, as the GEMM's
+    inputs = dict(x=x_rows[:, :C], raw_gate=torch.empty(1, batch, H, D, dtype=torch.bfloat16, device=device),
+                  raw_beta=torch.empty(1, batch, H, dtype=torch.bfloat16, device=device),
+                  output_gate=torch.empty(batch, H, D, dtype=torch.bfloat16, device=device))
+    output = torch.empty(1, batch, H, D, dtype=torch.bfloat16, device=device)
+    run = FusedDemoRun(slots=slots, initial_pages=pages.clone(), pages=pages, layer=layer, graph=graph,
+                       state_dtype=dtype)
+
+    def refresh():
+        for t in inputs.values():
+            t.copy_(randn(*t.shape))
+
+    def call(conv_cache, state_cache):
+        return fused_kda_decode(inputs["x"], layer["weight"], conv_cache, inputs["raw_gate"], inputs["raw_beta"],
+                                layer["A_log"], layer["dt_bias"], slots, state_cache, inputs["output_gate"],
+                                layer["norm_weight"], layer["lower_bound"], output=output)
+
+    log(f"kda demo --fused: Kimi K3-shaped KDA layer (conv + recurrence + gated RMSNorm in one call), H={H}, "
+        f"head dim {D}, lower-bound gate {K3_LOWER_BOUND}\n"
+        f"  device {device}; "
+        + ("each step is a CUDA-graph replay of kda_recurrent.fused_kda_decode\n" if graph else
+           "kda_recurrent.fused_kda_decode called eagerly\n")
+        + ("  no GPU here: the call runs the kda-core PyTorch oracle on the CPU (slow, exact)\n"
+           if device == "cpu" else "")
+        + f"  caches: {pool_size} slots, conv [{C}, 3] bf16 and state [{H}, {D}, {D}] {state_dtype} in one page per "
+        f"slot; batch {batch} with {padding} padding rows (slot 0 or {pool_size})")
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    replay = None
+    if graph:
+        refresh()
+        scratch_pages, scratch_conv, scratch_state = fused_pages(pool_size, C, H, dtype, device)
+        scratch_pages.copy_(pages)
+        call(scratch_conv, scratch_state)  # compile and load the kernel before capture, on scratch caches
+        sync()
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            call(conv, state)
+        replay = cuda_graph.replay
+        del scratch_pages, scratch_conv, scratch_state
+    for step in range(steps):
+        refresh()
+        sync()
+        if replay is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            replay()
+            end.record()
+            end.synchronize()
+            elapsed_us = start.elapsed_time(end) * 1e3
+        else:
+            t0 = time.perf_counter()
+            call(conv, state)
+            sync()
+            elapsed_us = (time.perf_counter() - t0) * 1e6
+        want = fused_kda_decode_ref(inputs["x"], layer["weight"], ref_conv, inputs["raw_gate"], inputs["raw_beta"],
+                                    layer["A_log"], layer["dt_bias"], slots, ref_state, inputs["output_gate"],
+                                    layer["norm_weight"], layer["lower_bound"])
+        run.max_err = max(run.max_err, float((output.float() - want.float()).abs().max()))
+        run.inputs.append({name: t.clone() for name, t in inputs.items()})
+        run.outputs.append(output.clone())
+        run.step_us.append(elapsed_us)
+        log(f"  step {step + 1:3d}/{steps}  {elapsed_us:10.1f} us  max |layer - oracle| so far {run.max_err:.3e}")
+    run.max_err = max(run.max_err, float((conv.float() - ref_conv.float()).abs().max()),
+                      float((state.float() - ref_state.float()).abs().max()))
+    return run
+
+
+def check_fused_bounds(run: FusedDemoRun) -> list[str]:
+    """vLLM's null policy on this run: padding rows (slot 0 or N) output zeros; the page of every slot no live row
+    names (slot 0 among them) is bitwise unchanged, both caches."""
+    problems = []
+    N = run.pages.shape[0]
+    live = (run.slots > 0) & (run.slots < N)
+    for step, o in enumerate(run.outputs):
+        if bool(o[0, ~live].any()):
+            problems.append(f"step {step + 1}: a padding row has a non-zero output")
+    owned = torch.zeros(N, dtype=torch.bool, device=run.pages.device)
+    owned[run.slots[live].long()] = True
+    if not torch.equal(run.pages[~owned], run.initial_pages[~owned]):
+        problems.append("a page (conv cache or state) that no request owns changed")
+    return problems
+
+
+def _fused_main(args, parser) -> int:
+    try:
+        run = run_fused_demo(args.heads, args.batch, args.steps, args.state_dtype or "fp32", args.pool_size,
+                             args.padding, args.seed, device=args.device)
+    except ValueError as err:
+        parser.error(str(err))
+    times = sorted(run.step_us)
+    kind = "CUDA-graph replay" if run.graph else "eager call"
+    print(f"  median step {times[len(times) // 2]:.1f} us ({kind}) over {len(times)} steps; max |layer - oracle| "
+          f"{run.max_err:.3e} over outputs, conv cache and state")
+    problems = check_fused_bounds(run)
+    if run.max_err > MAX_ERR:
+        problems.append(f"max |layer - oracle| {run.max_err:.3e} exceeds {MAX_ERR}")
+    for problem in problems:
+        print(f"  FAILED: {problem}")
+    if problems:
+        return 1
+    print("  null policy holds: padding rows output zeros, pages no request owns are bitwise unchanged")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m kda_recurrent.demo",
@@ -217,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=12, help="H = HV heads (Kimi K3: 12 at TP=8); default 12")
     parser.add_argument("--batch", type=int, default=8, help="rows per step, padding rows included; default 8")
     parser.add_argument("--steps", type=int, default=8, help="decode steps; default 8")
-    parser.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default="bf16", help="pool dtype")
+    parser.add_argument("--state-dtype", choices=sorted(STATE_DTYPES), default=None,
+                        help="pool dtype; default bf16 (fp32 with --fused, Kimi K3's serving state)")
     parser.add_argument("--spec-t", type=int, default=1,
                         help="tokens per request per step: 1 = plain decode; T > 1 = spec decode verification with "
                         "one checkpoint slot per token (docs/design.md §5); default 1")
@@ -227,12 +423,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lines", choices=["auto", "all", "none"], default="auto",
                         help="one stdout line per step: all, none (progress bar only), auto (all up to 16 steps)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fused", action="store_true",
+                        help="run the whole fused layer (conv + recurrence + gated RMSNorm) through "
+                        "kda_recurrent.fused_kda_decode instead; on CUDA each step is a CUDA-graph replay")
     args = parser.parse_args(argv)
     for name in ("heads", "batch", "steps", "spec_t"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(args, name)}")
+    if args.fused:
+        if args.spec_t != 1:
+            parser.error("--fused: the fused layer is the T=1 step (--spec-t 1)")
+        return _fused_main(args, parser)
     try:
-        run = run_demo(args.heads, args.batch, args.steps, args.state_dtype, args.pool_size, args.padding,
+        run = run_demo(args.heads, args.batch, args.steps, args.state_dtype or "bf16", args.pool_size, args.padding,
                        args.seed, spec_t=args.spec_t, device=args.device,
                        per_step_lines=args.lines == "all" or (args.lines == "auto" and args.steps <= 16))
     except ValueError as err:

@@ -12,8 +12,13 @@ plus kda's keywords ``bias`` (the conv bias) and ``null_policy``. Routing, from 
 Under ``torch.compile`` the call is the ``kda::fused_kda_decode`` custom op (it declares the conv cache, the state
 pool and the output as written; its fake implementation computes nothing), whose body is this eager call.
 
+vLLM's native op (``torch.ops._C.fused_kda_decode``, reached through ``vllm._custom_ops.fused_kda_decode``) takes the
+same layer in another argument order, plus the DS conv layout and the call without the norm (both taken here too);
+its adapter is :func:`kda_recurrent.compat.vllm.kimi_k3.fused_kda_decode`, whose ``torch.compile`` form is the
+``kda::vllm_fused_kda_decode`` custom op defined here (vLLM's argument order; conv cache, state and ``out`` written).
+
 Not here yet: the multi-token form (FlashInfer's ``packed_fused_kda_decode``; its reference is
-:func:`kda_core.oracle_fused.packed_fused_kda_decode_ref`) and vLLM's native-op argument list.
+:func:`kda_core.oracle_fused.packed_fused_kda_decode_ref`).
 """
 
 from __future__ import annotations
@@ -91,12 +96,14 @@ def fused_kda_decode(
     Args (B rows, H heads, C = 3*H*128):
         x: [B, C] bf16, the packed q|k|v projection row (row stride free).
         weight: [3, 4, H*128] fp32 conv taps, part-major (tap 0 multiplies the oldest history column).
-        conv_state: [slots, C, >= 3] bf16, channel-contiguous per column (strides [slot, 1, C]); columns 0..2 hold
-            the history, oldest first.
+        conv_state: [slots, C, >= 3] bf16, channel-contiguous per column (strides [slot, 1, C], the SD layout) or
+            each channel's columns contiguous (strides [slot, W, 1], the DS layout); columns 0..2 hold the history,
+            oldest first.
         raw_gate: [1, B, H, 128] bf16; raw_beta: [1, B, H] bf16 (a logit); A_log [H] fp32; dt_bias [H*128] fp32
             or None; ``lower_bound`` < 0 (Kimi K3's gate) or None (softplus, Kimi-Linear).
         state_indices: [B] int32 / int64. state: [slots, H, 128, 128] bf16 or fp32 (any slot stride).
-        output_gate: [B, H, 128] bf16 (strides free but the last); norm_weight [128] fp32; norm_eps >= 0.
+        output_gate: [B, H, 128] bf16 (strides free but the last); norm_weight [128] fp32; norm_eps >= 0. Both
+            None: no gated RMSNorm (the output is the KDA step's o), as vLLM's native op allows.
         output: [1, B, H, 128] bf16, allocated when None.
         bias: [C] fp32, the conv bias, or None.
         null_policy: ``NONPOSITIVE`` (default, FlashInfer's op and vLLM: slot 0 is reserved) or ``OUT_OF_RANGE``
@@ -128,8 +135,8 @@ def _fused_kda_decode_op(
     dt_bias: torch.Tensor | None,
     state_indices: torch.Tensor,
     state: torch.Tensor,
-    output_gate: torch.Tensor,
-    norm_weight: torch.Tensor,
+    output_gate: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
     lower_bound: float | None,
     norm_eps: float,
     output: torch.Tensor,
@@ -144,5 +151,59 @@ def _fused_kda_decode_op(
 
 @_fused_kda_decode_op.register_fake
 def _fused_kda_decode_fake(*args) -> None:
+    """Shapes only: the op writes its arguments in place and returns nothing."""
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# vLLM's native op (its argument order; the adapter with the documented signature is
+# kda_recurrent.compat.vllm.kimi_k3.fused_kda_decode)
+
+VLLM_NULL_POLICY = NullSlotPolicy.NONPOSITIVE
+"""vLLM's null slots (``NULL_BLOCK_ID`` = 0): an index <= 0 (or >= slots) is a null row."""
+
+
+def vllm_native_call(x, weight, bias, conv_state, raw_g, raw_beta, A_log, dt_bias, state_indices, state, out,
+                     lower_bound, output_gate, norm_weight, norm_eps):
+    """vLLM's ``fused_kda_decode`` arguments in its order, run as :func:`fused_kda_decode` runs them (kernel on
+    CUDA, reference elsewhere) under vLLM's null policy; ``out`` None is allocated. Returns ``out``. Under
+    ``torch.compile`` the ``kda::vllm_fused_kda_decode`` custom op."""
+    if torch.compiler.is_compiling():
+        if out is None:
+            out = x.new_empty((1, x.shape[0], A_log.shape[0], HEAD_DIM), dtype=torch.bfloat16)
+        torch.ops.kda.vllm_fused_kda_decode(x, weight, bias, conv_state, raw_g, raw_beta, A_log, dt_bias,
+                                            state_indices, state, out, lower_bound, output_gate, norm_weight,
+                                            norm_eps)
+        return out
+    return _eager(x, weight, conv_state, raw_g, raw_beta, A_log, dt_bias, state_indices, state, output_gate,
+                  norm_weight, lower_bound, norm_eps, out, bias, VLLM_NULL_POLICY)
+
+
+@torch.library.custom_op("kda::vllm_fused_kda_decode", mutates_args=("conv_state", "state", "out"))
+def _vllm_fused_kda_decode_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    state_indices: torch.Tensor,
+    state: torch.Tensor,
+    out: torch.Tensor,
+    lower_bound: float | None,
+    output_gate: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    norm_eps: float,
+) -> None:
+    o = _eager(x, weight, conv_state, raw_g, raw_beta, A_log, dt_bias, state_indices, state, output_gate,
+               norm_weight, lower_bound, norm_eps, out, bias, VLLM_NULL_POLICY)
+    if o is not out:
+        out.copy_(o)
+
+
+@_vllm_fused_kda_decode_op.register_fake
+def _vllm_fused_kda_decode_fake(*args) -> None:
     """Shapes only: the op writes its arguments in place and returns nothing."""
     return None

@@ -25,11 +25,19 @@ Replaced (each where the module imports; see :mod:`kda_recurrent.integrations` f
   @ 055e47c28003156421365af985d676fc921cb075: ``kda_recoverssm_verify`` and ``KDARecoverSSMCommitContext`` (its
   ``create`` and ``commit`` signatures compared) by :mod:`kda_recurrent.compat.vllm.kimi_k3`; the layer and the
   metadata builder import both from that module at call time. kda's commit refuses the prefix-cache align mode.
+- Kimi K3's native fused decode (conv, the recurrence and the gated RMSNorm in one call), ``vllm/_custom_ops.py``'s
+  ``fused_kda_decode``, the Python function over ``torch.ops._C.fused_kda_decode``
+  (``csrc/libtorch_stable/kimi_k3/fused_kda_decode_kernel.cu`` @ 75162ed0be3505bbdaa9f24849afbb03dd7d2568), by
+  :func:`kda_recurrent.compat.vllm.kimi_k3.fused_kda_decode`. The layer (``kda.py`` @
+  3a1f05ba17aa4715f4020a4d304d57cfc1e37ebb) binds ``from vllm import _custom_ops as ops`` at import and reads
+  ``ops.fused_kda_decode`` at each call, so the module attribute is what it runs. The layer takes this backend
+  only where vLLM's build has the op (``hasattr(torch.ops._C, "fused_kda_decode")``, SM90 or the SM10x / SM12x
+  families, fp32 state); elsewhere it takes the packed-decode call replaced above. ``torch.ops._C`` itself is not
+  touched.
 
-Not replaced: the native fused CUDA op (``torch.ops._C.fused_kda_decode``: conv, norm and gate in one kernel; select
-``additional_config={"kda_decode_backend": "triton"}`` so that the layer takes the packed-decode call kda replaces),
-FlashInfer's decode ops, and prefill. Every replacement treats slot ``<= 0`` as null (vLLM's
-``NULL_BLOCK_ID``).
+Not replaced: FlashInfer's decode ops and prefill. Every replacement treats slot ``<= 0`` as null (vLLM's
+``NULL_BLOCK_ID``); vLLM's native op has no null test at all (its padding rows compute into block 0), kda's
+adapter leaves block 0 untouched and writes zeros for those rows.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ __all__ = ["TARGETS", "disable", "enable", "patched", "register"]
 
 _K3 = "vllm.models.kimi_k3.nvidia.ops.third_party.kda.fused_recurrent"
 _K3_RS = "vllm.models.kimi_k3.nvidia.ops.recoverssm"
+_CUSTOM_OPS = "vllm._custom_ops"
 TARGETS = (
     Target(_K3, "fused_recurrent_kda_packed_decode",
            "kda_recurrent.compat.vllm.kimi_k3:fused_recurrent_kda_packed_decode"),
@@ -50,6 +59,7 @@ TARGETS = (
     Target(_K3_RS, "kda_recoverssm_verify", "kda_recurrent.compat.vllm.kimi_k3:kda_recoverssm_verify"),
     Target(_K3_RS, "KDARecoverSSMCommitContext", "kda_recurrent.compat.vllm.kimi_k3:KDARecoverSSMCommitContext",
            via=("create", "commit")),
+    Target(_CUSTOM_OPS, "fused_kda_decode", "kda_recurrent.compat.vllm.kimi_k3:fused_kda_decode"),
 )
 
 _patcher = Patcher("vllm", TARGETS, "vLLM")

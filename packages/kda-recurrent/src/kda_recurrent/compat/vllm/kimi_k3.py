@@ -362,3 +362,77 @@ class KDARecoverSSMCommitContext:
             moved = window.gather(2, cols[:, None, :].expand(-1, window.shape[1], -1))
             keep = window[:, :, : self.conv_history_len]
             conv[safe, :, : self.conv_history_len] = torch.where(live[:, None, None], moved, keep)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The native fused op (``kda_decode_backend`` "native"/"auto"): conv + SiLU + the KDA step + gated RMSNorm in one
+# call. Read from vllm-project/vllm ``csrc/libtorch_stable/kimi_k3/fused_kda_decode_kernel.cu``
+# @ 75162ed0be3505bbdaa9f24849afbb03dd7d2568 (the op's parameters and host checks; the copy
+# @ 15a3fd47ef45622a355ab7be62035231891f5e44 takes the SD conv layout only) and its caller ``_forward`` in
+# ``vllm/models/kimi_k3/nvidia/kda.py`` @ 3a1f05ba17aa4715f4020a4d304d57cfc1e37ebb, which binds
+# ``from vllm import _custom_ops as ops`` at import and calls ``ops.fused_kda_decode(x=..., ..., norm_eps=...)``
+# with every argument by keyword; vLLM's test ``tests/models/kimi_k3/test_kda.py``
+# @ 8c4f545247ba170836eec21c7d181490de09c7fa calls it without ``out`` and reads the returned tensor.
+# docs/serving.md §1 "Native fused op" summarises it. The Python function's own source (``vllm/_custom_ops.py``) was
+# not among the stored copies read: the parameter order here is the C++ op's, the defaults follow its optional
+# parameters and the call sites (every argument by keyword, ``out`` left out); ``integrations.vllm.enable()``
+# compares the installed function's signature and keeps vLLM's own on a mismatch.
+
+__all__ += ["fused_kda_decode"]
+
+
+def fused_kda_decode(
+    x,
+    weight,
+    bias,
+    conv_state,
+    raw_g,
+    raw_beta,
+    A_log,
+    dt_bias,
+    state_indices,
+    state,
+    out=None,
+    lower_bound=None,
+    output_gate=None,
+    norm_weight=None,
+    norm_eps=1e-5,
+):
+    """vLLM Kimi K3's native fused T=1 decode (``vllm._custom_ops.fused_kda_decode`` over
+    ``torch.ops._C.fused_kda_decode``) on kda's fused layer; updates ``conv_state`` and ``state`` in place and returns
+    ``out`` [1, B, H, 128] bf16.
+
+    Args (B rows, H heads, C = 3 * H * 128; vLLM's op takes H in {12, 24, 48, 96}, kda's kernel every head count of
+    ``kda_core.contracts.T1_HEAD_COUNTS``):
+        x: [B, C] bf16, the packed q|k|v projection row (channel stride 1, row stride free).
+        weight: [3, 4, H * 128] fp32 contiguous; bias: [C] fp32 contiguous or None (the conv bias).
+        conv_state: [slots, C, 3] bf16 in vLLM's SD layout, strides (slot, 1, C), or its DS layout, strides
+            (slot, 3, 1); the slot stride is free (vLLM keeps both caches of a block in one page).
+        raw_g: [1, B, H, 128] bf16 raw gate; raw_beta: [1, B, H] bf16 beta logits (row stride free).
+        A_log: [H] fp32; dt_bias: [H * 128] fp32 (None: zeros, kda's rule; vLLM requires it).
+        state_indices: [B] int32 (int64 too, any stride). state: [slots, H, 128, 128] fp32 (bf16 too), inner dims
+            compact, slot stride free; as many slots as ``conv_state``.
+        out: None (allocated) or [1, B, H, 128] bf16, last dim contiguous, written in place.
+        lower_bound: a negative float (Kimi K3's bounded gate) or None (softplus).
+        output_gate: [B, H, 128] or [1, B, H, 128] bf16 and norm_weight [128] fp32: together (the gated RMSNorm
+            with ``norm_eps``), or both None (the output is the KDA step's o).
+
+    Semantics: scale 128 ** -0.5 and the q / k L2 norm, as vLLM fixes them. Null rows follow vLLM's policy
+    (``NullSlotPolicy.NONPOSITIVE``: an index <= 0, and here also one >= slots): zero output, neither the conv cache
+    nor the state read or written. vLLM's own op has **no null test**: its padding rows (index 0) compute into the
+    reserved block 0 and emit non-zero output, and a negative or too large index reads out of bounds
+    (docs/serving.md §6); kda leaves block 0 untouched and writes zeros there on purpose. The conv outputs are
+    rounded to bf16 before the step, o to bf16 before the norm (docs/design.md §8); vLLM's op keeps both in fp32, a
+    difference within its own test's tolerances (3e-2).
+
+    On CUDA this is kda-cute's fused kernel (:func:`kda_cute.fused_decode.fused_kda_decode`, the DS layout and the
+    no-norm call being compile-time variants of it); on the CPU (or without kda-cute) kda-core's reference
+    :func:`kda_core.oracle_fused.fused_kda_decode_ref`. No host sync and no allocation when ``out`` is given: safe
+    under CUDA-graph capture. Under ``torch.compile`` the call is the ``kda::vllm_fused_kda_decode`` custom op. A
+    malformed call raises a :class:`kda_core.errors.KDAError` naming the argument (FlashInfer's names:
+    ``raw_gate`` for ``raw_g``, ``output`` for ``out``).
+    """
+    from kda_recurrent.fused import vllm_native_call
+
+    return vllm_native_call(x, weight, bias, conv_state, raw_g, raw_beta, A_log, dt_bias, state_indices, state, out,
+                            lower_bound, output_gate, norm_weight, norm_eps)
