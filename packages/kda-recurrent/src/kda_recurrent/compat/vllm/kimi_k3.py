@@ -1,4 +1,5 @@
-"""vLLM Kimi K3's two recurrent KDA decode calls, on kda's kernels.
+"""vLLM Kimi K3's KDA decode calls on kda's kernels: the two recurrent calls (plain and spec decode), the native
+fused op's argument list, and RecoverSSM's verify and commit context (each documented where it is defined).
 
 Read from the stored engine sources (signatures, defaults, returns, null slots):
 
