@@ -53,6 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--check-max-batch", type=int, default=64, help="oracle checks for B up to this (0 = never)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iterations", type=int, default=100)
+    p.add_argument("--replot", metavar="JSON", help="only redraw the PNG beside a recorded run's JSON (no GPU)")
     _baseline.add_output_args(p)
     return p.parse_args(argv)
 
@@ -226,8 +227,35 @@ def ucache_calls(B, T, H):
     return calls, nbytes
 
 
+SCHEMES = {"per-token checkpoints": "per_token_us", "RecoverSSM verify + commit": "recoverssm_us",
+           "frozen verify": "frozen_us", "ucache 0% folds": "ucache_0_us", "ucache 100% folds": "ucache_100_us",
+           "FLA per-token (V-first)": "fla_us", "copy of RecoverSSM's bytes": "copy_recoverssm_us"}
+
+
+def plot_panels(records):
+    """One panel per (pool dtype, T): time against B, one colour per scheme (SCHEMES)."""
+    panels = []
+    for pool, T in sorted({(r["pool"], r["T"]) for r in records}, key=lambda k: (k[0] != "bf16", k[1])):
+        rows = [dict(B=r["B"], scheme=label, us=r[key]) for r in records if (r["pool"], r["T"]) == (pool, T)
+                for label, key in SCHEMES.items() if r.get(key) is not None]
+        panels.append(dict(records=rows, x="B", series={"us": "us"}, group="scheme",
+                           ylabel="kernel time per step (us, CUDA-graph replay)", title=f"{pool} pool, T={T}"))
+    return panels
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.replot:  # redraw a recorded run's PNG (no GPU): the records and their provenance are the file's
+        import json
+        from pathlib import Path
+
+        path = Path(args.replot)
+        recorded = json.loads(path.read_text())
+        gpu = recorded["provenance"].get("gpu", "")
+        H = recorded["records"][0]["H"] if recorded["records"] else args.heads
+        _baseline.write_plot(path.with_suffix(".png"), plot_panels(recorded["records"]),
+                             title=f"KDA spec-decode schemes, H={H}, {gpu}")
+        return recorded["records"]
     _baseline.require_cuda(NAME)
     run = _baseline.Run(NAME, args)
     H = args.heads
@@ -283,13 +311,7 @@ def main(argv=None):
         del x, graphs, calls
         torch.cuda.empty_cache()
     run.save(records)
-    series = {"per-token checkpoints": "per_token_us", "RecoverSSM verify + commit": "recoverssm_us",
-              "frozen verify": "frozen_us", "ucache 0% folds": "ucache_0_us", "ucache 100% folds": "ucache_100_us",
-              "FLA per-token (V-first)": "fla_us", "copy (RecoverSSM bytes)": "copy_recoverssm_us"}
-    run.plot([dict(records=[r for r in records if (r["pool"], r["T"]) == (p, T)], x="B", series=series, logx=True,
-                   logy=True, ylabel="kernel time per step (us, CUDA-graph replay)", title=f"{p} pool, T={T}")
-              for p, T in itertools.product(args.pool, args.t)],
-             title=f"KDA spec-decode schemes, H={H}, {_timing.gpu_name()}")
+    run.plot(plot_panels(records), title=f"KDA spec-decode schemes, H={H}, {_timing.gpu_name()}")
     return records
 
 
