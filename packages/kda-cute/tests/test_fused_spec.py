@@ -318,3 +318,99 @@ def test_debug_validate_names_duplicate_live_slots(monkeypatch):
     assert torch.equal(inputs["conv_state"], before[0]) and torch.equal(inputs["state"], before[1])
     inputs["state_indices"].copy_(torch.tensor([[1, 0], [3, 0]], dtype=torch.int32))
     _assert_matches(*_run_both(inputs))
+
+
+# ---- device-data fuzz (``-m "gpu and fuzz"``: the sanitizer session runs it) ----------------------------------------
+
+INT_MIN, INT_MAX = -(2**31), 2**31 - 1
+CANARY = 0x7F  # every byte of a margin (bf16 0x7F7F, fp32 0x7F7F7F7F: ~3.4e38, a value no kernel writes)
+MARGIN = 4096  # bytes of canary before and after every written tensor
+
+
+def _fuzz_cases() -> int:
+    import os
+
+    text = os.environ.get("KDA_FUZZ_CASES", "6")
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"KDA_FUZZ_CASES: expected an int >= 1, got {text!r}")
+    return int(text)
+
+
+def _guarded(shape, strides, dtype, span):
+    """(storage bytes, view): a tensor of ``span`` elements with MARGIN canary bytes on both sides; padding between
+    its strided rows keeps the canary too."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    raw = torch.full((2 * MARGIN + span * elem,), CANARY, dtype=torch.uint8, device=DEVICE)
+    view = raw[MARGIN: MARGIN + span * elem].view(dtype).as_strided(shape, strides)
+    return raw, view
+
+
+def _canary_intact(raw, view):
+    """Every byte of ``raw`` outside ``view``'s elements is still the canary."""
+    flat = raw[MARGIN: raw.numel() - MARGIN].view(view.dtype)
+    inside = torch.zeros(flat.shape, dtype=torch.bool, device=raw.device)
+    inside.as_strided(view.shape, view.stride()).fill_(True)
+    outside = torch.ones(raw.shape, dtype=torch.bool, device=raw.device)
+    outside[MARGIN: raw.numel() - MARGIN] = ~inside.repeat_interleave(flat.element_size())
+    return bool(torch.all(raw[outside] == CANARY))
+
+
+@pytest.mark.gpu
+@pytest.mark.fuzz
+@pytest.mark.parametrize("seed", range(_fuzz_cases()))
+def test_fuzz_malformed_device_data(seed):
+    """Random rows mixing valid and malformed device data: offsets below 0, past Ntok, decreasing and 2^40 (int64);
+    accepted counts INT_MIN, 0, -1, T + 1, INT_MAX; slots -1, N, INT_MIN, INT_MAX (0 too under NONPOSITIVE) and
+    checkpoint slots null mid-row. After each call the CUDA context is alive, no canary byte around the caches, the
+    output or between the cache slots changed, both caches match the reference and, where the clamped offsets do not
+    decrease, so does the output."""
+    import random
+
+    from kda_cute.fused_spec import packed_fused_kda_decode
+
+    rnd = random.Random(seed)
+    policy = (NP, OOR)[seed % 2]
+    wide = (seed // 2) % 2 == 1
+    state_dtype = torch.bfloat16 if seed % 3 == 0 else torch.float32
+    H, T = 12, rnd.choice((3, 4))
+    rows = rnd.randint(1, 9)
+    N = rows * T + 5
+    HK = H * D
+    C = 3 * HK
+    W = T + 2
+    lengths = [rnd.choice((0, 1, 2, T, T, T + 2)) for _ in range(rows)]
+    n_tok = max(sum(lengths), 1)
+    base = _inputs(H, [n_tok], 1, state_dtype=state_dtype, seed=seed, n_slots=N)  # activations of n_tok tokens
+
+    conv_page = C * W + 24
+    conv_raw, conv = _guarded((N, C, W), (conv_page, 1, C), torch.bfloat16, N * conv_page)
+    conv.copy_(torch.randn(N, C, W, device=DEVICE).mul_(0.5).to(torch.bfloat16))
+    state_page = H * D * D + 8
+    state_raw, state = _guarded((N, H, D, D), (state_page, D * D, D, 1), state_dtype, N * state_page)
+    state.copy_(torch.randn(N, H, D, D, device=DEVICE).mul_(0.05).to(state_dtype))
+    out_raw, output = _guarded((1, n_tok, H, D), (n_tok * HK, HK, D, 1), torch.bfloat16, n_tok * HK)
+
+    live = [s + 1 for s in rnd.sample(range(N - 1), rows * T)]  # distinct, never slot 0
+    nulls = [-1, N, N + 7, INT_MIN, INT_MAX] + ([0] if policy is NP else []) + ([2**40, -(2**40)] if wide else [])
+    slots = [[live[n * T + t] if rnd.random() > 0.15 else rnd.choice(nulls) for t in range(T)] for n in range(rows)]
+    qsl = [0]
+    for n in lengths:
+        qsl.append(qsl[-1] + n)
+    for n in range(rows + 1):
+        if rnd.random() < 0.2:
+            qsl[n] = rnd.choice([-3, n_tok + 5, qsl[max(n - 1, 0)] - 1] + ([2**40, -(2**40)] if wide else []))
+    nat = [rnd.choice((INT_MIN, -1, 0, T + 1, INT_MAX) if rnd.random() < 0.25 else range(1, T + 1))
+           for _ in range(rows)]
+    idt = torch.int64 if wide else torch.int32
+    inputs = {**base, "conv_state": conv, "state": state,
+              "state_indices": torch.tensor(slots, dtype=idt, device=DEVICE),
+              "query_start_loc": torch.tensor(qsl, dtype=idt, device=DEVICE),
+              "num_accepted_tokens": torch.tensor(nat, dtype=idt, device=DEVICE)}
+    want = _reference(inputs, null_policy=policy)
+    packed_fused_kda_decode(**inputs, output=output, null_policy=policy)
+    _sync()
+    starts = [min(max(q, 0), n_tok) for q in qsl[:-1]]
+    monotone = all(a <= b for a, b in zip(starts, starts[1:]))
+    _assert_matches((output, conv, state), want, outputs=monotone)
+    for raw, view in ((conv_raw, conv), (state_raw, state), (out_raw, output)):
+        assert _canary_intact(raw, view)
