@@ -17,10 +17,12 @@ paged conv cache [slots, C, T + 2] and state pool), check the fused kernel again
   the conv cache's window columns, the activations once), the bandwidth ceiling.
 
 Times are CUDA-graph replays (``--mode direct``: eager launches), warm L2. The defaults are the target shape
-(T = 4, B = 64, H = 12) with a small sweep around it; ``--rows-per-pass`` sweeps ``FusedSpecConfig``.
+(T = 4, B = 64, H = 12) with a small sweep around it; ``--rows-per-pass`` and ``--min-ctas`` (each -1 = the
+schedule's) sweep ``FusedSpecConfig``, every pair at every point.
 
     python benchmarks/bench_fused_spec.py                                                   # the baseline
-    python benchmarks/bench_fused_spec.py --t 4 --batch-size 64 --heads 12 --rows-per-pass 1 2 4 --out /tmp/s.json
+    python benchmarks/bench_fused_spec.py --t 4 --batch-size 64 --heads 12 --rows-per-pass 1 2 4 --min-ctas 0 5 6 \
+        --out /tmp/s.json
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--iterations", type=int, default=100)
     p.add_argument("--rows-per-pass", type=int, nargs="+", default=[-1], choices=[-1, 1, 2, 4],
                    help="-1 = the schedule's; several make a sweep")
+    p.add_argument("--min-ctas", type=int, nargs="+", default=[-1], choices=[-1, 0, 2, 3, 4, 5, 6, 8],
+                   help="-1 = the schedule's, 0 = ptxas's register count, n = n resident CTAs per SM; several sweep")
     p.add_argument("--no-fla", action="store_true", help="the unfused norm with torch ops instead of FLA's")
     _baseline.add_output_args(p)
     return p.parse_args(argv)
@@ -215,7 +219,8 @@ def main(argv=None):
     run.provenance["timer"] = timer.backend
     records = []
     points = list(itertools.product(args.state_dtype, args.heads, args.t, args.batch_size))
-    total = len(points) * len(args.rows_per_pass)
+    variants = list(itertools.product(args.rows_per_pass, args.min_ctas))
+    total = len(points) * len(variants)
     done = 0
     for dtype_name, H, T, B in points:
         sdt = DTYPES[dtype_name]
@@ -224,9 +229,11 @@ def main(argv=None):
         out = torch.empty(1, B * T, H, D, dtype=torch.bfloat16, device="cuda")
         unfused_call, impl = unfused_fn(x, not args.no_fla)
         baselines = {}
-        for rpp in args.rows_per_pass:
-            config = None if rpp < 0 else fused_spec.FusedSpecConfig(rows_per_pass=rpp)
-            cfg = fused_spec.select_config(B, H, T, sdt) if config is None else config
+        for rpp, mc in variants:
+            default = fused_spec.select_config(B, H, T, sdt)
+            config = None if rpp < 0 and mc < 0 else fused_spec.FusedSpecConfig(
+                rows_per_pass=default.rows_per_pass if rpp < 0 else rpp, min_ctas=default.min_ctas if mc < 0 else mc)
+            cfg = default if config is None else config
             try:
                 o_err, s_err = check_correctness(x, config)
             except AssertionError as err:  # reported, not timed; the sweep goes on
@@ -246,7 +253,8 @@ def main(argv=None):
             baselines.update({k: v for k, v in times.items() if k != "fused"})
             times.update(baselines)
             rec = dict(B=B, T=T, heads=H, state_dtype=dtype_name, mode=args.mode, rows_per_pass=cfg.rows_per_pass,
-                       rows_per_pass_forced=rpp, cache_hint=cfg.cache_hint, unfused_norm_impl=impl, timer=timers,
+                       rows_per_pass_forced=rpp, min_ctas=cfg.min_ctas, min_ctas_forced=mc,
+                       cache_hint=cfg.cache_hint, unfused_norm_impl=impl, timer=timers,
                        fused_us=times["fused"], generic_us=times["generic"], unfused_us=times["unfused"],
                        copy_us=times["copy"], layer_bytes=nbytes, fused_TBps=nbytes / times["fused"] / 1e6,
                        copy_TBps=nbytes / times["copy"] / 1e6, check_out_err=o_err, check_state_err=s_err)
@@ -255,7 +263,8 @@ def main(argv=None):
             records.append(rec)
             run.checkpoint(records)
             done += 1
-            _baseline.progress(done, total, f"{dtype_name} H={H:2d} T={T:2d} B={B:5d} rpp={cfg.rows_per_pass}  "
+            _baseline.progress(done, total, f"{dtype_name} H={H:2d} T={T:2d} B={B:5d} rpp={cfg.rows_per_pass} "
+                               f"min_ctas={cfg.min_ctas}  "
                                f"fused {rec['fused_us']:8.2f} us ({rec['fused_TBps']:.2f} TB/s, "
                                f"{100 * rec['frac_of_copy']:.0f}% of copy, {rec['fused_over_unfused']:.2f}x unfused)"
                                f"  generic {rec['generic_us']:8.2f} us  unfused[{impl}] {rec['unfused_us']:8.2f} us"

@@ -9,7 +9,8 @@ atol 2e-3. Every case compares every slot of both caches (slots no live row name
 and do in the reference).
 
 The variants compiled here are kept few (about a dozen: pool dtype x gate at T = 4, the 1-, 2-, 8- and 16-token
-buckets, the OUT_OF_RANGE policy, the unaligned int64 form, two pass sizes), so the file's time is mostly compiles.
+buckets, the OUT_OF_RANGE policy, the unaligned int64 form, two other configs; the fuzz cases add the int64 forms of
+both policies), so the file's time is mostly compiles.
 """
 
 from __future__ import annotations
@@ -137,14 +138,16 @@ def test_every_token_bucket_matches_reference(T, lengths):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows_per_pass", [1, 4])
-def test_pass_sizes_match_reference(rows_per_pass):
-    """The other pass sizes, at the target shape of the layer's spec step (T = 4, 64 rows of 4 tokens, H = 12,
-    bf16 pool)."""
+@pytest.mark.parametrize("state_dtype, config", [(torch.bfloat16, dict(rows_per_pass=4)),
+                                                 (torch.float32, dict(rows_per_pass=1, min_ctas=6))],
+                         ids=["bf16-rpp4", "fp32-rpp1-min6"])
+def test_other_configs_match_reference(state_dtype, config):
+    """The other pass sizes and a resident-CTA floor, at the target shape of the layer's spec step (T = 4, 64 rows
+    of 4 tokens, H = 12)."""
     from kda_cute.fused_spec import FusedSpecConfig
 
-    inputs = _inputs(12, [4] * 64, 4, state_dtype=torch.bfloat16, seed=5)
-    _assert_matches(*_run_both(inputs, config=FusedSpecConfig(rows_per_pass=rows_per_pass)))
+    inputs = _inputs(12, [4] * 64, 4, state_dtype=state_dtype, seed=5)
+    _assert_matches(*_run_both(inputs, config=FusedSpecConfig(**config)))
 
 
 @pytest.mark.gpu

@@ -43,6 +43,8 @@ def _variants():
     out.append({**base, "index_dtype": torch.int64, "qsl_dtype": torch.int64, "nat_dtype": torch.int64, **oor})
     out.append({**base, "has_bias": True, "has_dt_bias": False})
     out.append({**base, "state_dtype": torch.bfloat16, "has_bias": True, "max_tokens": 8})
+    out.append({**base, "rows_per_pass": 1, "min_ctas": 6})
+    out.append({**base, "state_dtype": torch.bfloat16, "min_ctas": 5, "gate": GateMode.SOFTPLUS})
     return out
 
 
@@ -54,7 +56,8 @@ def _ident(v):
             f"{'-idx64' if v.get('index_dtype') is torch.int64 else ''}"
             f"{'-qsl64' if v.get('qsl_dtype') is torch.int64 else ''}"
             f"{'-nat64' if v.get('nat_dtype') is torch.int64 else ''}"
-            f"{'-convbias' if v['has_bias'] else ''}{'' if v['has_dt_bias'] else '-nodtbias'}")
+            f"{'-convbias' if v['has_bias'] else ''}{'' if v['has_dt_bias'] else '-nodtbias'}"
+            f"{'-min%d' % v['min_ctas'] if v.get('min_ctas') else ''}")
 
 
 VARIANTS = _variants()
@@ -93,6 +96,28 @@ def test_fused_spec_variant_does_not_spill(state_dtype, max_tokens, rows_per_pas
     assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes stack frame", report)), report
 
 
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.sm100_share(lambda params, indices: False)  # see conftest: sm_90a, where the counts were read
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("state_dtype, rows_per_pass, min_ctas, registers",
+                         [(torch.float32, 1, 6, 80), (torch.bfloat16, 2, 5, 96)], ids=["fp32-rpp1-min6", "bf16-min5"])
+def test_resident_cta_floor_fits_without_spill(state_dtype, rows_per_pass, min_ctas, registers, arch, tmp_path,
+                                               ptxas):
+    """Kimi K3's layer (lower-bound gate, no conv bias) at T = 4 with a resident-CTA floor: ptxas fits the floor's
+    register cap without a spill (sm_90a: 80 registers for fp32 at one row per pass and 6 CTAs per SM, 94 for bf16
+    at 5), so the floor is a config to sweep, not a spill. (The softplus gate with a conv bias spills under these
+    floors; fp32 at two rows per pass and 6 CTAs spills too.)"""
+    from kda_core.contracts import GateMode
+    from kda_cute import fused_spec
+
+    key = fused_spec.variant_key(state_dtype=state_dtype, gate=GateMode.LOWER_BOUND, has_dt_bias=True, has_bias=False,
+                                 aligned=True, max_tokens=4, rows_per_pass=rows_per_pass, min_ctas=min_ctas)
+    fused_spec.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    (ptx,) = sorted(tmp_path.glob("*.ptx"))
+    used, spills = ptxas.registers_and_spills(ptx, arch)
+    assert spills == 0 and used <= registers, (used, spills)
+
+
 def test_token_bucket_schedule_and_key():
     """T rounds up to a bucket, 17 is refused naming state_indices; the key carries every facet and refuses the
     precomputed gate, unknown index dtypes, pass sizes and buckets by name."""
@@ -110,7 +135,7 @@ def test_token_bucket_schedule_and_key():
     assert key[8] is NullSlotPolicy.NONPOSITIVE  # FlashInfer's default
     assert len({key, fs.variant_key(**base, rows_per_pass=4), fs.variant_key(**base, qsl_dtype=torch.int64),
                 fs.variant_key(**base, nat_dtype=torch.int64), fs.variant_key(**base, index_dtype=torch.int64),
-                fs.variant_key(**{**base, "max_tokens": 8})}) == 6
+                fs.variant_key(**{**base, "max_tokens": 8}), fs.variant_key(**base, min_ctas=6)}) == 7
     with pytest.raises(KDAError, match="^gate: expected"):
         fs.variant_key(**{**base, "gate": GateMode.PRECOMPUTED})
     for name in ("index_dtype", "qsl_dtype", "nat_dtype"):
@@ -122,6 +147,8 @@ def test_token_bucket_schedule_and_key():
         fs.FusedSpecConfig(rows_per_pass=3)
     with pytest.raises(KDAError, match="^config.cache_hint: expected"):
         fs.FusedSpecConfig(cache_hint="l1")
+    with pytest.raises(KDAError, match="^config.min_ctas: expected"):
+        fs.FusedSpecConfig(min_ctas=7)
 
 
 def _cpu_args(H=12, n_tok=5, rows=3, T=2, slots=6):

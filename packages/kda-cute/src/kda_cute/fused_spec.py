@@ -42,8 +42,8 @@ head without spilling.
 
 Variants (compile-time): pool dtype x gate x dt_bias / conv bias present x alignment class x null policy x the three
 index dtypes (state_indices, query_start_loc, num_accepted_tokens) x the token bucket (T rounded up to 1, 2, 4, 8 or
-16: the shared-memory arrays) x rows per pass x cache hint. Ntok, N, H, T, the slots and every stride are runtime
-values, and so are ``lower_bound`` and ``norm_eps``.
+16: the shared-memory arrays) x rows per pass x cache hint x resident-CTA floor. Ntok, N, H, T, the slots and every
+stride are runtime values, and so are ``lower_bound`` and ``norm_eps``.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ PARTS = 3  # q | k | v
 WARPS = THREADS // 32
 TOKEN_BUCKETS = (1, 2, 4, 8, 16)  # compile-time token capacities (shared-memory arrays sized [bucket, ...])
 ROWS_PER_PASS = (1, 2, 4)
+MIN_CTAS = (0, 2, 3, 4, 5, 6, 8)  # resident CTAs per SM asked of ptxas (0: its own register count)
 ROWS_PER_THREAD = HEAD_DIM // ROW_GROUPS  # 16: the CTA owns the head's 128 state rows
 assert TOKEN_BUCKETS[-1] == MAX_FUSED_SPEC_TOKENS
 
@@ -85,17 +86,22 @@ def token_bucket(T: int) -> int:
 @dataclass(frozen=True)
 class FusedSpecConfig:
     """Schedule of one multi-token fused launch: ``rows_per_pass`` state rows run through the token chain together
-    (one of ``ROWS_PER_PASS``; the per-token vectors are read from shared memory once per pass), and the state's
-    cache hint (``CACHE_HINTS``, as :class:`kda_cute.decode_t1.DecodeT1Config`)."""
+    (one of ``ROWS_PER_PASS``; the per-token vectors are read from shared memory once per pass), the state's
+    cache hint (``CACHE_HINTS``, as :class:`kda_cute.decode_t1.DecodeT1Config`), and ``min_ctas`` (one of
+    ``MIN_CTAS``): the resident CTAs per SM asked of ptxas (``min_blocks_per_mp``: it caps the registers to fit;
+    0 leaves the count to ptxas)."""
 
     rows_per_pass: int = 2
     cache_hint: str = "stream"
+    min_ctas: int = 0
 
     def __post_init__(self):
         if self.rows_per_pass not in ROWS_PER_PASS:
             fail("config.rows_per_pass", f"one of {ROWS_PER_PASS}", self.rows_per_pass)
         if self.cache_hint not in CACHE_HINTS:
             fail("config.cache_hint", f"one of {CACHE_HINTS}", self.cache_hint)
+        if self.min_ctas not in MIN_CTAS:
+            fail("config.min_ctas", f"one of {MIN_CTAS}", self.min_ctas)
 
 
 def select_config(rows: int, H: int, T: int, state_dtype: torch.dtype) -> FusedSpecConfig:
@@ -117,13 +123,15 @@ class KDAFusedSpec(KDADecodeT1):
     def __init__(self, *, state_dtype, gate: GateMode, has_dt_bias: bool, has_bias: bool, aligned: bool,
                  max_tokens: int, rows_per_pass: int = 2, cache_hint: str = "stream",
                  null_policy: NullSlotPolicy = NullSlotPolicy.NONPOSITIVE, index_dtype=Int32, qsl_dtype=Int32,
-                 nat_dtype=Int32):
+                 nat_dtype=Int32, min_ctas: int = 0):
         if gate == GateMode.PRECOMPUTED:
             raise ValueError("fused_spec: the layer's gate is computed in the kernel (lower bound or softplus)")
         if max_tokens not in TOKEN_BUCKETS:
             raise ValueError(f"fused_spec: max_tokens must be one of {TOKEN_BUCKETS}, got {max_tokens}")
         if rows_per_pass not in ROWS_PER_PASS:
             raise ValueError(f"fused_spec: rows_per_pass must be one of {ROWS_PER_PASS}, got {rows_per_pass}")
+        if min_ctas not in MIN_CTAS:
+            raise ValueError(f"fused_spec: min_ctas must be one of {MIN_CTAS}, got {min_ctas}")
         super().__init__(state_dtype=state_dtype, gate=gate, beta_is_logit=True, use_qk_l2norm=True,
                          has_dt_bias=has_dt_bias, tile_v=HEAD_DIM, aligned=aligned, rows_in_flight=0,
                          cache_hint=cache_hint, bulk_ring=0, null_policy=null_policy, index_dtype=index_dtype)
@@ -132,6 +140,7 @@ class KDAFusedSpec(KDADecodeT1):
         self.rows_per_pass = rows_per_pass
         self.qsl_dtype = qsl_dtype
         self.nat_dtype = nat_dtype
+        self.min_ctas = min_ctas
 
     @cute.jit
     def __call__(
@@ -158,9 +167,13 @@ class KDAFusedSpec(KDADecodeT1):
     ):
         rows = cute.size(mSlot, mode=[0])
         H = cute.size(mALog, mode=[0])
+        extra = {}
+        if const_expr(self.min_ctas):  # ptxas caps the registers so that this many CTAs reside per SM
+            extra = dict(min_blocks_per_mp=self.min_ctas, preferred_smem_carveout=100)
         self.spec_kernel(mX, mW, mBias, mConv, mGate, mBeta, mALog, mDtBias, mState, mSlot, mQsl, mNat, mOGate,
                          mNormW, mOut, scale, lower_bound, norm_eps).launch(grid=[rows, H, 1],
-                                                                             block=[THREADS, 1, 1], stream=stream)
+                                                                             block=[THREADS, 1, 1], stream=stream,
+                                                                             **extra)
 
     @cute.jit
     def smem_lane_f32(self, s_row: cute.Tensor, lane):
@@ -395,7 +408,7 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 def variant_key(*, state_dtype, gate, has_dt_bias, has_bias, aligned, max_tokens, rows_per_pass=2,
                 cache_hint="stream", null_policy=NullSlotPolicy.NONPOSITIVE, index_dtype=torch.int32,
-                qsl_dtype=torch.int32, nat_dtype=torch.int32):
+                qsl_dtype=torch.int32, nat_dtype=torch.int32, min_ctas=0):
     """Every code-generation parameter of one multi-token fused variant, in the order ``_compile`` reads them.
     ``max_tokens`` is a token bucket (``TOKEN_BUCKETS``; :func:`token_bucket` of T)."""
     null_policy = NullSlotPolicy(null_policy)
@@ -409,9 +422,9 @@ def variant_key(*, state_dtype, gate, has_dt_bias, has_bias, aligned, max_tokens
         fail("state", "dtype bfloat16 or float32", state_dtype)
     if max_tokens not in TOKEN_BUCKETS:
         fail("max_tokens", f"one of {TOKEN_BUCKETS}", max_tokens)
-    cfg = FusedSpecConfig(rows_per_pass, cache_hint)
+    cfg = FusedSpecConfig(rows_per_pass, cache_hint, min_ctas)
     return (state_dtype, gate, bool(has_dt_bias), bool(has_bias), bool(aligned), max_tokens, cfg.rows_per_pass,
-            cfg.cache_hint, null_policy, index_dtype, qsl_dtype, nat_dtype)
+            cfg.cache_hint, null_policy, index_dtype, qsl_dtype, nat_dtype, cfg.min_ctas)
 
 
 _EXTRA_OPTIONS = ""  # tests set "--keep-ptx --dump-dir D" through compile_variant()
@@ -419,7 +432,7 @@ _EXTRA_OPTIONS = ""  # tests set "--keep-ptx --dump-dir D" through compile_varia
 
 def _compile(key, arch):
     (state_dt, gate, has_dt_bias, has_bias, aligned, max_tokens, rows_per_pass, cache_hint, null_policy,
-     index_dtype, qsl_dtype, nat_dtype) = key
+     index_dtype, qsl_dtype, nat_dtype, min_ctas) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     tok, N, H, C, HK, R = (_launch.sym_size() for _ in range(6))
@@ -449,7 +462,7 @@ def _compile(key, arch):
     kernel = KDAFusedSpec(state_dtype=cdt(state_dt), gate=gate, has_dt_bias=has_dt_bias, has_bias=has_bias,
                           aligned=aligned, max_tokens=max_tokens, rows_per_pass=rows_per_pass, cache_hint=cache_hint,
                           null_policy=null_policy, index_dtype=cdt(index_dtype), qsl_dtype=cdt(qsl_dtype),
-                          nat_dtype=cdt(nat_dtype))
+                          nat_dtype=cdt(nat_dtype), min_ctas=min_ctas)
     return cute.compile(kernel, *args, options=_launch.compile_options(arch, _EXTRA_OPTIONS))
 
 
@@ -485,7 +498,8 @@ def _function(call, null_policy, config, device):
         vkey = variant_key(state_dtype=call.state_dtype, gate=call.gate_mode, has_dt_bias=call.has_dt_bias,
                            has_bias=call.has_bias, aligned=call.aligned, max_tokens=token_bucket(call.T),
                            rows_per_pass=cfg.rows_per_pass, cache_hint=cfg.cache_hint, null_policy=null_policy,
-                           index_dtype=call.index_dtype, qsl_dtype=call.qsl_dtype, nat_dtype=call.nat_dtype)
+                           index_dtype=call.index_dtype, qsl_dtype=call.qsl_dtype, nat_dtype=call.nat_dtype,
+                           min_ctas=cfg.min_ctas)
         compiled = _launch.get_or_compile(("fused_spec", *vkey), lambda arch: _compile(vkey, arch),
                                           _launch.arch_for(device))
         raw = getattr(compiled, "__tvm_ffi_object__", None)
