@@ -311,3 +311,177 @@ def validate_fused_decode(
             aligned=alignment >= VECTOR_BYTES, alignment=alignment, has_output=has_output, has_norm=has_norm,
             conv_layout=layout)
     return call
+
+
+# --------------------------------------------------------------------------------------------------
+# The multi-token form (spec decode): FlashInfer's ``packed_fused_kda_decode``
+# --------------------------------------------------------------------------------------------------
+
+MAX_FUSED_SPEC_TOKENS = 16
+"""Most checkpoint columns (``state_indices.shape[1]``, T) the multi-token fused kernel takes: its per-token
+vectors live in shared memory sized at compile time (about 2.5 KB per token and head)."""
+
+__all__ += ["PackedFusedDecodeCall", "validate_packed_fused_decode", "MAX_FUSED_SPEC_TOKENS"]
+
+
+@dataclass(frozen=True)
+class PackedFusedDecodeCall:
+    """A validated multi-token fused decode call (:func:`validate_packed_fused_decode`)."""
+
+    tokens: int
+    """Rows of ``x`` (the packed tokens of every request)."""
+    rows: int
+    """Requests: rows of ``state_indices``, ``query_start_loc`` has one more entry."""
+    T: int
+    """Checkpoint columns of ``state_indices`` (at most this many tokens per request run)."""
+    H: int
+    N: int
+    """Slots of both caches."""
+    state_dtype: torch.dtype
+    index_dtype: torch.dtype
+    qsl_dtype: torch.dtype
+    nat_dtype: torch.dtype
+    gate_mode: GateMode
+    lower_bound: float | None
+    norm_eps: float
+    has_dt_bias: bool
+    has_bias: bool
+    aligned: bool
+    """The state rows, raw_gate and dt_bias are 16-byte aligned (pointers and stepped strides)."""
+    alignment: int
+    has_output: bool
+
+
+_PACKED_MEMO: dict = {}
+
+
+def _int_vector(name, t, n: int, text: str, dev: int):
+    _tensor(name, t)
+    if tuple(t.shape) != (n,):
+        fail(name, f"shape {text} = ({n},)", tuple(t.shape))
+    if t.dtype not in _INDEX_DTYPES:
+        fail(name, "dtype int32 or int64", t.dtype)
+    _same_device(name, t, dev)
+
+
+def validate_packed_fused_decode(
+    x,
+    weight,
+    conv_state,
+    raw_gate,
+    raw_beta,
+    A_log,
+    dt_bias,
+    state_indices,
+    state,
+    output_gate,
+    norm_weight,
+    lower_bound=-5.0,
+    norm_eps=1e-5,
+    output=None,
+    *,
+    query_start_loc,
+    num_accepted_tokens,
+    bias=None,
+    device_kind="cuda",
+) -> PackedFusedDecodeCall:
+    """Validate one multi-token fused decode call (docs/design.md §8, the multi-token form); returns its description.
+
+    The rules of :func:`validate_fused_decode` with Ntok packed token rows in place of B: ``x`` [Ntok, 3·H·128],
+    ``raw_gate`` [1, Ntok, H, 128], ``raw_beta`` [1, Ntok, H], ``output_gate`` [Ntok, H, 128] or
+    [1, Ntok, H, 128], ``output`` [1, Ntok, H, 128]; and
+
+    - ``state_indices`` [rows, T] int32 or int64, 1 <= T <= ``MAX_FUSED_SPEC_TOKENS``, any strides (column 0 is the
+      row's conv slot, column t token t's checkpoint);
+    - ``query_start_loc`` [rows + 1] and ``num_accepted_tokens`` [rows], int32 or int64, any stride (values are
+      device data, bounded in the kernel: docs/design.md §4);
+    - ``conv_state`` [slots, C, W >= T + 2] (the T-token conv window), the SD layout as for T = 1.
+
+    Metadata only (no value is read, no sync): CUDA-graph safe. ``device_kind`` as in
+    :func:`validate_fused_decode`."""
+    _tensor("x", x)
+    if device_kind not in _DEVICE_KINDS:
+        fail("device_kind", f"one of {_DEVICE_KINDS}", repr(device_kind))
+    if x.dim() != 2 or x.shape[1] % (_PARTS * HEAD_DIM):
+        fail("x", "shape [Ntok, 3*H*128] (the packed q|k|v projection rows of every token)", tuple(x.shape))
+    Ntok, C = x.shape
+    H = C // (_PARTS * HEAD_DIM)
+    if H not in T1_HEAD_COUNTS:
+        fail("x", f"3*H*128 channels with H in {T1_HEAD_COUNTS}", f"{C} channels (H = {H})")
+    if x.dtype is not _BF16:
+        fail("x", "dtype bfloat16", x.dtype)
+    dev = x.get_device()
+    if device_kind == "cuda" and dev < 0:
+        fail("x", "a CUDA tensor (device_kind='cuda'; tests on other devices pass device_kind='any')", x.device)
+    _last_contiguous("x", x)
+    if Ntok > 1 and x.stride(0) < C:
+        fail("x", f"a row stride >= {C} (rows must not overlap)", f"strides {x.stride()}")
+    HK = H * HEAD_DIM
+
+    _tensor("state_indices", state_indices)
+    if state_indices.dim() != 2:
+        fail("state_indices", "a 2-D [N, T] tensor (one checkpoint slot per token)", tuple(state_indices.shape))
+    rows, T = state_indices.shape
+    if not 1 <= T <= MAX_FUSED_SPEC_TOKENS:
+        fail("state_indices", f"1 to {MAX_FUSED_SPEC_TOKENS} columns (T checkpoint slots per row)", T)
+    if state_indices.dtype not in _INDEX_DTYPES:
+        fail("state_indices", "dtype int32 or int64", state_indices.dtype)
+    _same_device("state_indices", state_indices, dev)
+    _int_vector("query_start_loc", query_start_loc, rows + 1, "[N + 1]", dev)
+    _int_vector("num_accepted_tokens", num_accepted_tokens, rows, "[N]", dev)
+
+    _contiguous_f32("weight", weight, (_PARTS, CONV_WIDTH, HK), "[3, 4, H*128]", dev)
+    if bias is not None:
+        _contiguous_f32("bias", bias, (C,), "[3*H*128]", dev)
+    n_conv = _check_conv_state(conv_state, C, dev)
+    if conv_state.shape[2] < T + 2:
+        fail("conv_state", f"at least T + 2 = {T + 2} columns (the T-token conv window)", conv_state.shape[2])
+
+    _activation("raw_gate", raw_gate, (1, Ntok, H, HEAD_DIM), "[1, Ntok, H, 128]", dev)
+    _last_contiguous("raw_gate", raw_gate)
+    _activation("raw_beta", raw_beta, (1, Ntok, H), "[1, Ntok, H]", dev)
+    if A_log is None:
+        fail("A_log", f"an fp32 tensor [H] = ({H},) (the layer's gate is computed in the kernel)", None)
+    _check_gate_params(A_log, dt_bias, H, HEAD_DIM, True, dev)
+    _check_scalar_args(lower_bound, None, HEAD_DIM, True)
+
+    N = _check_state(state, H, dev)
+    if N != n_conv:
+        fail("state", f"as many slots as conv_state ({n_conv}; one slot owns both caches)", N)
+
+    _tensor("output_gate", output_gate)
+    og_shape = (Ntok, H, HEAD_DIM) if output_gate.dim() == 3 else (1, Ntok, H, HEAD_DIM)
+    _activation("output_gate", output_gate, og_shape, "[Ntok, H, 128] or [1, Ntok, H, 128]", dev)
+    _last_contiguous("output_gate", output_gate)
+    _contiguous_f32("norm_weight", norm_weight, (HEAD_DIM,), "[128]", dev)
+    if not _is_number(norm_eps) or not (norm_eps >= 0 and math.isfinite(norm_eps)):
+        fail("norm_eps", "a finite float >= 0", norm_eps)
+
+    inputs = (("x", x), ("weight", weight), ("bias", bias), ("conv_state", conv_state), ("raw_gate", raw_gate),
+              ("raw_beta", raw_beta), ("A_log", A_log), ("dt_bias", dt_bias), ("state_indices", state_indices),
+              ("state", state), ("output_gate", output_gate), ("norm_weight", norm_weight),
+              ("query_start_loc", query_start_loc), ("num_accepted_tokens", num_accepted_tokens))
+    if output is not None:
+        _activation("output", output, (1, Ntok, H, HEAD_DIM), "[1, Ntok, H, 128]", dev)
+        _last_contiguous("output", output)
+    if dev < 0:
+        _check_host_kind("x", x, inputs[1:] + (("output", output),))
+    if output is not None:
+        _check_written("output", output, inputs)
+
+    acc = _bits(state) | _bits(raw_gate) | (dt_bias.data_ptr() if dt_bias is not None else 0)
+    has_output = output is not None
+    key = (Ntok, rows, T, H, N, state.dtype, state_indices.dtype, query_start_loc.dtype, num_accepted_tokens.dtype,
+           lower_bound, float(norm_eps), dt_bias is not None, bias is not None, acc & 15, has_output)
+    call = _PACKED_MEMO.get(key)
+    if call is None:
+        alignment = _pow2_alignment(acc)
+        if len(_PACKED_MEMO) >= _MEMO_MAX:
+            _PACKED_MEMO.clear()
+        call = _PACKED_MEMO[key] = PackedFusedDecodeCall(
+            tokens=Ntok, rows=rows, T=T, H=H, N=N, state_dtype=state.dtype, index_dtype=state_indices.dtype,
+            qsl_dtype=query_start_loc.dtype, nat_dtype=num_accepted_tokens.dtype,
+            gate_mode=gate_mode(True, lower_bound), lower_bound=None if lower_bound is None else float(lower_bound),
+            norm_eps=float(norm_eps), has_dt_bias=dt_bias is not None, has_bias=bias is not None,
+            aligned=alignment >= VECTOR_BYTES, alignment=alignment, has_output=has_output)
+    return call

@@ -6,7 +6,8 @@ Importing this package never touches the GPU or the DSL: kernels compile on firs
 
 from __future__ import annotations
 
-__all__ = ["fused_kda_decode", "kda_decode_t1", "kda_decode_t1_packed", "kda_decode_t1_packed_tokens"]
+__all__ = ["fused_kda_decode", "kda_decode_t1", "kda_decode_t1_packed", "kda_decode_t1_packed_tokens",
+           "packed_fused_kda_decode"]
 
 
 def __getattr__(name: str):
@@ -19,4 +20,8 @@ def __getattr__(name: str):
         from . import fused_decode
 
         return fused_decode.fused_kda_decode
+    if name == "packed_fused_kda_decode":
+        from . import fused_spec
+
+        return fused_spec.packed_fused_kda_decode
     raise AttributeError(f"module 'kda_cute' has no attribute {name!r}")
