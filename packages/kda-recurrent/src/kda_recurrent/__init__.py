@@ -11,7 +11,7 @@ RMSNorm; docs/design.md §8).
 
 from kda_recurrent import ops as _ops  # noqa: F401 (registers the kda::recurrent_kda op the facade traces)
 from kda_recurrent.facade import explain, recurrent_kda
-from kda_recurrent.fused import fused_kda_decode
+from kda_recurrent.fused import fused_kda_decode, packed_fused_kda_decode
 from kda_recurrent.spec import RecoverSSMCommit, recoverssm_commit
 from kda_recurrent.ucache import allocate_cursors, allocate_ucache, commit_ucache, kda_delta_rule_mtp_ucache_flush
 
@@ -24,6 +24,7 @@ __all__ = [
     "explain",
     "fused_kda_decode",
     "kda_delta_rule_mtp_ucache_flush",
+    "packed_fused_kda_decode",
     "recoverssm_commit",
     "RecoverSSMCommit",
     "recurrent_kda",

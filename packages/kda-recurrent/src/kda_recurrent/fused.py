@@ -17,8 +17,10 @@ same layer in another argument order, plus the DS conv layout and the call witho
 its adapter is :func:`kda_recurrent.compat.vllm.kimi_k3.fused_kda_decode`, whose ``torch.compile`` form is the
 ``kda::vllm_fused_kda_decode`` custom op defined here (vLLM's argument order; conv cache, state and ``out`` written).
 
-Not here yet: the multi-token form (FlashInfer's ``packed_fused_kda_decode``; its reference is
-:func:`kda_core.oracle_fused.packed_fused_kda_decode_ref`).
+:func:`packed_fused_kda_decode` is the multi-token form (spec decode: ragged windows from ``query_start_loc``, the
+conv over each row's window, per-token checkpoints), FlashInfer's ``packed_fused_kda_decode``: kda-cute's
+``fused_spec`` kernel on CUDA, :func:`kda_core.oracle_fused.packed_fused_kda_decode_ref` elsewhere; under
+``torch.compile`` the ``kda::packed_fused_kda_decode`` custom op.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ import torch
 
 from kda_core.contracts import HEAD_DIM, NullSlotPolicy
 from kda_core.errors import fail
-from kda_core.oracle_fused import NORM_EPS, fused_kda_decode_ref
-from kda_core.validation_fused import validate_fused_decode
+from kda_core.oracle_fused import NORM_EPS, fused_kda_decode_ref, packed_fused_kda_decode_ref
+from kda_core.validation_fused import validate_fused_decode, validate_packed_fused_decode
 from kda_recurrent.compat import optional_entry
 
-__all__ = ["fused_kda_decode"]
+__all__ = ["fused_kda_decode", "packed_fused_kda_decode"]
 
 _UNLOADED = object()
 _kernel = _UNLOADED  # kda_cute.fused_decode.fused_kda_decode, imported on the first CUDA call; None if missing
@@ -205,5 +207,133 @@ def _vllm_fused_kda_decode_op(
 
 @_vllm_fused_kda_decode_op.register_fake
 def _vllm_fused_kda_decode_fake(*args) -> None:
+    """Shapes only: the op writes its arguments in place and returns nothing."""
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The multi-token form (FlashInfer's packed_fused_kda_decode)
+
+_packed_kernel = _UNLOADED  # kda_cute.fused_spec.packed_fused_kda_decode, imported on the first CUDA call
+
+
+def _eager_packed(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state, output_gate,
+                  norm_weight, lower_bound, norm_eps, output, query_start_loc, num_accepted_tokens, t1_state_indices,
+                  bias, null_policy):
+    global _packed_kernel, _warned
+    if x.is_cuda:
+        if _packed_kernel is _UNLOADED:
+            _packed_kernel = optional_entry("kda_cute.fused_spec", "packed_fused_kda_decode")
+        if _packed_kernel is not None:
+            return _packed_kernel(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state,
+                                  output_gate, norm_weight, lower_bound, norm_eps, output,
+                                  query_start_loc=query_start_loc, num_accepted_tokens=num_accepted_tokens,
+                                  t1_state_indices=t1_state_indices, bias=bias, null_policy=null_policy)
+        if not _warned:
+            _warned = True
+            warnings.warn("kda_recurrent.packed_fused_kda_decode: kda-cute is not installed; the PyTorch reference "
+                          "runs (slow). Install kda-recurrent[cute].", RuntimeWarning, stacklevel=3)
+    if t1_state_indices is not None:
+        if not isinstance(state_indices, torch.Tensor) or state_indices.dim() != 2 or state_indices.shape[1] != 1:
+            fail("t1_state_indices", "None unless state_indices is [N, 1] (pre-resolved rows are for T = 1 only)",
+                 "a value")
+        return _eager(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, t1_state_indices, state,
+                      output_gate, norm_weight, lower_bound, norm_eps, output, bias, null_policy)
+    validate_packed_fused_decode(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state,
+                                 output_gate, norm_weight, lower_bound, norm_eps, output,
+                                 query_start_loc=query_start_loc, num_accepted_tokens=num_accepted_tokens, bias=bias,
+                                 device_kind="any")
+    return packed_fused_kda_decode_ref(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices,
+                                       state, output_gate, norm_weight, lower_bound, norm_eps, output,
+                                       query_start_loc=query_start_loc, num_accepted_tokens=num_accepted_tokens,
+                                       bias=bias, null_policy=null_policy)
+
+
+def packed_fused_kda_decode(
+    x,
+    weight,
+    conv_state,
+    raw_gate,
+    raw_beta,
+    A_log,
+    dt_bias,
+    state_indices,
+    state,
+    output_gate,
+    norm_weight,
+    lower_bound=-5.0,
+    norm_eps=NORM_EPS,
+    output=None,
+    *,
+    query_start_loc,
+    num_accepted_tokens,
+    t1_state_indices=None,
+    bias=None,
+    null_policy=NullSlotPolicy.NONPOSITIVE,
+):
+    """One fused spec-decode step of a whole KDA layer over ragged windows (FlashInfer 0.7.2's
+    ``packed_fused_kda_decode``; docs/design.md §8, the multi-token form). Updates ``conv_state`` and ``state`` in
+    place and returns ``output`` [1, Ntok, H, 128] bf16.
+
+    Args (Ntok packed tokens, N rows of at most T tokens, H heads, C = 3*H*128):
+        x: [Ntok, C] bf16 (row stride free); weight [3, 4, H*128] fp32; conv_state [slots, C, >= T + 2] bf16 (SD
+            layout: strides [slot, 1, C]); raw_gate [1, Ntok, H, 128], raw_beta [1, Ntok, H] bf16; A_log [H], dt_bias
+            [H*128] fp32 (or None); output_gate [Ntok, H, 128] (or [1, Ntok, H, 128]) bf16, norm_weight [128] fp32.
+        state_indices: [N, T] int32/int64 (column 0: the row's conv slot; column t: token t's checkpoint);
+            state [slots, H, 128, 128] bf16 or fp32.
+        query_start_loc: [N + 1] offsets; num_accepted_tokens: [N] (the state is read from column
+            ``max(min(nat, T), 1) - 1``); device data, bounded in the kernel.
+        t1_state_indices: FlashInfer's pre-resolved T = 1 rows ([Ntok] slots, with ``state_indices`` [N, 1]): the
+            call is then the T = 1 step (:func:`fused_kda_decode`).
+        bias: [C] fp32 conv bias or None; null_policy: ``NONPOSITIVE`` (FlashInfer's, vLLM's) or ``OUT_OF_RANGE``.
+
+    A null row (its conv slot or its read slot) gets zero output and touches neither cache. No host sync, no
+    allocation when ``output`` is given: CUDA-graph capturable.
+    """
+    policy = null_policy if type(null_policy) is NullSlotPolicy else _policy(null_policy)
+    if torch.compiler.is_compiling():
+        if output is None:
+            output = x.new_empty((1, x.shape[0], A_log.shape[0], HEAD_DIM), dtype=torch.bfloat16)
+        torch.ops.kda.packed_fused_kda_decode(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias,
+                                              state_indices, state, output_gate, norm_weight, lower_bound, norm_eps,
+                                              output, query_start_loc, num_accepted_tokens, t1_state_indices, bias,
+                                              policy.value)
+        return output
+    return _eager_packed(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state,
+                         output_gate, norm_weight, lower_bound, norm_eps, output, query_start_loc,
+                         num_accepted_tokens, t1_state_indices, bias, policy)
+
+
+@torch.library.custom_op("kda::packed_fused_kda_decode", mutates_args=("conv_state", "state", "output"))
+def _packed_fused_kda_decode_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    raw_gate: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    state_indices: torch.Tensor,
+    state: torch.Tensor,
+    output_gate: torch.Tensor,
+    norm_weight: torch.Tensor,
+    lower_bound: float | None,
+    norm_eps: float,
+    output: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_accepted_tokens: torch.Tensor,
+    t1_state_indices: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    null_policy: str,
+) -> None:
+    o = _eager_packed(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state, output_gate,
+                      norm_weight, lower_bound, norm_eps, output, query_start_loc, num_accepted_tokens,
+                      t1_state_indices, bias, NullSlotPolicy(null_policy))
+    if o is not output:
+        output.copy_(o)
+
+
+@_packed_fused_kda_decode_op.register_fake
+def _packed_fused_kda_decode_fake(*args) -> None:
     """Shapes only: the op writes its arguments in place and returns nothing."""
     return None
