@@ -21,12 +21,13 @@ of ``rows_in_flight`` of its rows before it uses any (or streams them through a 
 The state's loads and stores carry a cache hint: streaming (.cs, the state is touched once per step) by
 default, ld.cg / st.wb where the schedule says so (the fp32 large-batch row, measured).
 
-Variants (compile-time): pool dtype x gate mode x beta logit x l2norm x dt_bias present x g/beta dtypes x
-tile_v x alignment x rows in flight x cache hint x bulk ring (1-D bulk copies through a shared-memory ring, aligned
-tiles 32-128; the schedule's large rows) x slot-major grid x null-slot policy x index dtype x entry (batch rows, the
-packed GEMM rows, or the varlen form's tokens + cu_seqlens). Batch, pool rows and the head count are
-runtime values (the head count only enters the grid and the index math), so one compiled function serves every B
-and every H.
+Variants (compile-time): pool dtype x gate mode x beta logit x l2norm x dt_bias present x g/beta dtypes x tile_v x
+alignment (aligned; pool realigned: only the pool misaligned, any slot stride,
+:meth:`KDADecodeT1.update_state_realigned`; element-wise) x rows in flight x cache hint x bulk ring (1-D bulk copies
+through a shared-memory ring, aligned tiles 32-128; the schedule's large rows) x slot-major grid x null-slot policy
+x index dtype x entry (batch rows, the packed GEMM rows, or the varlen form's tokens + cu_seqlens). Batch, pool rows
+and the head count are runtime values (the head count only enters the grid and the index math), so one compiled
+function serves every B and every H.
 
 Schedule: :func:`select_config` (the measured table ``_SCHEDULE``) returns a :class:`DecodeT1Config`; the entries
 take ``config=`` to run another one (benchmarks and tests sweep that way; serving leaves it None).
@@ -692,8 +693,8 @@ class KDADecodeT1:
         straddles the row's start, so its elements t < shift come from the vector straddling the row's end (channels
         128 - shift + t). The per-channel coefficients (decay, k^, q^) are realigned once (:meth:`realign_channels`)
         instead of every row. Lane 0 writes its two straddling vectors in aligned pieces (:meth:`store_straddling`),
-        never a byte of a neighbouring row, and reads them as whole vectors where they lie inside the slot's run,
-        element by element at the run's two ends (:meth:`issue_realigned_row`)."""
+        never a byte of a neighbouring row; how it reads them: :meth:`issue_realigned_row`. A slot with mis = 0 takes
+        the aligned accesses in every lane."""
         sdt = self.state_dtype
         elem_bytes = sdt.width // 8
         vec = 16 // elem_bytes  # elements of a 16-byte vector
