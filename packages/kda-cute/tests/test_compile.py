@@ -97,7 +97,7 @@ def _variants():
                 "beta_is_logit": False, **tokens})
     out.append({**base, "state_dtype": torch.float32, "tile_v": 128, "bulk_ring": 8, "slot_major": True,
                 "index_dtype": torch.int64, **nonpositive, **tokens})
-    # The pool-realigning variant (every tensor but the pool aligned, any slot stride): every tile of both pool
+    # The pool-realigning variant (the pool in aligned vectors whatever its slot stride): every tile of both pool
     # dtypes, each entry, the null policy, int64 indices, the varlen form; a requested ring / slot-major grid is
     # normalised away.
     realign = {"realign_pool": True}
@@ -107,7 +107,12 @@ def _variants():
                  dict(state_dtype=torch.float32, tile_v=128, rows_in_flight=16, cache_hint="global"),
                  dict(gate=GateMode.PRECOMPUTED, g_dtype=torch.float32, beta_dtype=torch.float32, beta_is_logit=False),
                  dict(index_dtype=torch.int64, **nonpositive), dict(tile_v=64, cu_dtype=torch.int32),
-                 dict(state_dtype=torch.float32, tile_v=16, cu_dtype=torch.int64, **nonpositive)):
+                 dict(state_dtype=torch.float32, tile_v=16, cu_dtype=torch.int64, **nonpositive),
+                 # the other tensors misaligned too (element-wise activations and output): the entries' unaligned calls
+                 dict(aligned=False, tile_v=16), dict(aligned=False, state_dtype=torch.float32, tile_v=128,
+                                                      rows_in_flight=16, cache_hint="global"),
+                 dict(aligned=False, packed=True, tile_v=64), dict(aligned=False, packed="tokens", tile_v=128),
+                 dict(aligned=False, tile_v=32, cu_dtype=torch.int32)):
         out.append({**base, **flag, **realign})
     return out
 
@@ -148,9 +153,9 @@ def test_decode_t1_variant_compiles(variant, arch):
 @pytest.mark.parametrize("aligned, rows_in_flight, packed, realign_pool",
                          [(True, 0, False, False), (False, 0, False, False), (True, 16, False, False),
                           (True, 0, True, False), (False, 0, True, False), (True, 0, False, True),
-                          (True, 16, False, True)],
+                          (True, 16, False, True), (False, 0, False, True), (False, 16, True, True)],
                          ids=["aligned", "unaligned", "allrows", "packed", "packed-unaligned", "realign",
-                              "realign-allrows"])
+                              "realign-allrows", "realign-unaligned", "realign-unaligned-allrows-packed"])
 def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, rows_in_flight, packed, realign_pool, arch,
                                           tmp_path, ptxas):
     from kda_core.contracts import GateMode

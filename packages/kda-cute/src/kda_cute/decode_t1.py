@@ -247,9 +247,10 @@ class KDADecodeT1:
         self.has_dt_bias = has_dt_bias
         self.tile_v = tile_v
         self.aligned = aligned
-        # Pool-realigning variant: every tensor but the pool 16-byte aligned, the pool's slot stride any number of
-        # elements (update_state_realigned). The ring and the slot-major grid need an aligned pool.
-        self.realign_pool = bool(realign_pool) and bool(aligned)
+        # Pool-realigning variant: the pool read in aligned vectors whatever its pointer and slot stride
+        # (update_state_realigned); ``aligned`` is then the other tensors' class. The ring and the slot-major grid
+        # need an aligned pool.
+        self.realign_pool = bool(realign_pool)
         pool_aligned = bool(aligned) and not self.realign_pool
         self.tail_vectors = self.realign_pool and state_dtype.width == 16  # see issue_realigned_row
         self.rows = tile_v // ROW_GROUPS
@@ -1147,12 +1148,13 @@ def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk
     indices are null (:class:`kda_core.contracts.NullSlotPolicy`, docs/design.md §4). ``index_dtype``: the slot
     indices' dtype, torch.int32 or torch.int64 (read as they are and compared in their width). ``cu_dtype``: None,
     or the varlen form's cu_seqlens dtype (torch.int32 / torch.int64; :class:`KDADecodeT1Varlen`, never slot-major,
-    not packed). ``realign_pool``: the pool-realigning variant (:meth:`KDADecodeT1.update_state_realigned`: every
-    tensor but the pool 16-byte aligned, the pool's slot stride any number of elements); only with ``aligned`` (the
-    other tensors' class), and it has no bulk ring and no slot-major grid (normalised away).
+    not packed). ``realign_pool``: the pool-realigning variant (:meth:`KDADecodeT1.update_state_realigned`: the
+    pool's pointer and slot stride anything, its rows read in aligned vectors); ``aligned`` is then the class of the
+    other tensors (activations, dt_bias, output: vectors or element-wise). It has no bulk ring and no slot-major grid
+    (normalised away).
     """
     null_policy = NullSlotPolicy(null_policy)  # an enum member, or its value
-    realign_pool = bool(realign_pool) and bool(aligned)
+    realign_pool = bool(realign_pool)
     if realign_pool:
         bulk_ring, slot_major = 0, False
     if index_dtype not in (torch.int32, torch.int64):
@@ -1368,19 +1370,22 @@ def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bi
         varlen = cu_dtype is not None
         if varlen and B > GRID_Z_MAX:  # one CTA row per sequence on gridDim.z, not split (the edge zeros)
             fail("cu_seqlens", f"at most {GRID_Z_MAX} sequences per call (grid z limit)", B)
-        # The schedule and the config are fitted to the pool's class (call.aligned: a ring and a slot-major grid need
-        # an aligned pool); the variant reads the other tensors in vectors when they are aligned (realign_pool).
+        # The schedule and the config are fitted to the call's class (call.aligned: a ring and a slot-major grid need
+        # every tensor aligned). A call that is not takes the pool-realigning variant (the pool in vectors whatever
+        # its slot stride; a slot that happens to be aligned reads as in the aligned variant), with the other tensors
+        # in vectors when they are aligned (call.others_aligned), else element-wise.
         if config is None:  # (varlen: pool rows not given, so the policy never picks the slot-major grid)
             cfg = select_config(B, call.H, call.state_dtype, call.aligned, None if varlen else call.N)
         elif isinstance(config, DecodeT1Config):
             cfg = effective_config(config, B, call.state_dtype, call.aligned, call.N)
         else:
             fail("config", "a DecodeT1Config or None", type(config).__name__)
-        realign_pool = not call.aligned and call.others_aligned
+        realign_pool = not call.aligned
         # dt_bias is optional with the gate in the kernel (absent = zeros), ignored without it.
         key = variant_key(state_dtype=call.state_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=call.gate_mode,
                           beta_is_logit=call.beta_is_logit, use_qk_l2norm=l2norm, has_dt_bias=gated and has_dt_bias,
-                          tile_v=cfg.tile_v, aligned=call.aligned or realign_pool, rows_in_flight=cfg.rows_in_flight,
+                          tile_v=cfg.tile_v, aligned=call.others_aligned if realign_pool else call.aligned,
+                          rows_in_flight=cfg.rows_in_flight,
                           cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring, slot_major=cfg.slot_major, packed=packed,
                           null_policy=null_policy, index_dtype=index_dtype, cu_dtype=cu_dtype,
                           realign_pool=realign_pool)
