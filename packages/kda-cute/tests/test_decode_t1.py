@@ -684,11 +684,11 @@ def _described_run(case, entry, out, *, slots=None, aligned=None, others_aligned
 @pytest.mark.parametrize("entry", ["unpacked", "packed"])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("pad", [17, 1])
-@pytest.mark.parametrize("variant", ["realign", "elementwise"])
-def test_a_pool_slot_stride_of_any_element_count_runs_the_unaligned_variant(variant, pad, state_dtype, entry,
+@pytest.mark.parametrize("activations", ["vectors", "elementwise"])
+def test_a_pool_slot_stride_of_any_element_count_runs_the_unaligned_variant(activations, pad, state_dtype, entry,
                                                                              make_case):
-    """The pool-realigning variant (everything else aligned: the one the entries take) and the element-wise one (any
-    other tensor misaligned too)."""
+    """The pool-realigning variant the entries take, with the other tensors in vectors (described as aligned) or
+    element-wise (described as misaligned too)."""
     from kda_cute.decode_t1 import DecodeT1Config
 
     B, N, H = 9, 13, 12
@@ -701,7 +701,7 @@ def test_a_pool_slot_stride_of_any_element_count_runs_the_unaligned_variant(vari
     out = torch.full((B, 1, H, 128), 7.0, dtype=torch.bfloat16, device="cuda")
     # The large-batch schedule asked for: the ring and the slot-major grid need 16-byte strides, so it runs the
     # register path of tile 128.
-    _described_run(case, entry, out, aligned=False, others_aligned=variant == "realign",
+    _described_run(case, entry, out, aligned=False, others_aligned=activations == "vectors",
                    config=DecodeT1Config(128, bulk_ring=8, slot_major=True))
     assert torch.count_nonzero(out[torch.tensor(inactive, device="cuda")]) == 0
     assert torch.equal(storage[:, H * 128 * 128:], before[:, H * 128 * 128:])  # the padding between slots
