@@ -183,6 +183,25 @@ def test_an_odd_pool_slot_stride_is_legal_and_unaligned(state_dtype):
                                                                                ODD_ROW))).aligned
 
 
+@pytest.mark.parametrize("state_dtype", [BF16, F32])
+def test_a_misaligned_pool_alone_is_told_apart_from_a_misaligned_activation(state_dtype):
+    # others_aligned: the T=1 kernel's pool-realigning variant may run (everything but the pool read in vectors)
+    pool = _padded_rows((8, H, D, D), state_dtype, ODD_ROW)
+    call = t1(_with(t1_args(state_dtype=state_dtype), state_pool=pool))
+    assert not call.aligned and call.others_aligned
+    shifted_q = torch.zeros(3 * H * D + 8, dtype=BF16)[2:2 + 3 * H * D].view(3, 1, H, D)
+    both = t1(_with(t1_args(state_dtype=state_dtype), state_pool=pool, q=shifted_q))
+    assert not both.aligned and not both.others_aligned and both is not call
+    assert t1(t1_args(state_dtype=state_dtype)).others_aligned  # an aligned call: both hold
+    shifted_base = torch.zeros(8 * H * D * D + 2, dtype=state_dtype)[1:1 + 8 * H * D * D].view(8, H, D, D)
+    assert t1(_with(t1_args(state_dtype=state_dtype), state_pool=shifted_base)).others_aligned
+    assert packed(_with(packed_args(), state_pool=_padded_rows((8, H, D, D), BF16, ODD_ROW))).others_aligned
+    r = rec(_with(rec_args(), initial_state=_padded_rows((8, H, D, D), state_dtype, ODD_ROW)))
+    assert not r.aligned and r.others_aligned
+    assert not rec(_with(rec_args(), initial_state=_padded_rows((8, H, D, D), state_dtype, ODD_ROW),
+                         q=torch.zeros(2 * H * D + 1, dtype=BF16)[1:].view(2, 1, H, D))).others_aligned
+
+
 def test_an_odd_ucache_pool_or_ring_stride_is_legal_and_unaligned():
     assert uc(uc_args()).aligned
     call = uc(_with(uc_args(), initial_state_source=_padded_rows((5, H, D, D), BF16, ODD_ROW)))
@@ -893,6 +912,9 @@ def test_revalidation_takes_the_relaxed_layouts_and_keys_them(on_cpu):
     assert call is t1(a) and call.index_dtype is torch.int64 and not call.aligned
     assert _reval_t1(_with(a, slot_indices=_index_view(4, I32))).index_dtype is I32
     assert _reval_t1(_with(a, state_pool=torch.zeros(8, H, D, D, dtype=BF16))).aligned
+    assert call.others_aligned
+    shifted = _with(a, q=torch.zeros(4 * H * D + 1, dtype=BF16)[1:].view(4, 1, H, D))
+    assert _reval_t1(shifted) is t1(shifted) and not _reval_t1(shifted).others_aligned
     p = _with(packed_args(B=4), slot_indices=_index_view(4, torch.int64))
     assert _reval_packed(p) is packed(p) and _reval_packed(p).index_dtype is torch.int64
     # An output overlapping a strided index view is found by the index view's span (not B elements from its

@@ -97,11 +97,29 @@ def _variants():
                 "beta_is_logit": False, **tokens})
     out.append({**base, "state_dtype": torch.float32, "tile_v": 128, "bulk_ring": 8, "slot_major": True,
                 "index_dtype": torch.int64, **nonpositive, **tokens})
+    # The pool-realigning variant (the pool in aligned vectors whatever its slot stride): every tile of both pool
+    # dtypes, each entry, the null policy, int64 indices, the varlen form; a requested ring / slot-major grid is
+    # normalised away.
+    realign = {"realign_pool": True}
+    for sd, tile in itertools.product((torch.bfloat16, torch.float32), TILES):
+        out.append({**base, "state_dtype": sd, "tile_v": tile, **realign})
+    for flag in (dict(packed=True), dict(packed="tokens", state_dtype=torch.float32), dict(tile_v=128, bulk_ring=8),
+                 dict(state_dtype=torch.float32, tile_v=128, rows_in_flight=16, cache_hint="global"),
+                 dict(gate=GateMode.PRECOMPUTED, g_dtype=torch.float32, beta_dtype=torch.float32, beta_is_logit=False),
+                 dict(index_dtype=torch.int64, **nonpositive), dict(tile_v=64, cu_dtype=torch.int32),
+                 dict(state_dtype=torch.float32, tile_v=16, cu_dtype=torch.int64, **nonpositive),
+                 # the other tensors misaligned too (element-wise activations and output): the entries' unaligned calls
+                 dict(aligned=False, tile_v=16), dict(aligned=False, state_dtype=torch.float32, tile_v=128,
+                                                      rows_in_flight=16, cache_hint="global"),
+                 dict(aligned=False, packed=True, tile_v=64), dict(aligned=False, packed="tokens", tile_v=128),
+                 dict(aligned=False, tile_v=32, cu_dtype=torch.int32)):
+        out.append({**base, **flag, **realign})
     return out
 
 
 def _ident(v):
-    return (f"{str(v['state_dtype'])[6:]}-{v['gate'].value}-tv{v['tile_v']}-{'al' if v['aligned'] else 'unal'}"
+    align = "realign" if v.get("realign_pool") else "al" if v["aligned"] else "unal"
+    return (f"{str(v['state_dtype'])[6:]}-{v['gate'].value}-tv{v['tile_v']}-{align}"
             f"{'-rif%d' % v['rows_in_flight'] if v.get('rows_in_flight') else ''}"
             f"{'-' + v['cache_hint'] if v.get('cache_hint', 'stream') != 'stream' else ''}"
             f"{'-bulk%d' % v['bulk_ring'] if v.get('bulk_ring') else ''}"
@@ -132,17 +150,22 @@ def test_decode_t1_variant_compiles(variant, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("tile_v", TILES)
-@pytest.mark.parametrize("aligned, rows_in_flight, packed",
-                         [(True, 0, False), (False, 0, False), (True, 16, False), (True, 0, True), (False, 0, True)],
-                         ids=["aligned", "unaligned", "allrows", "packed", "packed-unaligned"])
-def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, rows_in_flight, packed, arch, tmp_path, ptxas):
+@pytest.mark.parametrize("aligned, rows_in_flight, packed, realign_pool",
+                         [(True, 0, False, False), (False, 0, False, False), (True, 16, False, False),
+                          (True, 0, True, False), (False, 0, True, False), (True, 0, False, True),
+                          (True, 16, False, True), (False, 0, False, True), (False, 16, True, True)],
+                         ids=["aligned", "unaligned", "allrows", "packed", "packed-unaligned", "realign",
+                              "realign-allrows", "realign-unaligned", "realign-unaligned-allrows-packed"])
+def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, rows_in_flight, packed, realign_pool, arch,
+                                          tmp_path, ptxas):
     from kda_core.contracts import GateMode
     from kda_cute import decode_t1
 
     # The softplus gate is the longest preamble (log1p + exp per channel): the register high-water mark.
     key = decode_t1.variant_key(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
                                 gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
-                                tile_v=tile_v, aligned=aligned, rows_in_flight=rows_in_flight, packed=packed)
+                                tile_v=tile_v, aligned=aligned, rows_in_flight=rows_in_flight, packed=packed,
+                                realign_pool=realign_pool)
     decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
     ptx = sorted(tmp_path.glob("*.ptx"))
     assert ptx, "no PTX kept"

@@ -656,9 +656,9 @@ def test_nonpositive_all_null_batch_is_a_bitwise_noop_on_the_pool(grid, make_cas
 # of bounds): a pool slot stride of any element count, strided and int64 slot indices. The kernel takes them as they
 # are; these tests launch it through _run / _run_packed with the description of the same call in a legal layout,
 # fitted to the real one (the alignment class of an odd pool stride), as kda-core will once it accepts them.
-def _described_run(case, entry, out, *, slots=None, aligned=None, **kw):
+def _described_run(case, entry, out, *, slots=None, aligned=None, others_aligned=None, **kw):
     """Launch ``case`` (its pool and ``slots`` as they are) on the description kda-core gives the same call with a
-    compact pool and contiguous int32 slots (``aligned`` overrides its alignment class)."""
+    compact pool and contiguous int32 slots (``aligned`` / ``others_aligned`` override its alignment class)."""
     import dataclasses
 
     from kda_core.validation import validate_decode_t1, validate_packed_decode_t1
@@ -672,7 +672,8 @@ def _described_run(case, entry, out, *, slots=None, aligned=None, **kw):
                                          **legal)
     else:
         call = validate_decode_t1(case.q, case.k, case.v, case.g, case.beta, **legal)
-    call = dataclasses.replace(call, aligned=call.aligned if aligned is None else aligned)  # a fresh description
+    call = dataclasses.replace(call, aligned=call.aligned if aligned is None else aligned,
+                               others_aligned=call.others_aligned if others_aligned is None else others_aligned)
     if entry == "packed":
         return decode_t1._run_packed(call, case.mixed_qkv, case.raw_gate, case.raw_beta, case.pool, slots, case.A_log,
                                      case.dt_bias, True, out, **kw)
@@ -683,7 +684,11 @@ def _described_run(case, entry, out, *, slots=None, aligned=None, **kw):
 @pytest.mark.parametrize("entry", ["unpacked", "packed"])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("pad", [17, 1])
-def test_a_pool_slot_stride_of_any_element_count_runs_the_unaligned_variant(pad, state_dtype, entry, make_case):
+@pytest.mark.parametrize("activations", ["vectors", "elementwise"])
+def test_a_pool_slot_stride_of_any_element_count_runs_the_unaligned_variant(activations, pad, state_dtype, entry,
+                                                                             make_case):
+    """The pool-realigning variant the entries take, with the other tensors in vectors (described as aligned) or
+    element-wise (described as misaligned too)."""
     from kda_cute.decode_t1 import DecodeT1Config
 
     B, N, H = 9, 13, 12
@@ -696,7 +701,8 @@ def test_a_pool_slot_stride_of_any_element_count_runs_the_unaligned_variant(pad,
     out = torch.full((B, 1, H, 128), 7.0, dtype=torch.bfloat16, device="cuda")
     # The large-batch schedule asked for: the ring and the slot-major grid need 16-byte strides, so it runs the
     # register path of tile 128.
-    _described_run(case, entry, out, aligned=False, config=DecodeT1Config(128, bulk_ring=8, slot_major=True))
+    _described_run(case, entry, out, aligned=False, others_aligned=activations == "vectors",
+                   config=DecodeT1Config(128, bulk_ring=8, slot_major=True))
     assert torch.count_nonzero(out[torch.tensor(inactive, device="cuda")]) == 0
     assert torch.equal(storage[:, H * 128 * 128:], before[:, H * 128 * 128:])  # the padding between slots
     untouched = sorted(set(range(N)) - {s for s in slots if 0 <= s < N})

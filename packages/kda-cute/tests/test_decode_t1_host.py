@@ -677,11 +677,47 @@ def test_the_entries_compile_the_variant_of_the_serving_layout_they_get(entries_
     first, second = entries_on_cpu
     assert _field(first.key, "index_dtype") is torch.int32 and _field(first.key, "aligned") is True
     assert _field(first.key, "null_policy") is NullSlotPolicy.OUT_OF_RANGE
-    assert _field(second.key, "index_dtype") is torch.int64 and _field(second.key, "aligned") is False
+    assert _field(first.key, "realign_pool") is False
+    # only the pool is misaligned (slot stride row + 17): the pool-realigning variant, the rest read in vectors
+    assert _field(second.key, "index_dtype") is torch.int64 and _field(second.key, "aligned") is True
+    assert _field(second.key, "realign_pool") is True
     assert _field(second.key, "null_policy") is NullSlotPolicy.NONPOSITIVE
     assert len(second.calls) == 2
     slots_arg = second.calls[0][6 if entry is _packed_entry else 8]
     assert slots_arg is case64.slots and slots_arg.stride() == (4,)  # handed to the kernel as it is
+
+
+@pytest.mark.parametrize("entry", [_packed_entry, _unpacked_entry], ids=["packed", "unpacked"])
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_misaligned_call_takes_the_realigning_variant_without_ring_or_slot_major(entries_on_cpu, make_case, entry,
+                                                                                    state_dtype):
+    from kda_cute import decode_t1
+
+    # B*H past the ring rows and a pool of at most 1.25 B rows: the aligned pool would take ring + slot-major
+    case = make_case(512, 12, device="cpu", state_dtype=state_dtype, n_slots=520, pool_row_pad=17)
+    entry(case)
+    # a misaligned activation as well (mixed_qkv / q one element in): the same pool path, the rest element-wise
+    both = make_case(3, 12, device="cpu", state_dtype=state_dtype, pool_row_pad=17, row_shift=1)
+    entry(both)
+    # only an activation misaligned, the pool aligned: the pool path too (its slots all read as aligned ones)
+    act = make_case(3, 12, device="cpu", state_dtype=state_dtype, row_shift=1)
+    entry(act)
+    # everything aligned: the aligned variant, which never realigns
+    entry(make_case(3, 12, device="cpu", state_dtype=state_dtype))
+    realigned, elementwise, act_only, aligned = entries_on_cpu
+    assert _field(realigned.key, "aligned") is True and _field(realigned.key, "realign_pool") is True
+    assert _field(realigned.key, "bulk_ring") == 0 and _field(realigned.key, "slot_major") is False
+    assert _field(realigned.key, "tile_v") == 128
+    for other in (elementwise, act_only):
+        assert _field(other.key, "aligned") is False and _field(other.key, "realign_pool") is True
+    assert _field(aligned.key, "aligned") is True and _field(aligned.key, "realign_pool") is False
+    # the key normalises: no ring or slot-major grid with a realigned pool
+    base = dict(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
+                gate=decode_t1.GateMode.LOWER_BOUND, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
+                tile_v=128)
+    assert _field(decode_t1.variant_key(**base, aligned=False, realign_pool=True), "realign_pool") is True
+    ringed = decode_t1.variant_key(**base, aligned=True, realign_pool=True, bulk_ring=8, slot_major=True)
+    assert _field(ringed, "bulk_ring") == 0 and _field(ringed, "slot_major") is False
 
 
 def test_debug_validation_of_the_entries_lets_slot_0_repeat_under_nonpositive(entries_on_cpu, make_case,

@@ -16,7 +16,9 @@ Policies written down here:
 - A slot index outside [0, N) is legal: its row is inactive (zero output, pool untouched). Validation never looks
   at index values; the kernels bound-check them against N.
 - Alignment is a classification, never a rejection: a legal tensor whose pointer or strides are not 16-byte
-  multiples sets ``aligned=False`` and takes the unaligned kernel variant.
+  multiples sets ``aligned=False`` and takes the unaligned kernel variant. The T=1 descriptions also say whether
+  every tensor but the state pool is aligned (``others_aligned``): a pool whose slot stride is any number of elements
+  (vLLM's paged allocator) then takes the T=1 kernel's pool-realigning variant, everything else in vectors.
 - ``device_kind="cuda"`` (the kernel launchers) requires every tensor on one CUDA device; ``device_kind="any"``
   (the oracle path, tests on CPU or ``meta`` tensors) requires only that they share one device. Devices are compared
   by index, which is -1 for both cpu and meta, so off CUDA the full validators also compare ``is_meta``.
@@ -151,6 +153,9 @@ class DecodeT1Call:
     """The gate is in the kernel and dt_bias was given (absent: zeros, the kernel's variant without it)."""
     index_dtype: torch.dtype = torch.int32
     """The slot indices' dtype (int32 or int64): the kernel reads them as they are, so it is a compiled variant."""
+    others_aligned: bool = False
+    """Every vector-read tensor except the state pool is 16-byte aligned (whatever the pool's pointer and row stride):
+    with ``aligned`` False, the T=1 kernel's pool-realigning variant may run."""
 
 
 @dataclass(frozen=True)
@@ -188,6 +193,9 @@ class RecurrentCall:
     """The gate is in the kernel and dt_bias was given (absent: zeros, the kernels' variant without it)."""
     index_dtype: torch.dtype | None = torch.int32
     """The slot indices' dtype, int32 or int64 (None in dense mode): a compiled variant of every kernel."""
+    others_aligned: bool = False
+    """As :attr:`DecodeT1Call.others_aligned`: every vector-read tensor except the pool (``initial_state`` in pool and
+    spec modes) is 16-byte aligned."""
 
 
 @dataclass(frozen=True)
@@ -241,6 +249,12 @@ def _pow2_alignment(acc: int) -> int:
     if acc % 2 == 0:
         return 2
     return 1
+
+
+def _key_bits(acc: int, pool_bits: int) -> int:
+    """The alignment facts of a memo key: the low 4 bits of every tensor but the pool (``acc``), and above them the
+    pool's own (its pointer and row stride), so that a misaligned pool and a misaligned activation are told apart."""
+    return (acc & 15) | (pool_bits & 15) << 4
 
 
 def _alignment_all(tensors) -> int:
@@ -605,9 +619,9 @@ def _t1_tail(B, H, g_dtype, beta_dtype, state_pool, slot_indices, A_log, dt_bias
         _rows("state_pool", state_pool, (H, HEAD_DIM, HEAD_DIM), _POOL_DTYPES, "bfloat16 or float32", "[N, H, V, K]",
               dev)
     N = ps[0]
-    acc |= state_pool.data_ptr()
+    pool_bits = state_pool.data_ptr()  # kept apart from acc: the pool alone may be misaligned (others_aligned)
     if N > 1:  # the row stride in bytes: one that is not a 16-byte multiple takes the unaligned variant
-        acc |= pst[0] * (4 if state_dtype is _F32 else 2)
+        pool_bits |= pst[0] * (4 if state_dtype is _F32 else 2)
 
     if (not isinstance(slot_indices, _Tensor) or slot_indices.shape != (B,)
             or ((index_dtype := slot_indices.dtype) is not _I32 and index_dtype is not _I64)
@@ -633,17 +647,17 @@ def _t1_tail(B, H, g_dtype, beta_dtype, state_pool, slot_indices, A_log, dt_bias
 
     # (use_gate, lower_bound) determine the gate mode and hash faster than the enum (a Python-level __hash__).
     has_dt_bias = use_gate_in_kernel and dt_bias is not None
-    key = ("t1", B, H, N, state_dtype, g_dtype, beta_dtype, use_gate_in_kernel, lb, beta_is_logit, scale, acc & 15,
-           is_packed, output is not None, has_dt_bias, index_dtype)
+    key = ("t1", B, H, N, state_dtype, g_dtype, beta_dtype, use_gate_in_kernel, lb, beta_is_logit, scale,
+           _key_bits(acc, pool_bits), is_packed, output is not None, has_dt_bias, index_dtype)
     call = _MEMO.get(key)
     if call is None:
-        alignment = _pow2_alignment(acc)
+        alignment = _pow2_alignment(acc | pool_bits)
         call = _remember(key, DecodeT1Call(
             B=B, H=H, head_dim=HEAD_DIM, N=N, state_dtype=state_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype,
             gate_mode=gate_mode(use_gate_in_kernel, lower_bound), beta_is_logit=beta_is_logit,
             lower_bound=None if lb is None else float(lb), scale=scale, aligned=alignment >= VECTOR_BYTES,
             alignment=alignment, packed=is_packed, has_output=output is not None, has_dt_bias=has_dt_bias,
-            index_dtype=index_dtype,
+            index_dtype=index_dtype, others_aligned=_pow2_alignment(acc) >= VECTOR_BYTES,
         ))
     return call
 
@@ -901,12 +915,12 @@ def _t1_recheck_tail(B, H, state_pool, slot_indices, A_log, dt_bias, lower_bound
     state_dtype = state_pool.dtype
     elem = 4 if state_dtype is _F32 else 2
     pp = state_pool.data_ptr()
-    acc |= pp
+    pool_bits = pp
     if N > 1:
         pst0 = state_pool.stride()[0]
         if pst0 < row:
             return None
-        acc |= pst0 * elem
+        pool_bits |= pst0 * elem
     index_dtype = slot_indices.dtype
     if out is not None:
         lo, hi, bits = out
@@ -936,7 +950,7 @@ def _t1_recheck_tail(B, H, state_pool, slot_indices, A_log, dt_bias, lower_bound
         scale = _DEFAULT_SCALE[HEAD_DIM]
     elif type(scale) is not float or not 0.0 < scale < _INF:
         return None
-    return N, state_dtype, lb, scale, acc & 15, out is not None, has_dt_bias, index_dtype
+    return N, state_dtype, lb, scale, _key_bits(acc, pool_bits), out is not None, has_dt_bias, index_dtype
 
 
 def _t1_activation_bits(q, k, v, g, beta, B, H, g_dtype, out, d=0):
@@ -1191,6 +1205,7 @@ def validate_recurrent(args: RecurrentArgs, *, device_kind="any") -> RecurrentCa
     mode = "dense"
     N = None
     state_dtype = index_dtype = None
+    pool_bits = 0
     idx = ssm_state_indices
     if idx is not None:
         if not isinstance(idx, _Tensor):
@@ -1229,9 +1244,9 @@ def validate_recurrent(args: RecurrentArgs, *, device_kind="any") -> RecurrentCa
             _rows("initial_state", pool, (HV, K, K), _POOL_DTYPES, "bfloat16 or float32 (a pool)", "[N, HV, V, K]",
                   dev)
         N = ps[0]
-        acc |= pool.data_ptr()
+        pool_bits = pool.data_ptr()  # kept apart from acc, as in the T=1 validators (others_aligned)
         if N > 1:  # the row stride in bytes (a padded pool whose stride is not a 16-byte multiple: unaligned)
-            acc |= pst[0] * (4 if state_dtype is _F32 else 2)
+            pool_bits |= pst[0] * (4 if state_dtype is _F32 else 2)
     elif initial_state is not None:
         _check("initial_state", initial_state, (N_seq, HV, K, K), "[N_seq, HV, V, K]", _ACT_DTYPES,
                "bfloat16, float16 or float32", dev)
@@ -1263,11 +1278,11 @@ def validate_recurrent(args: RecurrentArgs, *, device_kind="any") -> RecurrentCa
     on_cuda = dev >= 0
     has_dt_bias = use_gate_in_kernel and dt_bias is not None
     key = ("recurrent", mode, B, T, N_seq, H, HV, K, N, varlen, use_gate_in_kernel, lb, beta_is_logit,
-           use_qk_l2norm_in_kernel, output_final_state, state_dtype, act, g_dtype, beta_dtype, scale, acc & 15,
-           has_dt_bias, index_dtype, on_cuda)
+           use_qk_l2norm_in_kernel, output_final_state, state_dtype, act, g_dtype, beta_dtype, scale,
+           _key_bits(acc, pool_bits), has_dt_bias, index_dtype, on_cuda)
     call = _MEMO.get(key)
     if call is None:
-        alignment = _pow2_alignment(acc)
+        alignment = _pow2_alignment(acc | pool_bits)
         aligned = alignment >= VECTOR_BYTES
         gmode = gate_mode(use_gate_in_kernel, lower_bound)
         reason = _t1_reason(T, varlen, mode, H, HV, K, act, g_dtype, beta_dtype, gmode, use_qk_l2norm_in_kernel,
@@ -1279,7 +1294,7 @@ def validate_recurrent(args: RecurrentArgs, *, device_kind="any") -> RecurrentCa
             state_dtype=state_dtype, act_dtype=act, scale=scale,
             aligned=aligned, alignment=alignment, on_cuda=on_cuda, t1_eligible=reason is None,
             t1_reason=reason or (_T1_VARLEN_OK if varlen else _T1_OK)[aligned], has_dt_bias=has_dt_bias,
-            index_dtype=index_dtype,
+            index_dtype=index_dtype, others_aligned=_pow2_alignment(acc) >= VECTOR_BYTES,
         ))
     return call
 

@@ -21,12 +21,13 @@ of ``rows_in_flight`` of its rows before it uses any (or streams them through a 
 The state's loads and stores carry a cache hint: streaming (.cs, the state is touched once per step) by
 default, ld.cg / st.wb where the schedule says so (the fp32 large-batch row, measured).
 
-Variants (compile-time): pool dtype x gate mode x beta logit x l2norm x dt_bias present x g/beta dtypes x
-tile_v x alignment x rows in flight x cache hint x bulk ring (1-D bulk copies through a shared-memory ring, aligned
-tiles 32-128; the schedule's large rows) x slot-major grid x null-slot policy x index dtype x entry (batch rows, the
-packed GEMM rows, or the varlen form's tokens + cu_seqlens). Batch, pool rows and the head count are
-runtime values (the head count only enters the grid and the index math), so one compiled function serves every B
-and every H.
+Variants (compile-time): pool dtype x gate mode x beta logit x l2norm x dt_bias present x g/beta dtypes x tile_v x
+alignment (aligned; pool realigned: only the pool misaligned, any slot stride,
+:meth:`KDADecodeT1.update_state_realigned`; element-wise) x rows in flight x cache hint x bulk ring (1-D bulk copies
+through a shared-memory ring, aligned tiles 32-128; the schedule's large rows) x slot-major grid x null-slot policy
+x index dtype x entry (batch rows, the packed GEMM rows, or the varlen form's tokens + cu_seqlens). Batch, pool rows
+and the head count are runtime values (the head count only enters the grid and the index math), so one compiled
+function serves every B and every H.
 
 Schedule: :func:`select_config` (the measured table ``_SCHEDULE``) returns a :class:`DecodeT1Config`; the entries
 take ``config=`` to run another one (benchmarks and tests sweep that way; serving leaves it None).
@@ -237,6 +238,7 @@ class KDADecodeT1:
         null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
         index_dtype=Int32,
         varlen: bool = False,
+        realign_pool: bool = False,
     ):
         self.state_dtype = state_dtype
         self.gate = gate
@@ -245,12 +247,18 @@ class KDADecodeT1:
         self.has_dt_bias = has_dt_bias
         self.tile_v = tile_v
         self.aligned = aligned
+        # Pool-realigning variant: the pool read in aligned vectors whatever its pointer and slot stride
+        # (update_state_realigned); ``aligned`` is then the other tensors' class. The ring and the slot-major grid
+        # need an aligned pool.
+        self.realign_pool = bool(realign_pool)
+        pool_aligned = bool(aligned) and not self.realign_pool
+        self.tail_vectors = self.realign_pool and state_dtype.width == 16  # see issue_realigned_row
         self.rows = tile_v // ROW_GROUPS
         self.rows_in_flight = rows_in_flight_for(tile_v, state_dtype.width // 8, rows_in_flight)
         self.load_hints = dict(load_cache_mode=_LOAD_MODES[cache_hint])
         self.store_hints = dict(store_cache_mode=_STORE_MODES[cache_hint])
-        self.bulk_ring = bulk_ring_for(tile_v, state_dtype.width // 8, aligned, bulk_ring)
-        self.slot_major = bool(slot_major) and slot_major_compiles(tile_v, aligned)
+        self.bulk_ring = bulk_ring_for(tile_v, state_dtype.width // 8, pool_aligned, bulk_ring)
+        self.slot_major = bool(slot_major) and slot_major_compiles(tile_v, pool_aligned)
         self.null_policy = NullSlotPolicy(null_policy)
         self.index64 = index_dtype is Int64  # int64 slot indices: compared with N (and pool rows) in 64 bits
         # Varlen: tokens [1, T, H, K] + cu_seqlens [S + 1], one CTA row per sequence; never slot-major.
@@ -275,6 +283,13 @@ class KDADecodeT1:
 
     def _copy_bits(self, dtype, n: int) -> int:
         return min(n * dtype.width, 128) if self.aligned else dtype.width
+
+    def _state_copy_bits(self) -> int:
+        """Bits per access of a lane's 8 state channels on the row-at-a-time paths (the varlen token loop): the pool
+        realigning variant's pool is read element-wise there."""
+        if self.realign_pool:
+            return self.state_dtype.width
+        return self._copy_bits(self.state_dtype, CHANNELS_PER_LANE)
 
     @cute.jit
     def __call__(
@@ -577,7 +592,20 @@ class KDADecodeT1:
         """The state stream of an active row: issue this thread's state rows (or fill the bulk ring), finish the
         token (:meth:`complete_token`, under the rows' latency), run its preamble, update each row in place and hand
         each row's output to :meth:`emit_row`. ``sRing`` / ``sFull``: the ring and its mbarriers (None without a
-        ring); ``ctx``: what a subclass's :meth:`complete_token` needs (None here)."""
+        ring); ``ctx``: what a subclass's :meth:`complete_token` needs (None here). The pool-realigning variant
+        streams through :meth:`update_state_realigned`, every other one through :meth:`update_state_vectors`."""
+        if const_expr(self.realign_pool):
+            self.update_state_realigned(mState, slot, h, row0, group, lane, tidx, token, scale, lower_bound, mOut, b,
+                                        ctx)
+        else:
+            self.update_state_vectors(mState, slot, h, row0, group, lane, tidx, token, scale, lower_bound, sRing,
+                                      sFull, mOut, b, ctx)
+
+    @cute.jit
+    def update_state_vectors(self, mState: cute.Tensor, slot, h, row0, group, lane, tidx, token, scale: Float32,
+                             lower_bound: Float32, sRing, sFull, mOut, b, ctx):
+        """:meth:`update_state` of the aligned and the element-wise variants: each lane's 8 channels of a row are one
+        (bf16) or two (fp32) 16-byte vectors, or 8 elements."""
         sdt = self.state_dtype
         s_bits = self._copy_bits(sdt, CHANNELS_PER_LANE)
         s_vec = s_bits // sdt.width
@@ -655,6 +683,197 @@ class KDADecodeT1:
             if tidx == 0:
                 cute.arch.cp_async_bulk_wait_group(0)  # every bulk store is complete before the CTA exits
 
+    @cute.jit
+    def update_state_realigned(self, mState: cute.Tensor, slot, h, row0, group, lane, tidx, token, scale: Float32,
+                               lower_bound: Float32, mOut, b, ctx):
+        """:meth:`update_state` on a pool whose slot stride is any number of elements (docs/decode_t1.md, "Pool
+        realigning variant"). A (slot, head) state is one contiguous run whose first byte sits ``mis`` bytes past a
+        16-byte boundary, the same for every row (a row is 256 / 512 bytes); ``shift = mis / element size``. Lane l of a
+        row's half-warp holds the row's channels (8 l + t - shift) mod 128, t < 8: one (bf16) or two (fp32) aligned
+        16-byte vectors from the row's aligned floor, as in the aligned variant, except that lane 0's first vector
+        straddles the row's start, so its elements t < shift come from the vector straddling the row's end (channels
+        128 - shift + t). The per-channel coefficients (decay, k^, q^) are realigned once (:meth:`realign_channels`)
+        instead of every row. Lane 0 writes its two straddling vectors in aligned pieces (:meth:`store_straddling`),
+        never a byte of a neighbouring row; how it reads them: :meth:`issue_realigned_row`. A slot with mis = 0 takes
+        the aligned accesses in every lane."""
+        sdt = self.state_dtype
+        elem_bytes = sdt.width // 8
+        vec = 16 // elem_bytes  # elements of a 16-byte vector
+        n_vec = CHANNELS_PER_LANE // vec  # vectors of a lane's 8 channels
+        row_bytes = HEAD_DIM * elem_bytes
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), sdt, num_bits_per_copy=128, **self.store_hints)
+        gState = mState[Int64(slot), h, None, None]  # [V, K]; Int64 slot as in update_state_vectors
+        start = gState.iterator.toint()  # byte address of row 0 of this (slot, head)
+        mis = Int32(start & 15)
+        shift = mis // elem_bytes  # uniform in the CTA
+        floor0 = start - Int64(mis)  # 16-byte aligned
+        straddle = (lane == 0) & (shift > 0)
+
+        row_regs = []
+        tail_regs = []  # bf16, lane 0: the vector straddling the row's end (its elements t < shift are the row's)
+        for _ in cutlass.range_constexpr(self.rows):
+            row_regs.append(cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt))
+            tail_regs.append(cute.make_rmem_tensor((vec,), sdt) if const_expr(self.tail_vectors) else None)
+        for j in cutlass.range_constexpr(self.rows_in_flight):
+            self.issue_realigned_row(mState, floor0, shift, straddle, h, row0 + group + j * ROW_GROUPS, lane,
+                                     row_regs[j], tail_regs[j])
+
+        # ---- per-lane preamble on the natural channels [8 lane, 8 lane + 8), then realigned to the rows' ---------
+        token = self.complete_token(token, ctx)
+        kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound)
+        v_raw = token[3]
+        self.realign_channels(kf, shift, tidx)
+        self.realign_channels(qf, shift, tidx)
+        self.realign_channels(decay, shift, tidx)
+
+        s_new = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
+        for j in cutlass.range_constexpr(self.rows):
+            if const_expr(j + self.rows_in_flight < self.rows):
+                nxt = j + self.rows_in_flight
+                self.issue_realigned_row(mState, floor0, shift, straddle, h, row0 + group + nxt * ROW_GROUPS, lane,
+                                         row_regs[nxt], tail_regs[nxt])
+            regs = row_regs[j]
+            if const_expr(self.tail_vectors):
+                for t in cutlass.range_constexpr(vec - 1):  # lane 0: channels 128 - shift + t from the end's vector
+                    regs[t] = cutlass.select_(straddle & (t < shift), tail_regs[j][t], regs[t])
+            sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+            sf.store(regs.load().to(Float32))
+            sq, u = self.row_step(sf, decay, kf, qf, beta, v_raw[j])
+            s_new.store(sf.load().to(sdt))
+            row = row0 + group + j * ROW_GROUPS
+            fr = floor0 + Int64(row * row_bytes)
+            own = fr + Int64(lane * (16 * n_vec))
+            if straddle:
+                for i in cutlass.range_constexpr(1, n_vec):
+                    cute.copy(store_atom, self._reg_vector(s_new, i), self._global_vector(own, i))
+                self.store_straddling(s_new, fr, fr + Int64(row_bytes), shift)
+            else:
+                for i in cutlass.range_constexpr(n_vec):
+                    cute.copy(store_atom, self._reg_vector(s_new, i), self._global_vector(own, i))
+            self.emit_row(mOut, b, h, row, sq + u * kq, lane)
+
+    def _global_vector(self, addr, i: int):
+        """The aligned 16-byte global vector ``i`` from byte address ``addr``, divided for a copy atom. Traced
+        inline."""
+        vec = 128 // self.state_dtype.width
+        g = cute.make_tensor(cute.make_ptr(self.state_dtype, addr + Int64(i * 16), cutlass.AddressSpace.gmem,
+                                           assumed_align=16), cute.make_layout((vec,)))
+        return cute.logical_divide(g, (vec,))
+
+    def _reg_vector(self, regs, i: int):
+        """Vector ``i`` (16 bytes) of a register fragment, divided for a copy atom. Traced inline."""
+        vec = 128 // self.state_dtype.width
+        return cute.logical_divide(cute.local_tile(regs, (vec,), (i,)), (vec,))
+
+    @cute.jit
+    def issue_realigned_row(self, mState: cute.Tensor, floor0, shift, straddle, h, row, lane, regs: cute.Tensor,
+                            tail):  # tail: None for fp32
+        """Issue the loads of state row ``row`` for this lane (:meth:`update_state_realigned`): its vectors from the
+        row's aligned floor. Lane 0 (``straddle``), bf16 (``tail_vectors``): also the vector straddling the row's end
+        into ``tail``, each straddling vector read whole where every byte of it is inside the slot's run ([H, V, K]),
+        else only its elements of this row. fp32: lane 0 reads the 4 elements of its first vector one by one from
+        where they are (t >= shift: the row's start, t < shift: its end), so no extra registers are held: the
+        large-batch schedule keeps 16 fp32 rows in flight, which leaves no room for a tail vector per row."""
+        sdt = self.state_dtype
+        vec = 128 // sdt.width
+        n_vec = CHANNELS_PER_LANE // vec
+        row_bytes = HEAD_DIM * sdt.width // 8
+        load_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), sdt, num_bits_per_copy=128, **self.load_hints)
+        fr = floor0 + Int64(row * row_bytes)
+        own = fr + Int64(lane * (16 * n_vec))
+        if straddle:
+            for i in cutlass.range_constexpr(1, n_vec):
+                cute.copy(load_atom, self._global_vector(own, i), self._reg_vector(regs, i))
+            pair = cute.make_tensor(cute.make_ptr(sdt, fr, cutlass.AddressSpace.gmem, assumed_align=16),
+                                    cute.make_layout((2 * HEAD_DIM,)))
+            if const_expr(not self.tail_vectors):
+                for t in cutlass.range_constexpr(vec):  # (shift > 0: element 0 is always the row's end's)
+                    regs[t] = pair[cutlass.select_(t >= shift, Int32(t), Int32(HEAD_DIM + t))]
+            else:
+                self.issue_straddling_bf16(mState, pair, fr, shift, h, row, regs, tail, load_atom)
+        else:
+            for i in cutlass.range_constexpr(n_vec):
+                cute.copy(load_atom, self._global_vector(own, i), self._reg_vector(regs, i))
+
+    @cute.jit
+    def issue_straddling_bf16(self, mState: cute.Tensor, pair: cute.Tensor, fr, shift, h, row, regs: cute.Tensor,
+                              tail: cute.Tensor, load_atom):
+        """:meth:`issue_realigned_row`'s lane 0 of a bf16 pool: the vector straddling the row's start into ``regs``
+        and the one straddling its end into ``tail``, each whole where all its bytes are inside the slot's run, else
+        only this row's elements of it."""
+        sdt = self.state_dtype
+        vec = 128 // sdt.width
+        run_row = h * HEAD_DIM + row  # the row within the slot's run
+        if run_row > 0:  # the first vector's elements t < shift are the previous row's, inside the run
+            cute.copy(load_atom, self._global_vector(fr, 0), self._reg_vector(regs, 0))
+        else:
+            for t in cutlass.range_constexpr(vec):
+                if t >= shift:
+                    regs[t] = pair[t]
+        if run_row < cute.size(mState, mode=[1]) * HEAD_DIM - 1:  # the end's vector: the next row's, inside
+            cute.copy(load_atom, self._global_vector(fr, HEAD_DIM * sdt.width // 128),
+                      cute.logical_divide(tail, (vec,)))
+        else:
+            for t in cutlass.range_constexpr(vec - 1):
+                if t < shift:
+                    tail[t] = pair[HEAD_DIM + t]
+
+    @cute.jit
+    def realign_channels(self, x: cute.Tensor, shift, tidx):
+        """``x`` (this lane's fp32 values of channels [8 lane, 8 lane + 8)) <- the half-warp's values of channels
+        (8 lane + t - shift) mod 128, t < 8: rotate by ``shift`` within the lane (a barrel of selects on its bits),
+        then the elements t < shift come from the previous lane of the half-warp (lane 15 for lane 0)."""
+        vec = 128 // self.state_dtype.width  # shift < vec
+        widths = [w for w in (1, 2, 4) if w < vec]
+        for k in cutlass.range_constexpr(len(widths)):
+            w = widths[k]
+            old = [x[t] for t in range(CHANNELS_PER_LANE)]
+            take = (shift & w) != 0
+            for t in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                x[t] = cutlass.select_(take, old[(t - w) % CHANNELS_PER_LANE], old[t])
+        warp_lane = tidx % 32
+        src = (warp_lane & HALF_WARP) | ((warp_lane + HALF_WARP - 1) % HALF_WARP)
+        for t in cutlass.range_constexpr(vec - 1):
+            prev = cute.arch.shuffle_sync(x[t], offset=src)
+            x[t] = cutlass.select_(t < shift, prev, x[t])
+
+    @cute.jit
+    def store_straddling(self, s_new: cute.Tensor, head_addr, tail_addr, shift):
+        """Lane 0's two straddling vectors of a row, 0 < shift < vec (elements per 16 bytes): elements [shift, vec)
+        of ``s_new`` to the aligned vector at ``head_addr`` and elements [0, shift) to the one at ``tail_addr`` (same
+        positions), each range as naturally aligned pieces of 1, 2, 4 elements (:meth:`store_piece`), so that no byte
+        of a neighbouring row is written."""
+        vec = 128 // self.state_dtype.width
+        widths = [w for w in (1, 2, 4) if w < vec]
+        lo = shift  # the head range [lo, vec): pieces upward, w at lo when lo is w past a multiple of 2w
+        for k in cutlass.range_constexpr(len(widths)):
+            w = widths[k]
+            self.store_piece(s_new, head_addr, lo, (lo & w) != 0, w, tuple(range(w, vec, 2 * w)))
+            lo = lo + (lo & w)
+        pos = Int32(0)  # the tail range [0, shift): pieces from the largest, w at the higher bits of shift
+        for k in cutlass.range_constexpr(len(widths)):
+            w = widths[len(widths) - 1 - k]
+            self.store_piece(s_new, tail_addr, pos, (shift & w) != 0, w, tuple(range(0, vec - w, 2 * w)))
+            pos = pos + (shift & w)
+
+    @cute.jit
+    def store_piece(self, s_new: cute.Tensor, addr, pos, take, w: cutlass.Constexpr, places: cutlass.Constexpr):
+        """If ``take``: elements [pos, pos + w) of ``s_new`` to byte address ``addr`` + pos elements, where ``pos`` is
+        one of ``places`` (multiples of w, so the store is w elements naturally aligned)."""
+        sdt = self.state_dtype
+        elem_bytes = sdt.width // 8
+        piece = cute.make_rmem_tensor((w,), sdt)
+        for i in cutlass.range_constexpr(w):
+            value = s_new[places[0] + i]
+            for c in cutlass.range_constexpr(1, len(places)):
+                value = cutlass.select_(pos == places[c], s_new[places[c] + i], value)
+            piece[i] = value
+        if take:
+            dst = cute.make_tensor(cute.make_ptr(sdt, addr + Int64(pos * elem_bytes), cutlass.AddressSpace.gmem,
+                                                 assumed_align=w * elem_bytes), cute.make_layout((w,)))
+            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sdt, num_bits_per_copy=w * sdt.width)
+            cute.copy(atom, cute.logical_divide(piece, (w,)), cute.logical_divide(dst, (w,)))
+
     def complete_token(self, token, ctx):
         """Hook run once the state rows are issued and before the preamble. The T=1 kernel's token is already
         complete (every activation was loaded up front); a subclass whose q, k, v are computed in the kernel (the
@@ -683,7 +902,7 @@ class KDADecodeT1:
         token's preamble is recomputed for each row: the exact fallback of the T=1 kernel, not a fast path (the
         generic kernel is the one for multi-token sequences)."""
         sdt = self.state_dtype
-        s_bits = self._copy_bits(sdt, CHANNELS_PER_LANE)
+        s_bits = self._state_copy_bits()
         s_vec = s_bits // sdt.width
         load_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), sdt, num_bits_per_copy=s_bits, **self.load_hints)
         store_atom = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), sdt, num_bits_per_copy=s_bits, **self.store_hints)
@@ -832,7 +1051,7 @@ class KDADecodeT1Varlen(KDADecodeT1):
 
 def _compile(key, arch):
     (state_dt, g_dt, beta_dt, gate, beta_is_logit, l2norm, has_dt_bias, tile_v, aligned, rows_in_flight, cache_hint,
-     bulk_ring, slot_major, packed, null_policy, index_dtype, cu_dtype) = key
+     bulk_ring, slot_major, packed, null_policy, index_dtype, cu_dtype, realign_pool) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     B, N, H = _launch.sym_size(), _launch.sym_size(), _launch.sym_size()
@@ -878,7 +1097,7 @@ def _compile(key, arch):
         *inputs,
         *gate_params,
         _launch.fake_tensor(cdt(state_dt), (N, H, HEAD_DIM, HEAD_DIM), (None, head_elems, HEAD_DIM, 1),
-                            align_bytes=align),
+                            align_bytes=state_dt.itemsize if realign_pool else align),  # realigned: any stride
         # slot indices, any stride; varlen: one per sequence, then the S + 1 offsets
         _launch.fake_tensor(cdt(index_dtype), (_launch.sym_size() if varlen else B,), (None,), align_bytes=1),
         *([_launch.fake_tensor(cdt(cu_dtype), (_launch.sym_size(),), (None,), align_bytes=1)] if varlen else []),
@@ -904,6 +1123,7 @@ def _compile(key, arch):
         null_policy=null_policy,
         index_dtype=cdt(index_dtype),
         varlen=varlen,
+        realign_pool=realign_pool,
     )
     return cute.compile(kernel, *fake_args, options=_launch.compile_options(arch, _EXTRA_OPTIONS))
 
@@ -917,7 +1137,7 @@ PACKED_TOKENS = "tokens"
 
 def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk_l2norm, has_dt_bias, tile_v, aligned,
                 rows_in_flight=0, cache_hint="stream", bulk_ring=0, slot_major=False, packed=False,
-                null_policy=NullSlotPolicy.OUT_OF_RANGE, index_dtype=torch.int32, cu_dtype=None):
+                null_policy=NullSlotPolicy.OUT_OF_RANGE, index_dtype=torch.int32, cu_dtype=None, realign_pool=False):
     """Every code-generation parameter of one variant, in the order ``_compile`` reads them (the signature's).
 
     ``packed``: the compiled function takes the packed GEMM rows (:class:`KDADecodeT1Packed`) instead of five views;
@@ -928,9 +1148,15 @@ def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk
     indices are null (:class:`kda_core.contracts.NullSlotPolicy`, docs/design.md §4). ``index_dtype``: the slot
     indices' dtype, torch.int32 or torch.int64 (read as they are and compared in their width). ``cu_dtype``: None,
     or the varlen form's cu_seqlens dtype (torch.int32 / torch.int64; :class:`KDADecodeT1Varlen`, never slot-major,
-    not packed).
+    not packed). ``realign_pool``: the pool-realigning variant (:meth:`KDADecodeT1.update_state_realigned`: the
+    pool's pointer and slot stride anything, its rows read in aligned vectors); ``aligned`` is then the class of the
+    other tensors (activations, dt_bias, output: vectors or element-wise). It has no bulk ring and no slot-major grid
+    (normalised away).
     """
     null_policy = NullSlotPolicy(null_policy)  # an enum member, or its value
+    realign_pool = bool(realign_pool)
+    if realign_pool:
+        bulk_ring, slot_major = 0, False
     if index_dtype not in (torch.int32, torch.int64):
         fail("slot_indices", "dtype int32 or int64", index_dtype)
     if cu_dtype is not None:
@@ -951,7 +1177,7 @@ def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk
     return (state_dtype, g_dtype, beta_dtype, gate, bool(beta_is_logit), bool(use_qk_l2norm), bool(has_dt_bias),
             int(tile_v), bool(aligned), int(rows_in_flight), str(cache_hint), int(bulk_ring), slot_major,
             PACKED_TOKENS if packed == PACKED_TOKENS else bool(packed),
-            null_policy, index_dtype, cu_dtype)
+            null_policy, index_dtype, cu_dtype, realign_pool)
 
 
 def compile_variant(key, arch: str, extra_options: str = ""):
@@ -1144,18 +1370,25 @@ def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bi
         varlen = cu_dtype is not None
         if varlen and B > GRID_Z_MAX:  # one CTA row per sequence on gridDim.z, not split (the edge zeros)
             fail("cu_seqlens", f"at most {GRID_Z_MAX} sequences per call (grid z limit)", B)
+        # The schedule and the config are fitted to the call's class (call.aligned: a ring and a slot-major grid need
+        # every tensor aligned). A call that is not takes the pool-realigning variant (the pool in vectors whatever
+        # its slot stride; a slot that happens to be aligned reads as in the aligned variant), with the other tensors
+        # in vectors when they are aligned (call.others_aligned), else element-wise.
         if config is None:  # (varlen: pool rows not given, so the policy never picks the slot-major grid)
             cfg = select_config(B, call.H, call.state_dtype, call.aligned, None if varlen else call.N)
         elif isinstance(config, DecodeT1Config):
             cfg = effective_config(config, B, call.state_dtype, call.aligned, call.N)
         else:
             fail("config", "a DecodeT1Config or None", type(config).__name__)
+        realign_pool = not call.aligned
         # dt_bias is optional with the gate in the kernel (absent = zeros), ignored without it.
         key = variant_key(state_dtype=call.state_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=call.gate_mode,
                           beta_is_logit=call.beta_is_logit, use_qk_l2norm=l2norm, has_dt_bias=gated and has_dt_bias,
-                          tile_v=cfg.tile_v, aligned=call.aligned, rows_in_flight=cfg.rows_in_flight,
+                          tile_v=cfg.tile_v, aligned=call.others_aligned if realign_pool else call.aligned,
+                          rows_in_flight=cfg.rows_in_flight,
                           cache_hint=cfg.cache_hint, bulk_ring=cfg.bulk_ring, slot_major=cfg.slot_major, packed=packed,
-                          null_policy=null_policy, index_dtype=index_dtype, cu_dtype=cu_dtype)
+                          null_policy=null_policy, index_dtype=index_dtype, cu_dtype=cu_dtype,
+                          realign_pool=realign_pool)
         compiled = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(x.device))
         # The positional tvm_ffi.Function under the DSL's kwargs wrapper (same arguments, a few us less per call);
         # the compiled object rides along so that the module outlives any cache clearing.
