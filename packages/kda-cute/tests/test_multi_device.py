@@ -298,3 +298,39 @@ def test_a_hot_call_with_one_tensor_on_the_other_device_is_refused_naming_it(odd
     assert msg.startswith(f"{odd}: expected ") or "expected a tensor on cuda:0" in msg, msg
     assert torch.equal(on["state_pool"], pool)
 
+
+
+_CONTEXT_PROBE = """
+import importlib.util, sys, torch
+from cuda.bindings import driver
+spec = importlib.util.spec_from_file_location("probe", sys.argv[1])
+m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+from kda_cute.decode_t1 import kda_decode_t1
+torch.cuda.set_device(1)
+a, _ = m._decode_inputs("unpacked", seed=4)
+kda_decode_t1(**m._on(a, 1), lower_bound=-5.0)
+torch.cuda.synchronize(1)
+states = []
+for index in range(torch.cuda.device_count()):
+    _, dev = driver.cuDeviceGet(index)
+    _, _, active = driver.cuDevicePrimaryCtxGetState(dev)
+    states.append(int(active))
+print("ACTIVE", *states)
+"""
+
+
+@two_gpus
+def test_a_process_launching_on_one_device_creates_no_context_on_the_others():
+    """What a tensor-parallel rank pays: the compiled module prepares its kernels for every visible device on the
+    first call (``cudaKernelSetAttributeForDevice`` per device, docs/multi_gpu.md); that must not create a CUDA
+    context (hundreds of MiB of device memory each) on devices the process never uses."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _CONTEXT_PROBE, __file__], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    states = [int(x) for x in run.stdout.split("ACTIVE", 1)[1].split()]
+    assert states[1] == 1, states
+    assert states[0] == 0 and not any(states[2:]), f"primary contexts active per device: {states}"
