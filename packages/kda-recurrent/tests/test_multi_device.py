@@ -243,6 +243,7 @@ def test_an_entry_on_another_device_matches_the_oracle_and_its_own_device(name, 
     got = _run(name, device, current)
     _assert_close(got, want)
     same_device = _run(name, device, device)
+    assert len(got) == len(same_device)
     for a, b in zip(got, same_device):
         assert torch.equal(a, b)
 
@@ -279,6 +280,8 @@ def test_an_entry_launches_on_the_current_stream_of_the_tensors_device(name):
         torch.cuda.set_stream(torch.cuda.default_stream(device))
         torch.cuda.set_device(current)
     got = _results(value, on, written)
+    assert any(not torch.equal(on[n].cpu(), b.cpu()) for n, b in zip(written, before))  # the check saw a write
+    assert len(got) == len(expected)
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
 
@@ -298,5 +301,6 @@ def test_a_cuda_graph_captured_on_the_tensors_device_replays_from_the_other(name
         graph.replay()
     torch.cuda.synchronize(device)
     got = _results(value, on, written)
+    assert len(got) == len(expected)
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
