@@ -71,3 +71,17 @@ def test_two_gpus_under_torchrun_match_the_unsharded_layer_and_write_a_record(tm
     for r in records:
         assert r["passed"] and r["gpus"] == 2 and len(r["per_gpu"]) == 2
         assert all(g["tp_step_us"] > 0 and g["alone_step_us"] > 0 for g in r["per_gpu"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
+def test_one_gpu_under_torchrun_runs_the_whole_layer_in_a_graph_and_writes_a_record(tmp_path):
+    """N = 1: the graph holds the kernel, the projections and a one-rank NCCL all-reduce."""
+    out = tmp_path / "multi_gpu.json"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", str(SCRIPT),
+                          "--batch", "8", "--replays", "20", "--out", str(out)], capture_output=True, text=True,
+                         timeout=900, env=_env(), cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (record,) = _records(out)
+    assert record["passed"] and record["gpus"] == 1 and record["heads_per_gpu"] == 96
+    assert record["per_gpu"][0]["tp_step_us"] > 0 and record["per_gpu"][0]["alone_step_us"] > 0

@@ -189,6 +189,8 @@ def _fused_case():
 CASES = {"decode_t1": _decode_case("unpacked"), "decode_t1_packed": _decode_case("packed"),
          "decode_t1_packed_tokens": _decode_case("tokens"), "fused_kda_decode": _fused_case}
 DIRECTIONS = [pytest.param(1, 0, id="tensors_on_1_current_0"), pytest.param(0, 1, id="tensors_on_0_current_1")]
+_TWO = [pytest.mark.multi_gpu, pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs")]
+STREAM_DEVICES = [pytest.param(0, 0, id="one_gpu"), pytest.param(1, 0, id="tensors_on_1_current_0", marks=_TWO)]
 
 
 def _on(inputs, device):
@@ -223,10 +225,10 @@ def test_a_kernel_on_another_device_matches_the_oracle_and_its_own_device(name, 
         assert torch.equal(a, b)
 
 
-@two_gpus
+@pytest.mark.gpu
+@pytest.mark.parametrize("device, current", STREAM_DEVICES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_a_kernel_launches_on_the_current_stream_of_the_tensors_device(name):
-    device, current = 1, 0
+def test_a_kernel_launches_on_the_current_stream_of_the_tensors_device(name, device, current):
     expected = _run(name, device, device)
     inputs, prepare, written, _ = CASES[name]()
     on = _on(inputs, device)
@@ -234,8 +236,8 @@ def test_a_kernel_launches_on_the_current_stream_of_the_tensors_device(name):
     thunk = prepare(on)
     torch.cuda.synchronize(device)
     side = torch.cuda.Stream(device=device)
-    torch.cuda.set_stream(side)  # device 1's current stream (this also makes device 1 current) ...
-    torch.cuda.set_device(current)  # ... and the caller back on device 0
+    torch.cuda.set_stream(side)  # the tensors' device's current stream (this also makes that device current) ...
+    torch.cuda.set_device(current)  # ... and the caller back on its device
     try:
         assert torch.cuda.current_stream(device) == side
         with torch.cuda.stream(side):

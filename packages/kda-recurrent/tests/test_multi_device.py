@@ -12,7 +12,9 @@ tests check, with the tensors on ``cuda:1`` while ``cuda:0`` is current and the 
   held busy, nothing is written until that stream runs;
 - a CUDA graph captured on the tensors' device replays, from the other device, to the eager results.
 
-They skip below two GPUs (marker ``multi_gpu``) and collect anywhere: cases are built inside the tests.
+The two-device cases carry the marker ``multi_gpu`` and skip below two GPUs; the stream check also runs on one GPU
+(tensors on the current device, a side stream current there). Everything collects anywhere: cases are built inside
+the tests.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from kda_recurrent import (
 from kda_recurrent.compat.vllm import kimi_k3
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu, pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")]
+TWO = [pytest.mark.multi_gpu, pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs")]
 
 D = 128
 LB = -5.0
@@ -195,7 +198,9 @@ def case_recoverssm_layers():
 
 
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
-DIRECTIONS = [pytest.param(1, 0, id="tensors_on_1_current_0"), pytest.param(0, 1, id="tensors_on_0_current_1")]
+DIRECTIONS = [pytest.param(1, 0, id="tensors_on_1_current_0", marks=TWO),
+              pytest.param(0, 1, id="tensors_on_0_current_1", marks=TWO)]
+STREAM_DEVICES = [pytest.param(0, 0, id="one_gpu"), pytest.param(1, 0, id="tensors_on_1_current_0", marks=TWO)]
 
 
 def _clone(x, device):
@@ -248,9 +253,9 @@ def test_an_entry_on_another_device_matches_the_oracle_and_its_own_device(name, 
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("device, current", STREAM_DEVICES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_an_entry_launches_on_the_current_stream_of_the_tensors_device(name):
-    device, current = 1, 0
+def test_an_entry_launches_on_the_current_stream_of_the_tensors_device(name, device, current):
     expected = _run(name, device, device)
     inputs, prepare, written = CASES[name]()
     on = _on(inputs, device)
@@ -258,16 +263,16 @@ def test_an_entry_launches_on_the_current_stream_of_the_tensors_device(name):
     thunk = prepare(on)
     torch.cuda.synchronize(device)
     side = torch.cuda.Stream(device=device)
-    torch.cuda.set_stream(side)  # device 1's current stream (this also makes device 1 current) ...
-    torch.cuda.set_device(current)  # ... and the caller back on device 0, device 1's current stream still `side`
+    torch.cuda.set_stream(side)  # the tensors' device's current stream (this also makes that device current) ...
+    torch.cuda.set_device(current)  # ... and the caller back on its device; the tensors' device keeps `side`
     try:
         assert torch.cuda.current_stream(device) == side
         with torch.cuda.stream(side):
             torch.cuda._sleep(1 << 31)  # ~1 s of GPU cycles: whatever follows on `side` waits
         torch.cuda.set_device(current)
         value = thunk()
-        # On device 1's default stream, while `side` still sleeps: a kernel on any stream but `side` would have
-        # written by now; one on `side` has not started.
+        # On the tensors' device's default stream, while `side` still sleeps: a kernel on any stream but `side`
+        # would have written by now; one on `side` has not started.
         default = torch.cuda.default_stream(device)
         with torch.cuda.stream(default):
             seen = [on[n].clone() for n in written]
