@@ -183,12 +183,18 @@ def _layers():
     return _cuda(TS.layer_args(L=2)), lambda a: validate_recoverssm_layers(**a)
 
 
+def _gate_params():
+    a = dict(like=torch.zeros(2, 1, 4, TV.D, dtype=torch.bfloat16), A_log=torch.zeros(8), dt_bias=torch.zeros(8 * TV.D))
+    return a, lambda a: V.validate_gate_params(a["A_log"], a["dt_bias"], -5.0, 8, TV.D, like=a["like"],
+                                               heads_text="HV")
+
+
 CALLS = {
     "decode_t1": _t1, "packed_decode_t1": _packed, "packed_tokens_decode_t1": _packed_tokens,
     **{f"recurrent_{m}": _recurrent(m) for m in ("pool", "spec", "dense", "varlen")},
     "ucache": _ucache, "fused_decode": _fused,
     **{f"spec_{c}": _spec(c) for c in ("frozen_pool", "frozen_source", "source_2d", "tree")},
-    "recoverssm_commit": _commit, "recoverssm_layers": _layers,
+    "recoverssm_commit": _commit, "recoverssm_layers": _layers, "gate_params": _gate_params,
 }
 
 
@@ -218,5 +224,6 @@ def test_one_tensor_on_another_device_is_refused_naming_it(call, path, odd_devic
     assert ": expected " in msg and ", got " in msg, msg
     named = any(msg.startswith(f"{name}: expected ") for name in _names(path)) and msg.endswith(f"got {where}")
     # or the odd tensor is the one every other is compared with: the next is named, expected on the odd device
-    reference = f"expected a tensor on {where}" in msg or (where == "cpu" and "a CUDA tensor" in msg)
+    reference = f"expected a tensor on {where}" in msg or (where == "cpu" and ("a CUDA tensor" in msg
+                                                                   or "a tensor on the CPU" in msg))
     assert named or reference, msg

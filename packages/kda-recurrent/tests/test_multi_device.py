@@ -309,3 +309,24 @@ def test_a_cuda_graph_captured_on_the_tensors_device_replays_from_the_other(name
     assert len(got) == len(expected)
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_call_with_one_tensor_on_the_other_device_is_refused_before_launch(name):
+    """After a good call (the hot paths then re-validate only what the compiled wrappers cannot check), each input
+    in turn on the other device: a KDAError that names a device, never a wrapper's ValueError or a launch."""
+    from kda_core.errors import KDAError
+
+    inputs, prepare, written = CASES[name]()
+    prepare(_on(inputs, 1))()  # described and compiled: the next calls with these facts are hot
+    torch.cuda.synchronize(1)
+    for moved in [n for n, t in inputs.items() if isinstance(t, torch.Tensor)]:
+        on = _on(inputs, 1)
+        on[moved] = on[moved].to(0)
+        with torch.cuda.device(0), pytest.raises(KDAError) as info:
+            prepare(on)()
+        msg = str(info.value)
+        assert ": expected " in msg and "cuda:" in msg, (moved, msg)
+    torch.cuda.synchronize(1)
