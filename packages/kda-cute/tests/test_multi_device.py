@@ -190,7 +190,8 @@ CASES = {"decode_t1": _decode_case("unpacked"), "decode_t1_packed": _decode_case
          "decode_t1_packed_tokens": _decode_case("tokens"), "fused_kda_decode": _fused_case}
 DIRECTIONS = [pytest.param(1, 0, id="tensors_on_1_current_0"), pytest.param(0, 1, id="tensors_on_0_current_1")]
 _TWO = [pytest.mark.multi_gpu, pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs")]
-STREAM_DEVICES = [pytest.param(0, 0, id="one_gpu"), pytest.param(1, 0, id="tensors_on_1_current_0", marks=_TWO)]
+STREAM_DEVICES = [pytest.param(0, 0, id="one_gpu"), pytest.param(1, 0, id="tensors_on_1_current_0", marks=_TWO),
+                  pytest.param(0, 1, id="tensors_on_0_current_1", marks=_TWO)]
 
 
 def _on(inputs, device):
@@ -235,6 +236,7 @@ def test_a_kernel_launches_on_the_current_stream_of_the_tensors_device(name, dev
     before = [on[n].clone() for n in written]
     thunk = prepare(on)
     torch.cuda.synchronize(device)
+    start = torch.cuda.current_device()
     side = torch.cuda.Stream(device=device)
     torch.cuda.set_stream(side)  # the tensors' device's current stream (this also makes that device current) ...
     torch.cuda.set_device(current)  # ... and the caller back on its device
@@ -253,7 +255,7 @@ def test_a_kernel_launches_on_the_current_stream_of_the_tensors_device(name, dev
         side.synchronize()
     finally:
         torch.cuda.set_stream(torch.cuda.default_stream(device))
-        torch.cuda.set_device(current)
+        torch.cuda.set_device(start)  # the test leaves the process's device as it found it
     got = _results(value, on, written)
     assert any(not torch.equal(on[n].cpu(), b.cpu()) for n, b in zip(written, before))
     for a, b in zip(got, expected, strict=True):

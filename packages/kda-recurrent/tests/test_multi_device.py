@@ -200,7 +200,8 @@ def case_recoverssm_layers():
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 DIRECTIONS = [pytest.param(1, 0, id="tensors_on_1_current_0", marks=TWO),
               pytest.param(0, 1, id="tensors_on_0_current_1", marks=TWO)]
-STREAM_DEVICES = [pytest.param(0, 0, id="one_gpu"), pytest.param(1, 0, id="tensors_on_1_current_0", marks=TWO)]
+STREAM_DEVICES = [pytest.param(0, 0, id="one_gpu"), pytest.param(1, 0, id="tensors_on_1_current_0", marks=TWO),
+                  pytest.param(0, 1, id="tensors_on_0_current_1", marks=TWO)]
 
 
 def _clone(x, device):
@@ -262,6 +263,7 @@ def test_an_entry_launches_on_the_current_stream_of_the_tensors_device(name, dev
     before = [on[n].clone() for n in written]
     thunk = prepare(on)
     torch.cuda.synchronize(device)
+    start = torch.cuda.current_device()
     side = torch.cuda.Stream(device=device)
     torch.cuda.set_stream(side)  # the tensors' device's current stream (this also makes that device current) ...
     torch.cuda.set_device(current)  # ... and the caller back on its device; the tensors' device keeps `side`
@@ -283,7 +285,7 @@ def test_an_entry_launches_on_the_current_stream_of_the_tensors_device(name, dev
         side.synchronize()
     finally:
         torch.cuda.set_stream(torch.cuda.default_stream(device))
-        torch.cuda.set_device(current)
+        torch.cuda.set_device(start)  # the test leaves the process's device as it found it
     got = _results(value, on, written)
     assert any(not torch.equal(on[n].cpu(), b.cpu()) for n, b in zip(written, before))  # the check saw a write
     assert len(got) == len(expected)
