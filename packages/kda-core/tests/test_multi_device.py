@@ -189,12 +189,20 @@ def _gate_params():
                                                heads_text="HV")
 
 
+def _fused_spec():  # the multi-token fused decode, where its validator exists
+    from kda_core import validation_fused
+
+    return _cuda(_load("test_validation_fused_spec")._args()), lambda a: validation_fused.validate_packed_fused_decode(
+        **a)
+
+
 CALLS = {
     "decode_t1": _t1, "packed_decode_t1": _packed, "packed_tokens_decode_t1": _packed_tokens,
     **{f"recurrent_{m}": _recurrent(m) for m in ("pool", "spec", "dense", "varlen")},
     "ucache": _ucache, "fused_decode": _fused,
     **{f"spec_{c}": _spec(c) for c in ("frozen_pool", "frozen_source", "source_2d", "tree")},
     "recoverssm_commit": _commit, "recoverssm_layers": _layers, "gate_params": _gate_params,
+    **({"packed_fused_decode": _fused_spec} if (_HERE / "test_validation_fused_spec.py").exists() else {}),
 }
 
 
