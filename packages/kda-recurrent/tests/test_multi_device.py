@@ -2,9 +2,10 @@
 
 Each case is one entry's call: ``recurrent_kda`` on each path (T=1 pool, T=1 varlen, the generic kernel with dense
 states, spec decode with accepted counts, a frozen verify), ``fused_kda_decode``, the ucache step, a RecoverSSM verify
-then ``recoverssm_commit``, and a multi-layer ``RecoverSSMCommit``. Inputs are made on the CPU from a seed; the oracle
-is the same entry on those CPU tensors (kda-recurrent's CPU path is kda-core's oracle). On a host with two GPUs the
-tests check, with the tensors on ``cuda:1`` while ``cuda:0`` is current and the reverse:
+then ``recoverssm_commit``, a multi-layer ``RecoverSSMCommit``, and ``packed_fused_kda_decode`` where kda-recurrent
+has it. Inputs are made on the CPU from a seed; the oracle is the same entry on those CPU tensors (kda-recurrent's
+CPU path is kda-core's oracle). On a host with two GPUs the tests check, with the tensors on ``cuda:1`` while
+``cuda:0`` is current and the reverse:
 
 - the results (outputs and every tensor written in place) match the oracle, and equal bit for bit the same call made
   with the tensors' device current;
@@ -196,6 +197,28 @@ def case_recoverssm_layers():
 
     return a, prepare, tuple(f"pool{i}" for i in range(L))
 
+
+def case_packed_fused_decode():  # the multi-token fused layer, where kda-recurrent has it
+    import kda_recurrent
+
+    g = torch.Generator().manual_seed(10)
+    H, T, lengths = 8, 4, [2, 1, 3]
+    rows, n_tok, HK = len(lengths), sum(lengths), H * D
+    C, width, n_slots = 3 * HK, T + 2, len(lengths) * T + 2
+    page = C * width + 24
+    conv = torch.empty(n_slots * page, dtype=BF16).as_strided((n_slots, C, width), (page, 1, C))
+    conv.copy_(_rnd(g, n_slots, C, width, scale=0.5))
+    a = dict(x=_rnd(g, n_tok, C + 17)[:, :C], weight=_rnd(g, 3, 4, HK, dtype=F32, scale=0.3), conv_state=conv,
+             raw_gate=_rnd(g, 1, n_tok, H, D), raw_beta=_rnd(g, 1, n_tok, H + 1)[:, :, :H], **_gate(g, H),
+             state_indices=(torch.randperm(n_slots - 1, generator=g)[: rows * T] + 1).view(rows, T).to(I32),
+             state=_rnd(g, n_slots, H, D, D, dtype=F32, scale=0.05), output_gate=_rnd(g, n_tok, H, D),
+             norm_weight=_rnd(g, D, dtype=F32), query_start_loc=torch.tensor([0, 2, 3, 6], dtype=I32),
+             num_accepted_tokens=torch.tensor([2, 1, 3], dtype=I32))
+    return a, lambda a: (lambda: kda_recurrent.packed_fused_kda_decode(**a)), ("conv_state", "state")
+
+
+if not hasattr(__import__("kda_recurrent"), "packed_fused_kda_decode"):
+    del case_packed_fused_decode
 
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 DIRECTIONS = [pytest.param(1, 0, id="tensors_on_1_current_0", marks=TWO),
