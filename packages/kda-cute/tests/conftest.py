@@ -1,6 +1,7 @@
 """Shared fixtures of the kda-cute tests.
 
-GPU tests carry ``@pytest.mark.gpu`` and skip cleanly where CUDA is missing. CPU tests (compile checks,
+GPU tests carry ``@pytest.mark.gpu`` and skip cleanly where CUDA is missing; ``@pytest.mark.multi_gpu`` ones skip
+below two GPUs. CPU tests (compile checks,
 validation, schedule policy) compile for ``CUTE_DSL_ARCH`` (default sm_90a here) without a GPU.
 """
 
@@ -45,6 +46,11 @@ def pytest_collection_modifyitems(config, items):
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = [item for item in items if not _sm100_deselected(item)]
+    if torch.cuda.device_count() < 2:  # (device_count is 0 without CUDA)
+        skip_two = pytest.mark.skip(reason="needs two CUDA GPUs")
+        for item in items:
+            if "multi_gpu" in item.keywords:
+                item.add_marker(skip_two)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

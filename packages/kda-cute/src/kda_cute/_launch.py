@@ -7,19 +7,24 @@ needs, so that the cache key, the fake-tensor conventions and the alignment rule
 
 API (small on purpose):
 
-``target_arch() -> str`` / ``arch_for(device) -> str``
+``arch_for(device) -> str`` / ``target_arch() -> str``
     The arch to compile for: ``CUTE_DSL_ARCH`` when set (e.g. ``"sm_90a"``; this is how CI compiles
-    without a GPU), else the current CUDA device's capability (``sm_90a`` on Hopper, ``sm_100a`` on
-    B200). ``arch_number("sm_100a") -> 100`` for ``const_expr`` branches.
+    without a GPU), else the capability of ``device`` (the device a call's tensors live on; ``sm_90a`` on
+    Hopper, ``sm_100a`` on B200), queried once per device index. ``target_arch()`` is the same for the
+    current device; a launcher passes ``arch_for(<its first tensor>.device)`` to ``get_or_compile``, so
+    a call on ``cuda:1`` while ``cuda:0`` is current compiles for ``cuda:1``'s architecture.
+    ``arch_number("sm_100a") -> 100`` for ``const_expr`` branches.
 
 ``compile_options(arch, extra="") -> str``
     The ``cute.compile(..., options=...)`` string: TVM-FFI on, the target arch, plus ``extra``
     (e.g. ``"--keep-ptx --dump-dir D"``).
 
-``get_or_compile(key, build) -> compiled``
+``get_or_compile(key, build, arch=None) -> compiled``
     Process-wide compile cache. ``key`` must be a tuple of *every* code-generation parameter
     (dtypes, flags, tile sizes, alignment class, ...); the arch is appended here so no caller can
-    forget it. An incomplete key is a silent-corruption bug: two configurations would share code.
+    forget it (``None``: the current device's). The key holds no device index: devices of one
+    architecture share each compiled function, which runs on any of them (see "Devices" below).
+    An incomplete key is a silent-corruption bug: two configurations would share code.
     ``build(arch)`` runs ``cute.compile`` and is called under a lock (``cute.compile`` is not
     thread-safe). ``cache_size()`` and ``clear_cache()`` are for tests.
 
@@ -33,7 +38,7 @@ API (small on purpose):
 
 ``fake_stream()``
     The TVM-FFI environment-stream placeholder: the compiled function then takes no stream
-    argument and launches on ``torch.cuda.current_stream()``.
+    argument and launches on ``torch.cuda.current_stream(d)``, ``d`` the device of its tensors.
 
 ``alignment_of(*tensors) -> int``
     The largest power of two, at most 16, dividing every tensor's data pointer (in bytes) and every
@@ -42,6 +47,15 @@ API (small on purpose):
 
 ``cutlass_dtype(torch_dtype)``
     torch dtype -> cutlass numeric type (bf16, fp16, fp32, int32).
+
+Devices (docs/multi_gpu.md has the evidence): the wrapper ``cute.compile`` builds around a kernel
+(``--enable-tvm-ffi``) binds one device index from its first GPU tensor and checks every other tensor
+against it (a mismatch raises ValueError before launch), reads that device's stream from the TVM-FFI
+environment (which the TVM-FFI call sets to torch's current stream of that device), and around the
+launch calls ``cudaGetDevice`` and, only when it differs, ``cudaSetDevice`` to the tensors' device and
+back. Its CUDA library is context-independent and prepared for every visible device on the first
+call. So a launcher needs no device guard of its own: it must only allocate on its tensors' device
+(``device=x.device``) and pick the arch with ``arch_for``.
 """
 
 from __future__ import annotations
@@ -61,17 +75,8 @@ _CACHE: dict[tuple, Any] = {}
 _COMPILE_LOCK = threading.Lock()
 
 
-def target_arch() -> str:
-    """Arch string the kernels are compiled for (``sm_90a``, ``sm_100a``, ...)."""
-    env = os.environ.get("CUTE_DSL_ARCH", "").strip()
-    if env:
-        return env
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            "kda_cute: no CUDA device and CUTE_DSL_ARCH is unset; set CUTE_DSL_ARCH=sm_90a (or sm_100a) "
-            "to compile without a GPU"
-        )
-    major, minor = torch.cuda.get_device_capability()
+def _capability_arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
     # 'a' (arch-specific) features exist from sm_90 on; older parts compile for the plain target.
     return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
 
@@ -80,19 +85,35 @@ _ARCH_BY_DEVICE: dict[int, str] = {}
 
 
 def arch_for(device: torch.device) -> str:
-    """:func:`target_arch` for the device a call's tensors live on, queried once per device index.
+    """The arch to compile for the device a call's tensors live on, queried once per device index.
 
-    ``CUTE_DSL_ARCH`` still wins (read on every call, so a test or a compile check can switch it).
+    ``CUTE_DSL_ARCH`` still wins (read on every call, so a test or a compile check can switch it). A device without
+    an index means the current one.
     """
     env = os.environ.get("CUTE_DSL_ARCH", "").strip()
     if env:
         return env
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device.index
+    if index is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "kda_cute: no CUDA device and CUTE_DSL_ARCH is unset; set CUTE_DSL_ARCH=sm_90a (or sm_100a) "
+                "to compile without a GPU"
+            )
+        index = torch.cuda.current_device()
     arch = _ARCH_BY_DEVICE.get(index)
-    if arch is None:
-        with torch.cuda.device(index):
-            arch = _ARCH_BY_DEVICE[index] = target_arch()
+    if arch is None:  # (the capability of a device index, not of the current device: no guard needed)
+        arch = _ARCH_BY_DEVICE[index] = _capability_arch(index)
     return arch
+
+
+_CURRENT = torch.device("cuda")  # no index: the current device
+
+
+def target_arch() -> str:
+    """Arch string the kernels are compiled for on the current device (``sm_90a``, ``sm_100a``, ...); see
+    :func:`arch_for`, which a launcher should call with its tensors' device instead."""
+    return arch_for(_CURRENT)
 
 
 def arch_number(arch: str) -> int:
@@ -106,7 +127,9 @@ def compile_options(arch: str, extra: str = "") -> str:
 
 
 def get_or_compile(key: tuple, build: Callable[[str], Any], arch: str | None = None) -> Any:
-    """Return the compiled function for ``key`` (+ arch), compiling it with ``build(arch)`` once."""
+    """Return the compiled function for ``key`` (+ arch), compiling it with ``build(arch)`` once. ``arch``: the
+    tensors' (``arch_for(t.device)``); None takes the current device's, which is right only when the call's
+    tensors are on the current device or every device has one architecture."""
     arch = arch or target_arch()
     full_key = (*key, arch)
     fn = _CACHE.get(full_key)
