@@ -1644,7 +1644,8 @@ def restart_cursors(slot_indices, hist_len, cache_base, pool_rows: int, flush_mi
         return
     slot_int64 = slot_indices.dtype == torch.int64
     fn = _launch.get_or_compile(("kda_ucache_restart_cursors", null_policy, slot_int64),
-                                lambda arch: build_restart_kernel(arch, null_policy, slot_int64))
+                                lambda arch: build_restart_kernel(arch, null_policy, slot_int64),
+                                _launch.arch_for(slot_indices.device))
     fn(slot_indices, hist_len, cache_base, int(pool_rows), int(flush_min), max_hist_len(t_draft, w_ring))
 
 
@@ -1718,6 +1719,7 @@ def ucache_verify_flush(
         lambda arch: build_ucache_kernel(H, T, w_ring, cfg.tile_v, softplus_gate, bool(aligned), arch,
                                          min_ctas=cfg.floor, has_dt_bias=has_dt_bias, null_policy=null_policy,
                                          slot_int64=slot_int64, slots_strided=slots_strided),  # fmt: skip
+        _launch.arch_for(q.device),
     )
     args = [q, k, v, g, b, A_log, dt_bias, state_pool, slot_indices, k_cache, u_cache, g_cache, hist_len, cache_base,
             output, None, None, None, float(scale), float(-5.0 if lower_bound is None else lower_bound), int(flush_min)]
@@ -1850,6 +1852,7 @@ def frozen_verify(
                                          has_dt_bias=has_dt_bias, null_policy=null_policy, slot_int64=slot_int64,
                                          slots_strided=slots_strided, records=records, varlen=varlen,
                                          cu_int64=cu_int64, pool_fp32=pool_fp32),  # fmt: skip
+        _launch.arch_for(q.device),
     )
     args = [q, k, v, g, b, A_log, dt_bias, state_pool, slot_indices, None, None, None, None, None, output,
             correction_cache, kg_cache, cu_seqlens, float(scale), float(-5.0 if lower_bound is None else lower_bound),
