@@ -63,14 +63,17 @@ def _written_mask(view: torch.Tensor, flat: torch.Tensor, live):
 
 
 def _slots(B: int, N: int, policy, seed: int):
-    """B slots over N pool rows: distinct live ones, and for B >= 3 a -1, an N and a 0 (live under OUT_OF_RANGE,
-    null under NONPOSITIVE). Returns (slots, the slots the oracle gets: -1 where null)."""
+    """B slots over N pool rows: distinct live ones, and for B >= 3 a 0 (live under OUT_OF_RANGE, null under
+    NONPOSITIVE) and a -1, for B >= 4 also an N; at least one row stays live under both policies. Returns (slots,
+    the slots the oracle gets: -1 where null)."""
     from kda_core.contracts import NullSlotPolicy
 
     gen = torch.Generator().manual_seed(seed)
     slots = (torch.randperm(N - 1, generator=gen)[:B] + 1).tolist()
     if B >= 3:
-        slots[0], slots[1], slots[-1] = 0, -1, N
+        slots[0], slots[-1] = 0, -1
+    if B >= 4:
+        slots[1] = N
     low = 1 if policy is NullSlotPolicy.NONPOSITIVE else 0
     return slots, [s if low <= s < N else -1 for s in slots]
 
