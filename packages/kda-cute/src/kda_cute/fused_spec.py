@@ -330,11 +330,15 @@ class KDAFusedSpec(KDADecodeT1):
         # ---- phase 2: token preparation, row group g prepares tokens g, g + 8 -------------------------------------
         for i in cutlass.range_constexpr(n_chunks):
             t = group + i * ROW_GROUPS
+            # Every row group prepares, also past the row's length: prepare_token's L2 norms are shuffles over the
+            # whole warp, which holds two row groups (tokens t and t + 1), so both must reach them. Only the row's
+            # tokens store (a token past it reads a clamped shared row whose values are discarded).
+            tt = cutlass.min(t, Int32(MT - 1))
+            q_raw = self.load_lane_vector(sMixed[tt, 0, None], lane, sMixed.element_type)
+            k_raw = self.load_lane_vector(sMixed[tt, 1, None], lane, sMixed.element_type)
+            token = (k_raw, q_raw, g_raws[i], None, beta_raws[i], a_log, bias_raw)
+            kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound)
             if t < length:
-                q_raw = self.load_lane_vector(sMixed[t, 0, None], lane, sMixed.element_type)
-                k_raw = self.load_lane_vector(sMixed[t, 1, None], lane, sMixed.element_type)
-                token = (k_raw, q_raw, g_raws[i], None, beta_raws[i], a_log, bias_raw)
-                kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound)
                 for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
                     sK[t, lane * CHANNELS_PER_LANE + c] = kf[c]
                     sQ[t, lane * CHANNELS_PER_LANE + c] = qf[c]
