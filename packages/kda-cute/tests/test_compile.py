@@ -135,7 +135,7 @@ def _ident(v):
 VARIANTS = _variants()
 
 
-@pytest.mark.sm100_share(lambda params, indices: VARIANTS.index(params["variant"]) % 3 == 0)  # see conftest
+@pytest.mark.sm100_share(lambda params, indices: VARIANTS.index(params["variant"]) % 4 == 0)  # see conftest
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=[_ident(v) for v in VARIANTS])
 def test_decode_t1_variant_compiles(variant, arch):
@@ -160,6 +160,11 @@ def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, rows_in_
                                           tmp_path, ptxas):
     from kda_core.contracts import GateMode
     from kda_cute import decode_t1
+
+    if realign_pool and tile_v not in (16, 128):
+        # the realigning variants' register high-water marks are at the extreme tiles (ptxas -v, sm_90a: 72 at 16,
+        # 168 at 128); the middle tiles compile in test_decode_t1_variant_compiles (CI time: 2-core machine)
+        pytest.skip("realigning variants: spill-checked at tiles 16 and 128")
 
     # The softplus gate is the longest preamble (log1p + exp per channel): the register high-water mark.
     key = decode_t1.variant_key(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
