@@ -325,7 +325,7 @@ def test_debug_validate_names_duplicate_live_slots(monkeypatch):
     _assert_matches(*_run_both(inputs))
 
 
-# ---- device-data fuzz (``-m "gpu and fuzz"``: the sanitizer session runs it) ----------------------------------------
+# ---- device-data fuzz (``-m "gpu and fuzz"``: ``nox -s sanitize`` runs it) -----------------------------------------
 
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
 CANARY = 0x7F  # every byte of a margin (bf16 0x7F7F, fp32 0x7F7F7F7F: ~3.4e38, a value no kernel writes)
