@@ -18,10 +18,10 @@ its adapter is :func:`kda_recurrent.compat.vllm.kimi_k3.fused_kda_decode`, whose
 ``kda::vllm_fused_kda_decode`` custom op defined here (vLLM's argument order; conv cache, state and ``out`` written).
 
 :func:`packed_fused_kda_decode` is the multi-token form (spec decode: ragged windows from ``query_start_loc``, the
-conv over each row's window, per-token checkpoints), FlashInfer's ``packed_fused_kda_decode``: for now
-:func:`kda_core.oracle_fused.packed_fused_kda_decode_ref` on every device (kda-cute's ``fused_spec`` kernel is not
-verified on a GPU yet: see :func:`_eager_packed`); under ``torch.compile`` the ``kda::packed_fused_kda_decode``
-custom op.
+conv over each row's window, per-token checkpoints), FlashInfer's ``packed_fused_kda_decode``, routed the same way:
+kda-cute's multi-token kernel (:func:`kda_cute.fused_spec.packed_fused_kda_decode`) on CUDA, else
+:func:`kda_core.oracle_fused.packed_fused_kda_decode_ref`; under ``torch.compile`` the
+``kda::packed_fused_kda_decode`` custom op.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ __all__ = ["fused_kda_decode", "packed_fused_kda_decode"]
 
 _UNLOADED = object()
 _kernel = _UNLOADED  # kda_cute.fused_decode.fused_kda_decode, imported on the first CUDA call; None if missing
+_packed_kernel = _UNLOADED  # kda_cute.fused_spec.packed_fused_kda_decode, likewise
 _warned = False
 
 
@@ -47,6 +48,20 @@ def _load():
     global _kernel
     _kernel = optional_entry("kda_cute.fused_decode", "fused_kda_decode")
     return _kernel
+
+
+def _load_packed():
+    global _packed_kernel
+    _packed_kernel = optional_entry("kda_cute.fused_spec", "packed_fused_kda_decode")
+    return _packed_kernel
+
+
+def _warn_reference():
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn("kda_recurrent.fused_kda_decode: kda-cute is not installed; the PyTorch reference runs "
+                      "(slow). Install kda-recurrent[cute].", RuntimeWarning, stacklevel=4)
 
 
 def _policy(null_policy) -> NullSlotPolicy:
@@ -58,16 +73,12 @@ def _policy(null_policy) -> NullSlotPolicy:
 
 def _eager(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state, output_gate,
            norm_weight, lower_bound, norm_eps, output, bias, null_policy):
-    global _warned
     if x.is_cuda:
         fn = _kernel if _kernel is not _UNLOADED else _load()
         if fn is not None:
             return fn(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state, output_gate,
                       norm_weight, lower_bound, norm_eps, output, bias=bias, null_policy=null_policy)
-        if not _warned:
-            _warned = True
-            warnings.warn("kda_recurrent.fused_kda_decode: kda-cute is not installed; the PyTorch reference runs "
-                          "(slow). Install kda-recurrent[cute].", RuntimeWarning, stacklevel=3)
+        _warn_reference()
     validate_fused_decode(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state,
                           output_gate, norm_weight, lower_bound, norm_eps, output, bias=bias, device_kind="any")
     return fused_kda_decode_ref(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state,
@@ -218,10 +229,16 @@ def _vllm_fused_kda_decode_fake(*args) -> None:
 def _eager_packed(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state, output_gate,
                   norm_weight, lower_bound, norm_eps, output, query_start_loc, num_accepted_tokens, t1_state_indices,
                   bias, null_policy):
-    """kda-core's reference on the tensors' device (T = 1 rows pre-resolved: the fused T = 1 step). kda-cute's
-    ``fused_spec`` kernel is not taken here yet: in its only GPU run its ragged-window tests hung (the two row groups
-    of a warp disagreed on a token bound around a warp-wide shuffle); the kernel has the fix, which has not run on a
-    GPU. Until it has, this entry is exact but slow (and reads the offsets on the host)."""
+    """kda-cute's multi-token kernel on CUDA (it validates and takes the pre-resolved T = 1 rows itself), else
+    kda-core's reference on the tensors' device (T = 1 rows pre-resolved: the fused T = 1 step)."""
+    if x.is_cuda:
+        fn = _packed_kernel if _packed_kernel is not _UNLOADED else _load_packed()
+        if fn is not None:
+            return fn(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state, output_gate,
+                      norm_weight, lower_bound, norm_eps, output, query_start_loc=query_start_loc,
+                      num_accepted_tokens=num_accepted_tokens, t1_state_indices=t1_state_indices, bias=bias,
+                      null_policy=null_policy)
+        _warn_reference()
     if t1_state_indices is not None:
         if not isinstance(state_indices, torch.Tensor) or state_indices.dim() != 2 or state_indices.shape[1] != 1:
             fail("t1_state_indices", "None unless state_indices is [N, 1] (pre-resolved rows are for T = 1 only)",
@@ -276,9 +293,8 @@ def packed_fused_kda_decode(
             call is then the T = 1 step (:func:`fused_kda_decode`).
         bias: [C] fp32 conv bias or None; null_policy: ``NONPOSITIVE`` (FlashInfer's, vLLM's) or ``OUT_OF_RANGE``.
 
-    A null row (its conv slot or its read slot) gets zero output and touches neither cache. It runs kda-core's
-    reference for now (exact; slow, not CUDA-graph capturable): kda-cute's ``fused_spec`` kernel, which would make
-    it one launch, is not verified on a GPU yet.
+    A null row (its conv slot or its read slot) gets zero output and touches neither cache. On CUDA it is one
+    launch of kda-cute's multi-token kernel (CUDA-graph capturable); elsewhere kda-core's reference.
     """
     policy = null_policy if type(null_policy) is NullSlotPolicy else _policy(null_policy)
     if torch.compiler.is_compiling():
