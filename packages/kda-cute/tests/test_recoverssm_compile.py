@@ -120,12 +120,16 @@ def test_smem_estimate_matches_the_compiled_launch(K, tile_v):
 
 
 def test_schedule_policy_by_grid_size():
-    assert R.select_config(1, 128) == R.select_config(48, 128) == R.CommitConfig(16)
-    assert R.select_config(49, 128) == R.select_config(96, 128) == R.CommitConfig(32)
-    assert R.select_config(97, 128) == R.select_config(1 << 40, 64) == R.CommitConfig(64)
-    for K in (64, 128):
-        for n in (1, 60, 1000):
-            assert R.select_config(n, K).tile_v in R.tile_v_choices(K)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert R.select_config(1, 128, bf16) == R.select_config(48, 128, bf16) == R.CommitConfig(16)
+    assert R.select_config(49, 128, bf16) == R.select_config(96, 128, bf16) == R.CommitConfig(32)
+    assert R.select_config(97, 128, bf16) == R.select_config(1 << 40, 64, bf16) == R.CommitConfig(64)
+    assert R.select_config(48, 128, fp32) == R.CommitConfig(16)
+    assert R.select_config(49, 128, fp32) == R.select_config(6144, 128, fp32) == R.CommitConfig(32)
+    for dtype in (bf16, fp32):
+        for K in (64, 128):
+            for n in (1, 60, 1000):
+                assert R.select_config(n, K, dtype).tile_v in R.tile_v_choices(K)
 
 
 def test_variant_key_normalises_only_what_cannot_change_the_code():

@@ -95,20 +95,21 @@ class CommitConfig:
     tile_v: int
 
 
-# (max rows * HV * L states, tile_v): the first row that holds the call. Not measured for this kernel: the
-# thresholds are the generic kernel's (docs/generic.md, measured on the H200 for its spec-decode mode, whose CTAs
-# hold the same per-thread rows), on the reasoning that small grids want more CTAs and large grids more bytes in
-# flight per thread. A sweep of this kernel may move them.
-_SCHEDULE = (
-    (48, CommitConfig(16)),
-    (96, CommitConfig(32)),
-    (1 << 62, CommitConfig(64)),
-)
+# Per checkpoint dtype, (max rows * HV * L states, tile_v): the first row that holds the call. Measured: H200,
+# 2026-12-02, CUDA-graph replay, CUPTI, H = 12, T = 8, accepted counts uniform in [1, 8], every legal tile at
+# B = 8, 64, 128, 512 (docs/recoverssm.md, "Schedule sweep"). bf16: tile 32 at B = 8 (96 states), 64 from B = 64 on;
+# fp32: tile 32 from B = 64 on (4-5% ahead of 64), 16 and 32 level at B = 8. The 48-state row (B <= 4 at H = 12)
+# is the generic kernel's (small grids want more CTAs), not swept here.
+_SCHEDULE = {
+    torch.bfloat16: ((48, CommitConfig(16)), (96, CommitConfig(32)), (1 << 62, CommitConfig(64))),
+    torch.float32: ((48, CommitConfig(16)), (1 << 62, CommitConfig(32))),
+}
 
 
-def select_config(n_states: int, head_dim: int) -> CommitConfig:
-    """Pure schedule policy: the config for ``n_states`` = rows * HV * L (row, value head, layer) triples."""
-    for max_states, cfg in _SCHEDULE:
+def select_config(n_states: int, head_dim: int, state_dtype: torch.dtype = torch.bfloat16) -> CommitConfig:
+    """Pure schedule policy: the config for ``n_states`` = rows * HV * L (row, value head, layer) triples of a
+    ``state_dtype`` checkpoint pool (bf16 or fp32)."""
+    for max_states, cfg in _SCHEDULE[state_dtype]:
         if n_states <= max_states:
             return cfg if cfg.tile_v in tile_v_choices(head_dim) else CommitConfig(tile_v_choices(head_dim)[0])
     raise AssertionError("unreachable: the schedule's last row is unbounded")
@@ -601,7 +602,7 @@ def recoverssm_commit(
     elif dt_bias is not None:
         dt_bias = dt_bias.reshape(-1)
     aligned = _launch.alignment_of(checkpoint_state, kg_cache, dt_bias) == _launch.VECTOR_BYTES
-    cfg = config or select_config(n_rows * HV, K)
+    cfg = config or select_config(n_rows * HV, K, checkpoint_state.dtype)
     key = variant_key(
         head_dim=K, state_dtype=checkpoint_state.dtype, kg_dtype=kg_cache.dtype, gate=gate,
         use_qk_l2norm=use_qk_l2norm_in_kernel, has_dt_bias=dt_bias is not None,
@@ -733,7 +734,7 @@ class RecoverSSMCommitPlan:
         n_rows = state_indices.shape[0]
         if n_rows == 0 or HV == 0 or self.corrs[0].shape[2] == 0:
             return
-        cfg = self.config or select_config(n_rows * HV * self.n_layers, self.K)
+        cfg = self.config or select_config(n_rows * HV * self.n_layers, self.K, ref.dtype)
         key = variant_key(
             head_dim=self.K, state_dtype=ref.dtype, kg_dtype=self.kgs[0].dtype, gate=self.gate,
             use_qk_l2norm=self.use_qk_l2norm, has_dt_bias=self.dt_bias is not None,
