@@ -438,17 +438,25 @@ class KDADecodeT1:
         sFull = smem.allocate_tensor(Int64, cute.make_layout((self.bulk_ring,)), byte_alignment=8)  # mbarriers
         return sRing, sFull
 
-    def load_token(self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, b, h, lane, row0, group, n_rows):
+    def state_row(self, row0, group, j: int):
+        """State row of a thread's row ``j`` (row group ``group`` of the tile from ``row0``): ``row0 + group + 8 j``,
+        except in the bf16 pool-realigning variant, whose threads own blocks of consecutive rows (``row0 +
+        group * rows + j``: see :meth:`update_state_realigned`). Plain Python, traced inline."""
+        if const_expr(self.tail_vectors):
+            return row0 + group * self.rows + j
+        return row0 + group + j * ROW_GROUPS
+
+    def load_token(self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, b, h, lane, rows):
         """Issue the loads of token (batch row) ``b``'s activations for head ``h`` and this lane: k, q, g channels
-        [8 lane, 8 lane + 8), v of the state rows ``row0 + group + 8 j`` (j < ``n_rows``), beta, and A_log / dt_bias
-        for the in-kernel gate; the registers are read later (:meth:`prepare_token`). Plain Python, traced inline
-        (its loops unroll at trace time like ``range_constexpr``)."""
+        [8 lane, 8 lane + 8), v of the state rows ``rows`` (a list), beta, and A_log / dt_bias for the in-kernel
+        gate; the registers are read later (:meth:`prepare_token`). Plain Python, traced inline (its loops unroll at
+        trace time like ``range_constexpr``)."""
         k_raw = self.load_lane_vector(mK[b, 0, h, None], lane, mK.element_type)
         q_raw = self.load_lane_vector(mQ[b, 0, h, None], lane, mQ.element_type)
         g_raw = self.load_lane_vector(mG[b, 0, h, None], lane, mG.element_type)
-        v_raw = cute.make_rmem_tensor((n_rows,), mV.element_type)
-        for j in range(n_rows):
-            v_raw[j] = mV[b, 0, h, row0 + group + j * ROW_GROUPS]
+        v_raw = cute.make_rmem_tensor((len(rows),), mV.element_type)
+        for j in range(len(rows)):
+            v_raw[j] = mV[b, 0, h, rows[j]]
         beta_raw = mBeta[b, 0, h]
         a_log = bias_raw = None
         if const_expr(self.gate != GateMode.PRECOMPUTED):
@@ -559,7 +567,8 @@ class KDADecodeT1:
 
         # ---- issue every activation load before the slot is known: the slot -> state chain is the
         # critical path, and these loads (and the gate math below) hide under it ------------------
-        token = self.load_token(mQ, mK, mV, mG, mBeta, mALog, mDtBias, b, h, lane, row0, group, self.rows)
+        token = self.load_token(mQ, mK, mV, mG, mBeta, mALog, mDtBias, b, h, lane,
+                                [self.state_row(row0, group, j) for j in range(self.rows)])
 
         if active:
             # ---- then the state rows: they are the whole cost of this kernel -------------------------
@@ -709,14 +718,24 @@ class KDADecodeT1:
         floor0 = start - Int64(mis)  # 16-byte aligned
         straddle = (lane == 0) & (shift > 0)
 
+        # bf16 (tail_vectors): a thread owns a block of consecutive rows (:meth:`state_row`), so the vector
+        # straddling row j's end is lane 0's first vector of row j + 1, already in flight in its registers; only the
+        # block's last row reads its end vector into a register of its own (``tail``).
+        rows = self.rows
+
+        def row_of(j):
+            return self.state_row(row0, group, j)
+
         row_regs = []
-        tail_regs = []  # bf16, lane 0: the vector straddling the row's end (its elements t < shift are the row's)
-        for _ in cutlass.range_constexpr(self.rows):
+        for _ in cutlass.range_constexpr(rows):
             row_regs.append(cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt))
-            tail_regs.append(cute.make_rmem_tensor((vec,), sdt) if const_expr(self.tail_vectors) else None)
+        tail = cute.make_rmem_tensor((vec,), sdt) if const_expr(self.tail_vectors) else None
+
+        def tail_of(j):  # the tail register of row j's issue: the block's last row only
+            return tail if const_expr(j == rows - 1) else None
+
         for j in cutlass.range_constexpr(self.rows_in_flight):
-            self.issue_realigned_row(mState, floor0, shift, straddle, h, row0 + group + j * ROW_GROUPS, lane,
-                                     row_regs[j], tail_regs[j])
+            self.issue_realigned_row(mState, floor0, shift, straddle, h, row_of(j), lane, row_regs[j], tail_of(j))
 
         # ---- per-lane preamble on the natural channels [8 lane, 8 lane + 8), then realigned to the rows' ---------
         token = self.complete_token(token, ctx)
@@ -727,20 +746,23 @@ class KDADecodeT1:
         self.realign_channels(decay, shift, tidx)
 
         s_new = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
-        for j in cutlass.range_constexpr(self.rows):
-            if const_expr(j + self.rows_in_flight < self.rows):
+        for j in cutlass.range_constexpr(rows):
+            if const_expr(j + self.rows_in_flight < rows):
                 nxt = j + self.rows_in_flight
-                self.issue_realigned_row(mState, floor0, shift, straddle, h, row0 + group + nxt * ROW_GROUPS, lane,
-                                         row_regs[nxt], tail_regs[nxt])
+                self.issue_realigned_row(mState, floor0, shift, straddle, h, row_of(nxt), lane, row_regs[nxt],
+                                         tail_of(nxt))
             regs = row_regs[j]
             if const_expr(self.tail_vectors):
-                for t in cutlass.range_constexpr(vec - 1):  # lane 0: channels 128 - shift + t from the end's vector
-                    regs[t] = cutlass.select_(straddle & (t < shift), tail_regs[j][t], regs[t])
+                # lane 0: channels 128 - shift + t from the end's vector: row j + 1's first vector as loaded (its
+                # own merge comes at the next row), or the block's last row's tail register
+                end = row_regs[j + 1] if const_expr(j + 1 < rows) else tail
+                for t in cutlass.range_constexpr(vec - 1):
+                    regs[t] = cutlass.select_(straddle & (t < shift), end[t], regs[t])
             sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
             sf.store(regs.load().to(Float32))
             sq, u = self.row_step(sf, decay, kf, qf, beta, v_raw[j])
             s_new.store(sf.load().to(sdt))
-            row = row0 + group + j * ROW_GROUPS
+            row = row_of(j)
             fr = floor0 + Int64(row * row_bytes)
             own = fr + Int64(lane * (16 * n_vec))
             if straddle:
@@ -769,9 +791,9 @@ class KDADecodeT1:
     def issue_realigned_row(self, mState: cute.Tensor, floor0, shift, straddle, h, row, lane, regs: cute.Tensor,
                             tail):  # tail: None for fp32
         """Issue the loads of state row ``row`` for this lane (:meth:`update_state_realigned`): its vectors from the
-        row's aligned floor. Lane 0 (``straddle``), bf16 (``tail_vectors``): also the vector straddling the row's end
-        into ``tail``, each straddling vector read whole where every byte of it is inside the slot's run ([H, V, K]),
-        else only its elements of this row. fp32: lane 0 reads the 4 elements of its first vector one by one from
+        row's aligned floor. Lane 0 (``straddle``), bf16 (``tail_vectors``): also, on a block's last row, the vector
+        straddling the row's end into ``tail`` (None on the other rows), each straddling vector read whole where
+        every byte of it is inside the slot's run ([H, V, K]), else only its elements of this row. fp32: lane 0 reads the 4 elements of its first vector one by one from
         where they are (t >= shift: the row's start, t < shift: its end), so no extra registers are held: the
         large-batch schedule keeps 16 fp32 rows in flight, which leaves no room for a tail vector per row."""
         sdt = self.state_dtype
@@ -799,8 +821,8 @@ class KDADecodeT1:
     def issue_straddling_bf16(self, mState: cute.Tensor, pair: cute.Tensor, fr, shift, h, row, regs: cute.Tensor,
                               tail: cute.Tensor, load_atom):
         """:meth:`issue_realigned_row`'s lane 0 of a bf16 pool: the vector straddling the row's start into ``regs``
-        and the one straddling its end into ``tail``, each whole where all its bytes are inside the slot's run, else
-        only this row's elements of it."""
+        and, for the last row of a thread's block (``tail`` not None), the one straddling its end into ``tail``, each
+        whole where all its bytes are inside the slot's run, else only this row's elements of it."""
         sdt = self.state_dtype
         vec = 128 // sdt.width
         run_row = h * HEAD_DIM + row  # the row within the slot's run
@@ -810,13 +832,14 @@ class KDADecodeT1:
             for t in cutlass.range_constexpr(vec):
                 if t >= shift:
                     regs[t] = pair[t]
-        if run_row < cute.size(mState, mode=[1]) * HEAD_DIM - 1:  # the end's vector: the next row's, inside
-            cute.copy(load_atom, self._global_vector(fr, HEAD_DIM * sdt.width // 128),
-                      cute.logical_divide(tail, (vec,)))
-        else:
-            for t in cutlass.range_constexpr(vec - 1):
-                if t < shift:
-                    tail[t] = pair[HEAD_DIM + t]
+        if const_expr(tail is not None):  # a block's last row (the others' end vectors are the next row's start)
+            if run_row < cute.size(mState, mode=[1]) * HEAD_DIM - 1:  # the end's vector: the next row's, inside
+                cute.copy(load_atom, self._global_vector(fr, HEAD_DIM * sdt.width // 128),
+                          cute.logical_divide(tail, (vec,)))
+            else:
+                for t in cutlass.range_constexpr(vec - 1):
+                    if t < shift:
+                        tail[t] = pair[HEAD_DIM + t]
 
     @cute.jit
     def realign_channels(self, x: cute.Tensor, shift, tidx):
@@ -908,15 +931,14 @@ class KDADecodeT1:
         store_atom = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), sdt, num_bits_per_copy=s_bits, **self.store_hints)
         gState = mState[Int64(slot), h, None, None]  # [V, K]
         for j in cutlass.range_constexpr(self.rows):
-            row = row0 + group + j * ROW_GROUPS
+            row = self.state_row(row0, group, j)
             view = cute.logical_divide(cute.local_tile(gState[row, None], (CHANNELS_PER_LANE,), (lane,)), (s_vec,))
             raw = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
             cute.copy(load_atom, view, cute.logical_divide(raw, (s_vec,)))
             sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
             sf.store(raw.load().to(Float32))
             for t in cutlass.range(bos, bos + seq_len, unroll=1):
-                token = self.load_token(mQ, mK, mV, mG, mBeta, mALog, mDtBias, t, h, lane, row0 + j * ROW_GROUPS,
-                                        group, 1)
+                token = self.load_token(mQ, mK, mV, mG, mBeta, mALog, mDtBias, t, h, lane, [row])
                 kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound)
                 sq, u = self.row_step(sf, decay, kf, qf, beta, token[3][0])
                 if lane == 0:

@@ -57,7 +57,6 @@ from . import _launch
 from .decode_t1 import (
     CACHE_HINTS,
     HALF_WARP,
-    ROW_GROUPS,
     THREADS,
     KDADecodeT1,
     bulk_ring_for,
@@ -240,7 +239,7 @@ class KDAFusedDecode(KDADecodeT1):
         k_raw = self.load_lane_vector(sMixed[1, None], lane, sMixed.element_type)
         v_raw = cute.make_rmem_tensor((self.rows,), sMixed.element_type)
         for j in range(self.rows):
-            v_raw[j] = sMixed[2, row0 + group + j * ROW_GROUPS]
+            v_raw[j] = sMixed[2, self.state_row(row0, group, j)]
         return k_raw, q_raw, g_raw, v_raw, beta_raw, a_log, bias_raw
 
     def conv_channel(self, gConv, c, hist, x, taps, cbias, sMixed, p, pos, deferred):

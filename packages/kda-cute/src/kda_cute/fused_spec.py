@@ -91,7 +91,7 @@ class FusedSpecConfig:
     ``MIN_CTAS``): the resident CTAs per SM asked of ptxas (``min_blocks_per_mp``: it caps the registers to fit;
     0 leaves the count to ptxas)."""
 
-    rows_per_pass: int = 2
+    rows_per_pass: int = 4
     cache_hint: str = "stream"
     min_ctas: int = 0
 
@@ -105,8 +105,10 @@ class FusedSpecConfig:
 
 
 def select_config(rows: int, H: int, T: int, state_dtype: torch.dtype) -> FusedSpecConfig:
-    """The schedule policy. One config for every call: its speed is NOT YET MEASURED (no sweep of this kernel has
-    run; benchmarks choose ``config=`` to compare), so the default is the middle pass size."""
+    """The schedule policy: one config for every call, four rows per pass, no resident-CTA floor. Measured: H200,
+    2026-12-02, CUDA-graph replay, CUPTI, H = 12 (docs/fused_spec.md, "Measured"): at T = 4, B = 64 four rows per
+    pass beat one and two under every floor (0, 5, 6 CTAs per SM) for both pool dtypes; over B in {8, 64, 256} x T in
+    {2, 4, 8} x both dtypes, four against two is 1-21% faster, or level (within 1%) at B = 256, T = 2."""
     return FusedSpecConfig()
 
 
@@ -121,7 +123,7 @@ class KDAFusedSpec(KDADecodeT1):
     and the RMSNorm are this class's."""
 
     def __init__(self, *, state_dtype, gate: GateMode, has_dt_bias: bool, has_bias: bool, aligned: bool,
-                 max_tokens: int, rows_per_pass: int = 2, cache_hint: str = "stream",
+                 max_tokens: int, rows_per_pass: int = 4, cache_hint: str = "stream",
                  null_policy: NullSlotPolicy = NullSlotPolicy.NONPOSITIVE, index_dtype=Int32, qsl_dtype=Int32,
                  nat_dtype=Int32, min_ctas: int = 0):
         if gate == GateMode.PRECOMPUTED:
@@ -410,7 +412,7 @@ class KDAFusedSpec(KDADecodeT1):
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def variant_key(*, state_dtype, gate, has_dt_bias, has_bias, aligned, max_tokens, rows_per_pass=2,
+def variant_key(*, state_dtype, gate, has_dt_bias, has_bias, aligned, max_tokens, rows_per_pass=4,
                 cache_hint="stream", null_policy=NullSlotPolicy.NONPOSITIVE, index_dtype=torch.int32,
                 qsl_dtype=torch.int32, nat_dtype=torch.int32, min_ctas=0):
     """Every code-generation parameter of one multi-token fused variant, in the order ``_compile`` reads them.
