@@ -702,9 +702,11 @@ class KDADecodeT1:
         16-byte vectors from the row's aligned floor, as in the aligned variant, except that lane 0's first vector
         straddles the row's start, so its elements t < shift come from the vector straddling the row's end (channels
         128 - shift + t). The per-channel coefficients (decay, k^, q^) are realigned once (:meth:`realign_channels`)
-        instead of every row. Lane 0 writes its two straddling vectors in aligned pieces (:meth:`store_straddling`),
-        never a byte of a neighbouring row; how it reads them: :meth:`issue_realigned_row`. A slot with mis = 0 takes
-        the aligned accesses in every lane."""
+        instead of every row. fp32: lane 0 writes its two straddling vectors in aligned pieces
+        (:meth:`store_head_pieces`, :meth:`store_tail_pieces`), never a byte of a neighbouring row. bf16: a thread
+        owns a block of consecutive rows, so inside a block lane 0's straddling vector is two rows of its own, read
+        once and stored whole; only a block's two ends are pieces. How lane 0 reads them: :meth:`issue_realigned_row`.
+        A slot with mis = 0 takes the aligned accesses in every lane."""
         sdt = self.state_dtype
         elem_bytes = sdt.width // 8
         vec = 16 // elem_bytes  # elements of a 16-byte vector
@@ -735,7 +737,8 @@ class KDADecodeT1:
             return tail if const_expr(j == rows - 1) else None
 
         for j in cutlass.range_constexpr(self.rows_in_flight):
-            self.issue_realigned_row(mState, floor0, shift, straddle, h, row_of(j), lane, row_regs[j], tail_of(j))
+            self.issue_realigned_row(mState, floor0, shift, straddle, h, row_of(j), lane, row_regs[j], tail_of(j),
+                                     j == 0)
 
         # ---- per-lane preamble on the natural channels [8 lane, 8 lane + 8), then realigned to the rows' ---------
         token = self.complete_token(token, ctx)
@@ -746,11 +749,12 @@ class KDADecodeT1:
         self.realign_channels(decay, shift, tidx)
 
         s_new = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
+        prev = None  # bf16: the previous row's new values (lane 0 stores them with this row's, see below)
         for j in cutlass.range_constexpr(rows):
             if const_expr(j + self.rows_in_flight < rows):
                 nxt = j + self.rows_in_flight
                 self.issue_realigned_row(mState, floor0, shift, straddle, h, row_of(nxt), lane, row_regs[nxt],
-                                         tail_of(nxt))
+                                         tail_of(nxt), nxt == 0)
             regs = row_regs[j]
             if const_expr(self.tail_vectors):
                 # lane 0: channels 128 - shift + t from the end's vector: row j + 1's first vector as loaded (its
@@ -761,14 +765,36 @@ class KDADecodeT1:
             sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
             sf.store(regs.load().to(Float32))
             sq, u = self.row_step(sf, decay, kf, qf, beta, v_raw[j])
+            if const_expr(self.tail_vectors):
+                s_new = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)  # kept as ``prev`` for the next row
             s_new.store(sf.load().to(sdt))
             row = row_of(j)
             fr = floor0 + Int64(row * row_bytes)
             own = fr + Int64(lane * (16 * n_vec))
-            if straddle:
+            if const_expr(self.tail_vectors):
+                # bf16: lane 0's vector at the row's floor holds the previous row's last channels (t < shift) and
+                # this row's first ones, the same thread's inside a block: stored whole, by every lane at once. A
+                # block's first row writes only its own part of that vector and its last row the part of the next
+                # vector that is its own (aligned pieces: the neighbouring rows are another thread's).
+                if const_expr(j == 0):
+                    if straddle:
+                        self.store_head_pieces(s_new, fr, shift)
+                    else:
+                        cute.copy(store_atom, self._reg_vector(s_new, 0), self._global_vector(own, 0))
+                else:
+                    merged = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
+                    for t in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                        merged[t] = cutlass.select_(straddle & (t < shift), prev[t], s_new[t])
+                    cute.copy(store_atom, self._reg_vector(merged, 0), self._global_vector(own, 0))
+                if const_expr(j == rows - 1):
+                    if straddle:
+                        self.store_tail_pieces(s_new, fr + Int64(row_bytes), shift)
+                prev = s_new
+            elif straddle:
                 for i in cutlass.range_constexpr(1, n_vec):
                     cute.copy(store_atom, self._reg_vector(s_new, i), self._global_vector(own, i))
-                self.store_straddling(s_new, fr, fr + Int64(row_bytes), shift)
+                self.store_head_pieces(s_new, fr, shift)
+                self.store_tail_pieces(s_new, fr + Int64(row_bytes), shift)
             else:
                 for i in cutlass.range_constexpr(n_vec):
                     cute.copy(store_atom, self._reg_vector(s_new, i), self._global_vector(own, i))
@@ -789,13 +815,13 @@ class KDADecodeT1:
 
     @cute.jit
     def issue_realigned_row(self, mState: cute.Tensor, floor0, shift, straddle, h, row, lane, regs: cute.Tensor,
-                            tail):  # tail: None for fp32
+                            tail, first: cutlass.Constexpr):  # tail: None for fp32
         """Issue the loads of state row ``row`` for this lane (:meth:`update_state_realigned`): its vectors from the
-        row's aligned floor. Lane 0 (``straddle``), bf16 (``tail_vectors``): also, on a block's last row, the vector
-        straddling the row's end into ``tail`` (None on the other rows), each straddling vector read whole where
-        every byte of it is inside the slot's run ([H, V, K]), else only its elements of this row. fp32: lane 0 reads the 4 elements of its first vector one by one from
-        where they are (t >= shift: the row's start, t < shift: its end), so no extra registers are held: the
-        large-batch schedule keeps 16 fp32 rows in flight, which leaves no room for a tail vector per row."""
+        row's aligned floor. bf16 (``tail_vectors``): :meth:`issue_row_bf16` (``first``: the row is a block's first;
+        ``tail``: a register for the row's end vector on a block's last row, else None). fp32: lane 0 reads the 4
+        elements of its first vector one by one from where they are (t >= shift: the row's start, t < shift: its
+        end), so no extra registers are held: the large-batch schedule keeps 16 fp32 rows in flight, which leaves no
+        room for a tail vector per row."""
         sdt = self.state_dtype
         vec = 128 // sdt.width
         n_vec = CHANNELS_PER_LANE // vec
@@ -803,43 +829,50 @@ class KDADecodeT1:
         load_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), sdt, num_bits_per_copy=128, **self.load_hints)
         fr = floor0 + Int64(row * row_bytes)
         own = fr + Int64(lane * (16 * n_vec))
-        if straddle:
+        if const_expr(self.tail_vectors):
+            self.issue_row_bf16(mState, fr, own, shift, straddle, h, row, regs, tail, first, load_atom)
+        elif straddle:
             for i in cutlass.range_constexpr(1, n_vec):
                 cute.copy(load_atom, self._global_vector(own, i), self._reg_vector(regs, i))
             pair = cute.make_tensor(cute.make_ptr(sdt, fr, cutlass.AddressSpace.gmem, assumed_align=16),
                                     cute.make_layout((2 * HEAD_DIM,)))
-            if const_expr(not self.tail_vectors):
-                for t in cutlass.range_constexpr(vec):  # (shift > 0: element 0 is always the row's end's)
-                    regs[t] = pair[cutlass.select_(t >= shift, Int32(t), Int32(HEAD_DIM + t))]
-            else:
-                self.issue_straddling_bf16(mState, pair, fr, shift, h, row, regs, tail, load_atom)
+            for t in cutlass.range_constexpr(vec):  # (shift > 0: element 0 is always the row's end's)
+                regs[t] = pair[cutlass.select_(t >= shift, Int32(t), Int32(HEAD_DIM + t))]
         else:
             for i in cutlass.range_constexpr(n_vec):
                 cute.copy(load_atom, self._global_vector(own, i), self._reg_vector(regs, i))
 
     @cute.jit
-    def issue_straddling_bf16(self, mState: cute.Tensor, pair: cute.Tensor, fr, shift, h, row, regs: cute.Tensor,
-                              tail: cute.Tensor, load_atom):
-        """:meth:`issue_realigned_row`'s lane 0 of a bf16 pool: the vector straddling the row's start into ``regs``
-        and, for the last row of a thread's block (``tail`` not None), the one straddling its end into ``tail``, each
-        whole where all its bytes are inside the slot's run, else only this row's elements of it."""
+    def issue_row_bf16(self, mState: cute.Tensor, fr, own, shift, straddle, h, row, regs: cute.Tensor, tail, first:
+                       cutlass.Constexpr, load_atom):
+        """:meth:`issue_realigned_row` for a bf16 pool: every lane's vector at ``own`` (lane 0's straddles the row's
+        start; its elements t < shift, the previous row's, are read and replaced later), the same load in every lane
+        but on the slot run's first row (``first`` rows of a block only), where lane 0 reads only this row's
+        elements; and, on a block's last row (``tail`` not None), lane 0's vector straddling the row's end into
+        ``tail``, whole where all its bytes are inside the slot's run, else only this row's elements of it."""
         sdt = self.state_dtype
         vec = 128 // sdt.width
+        pair = cute.make_tensor(cute.make_ptr(sdt, fr, cutlass.AddressSpace.gmem, assumed_align=16),
+                                cute.make_layout((2 * HEAD_DIM,)))
         run_row = h * HEAD_DIM + row  # the row within the slot's run
-        if run_row > 0:  # the first vector's elements t < shift are the previous row's, inside the run
-            cute.copy(load_atom, self._global_vector(fr, 0), self._reg_vector(regs, 0))
-        else:
-            for t in cutlass.range_constexpr(vec):
-                if t >= shift:
-                    regs[t] = pair[t]
-        if const_expr(tail is not None):  # a block's last row (the others' end vectors are the next row's start)
-            if run_row < cute.size(mState, mode=[1]) * HEAD_DIM - 1:  # the end's vector: the next row's, inside
-                cute.copy(load_atom, self._global_vector(fr, HEAD_DIM * sdt.width // 128),
-                          cute.logical_divide(tail, (vec,)))
+        if const_expr(first):
+            if straddle & (run_row == 0):  # the bytes before the run are not the pool's to read
+                for t in cutlass.range_constexpr(vec):
+                    if t >= shift:
+                        regs[t] = pair[t]
             else:
-                for t in cutlass.range_constexpr(vec - 1):
-                    if t < shift:
-                        tail[t] = pair[HEAD_DIM + t]
+                cute.copy(load_atom, self._global_vector(own, 0), self._reg_vector(regs, 0))
+        else:
+            cute.copy(load_atom, self._global_vector(own, 0), self._reg_vector(regs, 0))
+        if const_expr(tail is not None):  # a block's last row (the others' end vectors are the next row's start)
+            if straddle:
+                if run_row < cute.size(mState, mode=[1]) * HEAD_DIM - 1:  # the end's vector: the next row's
+                    cute.copy(load_atom, self._global_vector(fr, HEAD_DIM * sdt.width // 128),
+                              cute.logical_divide(tail, (vec,)))
+                else:
+                    for t in cutlass.range_constexpr(vec - 1):
+                        if t < shift:
+                            tail[t] = pair[HEAD_DIM + t]
 
     @cute.jit
     def realign_channels(self, x: cute.Tensor, shift, tidx):
@@ -861,19 +894,25 @@ class KDADecodeT1:
             x[t] = cutlass.select_(t < shift, prev, x[t])
 
     @cute.jit
-    def store_straddling(self, s_new: cute.Tensor, head_addr, tail_addr, shift):
-        """Lane 0's two straddling vectors of a row, 0 < shift < vec (elements per 16 bytes): elements [shift, vec)
-        of ``s_new`` to the aligned vector at ``head_addr`` and elements [0, shift) to the one at ``tail_addr`` (same
-        positions), each range as naturally aligned pieces of 1, 2, 4 elements (:meth:`store_piece`), so that no byte
-        of a neighbouring row is written."""
+    def store_head_pieces(self, s_new: cute.Tensor, head_addr, shift):
+        """Elements [shift, vec) of lane 0's ``s_new`` (0 < shift < vec, elements per 16 bytes) to the aligned vector
+        at ``head_addr`` (the one straddling the row's start; same positions), as naturally aligned pieces of 1, 2, 4
+        elements (:meth:`store_piece`), so that no byte of the previous row is written."""
         vec = 128 // self.state_dtype.width
         widths = [w for w in (1, 2, 4) if w < vec]
-        lo = shift  # the head range [lo, vec): pieces upward, w at lo when lo is w past a multiple of 2w
+        lo = shift  # the range [lo, vec): pieces upward, w at lo when lo is w past a multiple of 2w
         for k in cutlass.range_constexpr(len(widths)):
             w = widths[k]
             self.store_piece(s_new, head_addr, lo, (lo & w) != 0, w, tuple(range(w, vec, 2 * w)))
             lo = lo + (lo & w)
-        pos = Int32(0)  # the tail range [0, shift): pieces from the largest, w at the higher bits of shift
+
+    @cute.jit
+    def store_tail_pieces(self, s_new: cute.Tensor, tail_addr, shift):
+        """Elements [0, shift) of lane 0's ``s_new`` to the aligned vector at ``tail_addr`` (the one straddling the
+        row's end; same positions), as naturally aligned pieces, so that no byte of the next row is written."""
+        vec = 128 // self.state_dtype.width
+        widths = [w for w in (1, 2, 4) if w < vec]
+        pos = Int32(0)  # the range [0, shift): pieces from the largest, w at the higher bits of shift
         for k in cutlass.range_constexpr(len(widths)):
             w = widths[len(widths) - 1 - k]
             self.store_piece(s_new, tail_addr, pos, (shift & w) != 0, w, tuple(range(0, vec - w, 2 * w)))
