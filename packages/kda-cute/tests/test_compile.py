@@ -163,7 +163,7 @@ def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, rows_in_
 
     if realign_pool and tile_v not in (16, 128):
         # the realigning variants' register high-water marks are at the extreme tiles (ptxas -v, sm_90a: 72 at 16,
-        # 168 at 128); the middle tiles compile in test_decode_t1_variant_compiles (CI time: 2-core machine)
+        # 138 at 128); the middle tiles compile in test_decode_t1_variant_compiles (CI time: 2-core machine)
         pytest.skip("realigning variants: spill-checked at tiles 16 and 128")
 
     # The softplus gate is the longest preamble (log1p + exp per channel): the register high-water mark.

@@ -81,8 +81,8 @@ def test_fused_spec_variant_compiles(variant, arch):
 @pytest.mark.parametrize("max_tokens, rows_per_pass", [(4, 4), (16, 4), (8, 2)], ids=["t4", "t16", "t8-rpp2"])
 def test_fused_spec_variant_does_not_spill(state_dtype, max_tokens, rows_per_pass, arch, tmp_path, ptxas):
     """The softplus gate and the conv bias are the longest preamble and phase 0; the largest token bucket holds the
-    most token inputs in registers: no spill, no stack frame (sm_90a, fp32 pool, lower-bound gate: 114 registers at
-    T = 4, 162 at T = 16)."""
+    most token inputs in registers: no spill, no stack frame, at the default four rows per pass and at two
+    (register counts: docs/fused_spec.md, "What it costs")."""
     from kda_core.contracts import GateMode
     from kda_cute import fused_spec
 
