@@ -68,6 +68,7 @@ from kda_core.errors import fail
 from kda_core.validation import RecurrentCall, debug_check_slots, debug_checks_enabled
 
 from . import _lane_math, _launch
+from ._lane_math import CHANNELS_PER_LANE
 
 __all__ = [
     "GenericConfig",
@@ -83,7 +84,6 @@ __all__ = [
 THREADS = 128
 MAX_SEQUENCES = 65535  # sequences ride on grid z, whose CUDA limit this is
 MAX_VALUE_HEADS = 65535  # value heads ride on grid y, the same limit
-CHANNELS_PER_LANE = 8  # one 16-byte vector of a bf16 row per lane
 
 
 class StateMode:
@@ -145,11 +145,8 @@ def select_config(n_states: int, head_dim: int) -> GenericConfig:
 # Kernel
 # --------------------------------------------------------------------------------------------------
 
-LOAD_STREAM = dict(load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
-STORE_STREAM = dict(store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING)
 
-
-class KDARecurrent:
+class KDARecurrent(_lane_math.RowLanes):
     """Compile-time configuration of one generic-recurrence variant (quack style: init / __call__ / kernel)."""
 
     def __init__(
@@ -223,29 +220,6 @@ class KDARecurrent:
         self.v_per_lane = (tile_v + self.lanes - 1) // self.lanes  # v values of a token one lane prepares
 
     # ---- small helpers ------------------------------------------------------------------------
-
-    def _copy_bits(self, dtype) -> int:
-        return min(CHANNELS_PER_LANE * dtype.width, 128) if self.aligned else dtype.width
-
-    @cute.jit
-    def row_sum(self, x):
-        """Sum over the ``lanes`` lanes that share one state row (an xor butterfly inside the group)."""
-        for i in cutlass.range_constexpr(self.lanes.bit_length() - 1):
-            x = x + cute.arch.shuffle_sync_bfly(x, offset=(self.lanes >> 1) >> i)
-        return x
-
-    @cute.jit
-    def copy_lane(self, src: cute.Tensor, dst: cute.Tensor, dtype, hints: cutlass.Constexpr = None):
-        """Copy the lane's 8 contiguous elements between gmem and registers (vector width by alignment)."""
-        bits = self._copy_bits(dtype)
-        vec = bits // dtype.width
-        if const_expr(hints == "load"):
-            atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=bits, **LOAD_STREAM)
-        elif const_expr(hints == "store"):
-            atom = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), dtype, num_bits_per_copy=bits, **STORE_STREAM)
-        else:
-            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
-        cute.copy(atom, cute.logical_divide(src, (vec,)), cute.logical_divide(dst, (vec,)))
 
     @cute.jit
     def load_lane_f32(self, row: cute.Tensor, lane, dst: cute.Tensor):
@@ -959,8 +933,6 @@ def _is_plain(spec: SpecArgs | None) -> bool:
     return spec is None or (spec.initial_state_source is None and spec.initial_state_indices is None
                             and not spec.disable_state_update and spec.correction_cache is None
                             and spec.kg_cache is None and spec.parent_indices is None)
-
-
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ from kda_core.errors import fail
 from kda_core.validation import debug_check_slots, debug_checks_enabled
 
 from . import _lane_math, _launch
+from ._lane_math import CHANNELS_PER_LANE
 
 __all__ = [
     "CommitConfig",
@@ -64,7 +65,6 @@ __all__ = [
 ]
 
 THREADS = 128
-CHANNELS_PER_LANE = 8  # one 16-byte vector of a bf16 row per lane
 MAX_ROWS_PER_THREAD = 8  # 64 fp32 registers of state per thread, the generic kernel's bound
 GRID_Y_MAX = 65535  # value heads x layers ride on gridDim.y, whose CUDA limit this is
 GRID_Z_MAX = 65535  # rows ride on gridDim.z: more rows run as several launches
@@ -119,11 +119,8 @@ def select_config(n_states: int, head_dim: int, state_dtype: torch.dtype = torch
 # Kernel
 # --------------------------------------------------------------------------------------------------
 
-LOAD_STREAM = dict(load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
-STORE_STREAM = dict(store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING)
 
-
-class RecoverSSMCommitKernel:
+class RecoverSSMCommitKernel(_lane_math.RowLanes):
     """Compile-time configuration of one commit variant (init / __call__ / kernel)."""
 
     def __init__(
@@ -170,29 +167,6 @@ class RecoverSSMCommitKernel:
         return 2 * self.groups * (2 * self.head_dim + self.tile_v) * 4
 
     # ---- small helpers ------------------------------------------------------------------------
-
-    def _copy_bits(self, dtype) -> int:
-        return min(CHANNELS_PER_LANE * dtype.width, 128) if self.aligned else dtype.width
-
-    @cute.jit
-    def row_sum(self, x):
-        """Sum over the ``lanes`` lanes that share one state row (an xor butterfly inside the group)."""
-        for i in cutlass.range_constexpr(self.lanes.bit_length() - 1):
-            x = x + cute.arch.shuffle_sync_bfly(x, offset=(self.lanes >> 1) >> i)
-        return x
-
-    @cute.jit
-    def copy_lane(self, src: cute.Tensor, dst: cute.Tensor, dtype, hints: cutlass.Constexpr = None):
-        """Copy the lane's 8 contiguous elements between gmem and registers (vector width by alignment)."""
-        bits = self._copy_bits(dtype)
-        vec = bits // dtype.width
-        if const_expr(hints == "load"):
-            atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=bits, **LOAD_STREAM)
-        elif const_expr(hints == "store"):
-            atom = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), dtype, num_bits_per_copy=bits, **STORE_STREAM)
-        else:
-            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
-        cute.copy(atom, cute.logical_divide(src, (vec,)), cute.logical_divide(dst, (vec,)))
 
     @cute.jit
     def layer_view(self, tensor: cute.Tensor, mOffsets, layer, column: cutlass.Constexpr, vector: cutlass.Constexpr):
