@@ -78,11 +78,11 @@ def test_fused_spec_variant_compiles(variant, arch):
 @pytest.mark.sm100_share(lambda params, indices: params["state_dtype"] is torch.float32)  # see conftest
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("max_tokens, rows_per_pass", [(4, 4), (16, 4), (8, 2)], ids=["t4", "t16", "t8-rpp2"])
+@pytest.mark.parametrize("max_tokens, rows_per_pass", [(4, 4), (16, 4)], ids=["t4", "t16"])
 def test_fused_spec_variant_does_not_spill(state_dtype, max_tokens, rows_per_pass, arch, tmp_path, ptxas):
     """The softplus gate and the conv bias are the longest preamble and phase 0; the largest token bucket holds the
-    most token inputs in registers: no spill, no stack frame, at the default four rows per pass and at two
-    (register counts: docs/fused_spec.md, "What it costs")."""
+    most token inputs in registers: no spill, no stack frame, at the default four rows per pass (two rows per pass
+    holds fewer rows; register counts: docs/fused_spec.md, "What it costs")."""
     from kda_core.contracts import GateMode
     from kda_cute import fused_spec
 
