@@ -56,12 +56,12 @@ def _load_packed():
     return _packed_kernel
 
 
-def _warn_reference():
+def _warn_reference(entry: str):
     global _warned
     if not _warned:
         _warned = True
-        warnings.warn("kda_recurrent.fused_kda_decode: kda-cute is not installed; the PyTorch reference runs "
-                      "(slow). Install kda-recurrent[cute].", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"kda_recurrent.{entry}: kda-cute is not installed; the PyTorch reference runs (slow). "
+                      "Install kda-recurrent[cute].", RuntimeWarning, stacklevel=4)
 
 
 def _policy(null_policy) -> NullSlotPolicy:
@@ -78,7 +78,7 @@ def _eager(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indi
         if fn is not None:
             return fn(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state, output_gate,
                       norm_weight, lower_bound, norm_eps, output, bias=bias, null_policy=null_policy)
-        _warn_reference()
+        _warn_reference("fused_kda_decode")
     validate_fused_decode(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state,
                           output_gate, norm_weight, lower_bound, norm_eps, output, bias=bias, device_kind="any")
     return fused_kda_decode_ref(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state,
@@ -238,7 +238,7 @@ def _eager_packed(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, sta
                       norm_weight, lower_bound, norm_eps, output, query_start_loc=query_start_loc,
                       num_accepted_tokens=num_accepted_tokens, t1_state_indices=t1_state_indices, bias=bias,
                       null_policy=null_policy)
-        _warn_reference()
+        _warn_reference("packed_fused_kda_decode")
     if t1_state_indices is not None:
         if not isinstance(state_indices, torch.Tensor) or state_indices.dim() != 2 or state_indices.shape[1] != 1:
             fail("t1_state_indices", "None unless state_indices is [N, 1] (pre-resolved rows are for T = 1 only)",
