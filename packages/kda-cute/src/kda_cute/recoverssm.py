@@ -106,7 +106,7 @@ _SCHEDULE = {
 }
 
 
-def select_config(n_states: int, head_dim: int, state_dtype: torch.dtype = torch.bfloat16) -> CommitConfig:
+def select_config(n_states: int, head_dim: int, state_dtype: torch.dtype) -> CommitConfig:
     """Pure schedule policy: the config for ``n_states`` = rows * HV * L (row, value head, layer) triples of a
     ``state_dtype`` checkpoint pool (bf16 or fp32)."""
     for max_states, cfg in _SCHEDULE[state_dtype]:
