@@ -748,7 +748,6 @@ class KDADecodeT1:
         self.realign_channels(qf, shift, tidx)
         self.realign_channels(decay, shift, tidx)
 
-        s_new = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
         prev = None  # bf16: the previous row's new values (lane 0 stores them with this row's, see below)
         for j in cutlass.range_constexpr(rows):
             if const_expr(j + self.rows_in_flight < rows):
@@ -765,8 +764,7 @@ class KDADecodeT1:
             sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
             sf.store(regs.load().to(Float32))
             sq, u = self.row_step(sf, decay, kf, qf, beta, v_raw[j])
-            if const_expr(self.tail_vectors):
-                s_new = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)  # kept as ``prev`` for the next row
+            s_new = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)  # bf16: kept as ``prev`` for the next row
             s_new.store(sf.load().to(sdt))
             row = row_of(j)
             fr = floor0 + Int64(row * row_bytes)
