@@ -187,19 +187,23 @@ def test_schedule_and_key_normalisation():
 
 
 def test_cluster_schedule_and_key():
-    """The schedule keeps the measured one-CTA path at every B*H (the cluster variant is chosen by config= until
-    its speed is measured); a cluster drops the ring and fits rows in flight to its tile; an illegal cluster size is
-    refused by name."""
+    """The schedule's measured rows: a cluster at small B*H on an aligned call only (bf16 4 CTAs up to 24 states;
+    fp32 4 / 8 / 2 up to 12 / 24 / 48), one CTA per (row, head) above and on unaligned calls; a cluster drops the
+    ring and fits rows in flight to its tile; an illegal cluster size is refused by name."""
     from kda_core.contracts import GateMode
     from kda_core.errors import KDAError
     from kda_cute import fused_decode as fd
 
-    for sd in (torch.bfloat16, torch.float32):
-        assert fd.select_config(1, 12, sd, aligned=True).cluster == 1
-        assert fd.select_config(1, 12, sd, aligned=False).cluster == 1
-        assert fd.select_config(8, 12, sd, aligned=True).cluster == 1
-        assert fd.select_config(64, 12, sd, aligned=True).cluster == 1
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for B, H, sd, want in ((1, 12, bf16, 4), (2, 12, bf16, 4), (1, 24, bf16, 4), (4, 12, bf16, 1), (8, 12, bf16, 1),
+                           (1, 12, fp32, 4), (2, 12, fp32, 8), (1, 24, fp32, 8), (4, 12, fp32, 2),
+                           (8, 12, fp32, 1), (64, 12, fp32, 1)):
+        assert fd.select_config(B, H, sd, aligned=True).cluster == want, (B, H, sd)
+        assert fd.select_config(B, H, sd, aligned=False) == fd.FusedDecodeConfig(
+            rows_in_flight=fd.rows_in_flight_for(128, sd.itemsize, 0)), (B, H, sd)
+    for sd in (bf16, fp32):
         assert fd.select_config(1024, 12, sd, aligned=True) == fd.FusedDecodeConfig(bulk_ring=8)
+        assert fd.select_config(1, 12, sd, aligned=True).bulk_ring == 0
     cfg = fd.effective_config(fd.FusedDecodeConfig(bulk_ring=8, cluster=4), torch.bfloat16, True)
     assert cfg.bulk_ring == 0 and cfg.cluster == 4 and cfg.rows_in_flight == 4  # tile 32: 4 rows per thread
     base = dict(state_dtype=torch.float32, gate=GateMode.LOWER_BOUND, has_dt_bias=True, has_bias=False, aligned=True)

@@ -97,16 +97,21 @@ class FusedDecodeConfig:
 
 # Per pool dtype, rows (max B*H states, config), the last unbounded: clusters of C CTAs per (row, head) at small
 # B*H, then one CTA per (row, head) on the register path while latency decides, the bulk ring once bandwidth does.
-# The tile-128 thresholds are the T=1 table's tile-128 rows (decode_t1._SCHEDULE, measured on the H200), not a sweep
-# of this kernel: benchmarks/bench_fused_decode.py --bulk-ring measures both paths (H200, 2026-12-01: 88-93% of the
-# copy roofline of the layer's bytes at B >= 256). The cluster variant (FusedDecodeConfig(cluster=C)) is tested on
-# the H200 against the reference and under both sanitizers but its speed is NOT YET MEASURED, so the table does not
-# choose it: pass config= to run it; benchmarks/bench_fused_decode.py --cluster 1 2 4 8 sweeps it. Proposed rows
-# for the sweep to confirm (the T=1 table's tile at that B*H, cluster = 128 / tile): bf16 B*H <= 12 -> 8, <= 24 -> 4,
-# <= 48 -> 8, <= 96 -> 4; fp32 <= 48 -> 8, <= 96 -> 4.
+# Cluster rows: benchmarks/bench_fused_decode.py --batch-size 1 2 4 8 16 32 --heads 12 24 --cluster 1 2 4 8 (H200,
+# 2026-12-02, tree d66c02f, CUDA-graph replay), the fastest size at each B*H, us:
+#   bf16  12 states: C=4 3.42 (C=1 3.87)   24: C=4 3.55 (3.94)   48: C=1 4.00-4.03 (C=4 4.19)   96+: C=1, C>1 slower
+#   fp32  12 states: C=4 4.00 (C=1 5.25)   24: C=8 4.51 (C=4 4.58-4.67, C=1 5.41)   48: C=2 4.99-5.02 (C=1 5.50)
+#         96+: C=1 (C=2 7.02 against 5.92)
+# Clusters were measured on aligned calls only, so an unaligned call keeps one CTA per (row, head). The tile-128
+# thresholds are the T=1 table's tile-128 rows (decode_t1._SCHEDULE, measured on the H200), not a sweep of this
+# kernel: benchmarks/bench_fused_decode.py --bulk-ring measures both paths (H200, 2026-12-01: 88-93% of the copy
+# roofline of the layer's bytes at B >= 256).
 _SCHEDULE = {
-    torch.bfloat16: ((384, FusedDecodeConfig()), (1 << 62, FusedDecodeConfig(bulk_ring=8))),
-    torch.float32: ((287, FusedDecodeConfig()), (1 << 62, FusedDecodeConfig(bulk_ring=8))),
+    torch.bfloat16: ((24, FusedDecodeConfig(cluster=4)), (384, FusedDecodeConfig()),
+                     (1 << 62, FusedDecodeConfig(bulk_ring=8))),
+    torch.float32: ((12, FusedDecodeConfig(cluster=4)), (24, FusedDecodeConfig(cluster=8)),
+                    (48, FusedDecodeConfig(cluster=2)), (287, FusedDecodeConfig()),
+                    (1 << 62, FusedDecodeConfig(bulk_ring=8))),
 }
 
 
@@ -123,8 +128,11 @@ def effective_config(config: FusedDecodeConfig, state_dtype: torch.dtype, aligne
 
 
 def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool) -> FusedDecodeConfig:
-    """The schedule policy: the ``_SCHEDULE`` row of B*H states, fitted to the call."""
+    """The schedule policy: the ``_SCHEDULE`` row of B*H states, fitted to the call (a cluster row only for an
+    aligned call: the class it was measured in)."""
     cfg = next(c for limit, c in _SCHEDULE[state_dtype] if B * H <= limit)
+    if cfg.cluster > 1 and not aligned:
+        cfg = FusedDecodeConfig()
     return effective_config(cfg, state_dtype, aligned)
 
 
