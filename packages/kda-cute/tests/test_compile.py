@@ -334,3 +334,28 @@ def test_varlen_variant_does_not_spill(state_dtype, tile_v, bulk_ring, aligned, 
     assert spills == 0, (registers, spills)
     report = ptxas.report(ptx, arch)
     assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes stack frame", report)), report
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_varlen_fast_path_holds_the_plain_builds_registers(state_dtype, tmp_path, ptxas):
+    """vLLM Kimi-Linear's decode call (`[1, N]` + cu_seqlens, fp32 gate and beta, slot 0 null) on a `+17` pool:
+    the varlen build of the pool-realigning variant at tile 128 holds no more registers than the plain T=1 build
+    (one allocation step of slack), so its one-token path runs at the plain build's occupancy. Measured (sm_90a):
+    142 / 128 against 142 / 126 (bf16 / fp32); 182 / 147 while the edge tokens' zeros were written after the
+    state stream."""
+    from kda_core.contracts import GateMode, NullSlotPolicy
+    from kda_cute import decode_t1
+
+    found = {}
+    for form, cu_dtype in (("plain", None), ("varlen", torch.int32)):
+        key = decode_t1.variant_key(state_dtype=state_dtype, g_dtype=torch.float32, beta_dtype=torch.float32,
+                                    gate=GateMode.PRECOMPUTED, beta_is_logit=False, use_qk_l2norm=True,
+                                    has_dt_bias=False, tile_v=128, aligned=True, realign_pool=True,
+                                    null_policy=NullSlotPolicy.NONPOSITIVE, cu_dtype=cu_dtype)
+        (tmp_path / form).mkdir()
+        decode_t1.compile_variant(key, "sm_90a", f"--keep-ptx --dump-dir {tmp_path / form}")
+        (ptx,) = sorted((tmp_path / form).glob("*.ptx"))
+        found[form] = ptxas.registers_and_spills(ptx, "sm_90a")
+    assert found["varlen"][1] == 0 and found["plain"][1] == 0, found
+    assert found["varlen"][0] <= found["plain"][0] + 8, found
