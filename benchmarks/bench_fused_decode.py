@@ -28,6 +28,9 @@ pair is a ``FusedDecodeConfig`` timed at every point; where only one of the two 
 The defaults (both -1) time the schedule's choice, which each record names (``cluster``, ``bulk_ring``).
 
     python benchmarks/bench_fused_decode.py --batch-size 1 4 8 16 32 64 --heads 12 --cluster 1 2 4 8 --out /tmp/c.json
+
+``--conv-layout ds`` times the conv cache in vLLM's dim-first layout (each channel's 3 columns contiguous) instead
+of FlashInfer's channel-contiguous one.
 """
 
 from __future__ import annotations
@@ -62,13 +65,17 @@ def parse_args(argv=None):
                    help="-1 = the schedule's, 0 = the register path, 2-16 = a ring depth; several make a sweep")
     p.add_argument("--cluster", type=int, nargs="+", default=[-1], choices=[-1, 1, 2, 4, 8],
                    help="-1 = the schedule's, 1 = one CTA per (row, head), 2/4/8 = CTAs per cluster; several sweep")
+    p.add_argument("--conv-layout", choices=["sd", "ds"], default="sd",
+                   help="the conv cache's layout: sd = channel-contiguous (FlashInfer's, the default), ds = each "
+                        "channel's 3 columns contiguous (vLLM's dim-first cache)")
     p.add_argument("--no-fla", action="store_true", help="the unfused pipeline with torch ops instead of FLA's")
     _baseline.add_output_args(p)
     return p.parse_args(argv)
 
 
-def make_inputs(B, H, state_dtype, seed=0):
-    """FlashInfer's test recipe (docs/serving.md §5): padded x rows, page-strided caches, strided beta / gate views."""
+def make_inputs(B, H, state_dtype, seed=0, conv_layout="sd"):
+    """FlashInfer's test recipe (docs/serving.md §5): padded x rows, page-strided caches, strided beta / gate views.
+    ``conv_layout``: "sd" (channel-contiguous columns) or "ds" (each channel's 3 columns contiguous, vLLM's)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     HK = H * D
     C = 3 * HK
@@ -79,7 +86,8 @@ def make_inputs(B, H, state_dtype, seed=0):
 
     elem = torch.empty((), dtype=state_dtype).element_size()
     page = C * 3 * 2 + H * D * D * elem
-    conv = torch.empty_strided((slots, C, 3), (page // 2, 1, C), dtype=torch.bfloat16, device="cuda")
+    conv_strides = (page // 2, 1, C) if conv_layout == "sd" else (page // 2, 3, 1)
+    conv = torch.empty_strided((slots, C, 3), conv_strides, dtype=torch.bfloat16, device="cuda")
     conv.copy_(randn(slots, C, 3, dtype=torch.bfloat16, scale=0.1))
     state = torch.empty_strided((slots, H, D, D), (page // elem, D * D, D, 1), dtype=state_dtype, device="cuda")
     state.copy_(randn(slots, H, D, D, dtype=state_dtype, scale=0.01))
@@ -211,7 +219,7 @@ def main(argv=None):
     done = 0
     for dtype_name, H, B in points:
         sdt = DTYPES[dtype_name]
-        x = make_inputs(B, H, sdt, seed=B + H)
+        x = make_inputs(B, H, sdt, seed=B + H, conv_layout=args.conv_layout)
         nbytes = layer_bytes(x)
         out = torch.empty(1, B, H, D, dtype=torch.bfloat16, device="cuda")
         t1_out = torch.empty(B, 1, H, D, dtype=torch.bfloat16, device="cuda")
@@ -241,7 +249,8 @@ def main(argv=None):
                 timers[name] = timer.last_backend
             baselines.update({k: v for k, v in times.items() if k != "fused"})
             times.update(baselines)
-            rec = dict(B=B, heads=H, state_dtype=dtype_name, mode=args.mode, bulk_ring=cfg.bulk_ring,
+            rec = dict(B=B, heads=H, state_dtype=dtype_name, mode=args.mode, conv_layout=args.conv_layout,
+                       bulk_ring=cfg.bulk_ring,
                        bulk_ring_forced=ring, cluster=cfg.cluster, cluster_forced=cluster,
                        rows_in_flight=cfg.rows_in_flight, cache_hint=cfg.cache_hint,
                        unfused_impl=impl, timer=timers, fused_us=times["fused"], t1_us=times["t1"],
