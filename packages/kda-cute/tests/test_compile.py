@@ -337,13 +337,13 @@ def test_varlen_variant_does_not_spill(state_dtype, tile_v, bulk_ring, aligned, 
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
-@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_varlen_fast_path_holds_the_plain_builds_registers(state_dtype, tmp_path, ptxas):
-    """vLLM Kimi-Linear's decode call (`[1, N]` + cu_seqlens, fp32 gate and beta, slot 0 null) on a `+17` pool:
+def test_varlen_fast_path_holds_the_plain_builds_registers(tmp_path, ptxas):
+    """vLLM Kimi-Linear's decode call (`[1, N]` + cu_seqlens, fp32 gate and beta, slot 0 null) on a bf16 `+17` pool:
     the varlen build of the pool-realigning variant at tile 128 holds no more registers than the plain T=1 build
     (one allocation step of slack), so its one-token path runs at the plain build's occupancy. Measured (sm_90a):
-    142 / 128 against 142 / 126 (bf16 / fp32); 182 / 147 while the edge tokens' zeros were written after the
-    state stream."""
+    142 against 142; 182 with the edge tokens' zeros written after the state stream (the fp32 build keeps that
+    order, measured faster there: 147 registers against the plain build's 126)."""
+    state_dtype = torch.bfloat16
     from kda_core.contracts import GateMode, NullSlotPolicy
     from kda_cute import decode_t1
 

@@ -570,15 +570,13 @@ class KDADecodeT1:
         token = self.load_token(mQ, mK, mV, mG, mBeta, mALog, mDtBias, b, h, lane,
                                 [self.state_row(row0, group, j) for j in range(self.rows)])
 
-        if const_expr(self.varlen):
-            # Tokens before the first sequence's clamped start and from the last one's clamped end get a zero output
-            # (as the oracle); both ranges lie in [0, T) and outside every sequence's tokens. Written before the state
-            # stream, not after it: kept live across the stream, their bounds cost the pool-realigning bf16 build 44
-            # registers (182 against 138; ptxas, sm_90a).
-            if z == 0:
-                self.zero_tokens(mOut, Int32(0), bos, h, row0, group, lane)
-            if z == cute.size(mCu, mode=[0]) - 2:
-                self.zero_tokens(mOut, bos + seq_len, T, h, row0, group, lane)
+        # Varlen: the edge tokens' zeros (zero_edge_tokens) go before the state stream with a bf16 pool and after it
+        # with fp32, each the order measured faster (docs/decode_t1.md, "Varlen form"): kept live across the bf16
+        # stream, their bounds cost the pool-realigning build 40 registers (182 against 142) and 9-24% of its time;
+        # written first, the fp32 build lost 4-7%.
+        edges_first = const_expr(self.varlen and self.state_dtype.width == 16)
+        if const_expr(edges_first):
+            self.zero_edge_tokens(mOut, mCu, z, bos, seq_len, T, h, row0, group, lane)
         if active:
             # ---- then the state rows: they are the whole cost of this kernel -------------------------
             self.update_state(mState, slot, h, row0, group, lane, tidx, token, scale, lower_bound, sRing, sFull, mOut,
@@ -596,6 +594,17 @@ class KDADecodeT1:
                         mOut[b, 0, h, row0 + group + j * ROW_GROUPS] = Float32(0.0).to(mOut.element_type)
         if const_expr(self.slot_major):
             self.answer_other_rows(mSlot, mOut, z, h, n_slots, first, last, tidx)
+        if const_expr(self.varlen and not edges_first):
+            self.zero_edge_tokens(mOut, mCu, z, bos, seq_len, T, h, row0, group, lane)
+
+    @cute.jit
+    def zero_edge_tokens(self, mOut: cute.Tensor, mCu: cute.Tensor, z, bos, seq_len, T, h, row0, group, lane):
+        """Varlen: tokens before the first sequence's clamped start and from the last one's clamped end get a zero
+        output (as the oracle); both ranges lie in [0, T) and outside every sequence's tokens."""
+        if z == 0:
+            self.zero_tokens(mOut, Int32(0), bos, h, row0, group, lane)
+        if z == cute.size(mCu, mode=[0]) - 2:
+            self.zero_tokens(mOut, bos + seq_len, T, h, row0, group, lane)
 
     @cute.jit
     def update_state(self, mState: cute.Tensor, slot, h, row0, group, lane, tidx, token, scale: Float32,
