@@ -136,7 +136,8 @@ def test_schedule_rows_from_the_tuning_sweep():
     ring = DecodeT1Config(128, bulk_ring=8)  # the bulk ring replaces rows in flight / hint / staging
     assert select_config(33, 12, torch.bfloat16, True) == ring
     assert select_config(512, 12, torch.bfloat16, True) == ring
-    assert select_config(512, 12, torch.bfloat16, False) == DecodeT1Config(128)  # unaligned: the register path
+    assert select_config(512, 12, torch.bfloat16, False) == DecodeT1Config(128, rows_in_flight=16)  # unaligned:
+    # the register path (the pool-realigning variant's measured rows in flight)
     assert select_config(16, 12, torch.float32, True) == DecodeT1Config(64)
     assert select_config(24, 12, torch.float32, True) == ring
     assert select_config(256, 12, torch.float32, True) == ring

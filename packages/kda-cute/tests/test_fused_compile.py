@@ -201,6 +201,10 @@ def test_cluster_schedule_and_key():
         assert fd.select_config(B, H, sd, aligned=True).cluster == want, (B, H, sd)
         assert fd.select_config(B, H, sd, aligned=False) == fd.FusedDecodeConfig(
             rows_in_flight=fd.rows_in_flight_for(128, sd.itemsize, 0)), (B, H, sd)
+    # bf16 from 1537 to 3072 states: the register path, measured faster than the ring at 3072 (B=256, H=12)
+    assert fd.select_config(128, 12, bf16, aligned=True).bulk_ring == 8
+    assert fd.select_config(256, 12, bf16, aligned=True) == fd.FusedDecodeConfig(rows_in_flight=8)
+    assert fd.select_config(257, 12, bf16, aligned=True).bulk_ring == 8
     for sd in (bf16, fp32):
         assert fd.select_config(1024, 12, sd, aligned=True) == fd.FusedDecodeConfig(bulk_ring=8)
         assert fd.select_config(1, 12, sd, aligned=True).bulk_ring == 0

@@ -120,10 +120,14 @@ class DecodeT1Config:
 # (small tiles, just enough CTAs for 132 SMs), large ones bandwidth-bound (tile 128, the bulk ring). A ring row
 # keeps its register-path fields for the calls the ring cannot take (unaligned: see effective_config).
 # Measured: H200, 2026-11-29 to 12-01, bench_packed_kda_decode.py --tile-v/--rows-in-flight/--cache-hint/--bulk-ring
-# sweeps, H=12, CUDA graphs (the points: docs/decode_t1.md, "Schedule").
+# sweeps, H=12, CUDA graphs (the points: docs/decode_t1.md, "Schedule"). The bf16 ring row's register fields (16
+# rows in flight) serve the calls without a ring, the pool-realigning variant on a `+17` slot stride: H200,
+# 2026-12-02, vLLM K3's packed call, rows in flight 2 / 4 / 8 / 16 at B = 64, 256, 512 (H=12): 16 fastest at each,
+# 2-8% under 8 (docs/decode_t1.md, "Pool realigning variant").
 _SCHEDULE = {
     torch.bfloat16: ((12, DecodeT1Config(16)), (24, DecodeT1Config(32)), (48, DecodeT1Config(16)),
-                     (96, DecodeT1Config(32)), (384, DecodeT1Config(64)), (1 << 62, DecodeT1Config(128, bulk_ring=8))),
+                     (96, DecodeT1Config(32)), (384, DecodeT1Config(64)),
+                     (1 << 62, DecodeT1Config(128, rows_in_flight=16, bulk_ring=8))),
     torch.float32: ((48, DecodeT1Config(16)), (96, DecodeT1Config(32)), (287, DecodeT1Config(64)),
                     (1 << 62, DecodeT1Config(128, rows_in_flight=16, cache_hint="global", bulk_ring=8))),
 }
