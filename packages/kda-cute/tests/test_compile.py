@@ -343,9 +343,10 @@ def test_varlen_fast_path_holds_the_plain_builds_registers(tmp_path, ptxas):
     (one allocation step of slack), so its one-token path runs at the plain build's occupancy. Measured (sm_90a):
     142 against 142; 182 with the edge tokens' zeros written after the state stream (the fp32 build keeps that
     order, measured faster there: 147 registers against the plain build's 126)."""
-    state_dtype = torch.bfloat16
     from kda_core.contracts import GateMode, NullSlotPolicy
     from kda_cute import decode_t1
+
+    state_dtype = torch.bfloat16
 
     found = {}
     for form, cu_dtype in (("plain", None), ("varlen", torch.int32)):

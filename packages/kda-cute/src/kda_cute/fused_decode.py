@@ -105,10 +105,9 @@ class FusedDecodeConfig:
 # Clusters were measured on aligned calls only, so an unaligned call keeps one CTA per (row, head). bf16 from 1537 to
 # 3072 states: the register path, --bulk-ring 0 4 6 8 at B = 256 and 512, H = 12 (same run): at 3072 states 59.50 us
 # against 61.14 (ring 8), 62.24 (4), 61.26 (6); at 6144 the ring wins (117.15 against 122.25); 1536 and below not
-# swept (the ring there reads 88-103% of the copy). The tile-128
-# thresholds are the T=1 table's tile-128 rows (decode_t1._SCHEDULE, measured on the H200), not a sweep of this
-# kernel: benchmarks/bench_fused_decode.py --bulk-ring measures both paths (H200, 2026-12-01: 88-93% of the copy
-# roofline of the layer's bytes at B >= 256).
+# swept (the ring there reads 88-103% of the copy). The other tile-128 thresholds are the T=1 table's tile-128 rows
+# (decode_t1._SCHEDULE, measured on the H200), not a sweep of this kernel: benchmarks/bench_fused_decode.py
+# --bulk-ring measures both paths (H200, 2026-12-01: 88-93% of the copy roofline of the layer's bytes at B >= 256).
 _SCHEDULE = {
     torch.bfloat16: ((24, FusedDecodeConfig(cluster=4)), (384, FusedDecodeConfig()),
                      (1536, FusedDecodeConfig(bulk_ring=8)), (3072, FusedDecodeConfig()),
