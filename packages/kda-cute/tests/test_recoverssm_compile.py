@@ -93,6 +93,15 @@ def test_largest_tile_does_not_spill(K, arch, tmp_path, ptxas):
     assert spills == 0, f"{registers} registers, {spills} bytes of spill traffic"
 
 
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+def test_the_bf16_tile_64_build_fits_four_ctas_per_sm(tmp_path, ptxas):
+    # The schedule's build for B >= 8 at H = 12 (vLLM's form: lower-bound gate, int32 offsets and indices): at most
+    # 128 registers, so four CTAs of 128 threads stay resident. Measured on the H200 (docs/recoverssm.md): at 130
+    # registers (three CTAs) the commit took 10-12% longer at B = 64, 128 and 512.
+    registers, spills = ptxas.registers_and_spills(_ptx(tmp_path, "sm_90a"), "sm_90a")
+    assert registers <= 128 and spills == 0, f"{registers} registers, {spills} bytes of spill traffic"
+
+
 @pytest.mark.parametrize("layered", [False, True], ids=["single", "layers"])
 def test_aligned_build_moves_checkpoint_rows_and_kg_in_16_byte_vectors(layered, tmp_path):
     # The layer offset is declared a multiple of a vector (the host checks every layer's alignment), so the

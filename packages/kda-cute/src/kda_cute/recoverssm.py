@@ -211,147 +211,159 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
     def kernel(self, mState: cute.Tensor, mCorr: cute.Tensor, mKG: cute.Tensor, mSlots: cute.Tensor,
                mNat: cute.Tensor, mQsl, mALog, mDtBias, mOffsets, lower_bound: Float32):
         tidx, _, _ = cute.arch.thread_idx()
-        v_tile, y, n = cute.arch.block_idx()
         lane = tidx % self.lanes
         group = tidx // self.lanes
-        HV = cute.size(mState, mode=[1])
-        hv = y % HV
-        layer = y // HV
-        row0 = v_tile * self.tile_v + group  # this thread's rows: row0 + j * groups
+        state_dtype = mState.element_type
+        kg_dtype = mKG.element_type
+        raw = [cute.make_rmem_tensor((CHANNELS_PER_LANE,), state_dtype) for _ in range(self.rows)]
+        tok = self.token_regs(kg_dtype)  # one token's raw k, raw g and u values (the lane's share)
+        bias = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        smem = cutlass.memory.SmemAllocator()
+
+        def chunk_buffers(width):  # [buffer, token of the chunk, width] fp32, row-major
+            layout = cute.make_layout((2, self.groups, width), stride=(self.groups * width, width, 1))
+            return smem.allocate_tensor(Float32, layout, byte_alignment=16)
+
+        bufs = (chunk_buffers(self.head_dim), chunk_buffers(self.head_dim), chunk_buffers(self.tile_v))
+        rows = [cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32) for _ in range(self.rows)]
+        v_tile, y, n = cute.arch.block_idx()
+        slot, commit_len, active = self.row_meta(n, mState, mCorr, mKG, mSlots, mNat, mQsl)
+        if active:
+            # Every load of the item goes out before any of them is waited for: the checkpoint rows, the gate
+            # parameters and chunk 0's records (A_log's exp is taken after the record loads are issued).
+            gState, gCorr, gKG = self.item_views(mState, mCorr, mKG, mOffsets, slot, y)
+            self.load_rows(raw, gState, v_tile, group, lane)
+            a_log = self.load_gate(bias, mALog, mDtBias, y, HV=cute.size(mState, mode=[1]), lane=lane)
+            self.load_token(tok, 0, commit_len, gKG, gCorr, group, lane, v_tile)
+            self.finish_token(0, tok, 0, commit_len, bias, a_log, lower_bound, group, lane, bufs)
+            cute.arch.sync_threads()
+            self.to_fp32(rows, raw)
+            self.commit_chunks(rows, Int32(0), commit_len, gKG, gCorr, bias, a_log, lower_bound, v_tile, group,
+                               lane, bufs, Int32(1), Int32(0))
+            self.store_rows(rows, gState, v_tile, group, lane)
+
+    # ---- pieces of one item ---------------------------------------------------------------------------
+
+    @cute.jit
+    def row_meta(self, n, mState, mCorr, mKG, mSlots, mNat, mQsl):
+        """(slot, commit length, active) of row n: the commit length bounded in 64 bits before narrowing, the slot
+        compared in the indices' width (an int64 slot past 2^31 is null rather than wrapped into the pool)."""
         T_max = cute.size(mCorr, mode=[2])
         # the caches are validated to have the checkpoint's rows; bounding by all three keeps an unvalidated call
         # inside every tensor anyway
         n_slots = cutlass.min(cutlass.min(cute.size(mState, mode=[0]), cute.size(mCorr, mode=[0])),
                               cute.size(mKG, mode=[0]))
-
-        # ---- the row's commit length and slot, bounded in 64 bits before narrowing ----------------------
         limit = Int64(T_max)
         if const_expr(self.has_qsl):
             seq_len = cutlass.max(Int64(mQsl[n + 1]) - Int64(mQsl[n]), Int64(0))
             limit = cutlass.min(seq_len, limit)
         commit_len = Int32(cutlass.min(cutlass.max(Int64(mNat[n]), Int64(0)), limit))
         slot = mSlots[n]
-        # compared in the indices' width, so an int64 slot past 2^31 is null rather than wrapped into the pool
         active = ((slot >= self.slot_dtype(self.first_slot)) & (slot < self.slot_dtype(n_slots))
                   & (commit_len > Int32(0)))
-
-        if active:
-            mStateL = self.layer_view(mState, mOffsets, layer, 0, True)
-            mCorrL = self.layer_view(mCorr, mOffsets, layer, 1, False)
-            mKGL = self.layer_view(mKG, mOffsets, layer, 2, True)
-            # Int64 slot: slot * (HV*V*K) overflows 32 bits past ~4.3 GB of checkpoints.
-            gState = mStateL[Int64(slot), hv, None, None]  # [V, K]
-            gCorr = mCorrL[Int64(slot), hv, None, None]  # [T_max, V]
-            gKG = mKGL[Int64(slot), hv, None, None]  # [T_max, 2K]
-
-            state_dtype = mState.element_type
-            state_rows = []
-            for j in cutlass.range_constexpr(self.rows):
-                frag = cute.make_rmem_tensor((CHANNELS_PER_LANE,), state_dtype)
-                gRow = cute.local_tile(gState[row0 + j * self.groups, None], (CHANNELS_PER_LANE,), (lane,))
-                self.copy_lane(gRow, frag, state_dtype, "load")
-                r = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
-                r.store(frag.load().to(Float32))
-                state_rows.append(r)
-
-            # ---- gate parameters of query head h (of this layer) ---------------------------------------
-            rate = Float32(0.0)
-            bias = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
-            bias.fill(0.0)
-            if const_expr(self.gate != GateMode.PRECOMPUTED):
-                if const_expr(self.layered):
-                    H = cute.size(mALog, mode=[1])
-                    a_log = mALog[layer, hv // (HV // H)]
-                else:
-                    H = cute.size(mALog, mode=[0])
-                    a_log = mALog[hv // (HV // H)]
-                rate = cute.math.exp(Float32(a_log))
-                if const_expr(self.has_dt_bias):
-                    gBias = mDtBias
-                    if const_expr(self.layered):
-                        gBias = mDtBias[layer, None]
-                    gBias = cute.local_tile(gBias, (self.head_dim,), (hv // (HV // H),))
-                    frag = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
-                    self.copy_lane(cute.local_tile(gBias, (CHANNELS_PER_LANE,), (lane,)), frag, Float32)
-                    bias.store(frag.load())
-
-            # ---- the token loop, in chunks of ``groups`` tokens ----------------------------------------
-            C = self.groups
-            smem = cutlass.memory.SmemAllocator()
-
-            def chunk_buffers(width):  # [buffer, token of the chunk, width] fp32, row-major
-                layout = cute.make_layout((2, C, width), stride=(C * width, width, 1))
-                return smem.allocate_tensor(Float32, layout, byte_alignment=16)
-
-            sK, sD, sU = chunk_buffers(self.head_dim), chunk_buffers(self.head_dim), chunk_buffers(self.tile_v)
-            v_tile0 = v_tile * self.tile_v
-
-            self.prepare_chunk_token(0, 0, commit_len, gKG, gCorr, group, lane, v_tile0, bias, rate, lower_bound,
-                                     sK, sD, sU)
-            kf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
-            decay = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
-            u_rows = cute.make_rmem_tensor((self.rows,), Float32)
-            n_chunks = (commit_len + C - 1) // C
-            for ch in cutlass.range(n_chunks, unroll=1):
-                cute.arch.sync_threads()
-                buf = ch % 2
-                first = ch * C
-                n_here = commit_len - first
-                if n_here > C:
-                    n_here = Int32(C)
-                for t in cutlass.range(n_here, unroll=1):
-                    cute.autovec_copy(cute.local_tile(sK[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), kf)
-                    cute.autovec_copy(cute.local_tile(sD[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), decay)
-                    cute.autovec_copy(cute.local_tile(sU[buf, t, None], (self.rows,), (group,)), u_rows)
-                    # S = S * a + u k^ (the recurrence's own update with the recorded u)
-                    for j in cutlass.range_constexpr(self.rows):
-                        sf = state_rows[j]
-                        u = u_rows[j]
-                        for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                            sf[c] = sf[c] * decay[c] + u * kf[c]
-                if commit_len - first > C:
-                    self.prepare_chunk_token(1 - buf, first + C, commit_len, gKG, gCorr, group, lane, v_tile0, bias,
-                                             rate, lower_bound, sK, sD, sU)
-
-            # ---- store once, rounded to the checkpoint dtype -------------------------------------------
-            out = cute.make_rmem_tensor((CHANNELS_PER_LANE,), state_dtype)
-            for j in cutlass.range_constexpr(self.rows):
-                out.store(state_rows[j].load().to(state_dtype))
-                gRow = cute.local_tile(gState[row0 + j * self.groups, None], (CHANNELS_PER_LANE,), (lane,))
-                self.copy_lane(out, gRow, state_dtype, "store")
+        return slot, commit_len, active
 
     @cute.jit
-    def prepare_chunk_token(self, buf, tok0, commit_len, gKG, gCorr, group, lane, v_tile0, bias, rate, lower_bound,
-                            sK, sD, sU):
-        """Shared memory [buf, group] <- token ``tok0 + group``'s prepared vectors: k^ (the lane's channels), the
-        decay a = exp(g_log(raw g)) and the tile's u values, stored at ``group' * rows + j`` for tile row
-        ``group' + j * groups`` (each thread then reads its rows contiguously). Runs in every row group, also past
-        the commit length (zeros, so that every lane of a warp reaches the butterfly); only real tokens load and
-        store."""
+    def item_views(self, mState, mCorr, mKG, mOffsets, slot, y):
+        """(checkpoint [V, K], correction cache [T_max, V], kg cache [T_max, 2K]) of (slot, value head x layer y)."""
+        HV = cute.size(mState, mode=[1])
+        hv = y % HV
+        layer = y // HV
+        # Int64 slot: slot * (HV*V*K) overflows 32 bits past ~4.3 GB of checkpoints.
+        gState = self.layer_view(mState, mOffsets, layer, 0, True)[Int64(slot), hv, None, None]
+        gCorr = self.layer_view(mCorr, mOffsets, layer, 1, False)[Int64(slot), hv, None, None]
+        gKG = self.layer_view(mKG, mOffsets, layer, 2, True)[Int64(slot), hv, None, None]
+        return gState, gCorr, gKG
+
+    @cute.jit
+    def load_rows(self, raw, gState, v_tile, group, lane):
+        """Issue the loads of this thread's checkpoint rows of V tile ``v_tile`` into ``raw`` (checkpoint dtype)."""
+        row0 = v_tile * self.tile_v + group  # this thread's rows: row0 + j * groups
+        for j in cutlass.range_constexpr(self.rows):
+            gRow = cute.local_tile(gState[row0 + j * self.groups, None], (CHANNELS_PER_LANE,), (lane,))
+            self.copy_lane(gRow, raw[j], gState.element_type, "load")
+
+    @cute.jit
+    def to_fp32(self, rows, raw):
+        for j in cutlass.range_constexpr(self.rows):
+            rows[j].store(raw[j].load().to(Float32))
+
+    @cute.jit
+    def store_rows(self, rows, gState, v_tile, group, lane):
+        """Store this thread's rows once, rounded to the checkpoint dtype."""
+        state_dtype = gState.element_type
+        row0 = v_tile * self.tile_v + group
+        out = cute.make_rmem_tensor((CHANNELS_PER_LANE,), state_dtype)
+        for j in cutlass.range_constexpr(self.rows):
+            out.store(rows[j].load().to(state_dtype))
+            gRow = cute.local_tile(gState[row0 + j * self.groups, None], (CHANNELS_PER_LANE,), (lane,))
+            self.copy_lane(out, gRow, state_dtype, "store")
+
+    @cute.jit
+    def load_gate(self, bias, mALog, mDtBias, y, HV, lane):
+        """Raw A_log of query head h (of this layer) for value head x layer ``y`` (its exp is taken after the token
+        loads are issued, so they do not wait for it), and the lane's dt_bias channels into ``bias``."""
+        hv = y % HV
+        layer = y // HV
+        a_log = Float32(0.0)
+        bias.fill(0.0)
+        if const_expr(self.gate != GateMode.PRECOMPUTED):
+            if const_expr(self.layered):
+                H = cute.size(mALog, mode=[1])
+                a_log = Float32(mALog[layer, hv // (HV // H)])
+            else:
+                H = cute.size(mALog, mode=[0])
+                a_log = Float32(mALog[hv // (HV // H)])
+            if const_expr(self.has_dt_bias):
+                gBias = mDtBias
+                if const_expr(self.layered):
+                    gBias = mDtBias[layer, None]
+                gBias = cute.local_tile(gBias, (self.head_dim,), (hv // (HV // H),))
+                self.copy_lane(cute.local_tile(gBias, (CHANNELS_PER_LANE,), (lane,)), bias, Float32)
+        return a_log
+
+    def token_regs(self, kg_dtype):
+        """Registers of one token's loads: (raw k, raw g, u values) of the lane."""
+        return (cute.make_rmem_tensor((CHANNELS_PER_LANE,), kg_dtype),
+                cute.make_rmem_tensor((CHANNELS_PER_LANE,), kg_dtype),
+                cute.make_rmem_tensor((self.u_per_lane,), Float32))
+
+    @cute.jit
+    def load_token(self, tok, tok0, commit_len, gKG, gCorr, group, lane, v_tile):
+        """Issue the loads of token ``tok0 + group`` (row group g prepares token g of a chunk): the lane's raw k
+        and raw g channels (16-byte runs) and its share of the tile's u values; zeros past the commit length (every
+        lane of a warp reaches the norm's butterfly), nothing read there."""
+        raw_k, raw_g, uf = tok
         kg_dtype = gKG.element_type
-        raw_k = cute.make_rmem_tensor((CHANNELS_PER_LANE,), kg_dtype)
-        raw_g = cute.make_rmem_tensor((CHANNELS_PER_LANE,), kg_dtype)
-        uf = cute.make_rmem_tensor((self.u_per_lane,), Float32)
-        tok = tok0 + group
-        live = tok < commit_len
-        if live:
-            gRow = gKG[tok, None]
+        t = tok0 + group
+        v_tile0 = v_tile * self.tile_v
+        if t < commit_len:
+            gRow = gKG[t, None]
             self.copy_lane(cute.local_tile(gRow, (CHANNELS_PER_LANE,), (lane,)), raw_k, kg_dtype, "load")
             self.copy_lane(cute.local_tile(gRow, (CHANNELS_PER_LANE,), (lane + self.lanes,)), raw_g, kg_dtype,
                            "load")
             for e in cutlass.range_constexpr(self.u_per_lane):
                 r = lane + e * self.lanes
                 if const_expr(self.tile_v % self.lanes == 0):
-                    uf[e] = gCorr[tok, v_tile0 + r]
+                    uf[e] = gCorr[t, v_tile0 + r]
                 else:
                     if r < self.tile_v:
-                        uf[e] = gCorr[tok, v_tile0 + r]
+                        uf[e] = gCorr[t, v_tile0 + r]
         else:
             raw_k.fill(0.0)
             raw_g.fill(0.0)
+
+    @cute.jit
+    def finish_token(self, buf, tok, tok0, commit_len, bias, a_log, lower_bound, group, lane, bufs):
+        """Shared memory [buf, group] <- the loaded token's prepared vectors: k^ (the lane's channels), the decay
+        a = exp(g_log(raw g)) and the tile's u values, stored at ``group' * rows + j`` for tile row
+        ``group' + j * groups`` (each thread then reads its rows contiguously); only real tokens store."""
+        raw_k, raw_g, uf = tok
+        sK, sD, sU = bufs
         kf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
         gf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
         decay = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        rate = cute.math.exp(a_log) if const_expr(self.gate != GateMode.PRECOMPUTED) else Float32(0.0)
         kf.store(raw_k.load().to(Float32))
         gf.store(raw_g.load().to(Float32))
         _lane_math.gate_decay(decay, gf, bias, rate, lower_bound, self.gate, self.has_dt_bias)
@@ -362,7 +374,7 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
             k_scale = cute.math.rsqrt(self.row_sum(k_ss) + L2NORM_EPS)
             for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
                 kf[c] = kf[c] * k_scale
-        if live:
+        if tok0 + group < commit_len:
             cute.autovec_copy(kf, cute.local_tile(sK[buf, group, None], (CHANNELS_PER_LANE,), (lane,)))
             cute.autovec_copy(decay, cute.local_tile(sD[buf, group, None], (CHANNELS_PER_LANE,), (lane,)))
             for e in cutlass.range_constexpr(self.u_per_lane):
@@ -372,6 +384,44 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
                 else:
                     if r < self.tile_v:
                         sU[buf, group, (r % self.groups) * self.rows + r // self.groups] = uf[e]
+
+    @cute.jit
+    def commit_chunks(self, rows, buf0, commit_len, gKG, gCorr, bias, a_log, lower_bound, v_tile, group, lane, bufs,
+                      odd_buf, even_buf):
+        """Apply the item's tokens to ``rows``: chunk 0 from buffer ``buf0`` (prepared and visible), then each later
+        chunk of ``groups`` tokens prepared here, odd chunks into ``odd_buf`` and even ones into ``even_buf``, with
+        a barrier before it is read (the barriers are uniform: the item is the CTA's; a buffer is rewritten two
+        chunks after it was read, past the barrier between)."""
+        sK, sD, sU = bufs
+        C = self.groups
+        kf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        decay = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        u_rows = cute.make_rmem_tensor((self.rows,), Float32)
+        tok = self.token_regs(gKG.element_type)
+        n_chunks = (commit_len + C - 1) // C
+        buf = buf0
+        for ch in cutlass.range(n_chunks, unroll=1):
+            first = ch * C
+            if ch > 0:  # prepare this chunk
+                buf = even_buf
+                if ch % 2 == 1:
+                    buf = odd_buf
+                self.load_token(tok, first, commit_len, gKG, gCorr, group, lane, v_tile)
+                self.finish_token(buf, tok, first, commit_len, bias, a_log, lower_bound, group, lane, bufs)
+                cute.arch.sync_threads()
+            n_here = commit_len - first
+            if n_here > C:
+                n_here = Int32(C)
+            for t in cutlass.range(n_here, unroll=1):
+                cute.autovec_copy(cute.local_tile(sK[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), kf)
+                cute.autovec_copy(cute.local_tile(sD[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), decay)
+                cute.autovec_copy(cute.local_tile(sU[buf, t, None], (self.rows,), (group,)), u_rows)
+                # S = S * a + u k^ (the recurrence's own update with the recorded u)
+                for j in cutlass.range_constexpr(self.rows):
+                    sf = rows[j]
+                    u = u_rows[j]
+                    for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                        sf[c] = sf[c] * decay[c] + u * kf[c]
 
 
 # --------------------------------------------------------------------------------------------------
