@@ -102,6 +102,22 @@ def test_the_bf16_tile_64_build_fits_four_ctas_per_sm(tmp_path, ptxas):
     assert registers <= 128 and spills == 0, f"{registers} registers, {spills} bytes of spill traffic"
 
 
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("heavy", [False, True], ids=["schedule", "heaviest"])
+def test_the_tile_32_single_layer_build_fits_five_ctas_per_sm_without_spilling(heavy, arch, tmp_path, ptxas):
+    # The fp32 schedule's build (tile 32) is capped to five resident CTAs (96 registers) on sm_90a; the cap must not
+    # spill, also in its heaviest single-layer form (fp32 kg, softplus gate, int64 indices, unaligned). sm_100a is
+    # left uncapped (capped it spills): it must not spill either.
+    variant = dict(state_dtype=torch.float32, tile_v=32)
+    if heavy:
+        variant.update(kg_dtype=torch.float32, gate=GateMode.SOFTPLUS, slot_dtype=torch.int64, nat_dtype=torch.int64,
+                       qsl_dtype=torch.int64, aligned=False)
+    registers, spills = ptxas.registers_and_spills(_ptx(tmp_path, arch, **variant), arch)
+    assert spills == 0, f"{registers} registers, {spills} bytes of spill traffic"
+    assert registers <= 96 or arch != "sm_90a", f"{registers} registers"
+
+
 @pytest.mark.parametrize("layered", [False, True], ids=["single", "layers"])
 def test_aligned_build_moves_checkpoint_rows_and_kg_in_16_byte_vectors(layered, tmp_path):
     # The layer offset is declared a multiple of a vector (the host checks every layer's alignment), so the

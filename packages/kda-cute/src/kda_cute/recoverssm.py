@@ -68,6 +68,12 @@ THREADS = 128
 MAX_ROWS_PER_THREAD = 8  # 64 fp32 registers of state per thread, the generic kernel's bound
 GRID_Y_MAX = 65535  # value heads x layers ride on gridDim.y, whose CUDA limit this is
 GRID_Z_MAX = 65535  # rows ride on gridDim.z: more rows run as several launches
+# Resident CTAs per SM asked of ptxas for the single-layer sm_90a builds (``min_blocks_per_mp``: it caps the
+# registers), by (head dim, tile_v): tile 32 at K = 128 (4 rows per thread) fits in 96 registers, five CTAs of 128
+# threads; without the cap the fp32 build took 98 (four CTAs). Left to ptxas elsewhere: capped, the sm_100a tile-32
+# builds spill 80-96 bytes, the layered ones 12, the K = 64 tile-64 one 16 and the bf16 tile-64 one 20 (it reaches
+# 128 registers by itself).
+MIN_CTAS_PER_SM = {(128, 32): 5}
 OFFSET_COLUMNS = 3  # per-layer element offsets: checkpoint, correction cache, kg cache
 
 
@@ -135,6 +141,7 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
         tile_v: int,
         aligned: bool,
         null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+        min_ctas: int = 0,  # resident CTAs per SM asked of ptxas (0: none); _compile sets it from MIN_CTAS_PER_SM
         slot_dtype=Int32,  # cutlass type of state_indices (compared in that width)
         nat_dtype=Int32,  # of num_accepted_tokens
         qsl_dtype=Int32,  # of query_start_loc
@@ -154,6 +161,7 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
         self.tile_v = tile_v
         self.aligned = aligned
         self.null_policy = null_policy
+        self.min_ctas = min_ctas
         # smallest live slot (docs/design.md §4): 0 under out_of_range, 1 under nonpositive (slot 0 never touched)
         self.first_slot = 1 if null_policy == NullSlotPolicy.NONPOSITIVE else 0
         self.slot_dtype = slot_dtype
@@ -202,8 +210,11 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
         n_layers = 1
         if const_expr(self.layered):
             n_layers = cute.size(mOffsets, mode=[0])
+        # (a carveout given, so that the DSL needs no device to ask for its shared memory per SM)
+        occupancy = dict(min_blocks_per_mp=self.min_ctas, preferred_smem_carveout=100) if self.min_ctas else {}
         self.kernel(mState, mCorr, mKG, mSlots, mNat, mQsl, mALog, mDtBias, mOffsets, lower_bound).launch(
-            grid=[self.head_dim // self.tile_v, HV * n_layers, n_rows], block=[THREADS, 1, 1], stream=stream)
+            grid=[self.head_dim // self.tile_v, HV * n_layers, n_rows], block=[THREADS, 1, 1], stream=stream,
+            **occupancy)
 
     # ---- kernel ---------------------------------------------------------------------------------
 
@@ -495,6 +506,7 @@ def _compile(key: tuple, arch: str, extra_options: str = ""):
     kernel = RecoverSSMCommitKernel(
         head_dim=K, gate=gate, use_qk_l2norm=l2norm, has_dt_bias=has_dt_bias, has_qsl=qsl_dt is not None,
         layered=layered, tile_v=tile_v, aligned=aligned, null_policy=null_policy, slot_dtype=cdt(slot_dt),
+        min_ctas=0 if layered or _launch.arch_number(arch) >= 100 else MIN_CTAS_PER_SM.get((K, tile_v), 0),
         nat_dtype=cdt(nat_dt), qsl_dtype=Int32 if qsl_dt is None else cdt(qsl_dt),
     )
     return cute.compile(
