@@ -249,8 +249,7 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
             self.finish_token(0, tok, 0, commit_len, bias, a_log, lower_bound, group, lane, bufs)
             cute.arch.sync_threads()
             self.to_fp32(rows, raw)
-            self.commit_chunks(rows, Int32(0), commit_len, gKG, gCorr, bias, a_log, lower_bound, v_tile, group,
-                               lane, bufs, Int32(1), Int32(0))
+            self.commit_chunks(rows, commit_len, gKG, gCorr, bias, a_log, lower_bound, v_tile, group, lane, bufs)
             self.store_rows(rows, gState, v_tile, group, lane)
 
     # ---- pieces of one item ---------------------------------------------------------------------------
@@ -397,12 +396,11 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
                         sU[buf, group, (r % self.groups) * self.rows + r // self.groups] = uf[e]
 
     @cute.jit
-    def commit_chunks(self, rows, buf0, commit_len, gKG, gCorr, bias, a_log, lower_bound, v_tile, group, lane, bufs,
-                      odd_buf, even_buf):
-        """Apply the item's tokens to ``rows``: chunk 0 from buffer ``buf0`` (prepared and visible), then each later
-        chunk of ``groups`` tokens prepared here, odd chunks into ``odd_buf`` and even ones into ``even_buf``, with
-        a barrier before it is read (the barriers are uniform: the item is the CTA's; a buffer is rewritten two
-        chunks after it was read, past the barrier between)."""
+    def commit_chunks(self, rows, commit_len, gKG, gCorr, bias, a_log, lower_bound, v_tile, group, lane, bufs):
+        """Apply the item's tokens to ``rows`` in chunks of ``groups``: chunk 0 from buffer 0 (prepared and visible),
+        each later chunk ch prepared here into buffer ch % 2 with a barrier before it is read (the barriers are
+        uniform: the item is the CTA's; a buffer is rewritten two chunks after it was read, past the barrier
+        between)."""
         sK, sD, sU = bufs
         C = self.groups
         kf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
@@ -410,13 +408,11 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
         u_rows = cute.make_rmem_tensor((self.rows,), Float32)
         tok = self.token_regs(gKG.element_type)
         n_chunks = (commit_len + C - 1) // C
-        buf = buf0
+        buf = Int32(0)
         for ch in cutlass.range(n_chunks, unroll=1):
             first = ch * C
             if ch > 0:  # prepare this chunk
-                buf = even_buf
-                if ch % 2 == 1:
-                    buf = odd_buf
+                buf = ch % 2
                 self.load_token(tok, first, commit_len, gKG, gCorr, group, lane, v_tile)
                 self.finish_token(buf, tok, first, commit_len, bias, a_log, lower_bound, group, lane, bufs)
                 cute.arch.sync_threads()
@@ -506,8 +502,8 @@ def _compile(key: tuple, arch: str, extra_options: str = ""):
     kernel = RecoverSSMCommitKernel(
         head_dim=K, gate=gate, use_qk_l2norm=l2norm, has_dt_bias=has_dt_bias, has_qsl=qsl_dt is not None,
         layered=layered, tile_v=tile_v, aligned=aligned, null_policy=null_policy, slot_dtype=cdt(slot_dt),
-        min_ctas=0 if layered or _launch.arch_number(arch) >= 100 else MIN_CTAS_PER_SM.get((K, tile_v), 0),
         nat_dtype=cdt(nat_dt), qsl_dtype=Int32 if qsl_dt is None else cdt(qsl_dt),
+        min_ctas=0 if layered or _launch.arch_number(arch) >= 100 else MIN_CTAS_PER_SM.get((K, tile_v), 0),
     )
     return cute.compile(
         kernel, m_state, m_corr, m_kg, m_slots, m_nat, m_qsl, m_alog, m_dt_bias, m_offsets,
