@@ -70,6 +70,8 @@ UCACHE_SANITIZE = (
 )
 
 nox.options.sessions = ["lint", "core", "cute", "recurrent", "integration", "compile", "demo"]
+# ci/test.sh runs this one beside the others (it takes every core; the others one), not after them.
+CONCURRENT_SESSION = "compile"
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_external_run = True
 
@@ -198,10 +200,11 @@ def recurrent(session: nox.Session) -> None:
 
 @nox.session
 def integration(session: nox.Session) -> None:
-    """All three packages in one environment: every package's tests, then the top-level tests/ if any."""
+    """All three packages in one environment: kda-recurrent's tests with kda-cute present (the `recurrent` session
+    ran them without it), then the top-level tests/ if any. kda-core's and kda-cute's tests are the `core` and `cute`
+    sessions' only: dependencies point down, so a package above changes nothing they import."""
     _install_cpu(session, _package("kda-recurrent", "[cute,test]"))
-    for name in ("kda-core", "kda-cute", "kda-recurrent"):
-        _package_tests(session, name, label=f"integration-{name}")
+    _package_tests(session, "kda-recurrent", label="integration-kda-recurrent")
     if (ROOT / "tests").is_dir():
         _pytest(session, ROOT / "tests", label="integration-top")
 
