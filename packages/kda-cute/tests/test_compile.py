@@ -4,8 +4,9 @@ Packed variants (``packed=True``: the host wrapper that builds the q/k/v/g/beta 
 same kernel; they are compiled and spill-checked like the unpacked ones.
 
 No GPU needed (``CUTE_DSL_ARCH`` is set by conftest; ``--gpu-arch`` picks the target per compile).
-The structural axes (pool dtype x gate x tile x alignment) are crossed in full; the small const_expr
-flags (beta logit, in-kernel L2 norm, dt_bias, fp32 g / beta) are each flipped on a fixed base.
+The structural axes (pool dtype x gate x alignment) are crossed in full at tiles 16 and 128, the other tiles (rows
+per thread) with each pool dtype and alignment under the lower-bound gate; the small const_expr flags (beta logit,
+in-kernel L2 norm, dt_bias, fp32 g / beta) are each flipped on a fixed base.
 """
 
 from __future__ import annotations
@@ -39,9 +40,15 @@ def _variants():
                 gate=GateMode.LOWER_BOUND, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True, tile_v=32,
                 aligned=True)
     out = []
-    for sd, gate, tile, aligned in itertools.product((torch.bfloat16, torch.float32), tuple(GateMode), TILES,
+    # The gate changes only the preamble, the tile only the rows per thread: the gates are crossed with the pool
+    # dtypes and alignments at tile 16 (the small tiles' code shape) and 128 (the register high-water mark), the
+    # other tiles under one gate (the full cross product cost 24 more compiles, 40 s of CI on 2 cores).
+    for sd, gate, tile, aligned in itertools.product((torch.bfloat16, torch.float32), tuple(GateMode), SPILL_TILES,
                                                       (True, False)):
         out.append({**base, "state_dtype": sd, "gate": gate, "tile_v": tile, "aligned": aligned})
+    for sd, tile, aligned in itertools.product((torch.bfloat16, torch.float32), [t for t in TILES if t not in
+                                                                                  SPILL_TILES], (True, False)):
+        out.append({**base, "state_dtype": sd, "tile_v": tile, "aligned": aligned})
     # Tuning variants: every row of the tile in flight, and the non-streaming cache operators.
     for sd, tile, rif, hint in itertools.product((torch.bfloat16, torch.float32), (64, 128), (16,),
                                                  ("stream", "global")):
@@ -170,7 +177,7 @@ def test_decode_t1_variant_does_not_spill(tile_v, state_dtype, aligned, rows_in_
                                 gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
                                 tile_v=tile_v, aligned=aligned, rows_in_flight=rows_in_flight, packed=packed,
                                 realign_pool=realign_pool)
-    decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    decode_t1.compile_variant(key, arch, ptxas.keep(tmp_path))
     ptx = sorted(tmp_path.glob("*.ptx"))
     assert ptx, "no PTX kept"
     report = ptxas.report(ptx[0], arch)
@@ -199,7 +206,7 @@ def test_bulk_ring_variant_does_not_spill(tile_v, bulk_ring, packed, state_dtype
                                 gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
                                 tile_v=tile_v, aligned=True, bulk_ring=bulk_ring, packed=packed)
     assert _field(key, "bulk_ring") == decode_t1.bulk_ring_for(tile_v, state_dtype.itemsize, True, bulk_ring) > 0
-    decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    decode_t1.compile_variant(key, arch, ptxas.keep(tmp_path))
     ptx = sorted(tmp_path.glob("*.ptx"))
     assert ptx, "no PTX kept"
     text = ptx[0].read_text()
@@ -229,7 +236,7 @@ def test_slot_major_variant_does_not_spill(bulk_ring, packed, state_dtype, arch,
     key = decode_t1.variant_key(**kwargs, slot_major=True)
     assert _field(key, "slot_major") is True
     assert _field(decode_t1.variant_key(**kwargs), "slot_major") is False
-    decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    decode_t1.compile_variant(key, arch, ptxas.keep(tmp_path))
     ptx = sorted(tmp_path.glob("*.ptx"))
     assert ptx, "no PTX kept"
     text = ptx[0].read_text()
@@ -274,7 +281,7 @@ def test_nonpositive_null_policy_reaches_the_kernel_without_spills(tile_v, bulk_
         out = tmp_path / policy.value
         out.mkdir()
         decode_t1.compile_variant(decode_t1.variant_key(**kwargs, null_policy=policy), arch,
-                                  f"--keep-ptx --dump-dir {out}")
+                                  ptxas.keep(out))
         (ptx,) = sorted(out.glob("*.ptx"))
         report = ptxas.report(ptx, arch)
         assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes stack frame", report)), report
@@ -302,7 +309,7 @@ def test_int64_slot_indices_are_compared_in_64_bits_without_spills(tile_v, bulk_
                                 gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
                                 tile_v=tile_v, aligned=True, bulk_ring=bulk_ring, slot_major=slot_major,
                                 index_dtype=torch.int64)
-    decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    decode_t1.compile_variant(key, arch, ptxas.keep(tmp_path))
     (ptx,) = sorted(tmp_path.glob("*.ptx"))
     text = ptx.read_text()
     assert re.search(r"setp\.eq\.[bs]64" if slot_major else r"setp\.lt\.s64", text)
@@ -328,7 +335,7 @@ def test_varlen_variant_does_not_spill(state_dtype, tile_v, bulk_ring, aligned, 
     key = decode_t1.variant_key(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
                                 gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
                                 tile_v=tile_v, aligned=aligned, bulk_ring=bulk_ring, cu_dtype=torch.int32)
-    decode_t1.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    decode_t1.compile_variant(key, arch, ptxas.keep(tmp_path))
     (ptx,) = sorted(tmp_path.glob("*.ptx"))
     registers, spills = ptxas.registers_and_spills(ptx, arch)
     assert spills == 0, (registers, spills)
@@ -355,7 +362,7 @@ def test_varlen_fast_path_holds_the_plain_builds_registers(tmp_path, ptxas):
                                     has_dt_bias=False, tile_v=128, aligned=True, realign_pool=True,
                                     null_policy=NullSlotPolicy.NONPOSITIVE, cu_dtype=cu_dtype)
         (tmp_path / form).mkdir()
-        decode_t1.compile_variant(key, "sm_90a", f"--keep-ptx --dump-dir {tmp_path / form}")
+        decode_t1.compile_variant(key, "sm_90a", ptxas.keep(tmp_path / form))
         (ptx,) = sorted((tmp_path / form).glob("*.ptx"))
         found[form] = ptxas.registers_and_spills(ptx, "sm_90a")
     assert found["varlen"][1] == 0 and found["plain"][1] == 0, found

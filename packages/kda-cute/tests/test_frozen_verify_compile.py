@@ -59,7 +59,7 @@ def test_frozen_variant_compiles_within_budget(name, arch, tmp_path, ptxas):
 
     args, kw = VARIANTS[name]
     kw = _keywords(kw)
-    compiled = build_frozen_kernel(*args, arch, f"--keep-ptx --dump-dir {tmp_path}", **kw)
+    compiled = build_frozen_kernel(*args, arch, ptxas.keep(tmp_path), **kw)
     cfg_kw = {key: kw[key] for key in ("min_ctas", "has_dt_bias", "null_policy", "slot_int64", "slots_strided",
                                        "pool_fp32") if key in kw}  # fmt: skip
     cfg = UcacheVerifyFlush(args[0], args[1], 0, *args[2:], ring=False, records=kw.get("records", False),

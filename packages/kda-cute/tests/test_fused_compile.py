@@ -98,7 +98,7 @@ def test_fused_variant_does_not_spill(state_dtype, aligned, bulk_ring, arch, tmp
 
     key = fused_decode.variant_key(state_dtype=state_dtype, gate=GateMode.SOFTPLUS, has_dt_bias=True, has_bias=True,
                                    aligned=aligned, bulk_ring=bulk_ring)
-    fused_decode.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    fused_decode.compile_variant(key, arch, ptxas.keep(tmp_path))
     (ptx,) = sorted(tmp_path.glob("*.ptx"))
     registers, spills = ptxas.registers_and_spills(ptx, arch)
     assert spills == 0 and (registers <= 96 or not bulk_ring), (registers, spills)
@@ -122,7 +122,7 @@ def test_fused_cluster_variant_does_not_spill(state_dtype, cluster, arch, tmp_pa
 
     key = fused_decode.variant_key(state_dtype=state_dtype, gate=GateMode.SOFTPLUS, has_dt_bias=True, has_bias=True,
                                    aligned=True, cluster=cluster)
-    fused_decode.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    fused_decode.compile_variant(key, arch, ptxas.keep(tmp_path))
     (ptx,) = sorted(tmp_path.glob("*.ptx"))
     registers, spills = ptxas.registers_and_spills(ptx, arch)
     assert spills == 0, (registers, spills)
@@ -146,7 +146,7 @@ def test_fused_ds_variant_does_not_spill(norm, arch, tmp_path, ptxas):
 
     key = fused_decode.variant_key(state_dtype=torch.float32, gate=GateMode.SOFTPLUS, has_dt_bias=True,
                                    has_bias=True, aligned=True, has_norm=norm, conv_layout="ds")
-    fused_decode.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    fused_decode.compile_variant(key, arch, ptxas.keep(tmp_path))
     (ptx,) = sorted(tmp_path.glob("*.ptx"))
     registers, spills = ptxas.registers_and_spills(ptx, arch)
     assert spills == 0, (registers, spills)

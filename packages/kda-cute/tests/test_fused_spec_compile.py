@@ -88,7 +88,7 @@ def test_fused_spec_variant_does_not_spill(state_dtype, max_tokens, rows_per_pas
 
     key = fused_spec.variant_key(state_dtype=state_dtype, gate=GateMode.SOFTPLUS, has_dt_bias=True, has_bias=True,
                                  aligned=True, max_tokens=max_tokens, rows_per_pass=rows_per_pass)
-    fused_spec.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    fused_spec.compile_variant(key, arch, ptxas.keep(tmp_path))
     (ptx,) = sorted(tmp_path.glob("*.ptx"))
     registers, spills = ptxas.registers_and_spills(ptx, arch)
     assert spills == 0, (registers, spills)
@@ -112,7 +112,7 @@ def test_resident_cta_floor_fits_without_spill(state_dtype, rows_per_pass, min_c
 
     key = fused_spec.variant_key(state_dtype=state_dtype, gate=GateMode.LOWER_BOUND, has_dt_bias=True, has_bias=False,
                                  aligned=True, max_tokens=4, rows_per_pass=rows_per_pass, min_ctas=min_ctas)
-    fused_spec.compile_variant(key, arch, f"--keep-ptx --dump-dir {tmp_path}")
+    fused_spec.compile_variant(key, arch, ptxas.keep(tmp_path))
     (ptx,) = sorted(tmp_path.glob("*.ptx"))
     used, spills = ptxas.registers_and_spills(ptx, arch)
     assert spills == 0 and used <= registers, (used, spills)

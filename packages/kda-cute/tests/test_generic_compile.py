@@ -96,7 +96,7 @@ def test_largest_tile_does_not_spill(K, aligned, arch, tmp_path, ptxas):
     variant = {**BASE, "head_dim": K, "tile_v": R.tile_v_choices(K)[-1], "aligned": aligned,
                "act_dtype": torch.float32, "gate": GateMode.SOFTPLUS, "state_dtype": torch.float32,
                "varlen": True, "cu_dtype": torch.int64}
-    R.compile_variant(R.variant_key(**variant), arch, f"--keep-ptx --dump-dir {tmp_path}")
+    R.compile_variant(R.variant_key(**variant), arch, ptxas.keep(tmp_path))
     (ptx,) = list(tmp_path.glob("*.ptx"))
     registers, spills = ptxas.registers_and_spills(ptx, arch)
     # The unaligned corner (scalar accesses, fp32 activations) sits at ptxas's 128-register occupancy step: at
@@ -115,7 +115,7 @@ def test_int64_indices_at_the_largest_tile_do_not_spill(arch, tmp_path, ptxas):
     variant = {**BASE, "tile_v": R.tile_v_choices(128)[-1], "act_dtype": torch.float32, "gate": GateMode.SOFTPLUS,
                "state_dtype": torch.float32, "varlen": True, "cu_dtype": torch.int64, "slot_dtype": torch.int64,
                "nat_dtype": torch.int64, "null_policy": NullSlotPolicy.NONPOSITIVE}
-    R.compile_variant(R.variant_key(**variant), arch, f"--keep-ptx --dump-dir {tmp_path}")
+    R.compile_variant(R.variant_key(**variant), arch, ptxas.keep(tmp_path))
     (ptx,) = list(tmp_path.glob("*.ptx"))
     registers, spills = ptxas.registers_and_spills(ptx, arch)
     assert spills == 0 and registers <= 255, f"{registers} registers, {spills} bytes of spill traffic"

@@ -56,11 +56,12 @@ FACETS = {
 
 def _variants():
     out = {}
+    # each facet at K = 128 in both alignment classes and at K = 64 aligned (K = 64 unaligned is the same
+    # element-wise code at the other head dim: test_generic_compile.py compiles it for the plain kernel)
     for name, facet in FACETS.items():
-        for K in (128, 64):
-            for aligned in (True, False):
-                out[f"{name}-K{K}-{'al' if aligned else 'unal'}"] = {
-                    **BASE, **facet, "head_dim": K, "aligned": aligned, "tile_v": R.tile_v_choices(K)[-1]}
+        for K, aligned in ((128, True), (128, False), (64, True)):
+            out[f"{name}-K{K}-{'al' if aligned else 'unal'}"] = {
+                **BASE, **facet, "head_dim": K, "aligned": aligned, "tile_v": R.tile_v_choices(K)[-1]}
     for tile in R.tile_v_choices(128)[:-1]:  # the other tiles of the tree facet (its own token loop)
         out[f"tree-tile{tile}"] = {**BASE, **FACETS["tree-bf16-int32"], "tile_v": tile}
     for gate in (GateMode.SOFTPLUS, GateMode.PRECOMPUTED):
@@ -91,7 +92,7 @@ def test_largest_tile_of_the_tree_and_record_facets_does_not_spill(facet, arch, 
         variant.update(parents_dtype=torch.int64, source_dtype=torch.float32, source_idx_dtype=torch.int64)
     else:
         variant.update(state_mode=POOL, frozen=True, records=True)
-    R.compile_variant(R.variant_key(**variant), arch, f"--keep-ptx --dump-dir {tmp_path}")
+    R.compile_variant(R.variant_key(**variant), arch, ptxas.keep(tmp_path))
     (ptx,) = list(tmp_path.glob("*.ptx"))
     registers, spills = ptxas.registers_and_spills(ptx, arch)
     assert spills == 0 and registers <= 255, f"{registers} registers, {spills} bytes of spill traffic"

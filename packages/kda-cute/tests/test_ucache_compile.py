@@ -40,7 +40,7 @@ def test_main_config_fits_its_register_budget_without_spills(min_ctas, softplus_
     # 3-CTA floor of the schedule's smaller grids <= 80.
     from kda_cute.ucache import build_ucache_kernel
 
-    build_ucache_kernel(12, 8, 16, 128, softplus_gate, True, arch, f"--keep-ptx --dump-dir {tmp_path}",
+    build_ucache_kernel(12, 8, 16, 128, softplus_gate, True, arch, ptxas.keep(tmp_path),
                         min_ctas=min_ctas)  # fmt: skip
     (ptx,) = list(tmp_path.glob("*.ptx"))
     registers, spills = ptxas.registers_and_spills(ptx, arch)
@@ -317,7 +317,7 @@ def test_nonpositive_main_config_fits_the_same_register_budget(min_ctas, tmp_pat
     from kda_core.contracts import NullSlotPolicy
     from kda_cute.ucache import build_ucache_kernel
 
-    build_ucache_kernel(12, 8, 16, 128, False, True, "sm_90a", f"--keep-ptx --dump-dir {tmp_path}",
+    build_ucache_kernel(12, 8, 16, 128, False, True, "sm_90a", ptxas.keep(tmp_path),
                         min_ctas=min_ctas, null_policy=NullSlotPolicy.NONPOSITIVE)  # fmt: skip
     (ptx,) = list(tmp_path.glob("*.ptx"))
     registers, spills = ptxas.registers_and_spills(ptx, "sm_90a")
@@ -386,7 +386,7 @@ def test_int64_strided_slots_fit_the_main_configs_register_budget(min_ctas, tmp_
     from kda_core.contracts import NullSlotPolicy
     from kda_cute.ucache import build_ucache_kernel
 
-    build_ucache_kernel(12, 8, 16, 128, False, True, "sm_90a", f"--keep-ptx --dump-dir {tmp_path}", min_ctas=min_ctas,
+    build_ucache_kernel(12, 8, 16, 128, False, True, "sm_90a", ptxas.keep(tmp_path), min_ctas=min_ctas,
                         null_policy=NullSlotPolicy.NONPOSITIVE, slot_int64=True, slots_strided=True)  # fmt: skip
     (ptx,) = list(tmp_path.glob("*.ptx"))
     registers, spills = ptxas.registers_and_spills(ptx, "sm_90a")
