@@ -218,6 +218,26 @@ def test_an_empty_batch_launches_nothing(monkeypatch):
     assert _call(0, varlen=True, records=True).shape[0] == 1 and launches == []
 
 
+def test_varlen_activations_without_tokens_launch_nothing(monkeypatch):
+    # Every row is empty: no output, no record, and no token for a missing token's load to land on (the kernel loads
+    # a row the view has and zeroes it with a select); the same call with tokens launches once.
+    import torch
+
+    from kda_cute import _launch, ucache
+
+    launches = _recorder(monkeypatch)
+    H = 12
+    act = torch.empty(1, 0, H, K, dtype=torch.bfloat16)
+    pool = torch.empty(3, H, K, K, dtype=torch.bfloat16)
+    cu = torch.zeros(3, dtype=torch.int32)
+    out = ucache.frozen_verify(torch.zeros(H), act, None, -5.0, act, act, act, act[..., 0], pool,
+                               torch.ones(2, dtype=torch.int32), 1.0, act, cu_seqlens=cu, t_draft=8)
+    assert out is act and launches == []
+    _call(2, varlen=True)
+    assert len(launches) == 1
+    _launch.clear_cache()
+
+
 def test_a_dense_batch_past_grid_z_runs_as_several_launches(monkeypatch):
     from kda_cute import _launch, ucache
 
