@@ -233,6 +233,21 @@ def test_varlen_rows_of_0_1_T_and_more_tokens(T, cu_dtype):
     assert bool((out[0, bos : bos + 2] == 0).all())
 
 
+@pytest.mark.parametrize("T_max,pool_dtype", [("T", torch.bfloat16), ("T", torch.float32), (7, torch.bfloat16),
+                                               (None, torch.bfloat16)],
+                         ids=["records-bf16", "records-fp32", "T_max7", "no-records"])  # fmt: skip
+def test_varlen_full_and_short_rows_in_the_three_cta_build(T_max, pool_dtype):
+    # B=64 at H=12 (768 pairs) takes the tile-128 3-CTA build, which solves a row of T tokens (all recorded) in the
+    # unpredicated copy of phase 3 and the others in the masked one: full rows beside rows of 0, 1, 3 and 11 tokens
+    # in one launch; with T_max = 7 no row is full, so every row takes the masked copy
+    from kda_cute.ucache import UcacheVerifyFlush, select_config
+
+    cfg = select_config(64, 12)
+    assert UcacheVerifyFlush(12, 8, 0, cfg.tile_v, False, True, cfg.floor, ring=False, varlen=True).unmasked_full_rows()
+    lengths = ([8, 3, 8, 0, 8, 11, 1, 8] * 8)[:64]
+    check(make_case(64, 8, 12, seed=40, lengths=lengths, tail=3, T_max=T_max, pool_dtype=pool_dtype))
+
+
 def test_varlen_offsets_are_clamped_to_the_tokens():
     # a last offset past the tokens clamps to them (and tokens 0, 1 before the first row are zeroed), a decreasing
     # one makes an empty row
