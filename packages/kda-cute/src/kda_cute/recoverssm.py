@@ -399,12 +399,18 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
     def commit_chunks(self, rows, commit_len, gKG, gCorr, bias, a_log, lower_bound, v_tile, group, lane, bufs):
         """Apply the item's tokens to ``rows`` in chunks of ``groups``: chunk 0 from buffer 0 (prepared and visible),
         each later chunk ch prepared here into buffer ch % 2 with a barrier before it is read (the barriers are
-        uniform: the item is the CTA's; a buffer is rewritten two chunks after it was read, past the barrier
-        between)."""
+        uniform: the item is the CTA's; a buffer is rewritten two chunks after it was read, past the barriers
+        between).
+
+        A chunk of n tokens is applied in its folded form, S <- S * A + sum_t u_t kk_t with A = a_0 ... a_{n-1} and
+        kk_t = k^_t * a_{t+1} ... a_{n-1} (the recurrence S = S * a_t + u_t k^_t unrolled over the chunk): one FMA
+        per state element and token instead of a multiply and an FMA. Row group g turns its token's k^ into kk_g in
+        place, and every thread forms A for its lane's channels, in one backward pass over the chunk's decays."""
         sK, sD, sU = bufs
         C = self.groups
         kf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
         decay = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        run = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
         u_rows = cute.make_rmem_tensor((self.rows,), Float32)
         tok = self.token_regs(gKG.element_type)
         n_chunks = (commit_len + C - 1) // C
@@ -419,16 +425,31 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
             n_here = commit_len - first
             if n_here > C:
                 n_here = Int32(C)
+            # backward over the chunk: run = a_{t+1} ... a_{n-1} when token t is reached; kk_g = k^_g * run there
+            run.fill(1.0)
+            for i in cutlass.range(n_here, unroll=1):
+                t = n_here - 1 - i
+                if t == group:
+                    cute.autovec_copy(cute.local_tile(sK[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), kf)
+                    for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                        kf[c] = kf[c] * run[c]
+                    cute.autovec_copy(kf, cute.local_tile(sK[buf, t, None], (CHANNELS_PER_LANE,), (lane,)))
+                cute.autovec_copy(cute.local_tile(sD[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), decay)
+                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                    run[c] = run[c] * decay[c]
+            cute.arch.sync_threads()  # every kk_t written (uniform: the chunk's length is the CTA's)
+            for j in cutlass.range_constexpr(self.rows):
+                sf = rows[j]
+                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                    sf[c] = sf[c] * run[c]
             for t in cutlass.range(n_here, unroll=1):
                 cute.autovec_copy(cute.local_tile(sK[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), kf)
-                cute.autovec_copy(cute.local_tile(sD[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), decay)
                 cute.autovec_copy(cute.local_tile(sU[buf, t, None], (self.rows,), (group,)), u_rows)
-                # S = S * a + u k^ (the recurrence's own update with the recorded u)
                 for j in cutlass.range_constexpr(self.rows):
                     sf = rows[j]
                     u = u_rows[j]
                     for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                        sf[c] = sf[c] * decay[c] + u * kf[c]
+                        sf[c] = sf[c] + u * kf[c]
 
 
 # --------------------------------------------------------------------------------------------------
