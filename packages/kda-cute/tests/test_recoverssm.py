@@ -171,6 +171,60 @@ def test_more_tokens_than_one_chunk():
     assert_committed(got, ref)
 
 
+@pytest.mark.parametrize("ring", [8, 2], ids=["ring8", "ring2"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("gate", ["lower_bound", "precomputed"])
+def test_bulk_ring_matches_the_oracle(gate, state_dtype, ring):
+    # the ring path: the whole state streamed through shared memory, every token (T_max = 8 = one chunk of tokens)
+    # folded once; counts 8 (a full chunk), partial, 0, negative, past the row's length; null slots under
+    # nonpositive; GQA
+    from kda_cute.recoverssm import CommitConfig
+
+    P, HV, H, T_max = 12, 4, 2, 8
+    ck, corr, kg, gate_kw, _ = make_records(P, HV, H, T_max=T_max, state_dtype=state_dtype, gate=gate, seed=31)
+    slots = torch.tensor([3, 7, 1, 10, 5, 0, 2, 11], dtype=torch.int32, device=DEV)
+    nat = torch.tensor([8, 5, 1, -2, 0, 3, 8, 8], dtype=torch.int32, device=DEV)
+    qsl = torch.tensor([0, 8, 16, 24, 32, 40, 48, 56, 62], dtype=torch.int32, device=DEV)  # last row: length 6
+    got, ref, before = commit_both(ck, corr, kg, slots, nat, gate_kw, query_start_loc=qsl,
+                                   null_policy=NullSlotPolicy.NONPOSITIVE, config=CommitConfig(128, bulk_ring=ring))
+    assert_committed(got, ref)
+    assert_untouched(got, before, [10, 5, 0, 4, 6, 8, 9])
+    for s in (3, 7, 1, 2, 11):
+        assert not torch.equal(got[s], before[s])
+
+
+def test_bulk_ring_on_interleaved_pages_and_a_padded_slot_stride():
+    # slot stride + 64 elements (16-byte multiple: the ring runs) and caches in page buffers; padding and gaps
+    # untouched
+    from kda_cute.recoverssm import CommitConfig
+
+    P, HV, K = 7, 2, 128
+    ck, corr, kg, gate_kw, (ck_st, cc_st, kg_st) = make_records(P, HV, 1, T_max=5, seed=32, slot_pad=64, pages=True)
+    ck_before, cc_before, kg_before = ck_st.clone(), cc_st.clone(), kg_st.clone()
+    slots = torch.tensor([6, 2, 4], dtype=torch.int32, device=DEV)
+    nat = torch.tensor([5, 3, 0], dtype=torch.int32, device=DEV)
+    got, ref, before = commit_both(ck, corr, kg, slots, nat, gate_kw, config=CommitConfig(128, bulk_ring=8))
+    assert_committed(got, ref)
+    assert torch.equal(ck_st[:, HV * K * K:], ck_before[:, HV * K * K:])
+    assert_untouched(got, before, [0, 1, 3, 4, 5])
+    assert torch.equal(cc_st.nan_to_num(), cc_before.nan_to_num()) and torch.equal(kg_st.nan_to_num(),
+                                                                                     kg_before.nan_to_num())
+
+
+@pytest.mark.parametrize("case", ["T_max-past-a-chunk", "unaligned"])
+def test_a_ring_config_the_call_cannot_take_runs_the_register_path(case):
+    # T_max = 12 (two chunks of tokens) or a slot stride of + 17 elements: the ring is not eligible and the
+    # register path commits the call instead (same answer)
+    from kda_cute.recoverssm import CommitConfig
+
+    T_max, pad = (12, 0) if case == "T_max-past-a-chunk" else (4, 17)
+    ck, corr, kg, gate_kw, _ = make_records(5, 2, 1, T_max=T_max, seed=33, slot_pad=pad)
+    slots = torch.tensor([2, 4, 1], dtype=torch.int32, device=DEV)
+    nat = torch.tensor([T_max, 3, 1], dtype=torch.int32, device=DEV)
+    got, ref, _ = commit_both(ck, corr, kg, slots, nat, gate_kw, config=CommitConfig(128, bulk_ring=8))
+    assert_committed(got, ref)
+
+
 # ---- bounds and null rows ------------------------------------------------------------------------------------
 
 
@@ -282,7 +336,7 @@ def _layers(L, state_dtype, *, pages):
 
 @pytest.mark.parametrize("L,pages", [(1, False), (3, False), (3, True)], ids=["L1", "L3-separate", "L3-pages"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_plan_commits_every_layer_like_the_layered_oracle(L, pages, state_dtype):
+def test_plan_commits_every_layer_like_the_layered_oracle(L, pages, state_dtype, config=None):
     from kda_cute.recoverssm import RecoverSSMCommitPlan
 
     cks, corrs, kgs, A_logs, dt_biases = _layers(L, state_dtype, pages=pages)
@@ -294,12 +348,20 @@ def test_plan_commits_every_layer_like_the_layered_oracle(L, pages, state_dtype)
     policy = NullSlotPolicy.NONPOSITIVE
     recoverssm_commit_layers_ref(refs, corrs, kgs, A_logs, dt_biases, -5.0, slots, nat, query_start_loc=qsl,
                                  null_policy=policy)
-    plan = RecoverSSMCommitPlan(cks, corrs, kgs, A_logs, dt_biases, -5.0, null_policy=policy)
+    plan = RecoverSSMCommitPlan(cks, corrs, kgs, A_logs, dt_biases, -5.0, null_policy=policy, config=config)
     plan.commit(slots, nat, query_start_loc=qsl)
     torch.cuda.synchronize()
     for i in range(L):
         assert_committed(cks[i], refs[i])
         assert_untouched(cks[i], befores[i], [0, 1, 2, 4, 6, 7, 8])
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_plan_on_the_bulk_ring(state_dtype):
+    from kda_cute.recoverssm import CommitConfig
+
+    test_plan_commits_every_layer_like_the_layered_oracle(3, True, state_dtype,
+                                                          config=CommitConfig(128, bulk_ring=8))
 
 
 # ---- CUDA graphs ---------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ ARCHS = ("sm_90a", "sm_100a")
 BASE = dict(
     head_dim=128, state_dtype=torch.bfloat16, kg_dtype=torch.bfloat16, gate=GateMode.LOWER_BOUND,
     use_qk_l2norm=True, has_dt_bias=True, qsl_dtype=torch.int32, slot_dtype=torch.int32, nat_dtype=torch.int32,
-    layered=False, tile_v=64, aligned=True, null_policy=NullSlotPolicy.OUT_OF_RANGE,
+    layered=False, tile_v=64, aligned=True, null_policy=NullSlotPolicy.OUT_OF_RANGE, bulk_ring=0,
 )
 
 
@@ -61,6 +61,12 @@ def _variants():
     }
     for name, flag in flags.items():
         out[name] = {**BASE, **flag}
+    for state in (torch.bfloat16, torch.float32):
+        for layered in (False, True):
+            name = f"ring8-{'bf16' if state == torch.bfloat16 else 'fp32'}-{'layers' if layered else 'single'}"
+            out[name] = {**BASE, "state_dtype": state, "layered": layered, "tile_v": 128, "bulk_ring": 8}
+    out["ring2-softplus-int64"] = {**BASE, "tile_v": 128, "bulk_ring": 2, "gate": GateMode.SOFTPLUS,
+                                   "slot_dtype": torch.int64, "nat_dtype": torch.int64, "qsl_dtype": torch.int64}
     return out
 
 
@@ -144,6 +150,59 @@ def test_smem_estimate_matches_the_compiled_launch(K, tile_v):
     assert kernel.smem_bytes() <= 48 * 1024
 
 
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_bulk_ring_does_not_spill_and_moves_the_state_by_bulk_copies(state_dtype, arch, tmp_path, ptxas):
+    # its heaviest form (softplus gate, int64 indices and offsets, layered, fp32 kg): no spill; the state's only
+    # global accesses are the 1-D bulk copies (a thread-level state load would mean the ring was bypassed)
+    ptx = _ptx(tmp_path, arch, state_dtype=state_dtype, tile_v=128, bulk_ring=8, gate=GateMode.SOFTPLUS,
+               layered=True, slot_dtype=torch.int64, nat_dtype=torch.int64, qsl_dtype=torch.int64,
+               kg_dtype=torch.float32)
+    registers, spills = ptxas.registers_and_spills(ptx, arch)
+    assert spills == 0, f"{registers} registers, {spills} bytes of spill traffic"
+    text = ptx.read_text()
+    assert "cp.async.bulk.shared::cluster.global" in text and "cp.async.bulk.global.shared::cta" in text
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_ring_smem_estimate_matches_the_compiled_launch(state_dtype):
+    variant = {**BASE, "state_dtype": state_dtype, "tile_v": 128, "bulk_ring": 8}
+    module = R.compile_variant(R.variant_key(**variant), "sm_90a").ir_module
+    kernel = R.RecoverSSMCommitKernel(head_dim=128, gate=GateMode.LOWER_BOUND, use_qk_l2norm=True, has_dt_bias=True,
+                                      has_qsl=True, layered=False, tile_v=128, aligned=True, bulk_ring=8)
+    nbytes = kernel.smem_bytes(state_dtype.itemsize)
+    assert f"llvm.mlir.constant({nbytes} : i64)" in str(module)
+    assert nbytes <= 48 * 1024
+
+
+def test_ring_configs_and_their_fallback():
+    bf16 = torch.bfloat16
+    ring = R.CommitConfig(128, bulk_ring=8)
+    assert R.config_ok(ring, 128) and R.config_ok(R.CommitConfig(64), 128)
+    for bad in (R.CommitConfig(64, bulk_ring=8), R.CommitConfig(128, bulk_ring=1), R.CommitConfig(128, bulk_ring=17),
+                R.CommitConfig(128)):
+        assert not R.config_ok(bad, 128), bad
+    assert not R.config_ok(R.CommitConfig(64, bulk_ring=8), 64) and not R.config_ok(ring, 64)
+    # eligible: K = 128, aligned, T_max within one chunk of tokens (8 at K = 128); else the register schedule
+    assert R.effective_config(ring, 128, True, 8, 768, bf16) == ring
+    assert R.effective_config(ring, 128, True, 9, 768, bf16) == R.CommitConfig(64)
+    assert R.effective_config(ring, 128, False, 4, 768, bf16) == R.CommitConfig(64)
+    assert R.effective_config(ring, 128, True, 9, 40, torch.float32) == R.CommitConfig(16)
+    with pytest.raises(ValueError, match="bulk_ring"):
+        R.RecoverSSMCommitKernel(head_dim=128, gate=GateMode.LOWER_BOUND, use_qk_l2norm=True, has_dt_bias=True,
+                                 has_qsl=True, layered=False, tile_v=128, aligned=False, bulk_ring=8)
+
+
+def test_a_ring_config_the_call_cannot_take_launches_the_register_path(monkeypatch):
+    _, keys = _recorder(monkeypatch)
+    state, corr, kg, slots, nat, A_log, dt_bias = _single(T_max=4)
+    R.recoverssm_commit(state, corr, kg, slots, nat, A_log, dt_bias, -5.0, config=R.CommitConfig(128, bulk_ring=8))
+    state, corr, kg, slots, nat, A_log, dt_bias = _single(T_max=9)
+    R.recoverssm_commit(state, corr, kg, slots, nat, A_log, dt_bias, -5.0, config=R.CommitConfig(128, bulk_ring=8))
+    assert [(k[11], k[-1]) for k in keys] == [(128, 8), (16, 0)]  # (tile_v, bulk_ring)
+
+
 def test_schedule_policy_by_grid_size():
     bf16, fp32 = torch.bfloat16, torch.float32
     assert R.select_config(1, 128, bf16) == R.select_config(48, 128, bf16) == R.CommitConfig(16)
@@ -164,7 +223,7 @@ def test_variant_key_normalises_only_what_cannot_change_the_code():
     changes = dict(head_dim=64, state_dtype=torch.float32, kg_dtype=torch.float16, gate=GateMode.SOFTPLUS,
                    use_qk_l2norm=False, has_dt_bias=False, qsl_dtype=torch.int64, slot_dtype=torch.int64,
                    nat_dtype=torch.int64, layered=True, tile_v=32, aligned=False,
-                   null_policy=NullSlotPolicy.NONPOSITIVE)
+                   null_policy=NullSlotPolicy.NONPOSITIVE, bulk_ring=8)
     assert set(changes) == set(BASE)  # every code-generation parameter is varied
     keys = {R.variant_key(**{**BASE, name: value}) for name, value in changes.items()}
     assert base not in keys and len(keys) == len(changes)

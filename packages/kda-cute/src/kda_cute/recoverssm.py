@@ -75,6 +75,12 @@ GRID_Z_MAX = 65535  # rows ride on gridDim.z: more rows run as several launches
 # 128 registers by itself).
 MIN_CTAS_PER_SM = {(128, 32): 5}
 OFFSET_COLUMNS = 3  # per-layer element offsets: checkpoint, correction cache, kg cache
+# Bulk ring (``CommitConfig.bulk_ring``): the whole [V, K] checkpoint of an item streams global -> shared -> global
+# in chunks of one row group (8 rows at K = 128: 2 KB bf16 / 4 KB fp32, contiguous) by 1-D cp.async.bulk issued by
+# one thread, as the T=1 kernel's ring does; every token of the item is prepared once, so the recorded tokens must
+# fit one chunk of tokens (T_max <= the row groups). K = 128, aligned checkpoints and kg caches only.
+BULK_RING_MAX = 16  # the chunks of a K = 128 state
+BULK_HEAD_DIM = 128
 
 
 def lanes_per_row(head_dim: int) -> int:
@@ -99,6 +105,33 @@ class CommitConfig:
     :func:`tile_v_choices`."""
 
     tile_v: int
+    bulk_ring: int = 0  # ring depth in chunks (0: the register path); with a ring tile_v is the head dim
+
+
+def ring_eligible(head_dim: int, aligned: bool, t_max: int) -> bool:
+    """Whether a call can take the bulk ring (see ``BULK_RING_MAX``): K = 128, the aligned class, and every recorded
+    token in one chunk of tokens."""
+    return head_dim == BULK_HEAD_DIM and aligned and t_max <= row_groups(head_dim)
+
+
+def config_ok(cfg, head_dim: int) -> bool:
+    """A legal :class:`CommitConfig` for head dim ``head_dim``: a register-path tile, or a ring over the whole state."""
+    if not isinstance(cfg, CommitConfig):
+        return False
+    if cfg.bulk_ring:
+        return head_dim == BULK_HEAD_DIM and cfg.tile_v == head_dim and 2 <= cfg.bulk_ring <= BULK_RING_MAX
+    return cfg.tile_v in tile_v_choices(head_dim)
+
+
+def effective_config(cfg: CommitConfig, head_dim: int, aligned: bool, t_max: int, n_states: int,
+                     state_dtype: torch.dtype) -> CommitConfig:
+    """``cfg``, or the register path's schedule for the call where ``cfg`` asks for a ring it cannot take."""
+    if cfg.bulk_ring and not ring_eligible(head_dim, aligned, t_max):
+        for max_states, reg_cfg in _REGISTER_SCHEDULE[state_dtype]:
+            if n_states <= max_states:
+                legal = reg_cfg.tile_v in tile_v_choices(head_dim)
+                return reg_cfg if legal else CommitConfig(tile_v_choices(head_dim)[0])
+    return cfg
 
 
 # Per checkpoint dtype, (max rows * HV * L states, tile_v): the first row that holds the call. Measured: H200,
@@ -106,10 +139,11 @@ class CommitConfig:
 # B = 8, 64, 128, 512 (docs/recoverssm.md, "Schedule sweep"). bf16: tile 32 at B = 8 (96 states), 64 from B = 64 on;
 # fp32: tile 32 from B = 64 on (4-5% ahead of 64), 16 and 32 level at B = 8. The 48-state row (B <= 4 at H = 12)
 # is the generic kernel's (small grids want more CTAs), not swept here.
-_SCHEDULE = {
+_REGISTER_SCHEDULE = {
     torch.bfloat16: ((48, CommitConfig(16)), (96, CommitConfig(32)), (1 << 62, CommitConfig(64))),
     torch.float32: ((48, CommitConfig(16)), (1 << 62, CommitConfig(32))),
 }
+_SCHEDULE = _REGISTER_SCHEDULE
 
 
 def select_config(n_states: int, head_dim: int, state_dtype: torch.dtype) -> CommitConfig:
@@ -145,10 +179,16 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
         slot_dtype=Int32,  # cutlass type of state_indices (compared in that width)
         nat_dtype=Int32,  # of num_accepted_tokens
         qsl_dtype=Int32,  # of query_start_loc
+        bulk_ring: int = 0,  # ring depth (0: register path); needs K = 128, tile_v = K, aligned
     ):
+        if bulk_ring and not (head_dim == BULK_HEAD_DIM and tile_v == head_dim and aligned
+                              and 2 <= bulk_ring <= BULK_RING_MAX):
+            raise ValueError(f"bulk_ring: needs K = tile_v = {BULK_HEAD_DIM}, the aligned class and a depth in "
+                             f"[2, {BULK_RING_MAX}], got K={head_dim}, tile_v={tile_v}, aligned={aligned}, "
+                             f"bulk_ring={bulk_ring}")
         if head_dim not in GENERIC_HEAD_DIMS:
             raise ValueError(f"head_dim: expected one of {GENERIC_HEAD_DIMS}, got {head_dim}")
-        if tile_v not in tile_v_choices(head_dim):
+        if tile_v not in tile_v_choices(head_dim) and not bulk_ring:
             raise ValueError(f"tile_v: expected one of {tile_v_choices(head_dim)} for K={head_dim}, got {tile_v}")
         self.head_dim = head_dim
         self.lanes = lanes_per_row(head_dim)
@@ -168,11 +208,20 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
         self.nat_dtype = nat_dtype
         self.qsl_dtype = qsl_dtype
         self.rows = tile_v // self.groups
+        self.bulk_ring = bulk_ring
+        self.token_buffers = 1 if bulk_ring else 2  # the ring prepares every token once
         self.u_per_lane = (tile_v + self.lanes - 1) // self.lanes  # u values of a token one lane prepares
 
-    def smem_bytes(self) -> int:
-        """Shared memory of one CTA: two buffers of ``groups`` prepared tokens (k^ and decay [K], u [tile_v], fp32)."""
-        return 2 * self.groups * (2 * self.head_dim + self.tile_v) * 4
+    def smem_bytes(self, state_bytes: int = 2) -> int:
+        """Shared memory of one CTA: two buffers (one with a ring) of ``groups`` prepared tokens (k^ and decay [K], u
+        [tile_v], fp32), then the ring's slots of ``state_bytes`` elements (128-byte aligned) and mbarriers."""
+        tokens = self.token_buffers * self.groups * (2 * self.head_dim + self.tile_v) * 4
+        if not self.bulk_ring:
+            return tokens
+        return -(-tokens // 128) * 128 + self.bulk_ring * self.chunk_elems() * state_bytes + 8 * self.bulk_ring
+
+    def chunk_elems(self) -> int:
+        return self.groups * self.head_dim
 
     # ---- small helpers ------------------------------------------------------------------------
 
@@ -226,19 +275,40 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
         group = tidx // self.lanes
         state_dtype = mState.element_type
         kg_dtype = mKG.element_type
-        raw = [cute.make_rmem_tensor((CHANNELS_PER_LANE,), state_dtype) for _ in range(self.rows)]
+        raw = [cute.make_rmem_tensor((CHANNELS_PER_LANE,), state_dtype)
+               for _ in range(0 if const_expr(self.bulk_ring) else self.rows)]
         tok = self.token_regs(kg_dtype)  # one token's raw k, raw g and u values (the lane's share)
         bias = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
         smem = cutlass.memory.SmemAllocator()
 
         def chunk_buffers(width):  # [buffer, token of the chunk, width] fp32, row-major
-            layout = cute.make_layout((2, self.groups, width), stride=(self.groups * width, width, 1))
+            layout = cute.make_layout((self.token_buffers, self.groups, width), stride=(self.groups * width, width, 1))
             return smem.allocate_tensor(Float32, layout, byte_alignment=16)
 
         bufs = (chunk_buffers(self.head_dim), chunk_buffers(self.head_dim), chunk_buffers(self.tile_v))
-        rows = [cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32) for _ in range(self.rows)]
         v_tile, y, n = cute.arch.block_idx()
         slot, commit_len, active = self.row_meta(n, mState, mCorr, mKG, mSlots, mNat, mQsl)
+        if const_expr(self.bulk_ring):
+            sRing = smem.allocate_tensor(
+                state_dtype,
+                cute.make_layout((self.bulk_ring, self.groups, self.head_dim),
+                                 stride=(self.chunk_elems(), self.head_dim, 1)),
+                byte_alignment=128,
+            )
+            sFull = smem.allocate_tensor(Int64, cute.make_layout((self.bulk_ring,)), byte_alignment=8)  # mbarriers
+            if active:
+                gState, gCorr, gKG = self.item_views(mState, mCorr, mKG, mOffsets, slot, y)
+                self.commit_ring(gState, gCorr, gKG, commit_len, tok, bias, mALog, mDtBias, y, lower_bound, group,
+                                 lane, tidx, bufs, sRing, sFull, HV=cute.size(mState, mode=[1]))
+        else:
+            self.commit_registers(mState, mCorr, mKG, mOffsets, mALog, mDtBias, lower_bound, slot, commit_len, active,
+                                  raw, tok, bias, bufs, v_tile, y, group, lane)
+
+    @cute.jit
+    def commit_registers(self, mState, mCorr, mKG, mOffsets, mALog, mDtBias, lower_bound, slot, commit_len, active,
+                         raw, tok, bias, bufs, v_tile, y, group, lane):
+        """The register path: the thread's ``tile_v / groups`` rows are loaded, committed and stored from registers."""
+        rows = [cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32) for _ in range(self.rows)]
         if active:
             # Every load of the item goes out before any of them is waited for: the checkpoint rows, the gate
             # parameters and chunk 0's records (A_log's exp is taken after the record loads are issued).
@@ -396,6 +466,106 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
                         sU[buf, group, (r % self.groups) * self.rows + r // self.groups] = uf[e]
 
     @cute.jit
+    def fold_tokens(self, run, kf, decay, buf, n_here, group, lane, bufs):
+        """The folded form of a prepared chunk of ``n_here`` tokens (see :meth:`commit_chunks`), in one backward pass
+        over its decays: row group g turns k^_g into kk_g = k^_g * a_{g+1} ... a_{n-1} in place in shared memory,
+        and ``run`` ends as A = a_0 ... a_{n-1} (the lane's channels). Ends with the barrier after which every kk_t
+        is visible (uniform: the chunk's length is the CTA's)."""
+        sK, sD, _ = bufs
+        run.fill(1.0)
+        for i in cutlass.range(n_here, unroll=1):
+            t = n_here - 1 - i
+            if t == group:
+                cute.autovec_copy(cute.local_tile(sK[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), kf)
+                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                    kf[c] = kf[c] * run[c]
+                cute.autovec_copy(kf, cute.local_tile(sK[buf, t, None], (CHANNELS_PER_LANE,), (lane,)))
+            cute.autovec_copy(cute.local_tile(sD[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), decay)
+            for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                run[c] = run[c] * decay[c]
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def commit_ring(self, gState, gCorr, gKG, commit_len, tok, bias, mALog, mDtBias, y, lower_bound, group, lane,
+                    tidx, bufs, sRing, sFull, HV):
+        """The bulk-ring path (``bulk_ring``): one item is the whole [V, K] checkpoint of (slot, value head x layer).
+
+        Thread 0 fills the ring with the first chunks (chunk c = rows [8c, 8c + 8), one contiguous run, in slot
+        c % ring: the (c // ring)-th fill of that slot's mbarrier, so every wait parity is static) while the row
+        groups prepare the item's tokens (all of them: T_max <= groups) and fold them (:meth:`fold_tokens`); every
+        thread then keeps A and the kk_t of its lane's channels in registers and streams its row of each chunk:
+        S = S * A + sum_t u_t kk_t in place in the slot, then thread 0 bulk-stores the chunk and refills the previous
+        chunk's slot once its store has read it (the T=1 kernel's ring, ``kda_cute.decode_t1``)."""
+        sK, _, sU = bufs
+        sdt = gState.element_type
+        K = self.head_dim
+        ring = self.bulk_ring
+        chunk_elems = self.chunk_elems()
+        chunk_bytes = chunk_elems * sdt.width // 8
+        n_chunks = K // self.groups
+        s_vec = 128 // sdt.width  # elements per 16-byte vector
+        bulk_load = cute.make_copy_atom(cute.nvgpu.cpasync.CopyBulkG2SOp(), sdt,
+                                        num_bits_per_copy=chunk_elems * sdt.width)
+        bulk_store = cute.make_copy_atom(cute.nvgpu.cpasync.CopyBulkS2GOp(), sdt,
+                                         num_bits_per_copy=chunk_elems * sdt.width)
+        s2r = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sdt, num_bits_per_copy=128)
+        g_chunks = [cute.make_tensor(gState.iterator + c * chunk_elems, cute.make_layout((chunk_elems,)))
+                    for c in range(n_chunks)]
+        s_slots = [cute.make_tensor(sRing.iterator + r * chunk_elems, cute.make_layout((chunk_elems,)))
+                   for r in range(ring)]
+        full = [sFull.iterator + r for r in range(ring)]
+        views = [cute.logical_divide(cute.local_tile(sRing[r, group, None], (CHANNELS_PER_LANE,), (lane,)), (s_vec,))
+                 for r in range(ring)]  # the thread's 8 channels of its row in every slot
+        if tidx == 0:
+            for r in cutlass.range_constexpr(ring):
+                cute.arch.mbarrier_init(full[r], 1)
+            cute.arch.mbarrier_init_fence()
+            for c in cutlass.range_constexpr(min(ring, n_chunks)):
+                cute.arch.mbarrier_arrive_and_expect_tx(full[c], chunk_bytes)
+                cute.copy(bulk_load, g_chunks[c], s_slots[c], mbar_ptr=full[c])
+        a_log = self.load_gate(bias, mALog, mDtBias, y, HV=HV, lane=lane)
+        self.load_token(tok, 0, commit_len, gKG, gCorr, group, lane, 0)
+        self.finish_token(0, tok, 0, commit_len, bias, a_log, lower_bound, group, lane, bufs)
+        cute.arch.sync_threads()  # the tokens prepared, and the mbarrier inits visible before anyone waits on them
+        run = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        kf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        decay = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        self.fold_tokens(run, kf, decay, 0, commit_len, group, lane, bufs)
+        kk = [cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32) for _ in range(self.groups)]
+        for t in cutlass.range_constexpr(self.groups):
+            if t < commit_len:
+                cute.autovec_copy(cute.local_tile(sK[0, t, None], (CHANNELS_PER_LANE,), (lane,)), kk[t])
+        raw = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
+        sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        for j in cutlass.range_constexpr(n_chunks):
+            slot = j % ring
+            cute.arch.mbarrier_wait(full[slot], (j // ring) % 2)
+            cute.copy(s2r, views[slot], cute.logical_divide(raw, (s_vec,)))
+            sf.store(raw.load().to(Float32))
+            for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                sf[c] = sf[c] * run[c]
+            for t in cutlass.range_constexpr(self.groups):
+                if t < commit_len:  # uniform: the item's
+                    u = sU[0, t, group * self.rows + j]  # tile row j * groups + group (finish_token's order)
+                    for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                        sf[c] = sf[c] + u * kk[t][c]
+            raw.store(sf.load().to(sdt))
+            cute.copy(s2r, cute.logical_divide(raw, (s_vec,)), views[slot])
+            # Generic-proxy writes -> async-proxy reads (the bulk store): fence by every writer, then the barrier.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            if tidx == 0:
+                cute.copy(bulk_store, s_slots[slot], g_chunks[j])
+                cute.arch.cp_async_bulk_commit_group()
+                if const_expr(j >= 1 and j - 1 + ring < n_chunks):
+                    prev = (j - 1) % ring
+                    cute.arch.cp_async_bulk_wait_group(1, read=True)
+                    cute.arch.mbarrier_arrive_and_expect_tx(full[prev], chunk_bytes)
+                    cute.copy(bulk_load, g_chunks[j - 1 + ring], s_slots[prev], mbar_ptr=full[prev])
+        if tidx == 0:
+            cute.arch.cp_async_bulk_wait_group(0)  # every bulk store is complete before the CTA exits
+
+    @cute.jit
     def commit_chunks(self, rows, commit_len, gKG, gCorr, bias, a_log, lower_bound, v_tile, group, lane, bufs):
         """Apply the item's tokens to ``rows`` in chunks of ``groups``: chunk 0 from buffer 0 (prepared and visible),
         each later chunk ch prepared here into buffer ch % 2 with a barrier before it is read (the barriers are
@@ -425,19 +595,7 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
             n_here = commit_len - first
             if n_here > C:
                 n_here = Int32(C)
-            # backward over the chunk: run = a_{t+1} ... a_{n-1} when token t is reached; kk_g = k^_g * run there
-            run.fill(1.0)
-            for i in cutlass.range(n_here, unroll=1):
-                t = n_here - 1 - i
-                if t == group:
-                    cute.autovec_copy(cute.local_tile(sK[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), kf)
-                    for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                        kf[c] = kf[c] * run[c]
-                    cute.autovec_copy(kf, cute.local_tile(sK[buf, t, None], (CHANNELS_PER_LANE,), (lane,)))
-                cute.autovec_copy(cute.local_tile(sD[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), decay)
-                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                    run[c] = run[c] * decay[c]
-            cute.arch.sync_threads()  # every kk_t written (uniform: the chunk's length is the CTA's)
+            self.fold_tokens(run, kf, decay, buf, n_here, group, lane, bufs)
             for j in cutlass.range_constexpr(self.rows):
                 sf = rows[j]
                 for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
@@ -481,6 +639,7 @@ def variant_key(
     tile_v: int,
     aligned: bool,
     null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
+    bulk_ring: int = 0,
 ) -> tuple:
     """Every code-generation parameter of one variant, in the order ``_compile`` reads them (arch added by
     ``_launch.get_or_compile``). Facts that cannot change the code are normalised so they share one entry."""
@@ -489,13 +648,13 @@ def variant_key(
     return (
         "recoverssm_commit", int(head_dim), state_dtype, kg_dtype, GateMode(gate), bool(use_qk_l2norm),
         bool(has_dt_bias), qsl_dtype, slot_dtype, nat_dtype, bool(layered), int(tile_v), bool(aligned),
-        NullSlotPolicy(null_policy),
+        NullSlotPolicy(null_policy), int(bulk_ring),
     )
 
 
 def _compile(key: tuple, arch: str, extra_options: str = ""):
     (_, K, state_dt, kg_dt, gate, l2norm, has_dt_bias, qsl_dt, slot_dt, nat_dt, layered, tile_v, aligned,
-     null_policy) = key
+     null_policy, bulk_ring) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     sym = _launch.sym_size
@@ -524,7 +683,8 @@ def _compile(key: tuple, arch: str, extra_options: str = ""):
         head_dim=K, gate=gate, use_qk_l2norm=l2norm, has_dt_bias=has_dt_bias, has_qsl=qsl_dt is not None,
         layered=layered, tile_v=tile_v, aligned=aligned, null_policy=null_policy, slot_dtype=cdt(slot_dt),
         nat_dtype=cdt(nat_dt), qsl_dtype=Int32 if qsl_dt is None else cdt(qsl_dt),
-        min_ctas=0 if layered or _launch.arch_number(arch) >= 100 else MIN_CTAS_PER_SM.get((K, tile_v), 0),
+        min_ctas=0 if layered or bulk_ring or _launch.arch_number(arch) >= 100 else MIN_CTAS_PER_SM.get((K, tile_v), 0),
+        bulk_ring=bulk_ring,
     )
     return cute.compile(
         kernel, m_state, m_corr, m_kg, m_slots, m_nat, m_qsl, m_alog, m_dt_bias, m_offsets,
@@ -555,8 +715,9 @@ def _check_launch(checkpoint_state, A_log, dt_bias, HV_rows: int, config, null_p
             fail("dt_bias", f"[H*K] = [{H * K}] values", tuple(dt_bias.shape))
     if HV_rows > GRID_Y_MAX:
         fail(argument, f"at most {GRID_Y_MAX} value heads x layers per launch (grid y limit)", HV_rows)
-    if config is not None and (not isinstance(config, CommitConfig) or config.tile_v not in tile_v_choices(K)):
-        fail("config", f"a CommitConfig whose tile_v is one of {tile_v_choices(K)} for K={K}", config)
+    if config is not None and not config_ok(config, K):
+        fail("config", f"a CommitConfig whose tile_v is one of {tile_v_choices(K)} for K={K}, or (K = "
+             f"{BULK_HEAD_DIM}) tile_v = K with bulk_ring in [2, {BULK_RING_MAX}]", config)
     if not isinstance(null_policy, NullSlotPolicy):
         fail("null_policy", "a kda_core.contracts.NullSlotPolicy", null_policy)
     return K
@@ -655,13 +816,14 @@ def recoverssm_commit(
     elif dt_bias is not None:
         dt_bias = dt_bias.reshape(-1)
     aligned = _launch.alignment_of(checkpoint_state, kg_cache, dt_bias) == _launch.VECTOR_BYTES
-    cfg = config or select_config(n_rows * HV, K, checkpoint_state.dtype)
+    cfg = effective_config(config or select_config(n_rows * HV, K, checkpoint_state.dtype), K, aligned,
+                           correction_cache.shape[2], n_rows * HV, checkpoint_state.dtype)
     key = variant_key(
         head_dim=K, state_dtype=checkpoint_state.dtype, kg_dtype=kg_cache.dtype, gate=gate,
         use_qk_l2norm=use_qk_l2norm_in_kernel, has_dt_bias=dt_bias is not None,
         qsl_dtype=None if query_start_loc is None else query_start_loc.dtype, slot_dtype=state_indices.dtype,
         nat_dtype=num_accepted_tokens.dtype, layered=False, tile_v=cfg.tile_v, aligned=aligned,
-        null_policy=null_policy,
+        null_policy=null_policy, bulk_ring=cfg.bulk_ring,
     )
     fn = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(checkpoint_state.device))
     lb = -1.0 if lower_bound is None or gate != GateMode.LOWER_BOUND else float(lower_bound)
@@ -787,13 +949,15 @@ class RecoverSSMCommitPlan:
         n_rows = state_indices.shape[0]
         if n_rows == 0 or HV == 0 or self.corrs[0].shape[2] == 0:
             return
-        cfg = self.config or select_config(n_rows * HV * self.n_layers, self.K, ref.dtype)
+        n_states = n_rows * HV * self.n_layers
+        cfg = effective_config(self.config or select_config(n_states, self.K, ref.dtype), self.K, self.aligned,
+                               self.corrs[0].shape[2], n_states, ref.dtype)
         key = variant_key(
             head_dim=self.K, state_dtype=ref.dtype, kg_dtype=self.kgs[0].dtype, gate=self.gate,
             use_qk_l2norm=self.use_qk_l2norm, has_dt_bias=self.dt_bias is not None,
             qsl_dtype=None if query_start_loc is None else query_start_loc.dtype, slot_dtype=state_indices.dtype,
             nat_dtype=num_accepted_tokens.dtype, layered=True, tile_v=cfg.tile_v, aligned=self.aligned,
-            null_policy=self.null_policy,
+            null_policy=self.null_policy, bulk_ring=cfg.bulk_ring,
         )
         fn = _launch.get_or_compile(key, lambda arch: _compile(key, arch), self.arch or _launch.target_arch())
         _launch_rows(fn, (ref, self.corrs[0], self.kgs[0]), state_indices, num_accepted_tokens, query_start_loc,
