@@ -209,11 +209,14 @@ def test_schedule_policy_by_grid_size():
     assert R.select_config(49, 128, bf16) == R.select_config(96, 128, bf16) == R.CommitConfig(32)
     assert R.select_config(97, 128, bf16) == R.select_config(1 << 40, 64, bf16) == R.CommitConfig(64)
     assert R.select_config(48, 128, fp32) == R.CommitConfig(16)
-    assert R.select_config(49, 128, fp32) == R.select_config(6144, 128, fp32) == R.CommitConfig(32)
+    assert R.select_config(49, 128, fp32) == R.select_config(1535, 128, fp32) == R.CommitConfig(32)
+    # fp32 from 1536 states on (B = 128 at H = 12): the bulk ring at K = 128, the register row at K = 64
+    assert R.select_config(1536, 128, fp32) == R.select_config(6144, 128, fp32) == R.CommitConfig(128, bulk_ring=8)
+    assert R.select_config(6144, 64, fp32) == R.CommitConfig(32)
     for dtype in (bf16, fp32):
         for K in (64, 128):
-            for n in (1, 60, 1000):
-                assert R.select_config(n, K, dtype).tile_v in R.tile_v_choices(K)
+            for n in (1, 60, 1000, 6144):
+                assert R.config_ok(R.select_config(n, K, dtype), K)
 
 
 def test_variant_key_normalises_only_what_cannot_change_the_code():

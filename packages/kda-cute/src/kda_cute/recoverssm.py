@@ -26,6 +26,11 @@ the decay, and the tile's u values, into shared memory; two buffers, one barrier
 applies the chunk's tokens to its rows. The update needs no reduction (u is recorded), so a token costs each
 thread two FMAs per state element.
 
+Bulk ring (``CommitConfig(128, bulk_ring=n)``, K = 128, aligned, T_max <= 8; the fp32 schedule's rows from 1536
+states on): a CTA owns a whole (value head x layer, row) checkpoint; thread 0 streams it through a shared-memory ring
+of n 8-row chunks by 1-D bulk copies (the T=1 kernel's ring) while the row groups prepare every token once; the
+threads keep A and the kk_t of their channels in registers and update each chunk in place before it is stored.
+
 Several layers (vLLM commits every KDA layer in one launch): :class:`RecoverSSMCommitPlan` takes per-layer
 tensors of one shape, dtype and strides (base pointers free); the kernel gets layer 0's tensors, an int64 device
 table of per-layer element offsets [L, 3] (checkpoint, correction cache, kg cache) and stacked gate parameters
@@ -134,24 +139,35 @@ def effective_config(cfg: CommitConfig, head_dim: int, aligned: bool, t_max: int
     return cfg
 
 
-# Per checkpoint dtype, (max rows * HV * L states, tile_v): the first row that holds the call. Measured: H200,
-# 2026-12-02, CUDA-graph replay, CUPTI, H = 12, T = 8, accepted counts uniform in [1, 8], every legal tile at
-# B = 8, 64, 128, 512 (docs/recoverssm.md, "Schedule sweep"). bf16: tile 32 at B = 8 (96 states), 64 from B = 64 on;
-# fp32: tile 32 from B = 64 on (4-5% ahead of 64), 16 and 32 level at B = 8. The 48-state row (B <= 4 at H = 12)
-# is the generic kernel's (small grids want more CTAs), not swept here.
+# Per checkpoint dtype, (max rows * HV * L states, config): the first row that holds the call. The register path's
+# rows, measured: H200, 2026-12-02, CUDA-graph replay, CUPTI, H = 12, T = 8, accepted counts uniform in [1, 8],
+# every legal tile at B = 8, 64, 128, 512 (docs/recoverssm.md, "Schedule sweep"). bf16: tile 32 at B = 8 (96
+# states), 64 from B = 64 on; fp32: tile 32 from B = 64 on (4-5% ahead of 64), 16 and 32 level at B = 8. The
+# 48-state row (B <= 4 at H = 12) is the generic kernel's (small grids want more CTAs), not swept here.
 _REGISTER_SCHEDULE = {
     torch.bfloat16: ((48, CommitConfig(16)), (96, CommitConfig(32)), (1 << 62, CommitConfig(64))),
     torch.float32: ((48, CommitConfig(16)), (1 << 62, CommitConfig(32))),
 }
-_SCHEDULE = _REGISTER_SCHEDULE
+# The bulk ring against the register path, same sweep conditions (H200, 2026-12-03, ring depths 4 / 8 / 16 at B = 8,
+# 64, 128, 512; docs/recoverssm.md, "Bulk ring"): fp32 from B = 128 on (1536 states; 58.7 against 60.3 µs at B = 128,
+# 215.0 against 232.0 at 512, depth 8), the register path below (B = 64: 32.3 against 33.2); bf16 never (B = 64:
+# 16.5 against 21.7-22.3; B = 512: 122.0 against 120.7-134.0). A call the ring cannot take (effective_config) runs
+# the register row for its size.
+_SCHEDULE = {
+    torch.bfloat16: _REGISTER_SCHEDULE[torch.bfloat16],
+    torch.float32: ((48, CommitConfig(16)), (1535, CommitConfig(32)), (1 << 62, CommitConfig(128, bulk_ring=8))),
+}
 
 
 def select_config(n_states: int, head_dim: int, state_dtype: torch.dtype) -> CommitConfig:
     """Pure schedule policy: the config for ``n_states`` = rows * HV * L (row, value head, layer) triples of a
-    ``state_dtype`` checkpoint pool (bf16 or fp32)."""
+    ``state_dtype`` checkpoint pool (bf16 or fp32). A ring row holds at K = 128 only (the register row for the size
+    elsewhere); whether the call can take it is :func:`effective_config`'s question."""
     for max_states, cfg in _SCHEDULE[state_dtype]:
         if n_states <= max_states:
-            return cfg if cfg.tile_v in tile_v_choices(head_dim) else CommitConfig(tile_v_choices(head_dim)[0])
+            if cfg.bulk_ring and head_dim != BULK_HEAD_DIM:
+                return effective_config(cfg, head_dim, False, 0, n_states, state_dtype)
+            return cfg if config_ok(cfg, head_dim) else CommitConfig(tile_v_choices(head_dim)[0])
     raise AssertionError("unreachable: the schedule's last row is unbounded")
 
 
