@@ -237,11 +237,14 @@ def test_varlen_rows_of_0_1_T_and_more_tokens(T, cu_dtype):
                                                (None, torch.bfloat16)],
                          ids=["records-bf16", "records-fp32", "T_max7", "no-records"])  # fmt: skip
 def test_varlen_full_and_short_rows_in_the_three_cta_build(T_max, pool_dtype):
-    # B=64 at H=12 (768 pairs) takes the tile-128 3-CTA build (vLLM's RecoverSSM verify at B=64): full rows beside
-    # rows of 0, 1, 3 and 11 tokens in one launch, with and without records, T_max = T and T - 1, both checkpoints
-    from kda_cute.ucache import select_config
+    # B=64 at H=12 (768 pairs) takes the tile-128 3-CTA build (vLLM's RecoverSSM verify at B=64), which solves a row
+    # of T tokens (all recorded) in the unpredicated copy of phase 3 and the others in the masked one: full rows
+    # beside rows of 0, 1, 3 and 11 tokens in one launch; with T_max = 7 no row is full (every row takes the masked
+    # copy); without records a row of T tokens is full
+    from kda_cute.ucache import UcacheVerifyFlush, select_config
 
-    assert select_config(64, 12).floor == 3
+    cfg = select_config(64, 12)
+    assert UcacheVerifyFlush(12, 8, 0, cfg.tile_v, False, True, cfg.floor, ring=False, varlen=True).unmasked_full_rows()
     lengths = ([8, 3, 8, 0, 8, 11, 1, 8] * 8)[:64]
     check(make_case(64, 8, 12, seed=40, lengths=lengths, tail=3, T_max=T_max, pool_dtype=pool_dtype))
 

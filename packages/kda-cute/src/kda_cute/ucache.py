@@ -549,6 +549,44 @@ class UcacheVerifyFlush:
         read 15.7)."""
         return cutlass.min(t, cutlass.max(n_tok - 1, Int32(0))), t < n_tok
 
+    def unmasked_full_rows(self) -> bool:
+        """Varlen builds at fewer than 4 resident CTAs (80 registers) solve a row that runs all T tokens (and records
+        all of them) in a copy of phase 3 whose stores carry no predicate: ptxas then overlaps them with the solve.
+        The 64-register builds spilled with the second copy (12-128 bytes), so they keep the masked one only."""
+        return self.varlen and not self.ring and min(self.min_ctas or MIN_CTAS_PER_SM[self.tile_v],
+                                                     self.ctas_by_smem()) < 4
+
+    @cute.jit
+    def solve_and_store(self, masked: cutlass.Constexpr, xy, w_u, sA, sAq, sBeta, sInv, sVin, tidx, v, gO, n_tok, gUR,
+                        ring_row0, gCorr, n_rec):
+        """Phase 3's solve for one state row ``v`` (thread ``tidx`` < TV): u_s, the outputs, and the u ring rows
+        (ring builds) or the correction records (``records``). ``masked`` False: the row runs all T tokens and
+        records all of them, so no store is predicated (:meth:`unmasked_full_rows`)."""
+        T = self.t_draft
+        for s in cutlass.range_constexpr(T):
+            p = xy[s]
+            for r in cutlass.range_constexpr(s):
+                p = p + sA[s, r] * w_u[r]
+            u_s = sBeta[s] * (sVin[s, tidx].to(Float32) - sInv[s] * p)
+            w_u[s] = sInv[s] * u_s
+            if const_expr(self.ring):
+                gUR[(ring_row0 + s) & (RING_SLOTS - 1), v] = u_s.to(gUR.element_type)
+            if const_expr(self.records):
+                if const_expr(masked):
+                    if s < n_rec:
+                        gCorr[s, v] = u_s  # the correction record: u_s in fp32, unrounded
+                else:
+                    gCorr[s, v] = u_s
+        for s in cutlass.range_constexpr(T):
+            o = xy[T + s]
+            for r in cutlass.range_constexpr(s + 1):
+                o = o + sAq[s, r] * w_u[r]
+            if const_expr(self.varlen and masked):
+                if s < n_tok:
+                    gO[s, v] = (sInv[T + s] * o).to(gO.element_type)
+            else:
+                gO[s, v] = (sInv[T + s] * o).to(gO.element_type)
+
     @cute.jit
     def park_v_run(self, frag, sVin: cute.Tensor, task):
         """sVin <- run ``task`` of :meth:`load_v_runs`."""
@@ -1381,26 +1419,23 @@ class UcacheVerifyFlush:
                     gO = cute.domain_offset((tok0, 0), mOut[0, None, h, None])  # (offset here: fewer live registers)
                 else:
                     gO = mOut[bi, None, h, None]
-                for s in cutlass.range_constexpr(T):
-                    p = xy[s]
-                    for r in cutlass.range_constexpr(s):
-                        p = p + sA[s, r] * w_u[r]
-                    u_s = sBeta[s] * (sVin[s, tidx].to(Float32) - sInv[s] * p)
-                    w_u[s] = sInv[s] * u_s
-                    if const_expr(self.ring):
-                        gUR[(base + P + s) & RING, v] = u_s.to(mUCache.element_type)
+
+                ring_args = (gUR, base + P) if const_expr(self.ring) else (None, None)
+                record_args = (gCorr, n_rec) if const_expr(self.records) else (None, None)
+                if const_expr(self.unmasked_full_rows()):
+                    # a CTA-uniform branch: full rows (the common case) store without predicates
+                    n_run = n_tok
                     if const_expr(self.records):
-                        if s < n_rec:
-                            gCorr[s, v] = u_s  # the correction record: u_s in fp32, unrounded
-                for s in cutlass.range_constexpr(T):
-                    o = xy[T + s]
-                    for r in cutlass.range_constexpr(s + 1):
-                        o = o + sAq[s, r] * w_u[r]
-                    if const_expr(self.varlen):
-                        if s < n_tok:
-                            gO[s, v] = (sInv[T + s] * o).to(mOut.element_type)
+                        n_run = n_rec
+                    if n_run == T:
+                        self.solve_and_store(False, xy, w_u, sA, sAq, sBeta, sInv, sVin, tidx, v, gO, n_tok, *ring_args,
+                                             *record_args)
                     else:
-                        gO[s, v] = (sInv[T + s] * o).to(mOut.element_type)
+                        self.solve_and_store(True, xy, w_u, sA, sAq, sBeta, sInv, sVin, tidx, v, gO, n_tok, *ring_args,
+                                             *record_args)
+                else:
+                    self.solve_and_store(True, xy, w_u, sA, sAq, sBeta, sInv, sVin, tidx, v, gO, n_tok, *ring_args,
+                                             *record_args)
         else:
             for i in cutlass.range(tidx, T * TV, NT):
                 t = i // TV
