@@ -481,6 +481,14 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
                     if r < self.tile_v:
                         sU[buf, group, (r % self.groups) * self.rows + r // self.groups] = uf[e]
 
+    def folded(self) -> bool:
+        """The register path applies a chunk folded (:meth:`commit_chunks`) at 8 rows per thread (tile 64 at K = 128),
+        where it measured faster (H200, 2026-12-03, T = 8, H = 12, same process against the unfolded build: bf16
+        tile 64 17.07 -> 16.13 µs at B = 64, 125.5 -> 122.9 at B = 512; the 4-layer plan 74.4 -> 63.6 at B = 64,
+        from 129 to 125 registers); the fp32 tile-32 build (4 rows) lost with it (31.0 -> 32.2 at B = 64), so fewer
+        rows per thread apply each token as the recurrence has it. The ring always folds."""
+        return self.rows >= 8
+
     @cute.jit
     def fold_tokens(self, run, kf, decay, buf, n_here, group, lane, bufs):
         """The folded form of a prepared chunk of ``n_here`` tokens (see :meth:`commit_chunks`), in one backward pass
@@ -588,10 +596,10 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
         uniform: the item is the CTA's; a buffer is rewritten two chunks after it was read, past the barriers
         between).
 
-        A chunk of n tokens is applied in its folded form, S <- S * A + sum_t u_t kk_t with A = a_0 ... a_{n-1} and
-        kk_t = k^_t * a_{t+1} ... a_{n-1} (the recurrence S = S * a_t + u_t k^_t unrolled over the chunk): one FMA
-        per state element and token instead of a multiply and an FMA. Row group g turns its token's k^ into kk_g in
-        place, and every thread forms A for its lane's channels, in one backward pass over the chunk's decays."""
+        With :meth:`folded`, a chunk of n tokens is applied in its folded form, S <- S * A + sum_t u_t kk_t with
+        A = a_0 ... a_{n-1} and kk_t = k^_t * a_{t+1} ... a_{n-1} (the recurrence S = S * a_t + u_t k^_t unrolled
+        over the chunk): one FMA per state element and token instead of a multiply and an FMA (:meth:`fold_tokens`
+        prepares it, one more barrier per chunk). Else each token is applied as the recurrence has it."""
         sK, sD, sU = bufs
         C = self.groups
         kf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
@@ -611,19 +619,24 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
             n_here = commit_len - first
             if n_here > C:
                 n_here = Int32(C)
-            self.fold_tokens(run, kf, decay, buf, n_here, group, lane, bufs)
-            for j in cutlass.range_constexpr(self.rows):
-                sf = rows[j]
-                for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                    sf[c] = sf[c] * run[c]
+            if const_expr(self.folded()):
+                self.fold_tokens(run, kf, decay, buf, n_here, group, lane, bufs)
+                for j in cutlass.range_constexpr(self.rows):
+                    for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
+                        rows[j][c] = rows[j][c] * run[c]
             for t in cutlass.range(n_here, unroll=1):
                 cute.autovec_copy(cute.local_tile(sK[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), kf)
+                if const_expr(not self.folded()):
+                    cute.autovec_copy(cute.local_tile(sD[buf, t, None], (CHANNELS_PER_LANE,), (lane,)), decay)
                 cute.autovec_copy(cute.local_tile(sU[buf, t, None], (self.rows,), (group,)), u_rows)
                 for j in cutlass.range_constexpr(self.rows):
                     sf = rows[j]
                     u = u_rows[j]
                     for c in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                        sf[c] = sf[c] + u * kf[c]
+                        if const_expr(self.folded()):
+                            sf[c] = sf[c] + u * kf[c]
+                        else:  # S = S * a + u k^ (the recurrence's own update with the recorded u)
+                            sf[c] = sf[c] * decay[c] + u * kf[c]
 
 
 # --------------------------------------------------------------------------------------------------
