@@ -149,10 +149,11 @@ _REGISTER_SCHEDULE = {
     torch.float32: ((48, CommitConfig(16)), (1 << 62, CommitConfig(32))),
 }
 # The bulk ring against the register path, same sweep conditions (H200, 2026-12-03, ring depths 4 / 8 / 16 at B = 8,
-# 64, 128, 512; docs/recoverssm.md, "Bulk ring"): fp32 from B = 128 on (1536 states; 58.7 against 60.3 µs at B = 128,
-# 215.0 against 232.0 at 512, depth 8), the register path below (B = 64: 32.3 against 33.2); bf16 never (B = 64:
-# 16.5 against 21.7-22.3; B = 512: 122.0 against 120.7-134.0). A call the ring cannot take (effective_config) runs
-# the register row for its size.
+# 64, 128, 512; docs/recoverssm.md, "Bulk ring"): fp32 from B = 128 on (1536 states), depth 8: against the kept
+# tile-32 build in one process, level at B = 128 (58.6 / 58.7 µs) and 5.9% ahead at 512 (213.9 / 227.4); the
+# register path below (B = 64: 33.2 against 32.3 for the folded tile 32, which is 1.2 behind the kept one); bf16
+# never (B = 64: 21.7-22.3 against 16.5; B = 512: 120.7-134.0 against 122.0). A call the ring cannot take
+# (effective_config) runs the register row for its size.
 _SCHEDULE = {
     torch.bfloat16: _REGISTER_SCHEDULE[torch.bfloat16],
     torch.float32: ((48, CommitConfig(16)), (1535, CommitConfig(32)), (1 << 62, CommitConfig(128, bulk_ring=8))),
