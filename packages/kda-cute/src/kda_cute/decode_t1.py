@@ -56,7 +56,7 @@ from kda_core.validation import (
     validate_packed_tokens_decode_t1,
 )
 
-from . import _lane_math, _launch
+from . import _bulk_ring, _lane_math, _launch
 
 __all__ = ["DecodeT1Config", "select_config", "effective_config", "kda_decode_t1", "kda_decode_t1_packed",
            "KDADecodeT1", "KDADecodeT1Packed", "KDADecodeT1Varlen"]
@@ -351,24 +351,10 @@ class KDADecodeT1:
     def bulk_ring_step(self, j: cutlass.Constexpr, n_chunks: cutlass.Constexpr, s2r_atom, s_new, s_vec, smem_views,
                        s_slots, g_chunks, full, bulk_load, bulk_store, chunk_bytes: cutlass.Constexpr, tidx):
         """Chunk ``j`` of the bulk ring after the threads computed their rows of it: write S_new back into the slot,
-        bulk-store the slot, and refill the previous chunk's slot with the chunk ``ring`` past it.
-
-        The refill waits (``wait_group.read 1``) only for the previous chunk's store to have read its slot, which had
-        a whole chunk's compute to do so: the current store is not waited for."""
-        ring = self.bulk_ring
-        slot = j % ring
-        cute.copy(s2r_atom, cute.logical_divide(s_new, (s_vec,)), smem_views[slot])
-        # Generic-proxy writes -> async-proxy reads (the bulk store): fence by every writer, then the CTA barrier.
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()
-        if tidx == 0:
-            cute.copy(bulk_store, s_slots[slot], g_chunks[j])
-            cute.arch.cp_async_bulk_commit_group()
-            if const_expr(j >= 1 and j - 1 + ring < n_chunks):
-                prev = (j - 1) % ring
-                cute.arch.cp_async_bulk_wait_group(1, read=True)
-                cute.arch.mbarrier_arrive_and_expect_tx(full[prev], chunk_bytes)
-                cute.copy(bulk_load, g_chunks[j - 1 + ring], s_slots[prev], mbar_ptr=full[prev])
+        then :func:`kda_cute._bulk_ring.store_and_refill` (bulk-store the slot, refill the previous chunk's)."""
+        cute.copy(s2r_atom, cute.logical_divide(s_new, (s_vec,)), smem_views[j % self.bulk_ring])
+        _bulk_ring.store_and_refill(j, self.bulk_ring, n_chunks, full, s_slots, g_chunks, bulk_load, bulk_store,
+                                    chunk_bytes, tidx)
 
     @cute.jit
     def find_row(self, mSlot: cute.Tensor, z, B, tidx, sScan: cute.Tensor):
@@ -667,12 +653,7 @@ class KDADecodeT1:
             # One thread: the mbarriers (arrival count 1: its own arrive.expect_tx), then the first `ring`
             # chunks. Inactive rows never get here, so they issue no bulk copy.
             if tidx == 0:
-                for r in cutlass.range_constexpr(self.bulk_ring):
-                    cute.arch.mbarrier_init(full[r], 1)
-                cute.arch.mbarrier_init_fence()
-                for c in cutlass.range_constexpr(self.bulk_ring):
-                    cute.arch.mbarrier_arrive_and_expect_tx(full[c], chunk_bytes)
-                    cute.copy(bulk_load, g_chunks[c], s_slots[c], mbar_ptr=full[c])
+                _bulk_ring.fill(self.bulk_ring, n_chunks, full, s_slots, g_chunks, bulk_load, chunk_bytes)
             cute.arch.sync_threads()  # the mbarrier inits are visible before anyone waits on them
         else:
             for j in cutlass.range_constexpr(self.rows_in_flight):
@@ -704,8 +685,7 @@ class KDADecodeT1:
                 cute.copy(store_atom, cute.logical_divide(s_new, (s_vec,)), row_views[j])
             self.emit_row(mOut, b, h, row0 + group + j * ROW_GROUPS, sq + u * kq, lane)
         if const_expr(self.bulk_ring):
-            if tidx == 0:
-                cute.arch.cp_async_bulk_wait_group(0)  # every bulk store is complete before the CTA exits
+            _bulk_ring.drain(tidx)
 
     @cute.jit
     def update_state_realigned(self, mState: cute.Tensor, slot, h, row0, group, lane, tidx, token, scale: Float32,

@@ -55,7 +55,7 @@ from kda_core.contracts import GENERIC_HEAD_DIMS, L2NORM_EPS, GateMode, NullSlot
 from kda_core.errors import fail
 from kda_core.validation import debug_check_slots, debug_checks_enabled
 
-from . import _lane_math, _launch
+from . import _bulk_ring, _lane_math, _launch
 from ._lane_math import CHANNELS_PER_LANE
 
 __all__ = [
@@ -542,12 +542,7 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
         views = [cute.logical_divide(cute.local_tile(sRing[r, group, None], (CHANNELS_PER_LANE,), (lane,)), (s_vec,))
                  for r in range(ring)]  # the thread's 8 channels of its row in every slot
         if tidx == 0:
-            for r in cutlass.range_constexpr(ring):
-                cute.arch.mbarrier_init(full[r], 1)
-            cute.arch.mbarrier_init_fence()
-            for c in cutlass.range_constexpr(min(ring, n_chunks)):
-                cute.arch.mbarrier_arrive_and_expect_tx(full[c], chunk_bytes)
-                cute.copy(bulk_load, g_chunks[c], s_slots[c], mbar_ptr=full[c])
+            _bulk_ring.fill(ring, n_chunks, full, s_slots, g_chunks, bulk_load, chunk_bytes)
         a_log = self.load_gate(bias, mALog, mDtBias, y, HV=HV, lane=lane)
         self.load_token(tok, 0, commit_len, gKG, gCorr, group, lane, 0)
         self.finish_token(0, tok, 0, commit_len, bias, a_log, lower_bound, group, lane, bufs)
@@ -576,19 +571,9 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
                         sf[c] = sf[c] + u * kk[t][c]
             raw.store(sf.load().to(sdt))
             cute.copy(s2r, cute.logical_divide(raw, (s_vec,)), views[slot])
-            # Generic-proxy writes -> async-proxy reads (the bulk store): fence by every writer, then the barrier.
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_threads()
-            if tidx == 0:
-                cute.copy(bulk_store, s_slots[slot], g_chunks[j])
-                cute.arch.cp_async_bulk_commit_group()
-                if const_expr(j >= 1 and j - 1 + ring < n_chunks):
-                    prev = (j - 1) % ring
-                    cute.arch.cp_async_bulk_wait_group(1, read=True)
-                    cute.arch.mbarrier_arrive_and_expect_tx(full[prev], chunk_bytes)
-                    cute.copy(bulk_load, g_chunks[j - 1 + ring], s_slots[prev], mbar_ptr=full[prev])
-        if tidx == 0:
-            cute.arch.cp_async_bulk_wait_group(0)  # every bulk store is complete before the CTA exits
+            _bulk_ring.store_and_refill(j, ring, n_chunks, full, s_slots, g_chunks, bulk_load, bulk_store, chunk_bytes,
+                                        tidx)
+        _bulk_ring.drain(tidx)
 
     @cute.jit
     def commit_chunks(self, rows, commit_len, gKG, gCorr, bias, a_log, lower_bound, v_tile, group, lane, bufs):
