@@ -362,7 +362,7 @@ def test_plan_commit_is_one_launch_over_every_layer(monkeypatch):
     assert call[0] is states[0] and call[1] is corrs[0] and call[2] is kgs[0]
     assert call[5] is None and call[6] is plan.A_log and call[7] is plan.dt_bias and call[8] is plan.offsets
     (key,) = keys
-    assert key[10] is True and key[4] == GateMode.SOFTPLUS and key[-1] == NullSlotPolicy.NONPOSITIVE
+    assert key[10] is True and key[4] == GateMode.SOFTPLUS and key[13] == NullSlotPolicy.NONPOSITIVE
     assert key[8] == key[9] == torch.int64
 
 
