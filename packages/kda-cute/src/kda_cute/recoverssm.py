@@ -23,8 +23,8 @@ threads; a state row (K channels) belongs to K / 8 lanes, 8 channels each, as in
 thread keeps ``tile_v / groups`` rows in fp32 registers: the checkpoint is read once and written once. Tokens run in
 chunks of ``groups``: row group g prepares token g of the chunk once for the CTA (k^ with a sub-warp butterfly,
 the decay, and the tile's u values, into shared memory; two buffers, one barrier per chunk), then every thread
-applies the chunk's tokens to its rows. The update needs no reduction (u is recorded), so a token costs each
-thread two FMAs per state element.
+applies the chunk's tokens to its rows. The update needs no reduction (u is recorded): a token costs each thread two
+instructions per state element, or one FMA where the chunk is applied folded (tile 64: S * A + sum_t u_t kk_t).
 
 Bulk ring (``CommitConfig(128, bulk_ring=n)``, K = 128, aligned, T_max <= 8; the fp32 schedule's rows from 1536
 states on): a CTA owns a whole (value head x layer, row) checkpoint; thread 0 streams it through a shared-memory ring
@@ -132,11 +132,18 @@ def effective_config(cfg: CommitConfig, head_dim: int, aligned: bool, t_max: int
                      state_dtype: torch.dtype) -> CommitConfig:
     """``cfg``, or the register path's schedule for the call where ``cfg`` asks for a ring it cannot take."""
     if cfg.bulk_ring and not ring_eligible(head_dim, aligned, t_max):
-        for max_states, reg_cfg in _REGISTER_SCHEDULE[state_dtype]:
-            if n_states <= max_states:
-                legal = reg_cfg.tile_v in tile_v_choices(head_dim)
-                return reg_cfg if legal else CommitConfig(tile_v_choices(head_dim)[0])
+        return _schedule_row(_REGISTER_SCHEDULE[state_dtype], n_states, head_dim)
     return cfg
+
+
+def _schedule_row(schedule, n_states: int, head_dim: int) -> CommitConfig:
+    """The first row of ``schedule`` that holds ``n_states``; a register tile the head dim lacks becomes its smallest
+    legal one."""
+    for max_states, cfg in schedule:
+        if n_states <= max_states:
+            legal = cfg.bulk_ring or cfg.tile_v in tile_v_choices(head_dim)
+            return cfg if legal else CommitConfig(tile_v_choices(head_dim)[0])
+    raise AssertionError("unreachable: the schedule's last row is unbounded")
 
 
 # Per checkpoint dtype, (max rows * HV * L states, config): the first row that holds the call. The register path's
@@ -164,12 +171,10 @@ def select_config(n_states: int, head_dim: int, state_dtype: torch.dtype) -> Com
     """Pure schedule policy: the config for ``n_states`` = rows * HV * L (row, value head, layer) triples of a
     ``state_dtype`` checkpoint pool (bf16 or fp32). A ring row holds at K = 128 only (the register row for the size
     elsewhere); whether the call can take it is :func:`effective_config`'s question."""
-    for max_states, cfg in _SCHEDULE[state_dtype]:
-        if n_states <= max_states:
-            if cfg.bulk_ring and head_dim != BULK_HEAD_DIM:
-                return effective_config(cfg, head_dim, False, 0, n_states, state_dtype)
-            return cfg if config_ok(cfg, head_dim) else CommitConfig(tile_v_choices(head_dim)[0])
-    raise AssertionError("unreachable: the schedule's last row is unbounded")
+    cfg = _schedule_row(_SCHEDULE[state_dtype], n_states, head_dim)
+    if cfg.bulk_ring and head_dim != BULK_HEAD_DIM:
+        return _schedule_row(_REGISTER_SCHEDULE[state_dtype], n_states, head_dim)
+    return cfg
 
 
 # --------------------------------------------------------------------------------------------------
@@ -292,8 +297,6 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
         group = tidx // self.lanes
         state_dtype = mState.element_type
         kg_dtype = mKG.element_type
-        raw = [cute.make_rmem_tensor((CHANNELS_PER_LANE,), state_dtype)
-               for _ in range(0 if const_expr(self.bulk_ring) else self.rows)]
         tok = self.token_regs(kg_dtype)  # one token's raw k, raw g and u values (the lane's share)
         bias = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
         smem = cutlass.memory.SmemAllocator()
@@ -319,12 +322,13 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
                                  lane, tidx, bufs, sRing, sFull, HV=cute.size(mState, mode=[1]))
         else:
             self.commit_registers(mState, mCorr, mKG, mOffsets, mALog, mDtBias, lower_bound, slot, commit_len, active,
-                                  raw, tok, bias, bufs, v_tile, y, group, lane)
+                                  tok, bias, bufs, v_tile, y, group, lane)
 
     @cute.jit
     def commit_registers(self, mState, mCorr, mKG, mOffsets, mALog, mDtBias, lower_bound, slot, commit_len, active,
-                         raw, tok, bias, bufs, v_tile, y, group, lane):
+                         tok, bias, bufs, v_tile, y, group, lane):
         """The register path: the thread's ``tile_v / groups`` rows are loaded, committed and stored from registers."""
+        raw = [cute.make_rmem_tensor((CHANNELS_PER_LANE,), mState.element_type) for _ in range(self.rows)]
         rows = [cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32) for _ in range(self.rows)]
         if active:
             # Every load of the item goes out before any of them is waited for: the checkpoint rows, the gate

@@ -479,10 +479,14 @@ class UcacheVerifyFlush:
         per_cta = -(-(self._smem_bytes(HEAD_DIM + KQ_PAD) + CTA_SMEM_RESERVED) // 128) * 128
         return SM_SMEM_BYTES // per_cta
 
+    def resident_ctas(self) -> int:
+        """The resident-CTA floor asked of ptxas: the configured one, at most what shared memory allows."""
+        return min(self.min_ctas or MIN_CTAS_PER_SM[self.tile_v], self.ctas_by_smem())
+
     def occupancy(self) -> dict:
-        """Launch attributes: the resident-CTA floor (at most what shared memory allows) and the largest
-        shared-memory carveout."""
-        ctas = min(self.min_ctas or MIN_CTAS_PER_SM[self.tile_v], self.ctas_by_smem())
+        """Launch attributes: the resident-CTA floor (:meth:`resident_ctas`) and the largest shared-memory
+        carveout."""
+        ctas = self.resident_ctas()
         return dict(min_blocks_per_mp=ctas, preferred_smem_carveout=100) if ctas else {}
 
     def vector_activations(self) -> bool:
@@ -553,8 +557,7 @@ class UcacheVerifyFlush:
         """Varlen builds at fewer than 4 resident CTAs (80 registers) solve a row that runs all T tokens (and records
         all of them) in a copy of phase 3 whose stores carry no predicate: ptxas then overlaps them with the solve.
         The 64-register builds spilled with the second copy (12-128 bytes), so they keep the masked one only."""
-        return self.varlen and not self.ring and min(self.min_ctas or MIN_CTAS_PER_SM[self.tile_v],
-                                                     self.ctas_by_smem()) < 4
+        return self.varlen and not self.ring and self.resident_ctas() < 4
 
     @cute.jit
     def solve_and_store(self, masked: cutlass.Constexpr, xy, w_u, sA, sAq, sBeta, sInv, sVin, tidx, v, gO, n_tok, gUR,
@@ -1420,22 +1423,20 @@ class UcacheVerifyFlush:
                 else:
                     gO = mOut[bi, None, h, None]
 
-                ring_args = (gUR, base + P) if const_expr(self.ring) else (None, None)
-                record_args = (gCorr, n_rec) if const_expr(self.records) else (None, None)
+                solve_args = (xy, w_u, sA, sAq, sBeta, sInv, sVin, tidx, v, gO, n_tok,
+                              *((gUR, base + P) if const_expr(self.ring) else (None, None)),
+                              *((gCorr, n_rec) if const_expr(self.records) else (None, None)))
                 if const_expr(self.unmasked_full_rows()):
                     # a CTA-uniform branch: full rows (the common case) store without predicates
                     n_run = n_tok
                     if const_expr(self.records):
                         n_run = n_rec
                     if n_run == T:
-                        self.solve_and_store(False, xy, w_u, sA, sAq, sBeta, sInv, sVin, tidx, v, gO, n_tok, *ring_args,
-                                             *record_args)
+                        self.solve_and_store(False, *solve_args)
                     else:
-                        self.solve_and_store(True, xy, w_u, sA, sAq, sBeta, sInv, sVin, tidx, v, gO, n_tok, *ring_args,
-                                             *record_args)
+                        self.solve_and_store(True, *solve_args)
                 else:
-                    self.solve_and_store(True, xy, w_u, sA, sAq, sBeta, sInv, sVin, tidx, v, gO, n_tok, *ring_args,
-                                             *record_args)
+                    self.solve_and_store(True, *solve_args)
         else:
             for i in cutlass.range(tidx, T * TV, NT):
                 t = i // TV
