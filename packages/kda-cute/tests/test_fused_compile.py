@@ -132,6 +132,16 @@ def test_fused_cluster_variant_does_not_spill(state_dtype, cluster, arch, tmp_pa
     for needle in ("barrier.cluster.arrive.relaxed", "barrier.cluster.wait", "mapa.shared::cluster",
                    "st.shared::cluster.f32"):
         assert needle in text, needle
+    # The state rows (16-byte stores) go after the RMSNorm's release arrive, under its latency, where every row of
+    # the thread is in flight at once (all but fp32 at cluster 2: 8 rows a thread, 4 in flight); else before it.
+    release = text.index("barrier.cluster.arrive;")
+    wait = text.index("barrier.cluster.wait;", release)
+    rows = [m.start() for m in re.finditer(r"st\.global[.\w]*\.v4\.", text)]
+    assert rows
+    if state_dtype == torch.float32 and cluster == 2:
+        assert all(at < release for at in rows)
+    else:
+        assert all(release < at < wait for at in rows)
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")

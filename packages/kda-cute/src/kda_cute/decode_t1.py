@@ -455,12 +455,21 @@ class KDADecodeT1:
                 bias_raw = self.load_lane_vector(cute.local_tile(mDtBias, (HEAD_DIM,), (h,)), lane, Float32)
         return k_raw, q_raw, g_raw, v_raw, beta_raw, a_log, bias_raw
 
-    def prepare_token(self, token, scale, lower_bound):
+    def prepare_token(self, token, scale, lower_bound, gate=None):
         """(k^, q^, decay, beta, k^.q^) of a :meth:`load_token` result: this lane's channels (docs/design.md §3
-        steps 1-5). Traced inline."""
-        k_raw, q_raw, g_raw, _, beta_raw, a_log, bias_raw = token
+        steps 1-5). ``gate``: the token's :meth:`prepare_gate`, when a :meth:`complete_token` already computed it
+        (None: computed here). Traced inline."""
+        k_raw, q_raw = token[0], token[1]
         kf = self.to_f32(k_raw)
         qf = self.to_f32(q_raw)
+        decay, beta = self.prepare_gate(token, lower_bound) if gate is None else gate
+        kq = _lane_math.normalize_qk(kf, qf, scale, self.use_qk_l2norm, half_warp_sum)
+        return kf, qf, decay, beta, kq
+
+    def prepare_gate(self, token, lower_bound):
+        """(decay, beta) of a token: this lane's 8 channel decays and the row's beta (docs/design.md §3 steps 2-3);
+        needs only the token's gate, beta and gate parameters. Traced inline."""
+        _, _, g_raw, _, beta_raw, a_log, bias_raw = token
         gf = self.to_f32(g_raw)
         beta = beta_raw.to(Float32)
         if const_expr(self.beta_is_logit):
@@ -474,8 +483,7 @@ class KDADecodeT1:
                 for c in range(CHANNELS_PER_LANE):
                     gf[c] = gf[c] + bias_raw[c]
         _lane_math.gate_decay(decay, gf, gf, rate, lower_bound, self.gate, False)
-        kq = _lane_math.normalize_qk(kf, qf, scale, self.use_qk_l2norm, half_warp_sum)
-        return kf, qf, decay, beta, kq
+        return decay, beta
 
     def row_step(self, sf, decay, kf, qf, beta, v_raw):
         """One delta-rule step of the fp32 state row ``sf`` (this lane's 8 channels), in place: S' = a S; p = S'.k^;
@@ -660,8 +668,8 @@ class KDADecodeT1:
                 cute.copy(load_atom, row_views[j], cute.logical_divide(row_regs[j], (s_vec,)))
 
         # ---- per-lane preamble: decay a[c], k^, q^ for channels [8 lane, 8 lane + 8) --------------
-        token = self.complete_token(token, ctx)
-        kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound)
+        token, gate = self.complete_token(token, ctx, lower_bound)
+        kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound, gate)
         v_raw = token[3]
 
         # ---- stream the rows: S' = a S; p, S'q^; u; S_new; o -------------------------------
@@ -682,7 +690,7 @@ class KDADecodeT1:
                 self.bulk_ring_step(j, n_chunks, s2r_atom, s_new, s_vec, smem_views, s_slots, g_chunks, full,
                                     bulk_load, bulk_store, chunk_bytes, tidx)
             else:
-                cute.copy(store_atom, cute.logical_divide(s_new, (s_vec,)), row_views[j])
+                self.store_row(store_atom, s_new, s_vec, row_views[j], ctx)
             self.emit_row(mOut, b, h, row0 + group + j * ROW_GROUPS, sq + u * kq, lane)
         if const_expr(self.bulk_ring):
             _bulk_ring.drain(tidx)
@@ -736,8 +744,8 @@ class KDADecodeT1:
                                      j == 0)
 
         # ---- per-lane preamble on the natural channels [8 lane, 8 lane + 8), then realigned to the rows' ---------
-        token = self.complete_token(token, ctx)
-        kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound)
+        token, gate = self.complete_token(token, ctx, lower_bound)
+        kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound, gate)
         v_raw = token[3]
         self.realign_channels(kf, shift, tidx)
         self.realign_channels(qf, shift, tidx)
@@ -929,11 +937,18 @@ class KDADecodeT1:
             atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sdt, num_bits_per_copy=w * sdt.width)
             cute.copy(atom, cute.logical_divide(piece, (w,)), cute.logical_divide(dst, (w,)))
 
-    def complete_token(self, token, ctx):
-        """Hook run once the state rows are issued and before the preamble. The T=1 kernel's token is already
-        complete (every activation was loaded up front); a subclass whose q, k, v are computed in the kernel (the
-        fused layer) produces them here. Traced inline."""
-        return token
+    def complete_token(self, token, ctx, lower_bound):
+        """Hook run once the state rows are issued and before the preamble: returns (token, gate). The T=1 kernel's
+        token is already complete (every activation was loaded up front) and its gate is computed in the preamble
+        (None); a subclass whose q, k, v are computed in the kernel (the fused layer) produces them here, and may
+        compute the gate (:meth:`prepare_gate`) while its own loads are in flight. Traced inline."""
+        return token, None
+
+    def store_row(self, atom, s_new: cute.Tensor, s_vec, row_view, ctx):
+        """Hook: state row ``s_new`` (this lane's channels) to its place in the pool, ``row_view``; the register
+        path's row stream calls it for every row. Here at once; a subclass may keep the row and store it later
+        (the fused layer's cluster variant). Traced inline."""
+        cute.copy(atom, cute.logical_divide(s_new, (s_vec,)), row_view)
 
     @cute.jit
     def emit_row(self, mOut: cute.Tensor, b, h, row, value: Float32, lane):
