@@ -198,7 +198,7 @@ def test_schedule_and_key_normalisation():
 
 def test_cluster_schedule_and_key():
     """The schedule's measured rows: a cluster at small B*H on an aligned call only (bf16 4 CTAs up to 24 states;
-    fp32 4 / 8 / 2 up to 12 / 24 / 48), one CTA per (row, head) above and on unaligned calls; a cluster drops the
+    fp32 8 / 4 / 2 up to 12 / 24 / 48), one CTA per (row, head) above and on unaligned calls; a cluster drops the
     ring and fits rows in flight to its tile; an illegal cluster size is refused by name."""
     from kda_core.contracts import GateMode
     from kda_core.errors import KDAError
@@ -206,7 +206,7 @@ def test_cluster_schedule_and_key():
 
     bf16, fp32 = torch.bfloat16, torch.float32
     for B, H, sd, want in ((1, 12, bf16, 4), (2, 12, bf16, 4), (1, 24, bf16, 4), (4, 12, bf16, 1), (8, 12, bf16, 1),
-                           (1, 12, fp32, 4), (2, 12, fp32, 8), (1, 24, fp32, 8), (4, 12, fp32, 2),
+                           (1, 12, fp32, 8), (2, 12, fp32, 4), (1, 24, fp32, 4), (4, 12, fp32, 2),
                            (8, 12, fp32, 1), (64, 12, fp32, 1)):
         assert fd.select_config(B, H, sd, aligned=True).cluster == want, (B, H, sd)
         assert fd.select_config(B, H, sd, aligned=False) == fd.FusedDecodeConfig(

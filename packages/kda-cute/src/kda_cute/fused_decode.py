@@ -98,11 +98,14 @@ class FusedDecodeConfig:
 
 # Per pool dtype, rows (max B*H states, config), the last unbounded: clusters of C CTAs per (row, head) at small
 # B*H, then one CTA per (row, head) on the register path while latency decides, the bulk ring once bandwidth does.
-# Cluster rows: benchmarks/bench_fused_decode.py --batch-size 1 2 4 8 16 32 --heads 12 24 --cluster 1 2 4 8 (H200,
-# 2026-12-02, tree d66c02f, CUDA-graph replay), the fastest size at each B*H, us:
-#   bf16  12 states: C=4 3.42 (C=1 3.87)   24: C=4 3.55 (3.94)   48: C=1 4.00-4.03 (C=4 4.19)   96+: C=1, C>1 slower
-#   fp32  12 states: C=4 4.00 (C=1 5.25)   24: C=8 4.51 (C=4 4.58-4.67, C=1 5.41)   48: C=2 4.99-5.02 (C=1 5.50)
-#         96+: C=1 (C=2 7.02 against 5.92)
+# Cluster rows: benchmarks/bench_fused_decode.py --batch-size 1 2 4 8 --heads 12 24 --cluster 1 2 4 8 (H200,
+# 2026-12-04, the cluster variant with its row stores after the release arrive, CUDA-graph replay), the fastest size
+# at each B*H, us (two runs where they differ):
+#   bf16  12 states: C=4 3.07-3.10 (C=8 3.20, C=1 3.71)   24: C=4 3.30 (C=2 3.58-3.71)
+#         48: C=1 3.84-3.90, C=2 level (3.81-3.87)   96+: C=1, C>1 slower
+#   fp32  12 states: C=8 3.55-3.62 (C=4 3.71-3.81, C=1 5.22)   24: C=4 4.26-4.42 (C=8 4.38-4.48)
+#         48: C=2 4.69-4.70 (C=1 5.38-5.41)   96+: C=1 (C=2 6.37 against 5.76)
+# Up to 32 states (B = 8 at H = 24 and above) was swept; an earlier sweep (tree d66c02f) had C>1 slower from 96 on.
 # Clusters were measured on aligned calls only, so an unaligned call keeps one CTA per (row, head). bf16 from 1537 to
 # 3072 states: the register path, --bulk-ring 0 4 6 8 at B = 256 and 512, H = 12 (same run): at 3072 states 59.50 us
 # against 61.14 (ring 8), 62.24 (4), 61.26 (6); at 6144 the ring wins (117.15 against 122.25); 1536 and below not
@@ -113,7 +116,7 @@ _SCHEDULE = {
     torch.bfloat16: ((24, FusedDecodeConfig(cluster=4)), (384, FusedDecodeConfig()),
                      (1536, FusedDecodeConfig(bulk_ring=8)), (3072, FusedDecodeConfig()),
                      (1 << 62, FusedDecodeConfig(bulk_ring=8))),
-    torch.float32: ((12, FusedDecodeConfig(cluster=4)), (24, FusedDecodeConfig(cluster=8)),
+    torch.float32: ((12, FusedDecodeConfig(cluster=8)), (24, FusedDecodeConfig(cluster=4)),
                     (48, FusedDecodeConfig(cluster=2)), (287, FusedDecodeConfig()),
                     (1 << 62, FusedDecodeConfig(bulk_ring=8))),
 }
