@@ -394,13 +394,15 @@ class KDAFusedDecode(KDADecodeT1):
                     ss = cutlass.select_(tidx < self.tile_v, ss, Float32(0.0))
                 for shift in cutlass.range_constexpr(5):  # xor 16, 8, 4, 2, 1: the warp's sum
                     ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=16 >> shift)
-                if tidx % 32 == 0:
-                    sSum[tidx // 32] = ss
-                cute.arch.sync_threads()
-                n_warps = WARPS if const_expr(not split) else max(self.tile_v // 32, 1)  # the warps holding CTA rows
-                total = sSum[0]
-                for w in cutlass.range_constexpr(n_warps - 1):
-                    total = total + sSum[w + 1]
+                total = ss  # a tile of at most 32 rows: warp 0 holds them all, and its lanes < C store the partial
+                if const_expr(not split or self.tile_v > 32):
+                    if tidx % 32 == 0:
+                        sSum[tidx // 32] = ss
+                    cute.arch.sync_threads()
+                    n_warps = WARPS if const_expr(not split) else self.tile_v // 32  # the warps holding CTA rows
+                    total = sSum[0]
+                    for w in cutlass.range_constexpr(n_warps - 1):
+                        total = total + sSum[w + 1]
             if const_expr(split):
                 # Without the norm the cluster barriers stay: they order every CTA's history reads before rank 0's
                 # q / k history writes.
