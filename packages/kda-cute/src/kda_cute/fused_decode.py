@@ -29,7 +29,9 @@ all 128 state rows of its head) with three hooks of that class overridden:
 Small B*H (the schedule's first rows): a cluster of C = 2, 4 or 8 CTAs per (row, head) instead, grid (B * C, H, 1),
 each CTA streaming 128 / C state rows as the T=1 kernel does at that tile; the q / k conv is computed by every CTA
 of the cluster, the RMSNorm's sum of squares exchanged through distributed shared memory (:class:`KDAFusedDecode`,
-packages/kda-cute/docs/fused_decode.md).
+packages/kda-cute/docs/fused_decode.md). There the chain from the slot to the output is the kernel's time, so the
+gate is computed under the history loads and, where a thread's rows are all in flight, the new rows are stored
+after the release arrive of the exchange's barrier instead of ahead of it (:meth:`KDAFusedDecode.store_row`).
 
 Null rows (``NullSlotPolicy``, default NONPOSITIVE as FlashInfer's op; a slot >= N is null under both): zero
 output, neither the conv cache nor the state read or written. Slot offsets are 64-bit (``Int64(slot) * stride``),
