@@ -281,7 +281,7 @@ class KDAFusedDecode(KDADecodeT1):
             kept.store(s_new.load())
             ctx[-1].append((atom, cute.logical_divide(kept, (s_vec,)), row_view))
         else:
-            cute.copy(atom, cute.logical_divide(s_new, (s_vec,)), row_view)
+            super().store_row(atom, s_new, s_vec, row_view, ctx)
 
     def conv_channel(self, gConv, c, hist, x, taps, cbias, sMixed, p, pos, deferred):
         """Conv + SiLU of channel ``c`` (history ``hist``, input ``x``) into ``sMixed[p, pos]`` (rounded to bf16);
