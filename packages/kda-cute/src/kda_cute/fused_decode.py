@@ -28,10 +28,10 @@ all 128 state rows of its head) with three hooks of that class overridden:
 
 Small B*H (the schedule's first rows): a cluster of C = 2, 4 or 8 CTAs per (row, head) instead, grid (B * C, H, 1),
 each CTA streaming 128 / C state rows as the T=1 kernel does at that tile; the q / k conv is computed by every CTA
-of the cluster, the RMSNorm's sum of squares exchanged through distributed shared memory (:class:`KDAFusedDecode`,
-packages/kda-cute/docs/fused_decode.md). There the chain from the slot to the output is the kernel's time, so the
-gate is computed under the history loads and, where a thread's rows are all in flight, the new rows are stored
-after the release arrive of the exchange's barrier instead of ahead of it (:meth:`KDAFusedDecode.store_row`).
+of the cluster, the RMSNorm's sum of squares exchanged through distributed shared memory by ``st.async`` onto each
+CTA's mbarrier (:class:`KDAFusedDecode`, packages/kda-cute/docs/fused_decode.md). There the chain from the slot to
+the output is the kernel's time, so the gate is computed under the history loads, and the exchange takes no release
+arrive (whose ``MEMBAR`` waited for every store before it).
 
 Null rows (``NullSlotPolicy``, default NONPOSITIVE as FlashInfer's op; a slot >= N is null under both): zero
 output, neither the conv cache nor the state read or written. Slot offsets are 64-bit (``Int64(slot) * stride``),
@@ -48,7 +48,6 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
 
 from kda_core.contracts import HEAD_DIM, GateMode, NullSlotPolicy
 from kda_core.errors import fail
@@ -100,14 +99,13 @@ class FusedDecodeConfig:
 
 # Per pool dtype, rows (max B*H states, config), the last unbounded: clusters of C CTAs per (row, head) at small
 # B*H, then one CTA per (row, head) on the register path while latency decides, the bulk ring once bandwidth does.
-# Cluster rows: benchmarks/bench_fused_decode.py --batch-size 1 2 4 8 --heads 12 24 --cluster 1 2 4 8 (H200,
-# 2026-12-04, the cluster variant with its row stores after the release arrive, CUDA-graph replay), the fastest size
-# at each B*H, us (two runs where they differ):
-#   bf16  12 states: C=4 3.07-3.10 (C=8 3.20, C=1 3.71)   24: C=4 3.30 (C=2 3.58-3.71)
-#         48: C=1 3.84-3.90, C=2 level (3.81-3.87)   96+: C=1, C>1 slower
-#   fp32  12 states: C=8 3.55-3.62 (C=4 3.71-3.81, C=1 5.22)   24: C=4 4.26-4.42 (C=8 4.38-4.48)
-#         48: C=2 4.69-4.70 (C=1 5.38-5.41)   96+: C=1 (C=2 6.37 against 5.76)
-# Up to 32 states (B = 8 at H = 24 and above) was swept; an earlier sweep (tree d66c02f) had C>1 slower from 96 on.
+# Cluster rows: benchmarks/bench_fused_decode.py --batch-size 1 2 4 8 16 --heads 12 24 --cluster 1 2 4 8 --no-fla
+# (H200, 2026-12-04, the cluster variant exchanging its RMSNorm partials by st.async onto an mbarrier, CUDA-graph
+# replay, two runs), each cluster size at B*H states, us:
+#   bf16  12: C=4 2.85-2.91 (C=8 2.91-2.98, C=1 3.71)   24: C=4 3.04-3.07 (C=2 3.33-3.36)
+#         48: C=2 3.46-3.52 (C=1 3.84-3.94)   96: C=1 4.10-4.16 (C=2 4.45-4.48)   192: C=1 5.34-5.44, C=2 level
+#   fp32  12: C=8 3.33-3.39 (C=4 3.42)   24: C=8 3.94 (C=4 3.97-4.19)   48: C=2 4.32-4.38 (C=8 4.64-4.83)
+#         96: C=1 and C=2 level (5.73-5.89)   192: C=2 7.58-7.78 (C=1 7.97-8.06)   384: C=1 14.08-14.11 (C=2 14.24+)
 # Clusters were measured on aligned calls only, so an unaligned call keeps one CTA per (row, head). bf16 from 1537 to
 # 3072 states: the register path, --bulk-ring 0 4 6 8 at B = 256 and 512, H = 12 (same run): at 3072 states 59.50 us
 # against 61.14 (ring 8), 62.24 (4), 61.26 (6); at 6144 the ring wins (117.15 against 122.25); 1536 and below not
@@ -115,11 +113,11 @@ class FusedDecodeConfig:
 # (decode_t1._SCHEDULE, measured on the H200), not a sweep of this kernel: benchmarks/bench_fused_decode.py
 # --bulk-ring measures both paths (H200, 2026-12-01: 88-93% of the copy roofline of the layer's bytes at B >= 256).
 _SCHEDULE = {
-    torch.bfloat16: ((24, FusedDecodeConfig(cluster=4)), (384, FusedDecodeConfig()),
+    torch.bfloat16: ((24, FusedDecodeConfig(cluster=4)), (48, FusedDecodeConfig(cluster=2)), (384, FusedDecodeConfig()),
                      (1536, FusedDecodeConfig(bulk_ring=8)), (3072, FusedDecodeConfig()),
                      (1 << 62, FusedDecodeConfig(bulk_ring=8))),
-    torch.float32: ((12, FusedDecodeConfig(cluster=8)), (24, FusedDecodeConfig(cluster=4)),
-                    (48, FusedDecodeConfig(cluster=2)), (287, FusedDecodeConfig()),
+    torch.float32: ((24, FusedDecodeConfig(cluster=8)), (192, FusedDecodeConfig(cluster=2)),
+                    (287, FusedDecodeConfig()),
                     (1 << 62, FusedDecodeConfig(bulk_ring=8))),
 }
 
@@ -158,13 +156,16 @@ class KDAFusedDecode(KDADecodeT1):
     head), grid (B * C, H, 1) with cluster dims (C, 1, 1) (B stays on x: any batch); CTA rank r of the cluster owns
     state rows [r * 128 / C, (r + 1) * 128 / C) and the same v channels. Every CTA of the cluster computes the head's
     q and k conv outputs (reading the history is safe) and the v channels of its own rows, whose new history it
-    writes; the q / k channels' new history is written by rank 0 only after the cluster barrier of the RMSNorm, which
-    follows every CTA's history reads. The RMSNorm: each CTA's sum of squares of its rows' bf16 o is stored into every
-    CTA's shared ``[C]`` array (distributed shared memory, after a first cluster barrier that makes sure every CTA
-    of the cluster has started), a cluster barrier, then each CTA sums the C partials in rank order (the same total
-    in every CTA) and normalises its own rows. No CTA touches another's shared memory after the last barrier, so
-    none can exit under a remote access. The CTAs of a cluster share the row, hence its slot: a null row is null in
-    all of them, and none takes a cluster barrier."""
+    writes; the q / k channels' new history is written by rank 0 only once every CTA of the cluster is past its
+    history reads. The RMSNorm: each CTA's sum of squares of its rows' bf16 o goes into element ``rank`` of every
+    CTA's shared ``[C]`` array by ``st.async`` (distributed shared memory, after a cluster barrier that makes sure
+    every CTA has started and initialised its mbarrier), completing C x 4 bytes on that CTA's mbarrier; each CTA
+    waits on its own mbarrier, then sums the C partials in rank order (the same total in every CTA) and normalises its
+    own rows. Every partial is computed from its CTA's conv outputs, so rank 0's mbarrier completes after every
+    CTA's history reads returned: then it writes the q / k history. A CTA exits only after all C partials have
+    landed in its shared memory. Without the norm the exchange is a release / acquire cluster barrier instead. The
+    CTAs of a cluster share the row, hence its slot: a null row is null in all of them, and none takes a cluster
+    barrier."""
 
     def __init__(self, *, state_dtype, gate: GateMode, has_dt_bias: bool, has_bias: bool, aligned: bool,
                  rows_in_flight: int = 0, cache_hint: str = "stream", bulk_ring: int = 0,
@@ -190,7 +191,13 @@ class KDAFusedDecode(KDADecodeT1):
         # row of the thread is in registers at once anyway (bf16 at tile 64 and below, fp32 at 32 and below).
         # Measured (H200, fp32, cluster 2: 8 rows a thread, 4 in flight): keeping all 8 took 5.76 us against
         # 5.06 at B = 4, H = 12.
-        self.defer_row_stores = cluster > 1 and self.rows <= self.rows_in_flight
+        # With the norm the partials travel by st.async onto an mbarrier instead (no release arrive, see
+        # layer_kernel), so there the rows are stored at once.
+        self.defer_row_stores = cluster > 1 and not self.has_norm and self.rows <= self.rows_in_flight
+        # The cluster variant with the norm exchanges its partial sums by st.async onto each CTA's mbarrier
+        # (complete_tx) instead of a release / acquire cluster barrier, whose release arrive waited for every
+        # store before it (docs/fused_decode.md, "The cluster variant").
+        self.async_exchange = cluster > 1 and self.has_norm
 
     @cute.jit
     def __call__(
@@ -271,11 +278,12 @@ class KDAFusedDecode(KDADecodeT1):
         return (k_raw, q_raw, g_raw, v_raw, beta_raw, a_log, bias_raw), gate
 
     def store_row(self, atom, s_new: cute.Tensor, s_vec, row_view, ctx):
-        """The cluster variant keeps its new state rows in registers (a copy each, into ``ctx``'s list) for
-        :meth:`layer_kernel` to store after its release arrive on the RMSNorm's cluster barrier: that arrive waits
+        """The cluster variant without the norm keeps its new state rows in registers (a copy each, into ``ctx``'s
+        list) for :meth:`layer_kernel` to store after the release arrive of its cluster barrier: that arrive waits
         until every store before it is performed (a ``MEMBAR`` in the SASS), so rows stored before it would hold
         the barrier for their whole write latency. Only where the thread's rows are all in flight at once
-        (``defer_row_stores``); elsewhere, and in the one-CTA variant, each row is stored at once. Traced inline."""
+        (``defer_row_stores``); elsewhere (the norm's st.async exchange has no release arrive) and in the one-CTA
+        variant, each row is stored at once. Traced inline."""
         if const_expr(self.defer_row_stores):
             kept = cute.make_rmem_tensor((CHANNELS_PER_LANE,), s_new.element_type)
             kept.store(s_new.load())
@@ -350,9 +358,12 @@ class KDAFusedDecode(KDADecodeT1):
                                       byte_alignment=16)
         sO = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((HEAD_DIM,)), byte_alignment=16)
         sSum = smem.allocate_tensor(Float32, cute.make_layout((WARPS,)), byte_alignment=16)
-        sPart = None
-        if const_expr(split):  # the cluster's partial sums of squares, by rank (written by every CTA of the cluster)
+        sPart = sBar = None
+        if const_expr(self.async_exchange):
+            # The cluster's partial sums of squares, by rank (written by every CTA of the cluster), and the mbarrier
+            # they complete (complete_tx, 4 bytes each).
             sPart = smem.allocate_tensor(Float32, cute.make_layout((self.cluster,)), byte_alignment=16)
+            sBar = smem.allocate_tensor(Int64, cute.make_layout((1,)), byte_alignment=8)
         sRing, sFull = self.allocate_ring(smem)
 
         # ---- phase 0: every activation and parameter of this thread, before the slot is known -------------------
@@ -378,6 +389,10 @@ class KDAFusedDecode(KDADecodeT1):
         token = (None, None, g_raw, None, beta_raw, a_log, bias_raw)
 
         if self.live(slot, self.idx(n_slots)):
+            if const_expr(self.async_exchange):
+                if tidx == 0:  # one arrival (thread 0's, below); the fence makes the init visible cluster-wide
+                    cute.arch.mbarrier_init(sBar.iterator, 1)
+                    cute.arch.mbarrier_init_fence()
             if const_expr(split):
                 cute.arch.cluster_arrive_relaxed()  # "started"; waited for before the first remote store
             deferred = [] if const_expr(split) else None
@@ -389,6 +404,9 @@ class KDAFusedDecode(KDADecodeT1):
             self.update_state(mState, slot, h, row0, group, lane, tidx, token, scale, lower_bound, sRing, sFull, sO,
                               b, ctx)
             cute.arch.sync_threads()  # the CTA's o rows are in shared memory
+            if const_expr(self.async_exchange):
+                if tidx == 0:  # the arrival, expecting the C partials' bytes (a peer's may already have landed)
+                    cute.arch.mbarrier_arrive_and_expect_tx(sBar.iterator, self.cluster * 4)
             o = sO[row0 + own].to(Float32)
             total = None
             if const_expr(self.has_norm):
@@ -407,21 +425,23 @@ class KDAFusedDecode(KDADecodeT1):
                     for w in cutlass.range_constexpr(n_warps - 1):
                         total = total + sSum[w + 1]
             if const_expr(split):
-                # Without the norm the cluster barriers stay: they order every CTA's history reads before rank 0's
-                # q / k history writes.
-                cute.arch.cluster_wait()  # every CTA of the cluster has started: its shared memory is there
-                if const_expr(self.has_norm):
-                    if tidx < self.cluster:  # this CTA's partial into slot `rank` of CTA tidx's array
-                        self.store_remote(sPart, rank, tidx, total)
-                cute.arch.cluster_arrive()  # release: the partials; and every CTA is past its history reads
-                for atom, kept, view in kept_rows:  # the state rows, under the barrier's latency (store_row)
-                    cute.copy(atom, kept, view)
-                cute.arch.cluster_wait()
-                if const_expr(self.has_norm):
+                cute.arch.cluster_wait()  # every CTA has started (with the norm: and initialised its mbarrier)
+                if const_expr(self.async_exchange):
+                    if tidx < self.cluster:  # this CTA's partial into slot `rank` of CTA tidx's array, on its mbarrier
+                        cute.arch.store_async_dsmem(sPart.iterator + rank, total.bitcast(Int32), sBar.iterator, tidx)
+                    cute.arch.mbarrier_wait(sBar.iterator, 0)  # the C partials are here
                     total = sPart[0]
                     for r in cutlass.range_constexpr(self.cluster - 1):
                         total = total + sPart[r + 1]
-                if rank == 0:  # the q / k channels' new history, now that no CTA of the cluster reads it
+                else:
+                    cute.arch.cluster_arrive()  # release: every CTA is past its history reads
+                    for atom, kept, view in kept_rows:  # the state rows, under the barrier's latency (store_row)
+                        cute.copy(atom, kept, view)
+                    cute.arch.cluster_wait()
+                # The q / k channels' new history, now that no CTA of the cluster reads it. With the norm: every
+                # CTA's partial is computed from its q / k conv outputs, so its history reads returned before its
+                # st.async was issued, and rank 0's mbarrier completes after all C of them. Without: the barrier.
+                if rank == 0:
                     gConv = mConv[Int64(slot), None, None]
                     for c, h1, h2, xv in deferred:
                         gConv[c, 0] = h1
@@ -444,15 +464,6 @@ class KDAFusedDecode(KDADecodeT1):
                     mOut[0, b, h, row0 + own] = Float32(0.0).to(mOut.element_type)
             else:
                 mOut[0, b, h, tidx] = Float32(0.0).to(mOut.element_type)
-
-    @cute.jit
-    def store_remote(self, sPart: cute.Tensor, index, rank, value: Float32):
-        """``value`` into element ``index`` of ``sPart`` in the shared memory of cluster CTA ``rank``
-        (``mapa`` of the local address, then ``st.shared::cluster``)."""
-        addr = cute.arch.map_dsmem_ptr(sPart.iterator + index, rank).toint()  # a 32-bit shared::cluster address
-        llvm.inline_asm(None, [Int32(addr).ir_value(), Float32(value).ir_value()],
-                        "st.shared::cluster.f32 [$0], $1;", "r,f,~{memory}", has_side_effects=True,
-                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 # --------------------------------------------------------------------------------------------------
