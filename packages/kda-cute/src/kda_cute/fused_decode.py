@@ -357,7 +357,9 @@ class KDAFusedDecode(KDADecodeT1):
         sMixed = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((PARTS, HEAD_DIM), stride=(HEAD_DIM, 1)),
                                       byte_alignment=16)
         sO = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((HEAD_DIM,)), byte_alignment=16)
-        sSum = smem.allocate_tensor(Float32, cute.make_layout((WARPS,)), byte_alignment=16)
+        sSum = None  # the warps' sums of squares, where more than one warp holds the CTA's rows
+        if const_expr(not split or self.tile_v > 32):
+            sSum = smem.allocate_tensor(Float32, cute.make_layout((WARPS,)), byte_alignment=16)
         sPart = sBar = None
         if const_expr(self.async_exchange):
             # The cluster's partial sums of squares, by rank (written by every CTA of the cluster), and the mbarrier
@@ -424,6 +426,9 @@ class KDAFusedDecode(KDADecodeT1):
                     total = sSum[0]
                     for w in cutlass.range_constexpr(n_warps - 1):
                         total = total + sSum[w + 1]
+                # y's factors but the rms, ahead of the exchange (sigmoid by an approximate reciprocal, 1 ulp: an
+                # IEEE division's slow-path branch would keep it behind the wait)
+                scaled = o * nw * cute.arch.rcp_approx(1.0 + cute.math.exp(-og.to(Float32)))
             if const_expr(split):
                 cute.arch.cluster_wait()  # every CTA has started (with the norm: and initialised its mbarrier)
                 if const_expr(self.async_exchange):
@@ -438,24 +443,23 @@ class KDAFusedDecode(KDADecodeT1):
                     for atom, kept, view in kept_rows:  # the state rows, under the barrier's latency (store_row)
                         cute.copy(atom, kept, view)
                     cute.arch.cluster_wait()
-                # The q / k channels' new history, now that no CTA of the cluster reads it. With the norm: every
-                # CTA's partial is computed from its q / k conv outputs, so its history reads returned before its
-                # st.async was issued, and rank 0's mbarrier completes after all C of them. Without: the barrier.
+            if const_expr(self.has_norm):
+                y = (scaled * cute.math.rsqrt(total * (1.0 / HEAD_DIM) + norm_eps)).to(mOut.element_type)
+            else:
+                y = o.to(mOut.element_type)  # no norm: o itself (already a bf16 value)
+            if const_expr(split):
+                if tidx < self.tile_v:
+                    mOut[0, b, h, row0 + own] = y
+                # The q / k channels' new history (after the output: off its path), now that no CTA of the cluster
+                # reads it. With the norm: every CTA's partial is computed from its q / k conv outputs, so its
+                # history reads returned before its st.async was issued, and rank 0's mbarrier completes after all
+                # C of them. Without: the barrier.
                 if rank == 0:
                     gConv = mConv[Int64(slot), None, None]
                     for c, h1, h2, xv in deferred:
                         gConv[c, 0] = h1
                         gConv[c, 1] = h2
                         gConv[c, 2] = xv
-            if const_expr(self.has_norm):
-                inv_rms = cute.math.rsqrt(total * (1.0 / HEAD_DIM) + norm_eps)
-                gate = 1.0 / (1.0 + cute.math.exp(-og.to(Float32)))
-                y = (o * inv_rms * nw * gate).to(mOut.element_type)
-            else:
-                y = o.to(mOut.element_type)  # no norm: o itself (already a bf16 value)
-            if const_expr(split):
-                if tidx < self.tile_v:
-                    mOut[0, b, h, row0 + own] = y
             else:
                 mOut[0, b, h, tidx] = y
         else:  # a null row: no cache is read or written
