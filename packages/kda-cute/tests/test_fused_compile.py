@@ -196,8 +196,8 @@ def test_schedule_and_key_normalisation():
 
 def test_cluster_schedule_and_key():
     """The schedule's measured rows: a cluster at small B*H on an aligned call only (bf16 4 / 2 CTAs up to 24 / 48
-    states; fp32 8 / 2 up to 24 / 192), one CTA per (row, head) above and on unaligned calls; a cluster drops the
-    ring and fits rows in flight to its tile; an illegal cluster size is refused by name."""
+    states; fp32 8 / 2 up to 24 / 48, 1 to 96, 2 to 192), one CTA per (row, head) above and on unaligned calls; a
+    cluster drops the ring and fits rows in flight to its tile; an illegal cluster size is refused by name."""
     from kda_core.contracts import GateMode
     from kda_core.errors import KDAError
     from kda_cute import fused_decode as fd
@@ -205,7 +205,7 @@ def test_cluster_schedule_and_key():
     bf16, fp32 = torch.bfloat16, torch.float32
     for B, H, sd, want in ((1, 12, bf16, 4), (2, 12, bf16, 4), (1, 24, bf16, 4), (4, 12, bf16, 2), (2, 24, bf16, 2),
                            (8, 12, bf16, 1), (1, 12, fp32, 8), (2, 12, fp32, 8), (1, 24, fp32, 8), (4, 12, fp32, 2),
-                           (8, 12, fp32, 2), (16, 12, fp32, 2), (24, 12, fp32, 1), (64, 12, fp32, 1)):
+                           (8, 12, fp32, 1), (16, 12, fp32, 2), (24, 12, fp32, 1), (64, 12, fp32, 1)):
         assert fd.select_config(B, H, sd, aligned=True).cluster == want, (B, H, sd)
         assert fd.select_config(B, H, sd, aligned=False) == fd.FusedDecodeConfig(
             rows_in_flight=fd.rows_in_flight_for(128, sd.itemsize, 0)), (B, H, sd)

@@ -105,7 +105,8 @@ class FusedDecodeConfig:
 #   bf16  12: C=4 2.85-2.91 (C=8 2.91-2.98, C=1 3.71)   24: C=4 3.04-3.07 (C=2 3.33-3.36)
 #         48: C=2 3.46-3.52 (C=1 3.84-3.94)   96: C=1 4.10-4.16 (C=2 4.45-4.48)   192: C=1 5.34-5.44, C=2 level
 #   fp32  12: C=8 3.33-3.39 (C=4 3.42)   24: C=8 3.94 (C=4 3.97-4.19)   48: C=2 4.32-4.38 (C=8 4.64-4.83)
-#         96: C=1 and C=2 level (5.73-5.89)   192: C=2 7.58-7.78 (C=1 7.97-8.06)   384: C=1 14.08-14.11 (C=2 14.24+)
+#         96: C=1 and C=2 level in the sweep (5.73-5.89), C=2 5.89 / 6.05 in two full benchmark runs (B=8, H=12),
+#         so C=1   192: C=2 7.58-7.78 (C=1 7.97-8.06)   384: C=1 14.08-14.11 (C=2 14.24+)
 # Clusters were measured on aligned calls only, so an unaligned call keeps one CTA per (row, head). bf16 from 1537 to
 # 3072 states: the register path, --bulk-ring 0 4 6 8 at B = 256 and 512, H = 12 (same run): at 3072 states 59.50 us
 # against 61.14 (ring 8), 62.24 (4), 61.26 (6); at 6144 the ring wins (117.15 against 122.25); 1536 and below not
@@ -116,8 +117,8 @@ _SCHEDULE = {
     torch.bfloat16: ((24, FusedDecodeConfig(cluster=4)), (48, FusedDecodeConfig(cluster=2)), (384, FusedDecodeConfig()),
                      (1536, FusedDecodeConfig(bulk_ring=8)), (3072, FusedDecodeConfig()),
                      (1 << 62, FusedDecodeConfig(bulk_ring=8))),
-    torch.float32: ((24, FusedDecodeConfig(cluster=8)), (192, FusedDecodeConfig(cluster=2)),
-                    (287, FusedDecodeConfig()),
+    torch.float32: ((24, FusedDecodeConfig(cluster=8)), (48, FusedDecodeConfig(cluster=2)), (96, FusedDecodeConfig()),
+                    (192, FusedDecodeConfig(cluster=2)), (287, FusedDecodeConfig()),
                     (1 << 62, FusedDecodeConfig(bulk_ring=8))),
 }
 
