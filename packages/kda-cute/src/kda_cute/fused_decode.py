@@ -188,17 +188,15 @@ class KDAFusedDecode(KDADecodeT1):
         self.cluster = cluster
         self.has_norm = bool(has_norm)
         self.conv_layout = conv_layout  # the conv cache's strides are in the compiled tensor's layout; kept for repr
-        # The cluster variant stores its new state rows after the RMSNorm's release arrive (store_row) where every
-        # row of the thread is in registers at once anyway (bf16 at tile 64 and below, fp32 at 32 and below).
-        # Measured (H200, fp32, cluster 2: 8 rows a thread, 4 in flight): keeping all 8 took 5.76 us against
-        # 5.06 at B = 4, H = 12.
-        # With the norm the partials travel by st.async onto an mbarrier instead (no release arrive, see
-        # layer_kernel), so there the rows are stored at once.
-        self.defer_row_stores = cluster > 1 and not self.has_norm and self.rows <= self.rows_in_flight
         # The cluster variant with the norm exchanges its partial sums by st.async onto each CTA's mbarrier
         # (complete_tx) instead of a release / acquire cluster barrier, whose release arrive waited for every
-        # store before it (docs/fused_decode.md, "The cluster variant").
+        # store before it (docs/fused_decode.md, "The cluster variant"); its rows are stored at once.
         self.async_exchange = cluster > 1 and self.has_norm
+        # Without the norm the cluster barrier stays, and the new state rows are stored after its release arrive
+        # (store_row) where every row of the thread is in registers at once anyway (bf16 at tile 64 and below,
+        # fp32 at 32 and below). Measured (H200, fp32, cluster 2: 8 rows a thread, 4 in flight, with the norm and
+        # that barrier): keeping all 8 took 5.76 us against 5.06 at B = 4, H = 12.
+        self.defer_row_stores = cluster > 1 and not self.has_norm and self.rows <= self.rows_in_flight
 
     @cute.jit
     def __call__(
