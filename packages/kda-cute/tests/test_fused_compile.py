@@ -135,6 +135,12 @@ def test_fused_cluster_variant_does_not_spill(state_dtype, cluster, arch, tmp_pa
                    "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32", "mbarrier.try_wait.parity"):
         assert needle in text, needle
     assert "barrier.cluster.arrive;" not in text and "st.shared::cluster" not in text
+    # The mbarrier's init is fenced before the "started" arrive, and its arrival comes after a CTA barrier: with
+    # the arrival right after the init, racecheck reported a hazard between them (docs dsl_notes.md).
+    init = text.index("mbarrier.init.shared")
+    assert init < text.index("fence.mbarrier_init.release.cluster") < text.index("barrier.cluster.arrive.relaxed")
+    arrival = text.index("mbarrier.arrive.expect_tx")
+    assert init < text.rindex("bar.sync", 0, arrival) and arrival < text.index("barrier.cluster.wait;")
     wait = text.index("barrier.cluster.wait;")
     exchange = text.index("st.async.shared::cluster", wait)
     rows = [m.start() for m in re.finditer(r"st\.global[.\w]*\.v4\.", text)]
