@@ -397,7 +397,7 @@ class KDAFusedDecode(KDADecodeT1):
             if const_expr(split):
                 cute.arch.cluster_arrive_relaxed()  # "started"; waited for before the first remote store
             deferred = [] if const_expr(split) else None
-            kept_rows = []  # the cluster variant's new state rows, stored after the release arrive (store_row)
+            kept_rows = []  # the no-norm cluster variant's new state rows, stored after its release arrive (store_row)
             # The hooks' context; store_row appends to its last entry, complete_token unpacks it whole.
             ctx = (mConv, slot, chans, heads, x_in, taps, cbias, sMixed, tidx, lane, group, row0, deferred,
                    kept_rows)
