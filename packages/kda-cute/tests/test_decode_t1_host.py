@@ -124,6 +124,12 @@ def test_a_requested_bulk_ring_runs_only_on_aligned_tiles_of_32_to_128_and_repla
     assert effective_config(DecodeT1Config(64, bulk_ring=16), 1, torch.bfloat16, True).bulk_ring == 8  # its chunks
     assert effective_config(DecodeT1Config(128, bulk_ring=16), 1, torch.float32, True).bulk_ring == 11  # 48 KB
     assert select_config(512, 12, torch.bfloat16, False).bulk_ring == 0  # the policy's unaligned row
+    # the pool-realigning variant's ring (any slot stride): from 3 chunks deep, as the aligned ring is capped
+    assert effective_config(fp32_row, 512, torch.float32, False, realign=True) == DecodeT1Config(128, bulk_ring=4)
+    assert effective_config(DecodeT1Config(128, bulk_ring=2), 1, torch.bfloat16, False, realign=True).bulk_ring == 0
+    assert effective_config(DecodeT1Config(32, bulk_ring=8), 1, torch.bfloat16, False, realign=True).bulk_ring == 4
+    assert effective_config(DecodeT1Config(16, bulk_ring=8), 1, torch.bfloat16, False, realign=True).bulk_ring == 0
+    assert effective_config(DecodeT1Config(128, bulk_ring=16), 1, torch.float32, False, realign=True).bulk_ring == 11
 
 
 def test_schedule_rows_from_the_tuning_sweep():
@@ -136,8 +142,11 @@ def test_schedule_rows_from_the_tuning_sweep():
     ring = DecodeT1Config(128, bulk_ring=8)  # the bulk ring replaces rows in flight / hint / staging
     assert select_config(33, 12, torch.bfloat16, True) == ring
     assert select_config(512, 12, torch.bfloat16, True) == ring
-    assert select_config(512, 12, torch.bfloat16, False) == DecodeT1Config(128, rows_in_flight=16)  # unaligned:
-    # the register path (the pool-realigning variant's measured rows in flight)
+    assert select_config(512, 12, torch.bfloat16, False) == DecodeT1Config(128, rows_in_flight=16)  # element-wise:
+    # the register path; the pool-realigning variant: the ring with fp32, the register path with bf16 (measured)
+    assert select_config(512, 12, torch.bfloat16, False, realign=True) == DecodeT1Config(128, rows_in_flight=16)
+    assert select_config(512, 12, torch.float32, False, realign=True) == ring
+    assert select_config(64, 12, torch.float32, False, realign=True) == ring
     assert select_config(16, 12, torch.float32, True) == DecodeT1Config(64)
     assert select_config(24, 12, torch.float32, True) == ring
     assert select_config(256, 12, torch.float32, True) == ring
@@ -635,6 +644,20 @@ def test_varlen_path_hands_the_token_views_and_offsets_to_the_varlen_variant(hos
     assert args[8] is slots and args[9] is cu and args[10] is out and out.shape == (1, 5, 12, 128)
 
 
+def test_the_varlen_form_on_an_odd_pool_keeps_the_register_path_where_the_dense_form_takes_the_ring(entries_on_cpu,
+                                                                                                    make_case):
+    """fp32 on a `+17` pool past the ring rows: the dense call takes the realigning ring, the varlen form (whose ring
+    build was never run on a GPU) the register fields of the same row."""
+    case = make_case(64, 12, device="cpu", state_dtype=torch.float32, pool_row_pad=17)
+    slots = torch.arange(64, dtype=torch.int32)
+    _varlen_call(case, 64, slots, torch.arange(65, dtype=torch.int32))
+    _unpacked_entry(case)
+    varlen, dense = entries_on_cpu
+    assert _field(varlen.key, "realign_pool") is True and _field(varlen.key, "bulk_ring") == 0
+    assert _field(varlen.key, "tile_v") == 128 and _field(varlen.key, "rows_in_flight") == 16
+    assert _field(dense.key, "realign_pool") is True and _field(dense.key, "bulk_ring") == 8
+
+
 def test_varlen_path_checks_the_offsets_length_and_launches_nothing_without_sequences_or_tokens(host_path, make_case):
     case = make_case(4, 12, device="cpu")
     with pytest.raises(KDAError, match=r"^cu_seqlens: expected shape \[3\]"):
@@ -690,8 +713,8 @@ def test_the_entries_compile_the_variant_of_the_serving_layout_they_get(entries_
 
 @pytest.mark.parametrize("entry", [_packed_entry, _unpacked_entry], ids=["packed", "unpacked"])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_a_misaligned_call_takes_the_realigning_variant_without_ring_or_slot_major(entries_on_cpu, make_case, entry,
-                                                                                    state_dtype):
+def test_a_misaligned_call_takes_the_realigning_variant_without_slot_major(entries_on_cpu, make_case, entry,
+                                                                            state_dtype):
     from kda_cute import decode_t1
 
     # B*H past the ring rows and a pool of at most 1.25 B rows: the aligned pool would take ring + slot-major
@@ -707,18 +730,21 @@ def test_a_misaligned_call_takes_the_realigning_variant_without_ring_or_slot_maj
     entry(make_case(3, 12, device="cpu", state_dtype=state_dtype))
     realigned, elementwise, act_only, aligned = entries_on_cpu
     assert _field(realigned.key, "aligned") is True and _field(realigned.key, "realign_pool") is True
-    assert _field(realigned.key, "bulk_ring") == 0 and _field(realigned.key, "slot_major") is False
+    # the realigning ring where the schedule takes it (fp32), never a slot-major grid
+    ring = 8 if decode_t1.REALIGNED_RING_SCHEDULED[state_dtype] else 0
+    assert _field(realigned.key, "bulk_ring") == ring and _field(realigned.key, "slot_major") is False
     assert _field(realigned.key, "tile_v") == 128
     for other in (elementwise, act_only):
         assert _field(other.key, "aligned") is False and _field(other.key, "realign_pool") is True
     assert _field(aligned.key, "aligned") is True and _field(aligned.key, "realign_pool") is False
-    # the key normalises: no ring or slot-major grid with a realigned pool
+    # the key normalises: the realigning ring from 3 chunks deep, no slot-major grid with a realigned pool
     base = dict(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
                 gate=decode_t1.GateMode.LOWER_BOUND, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
                 tile_v=128)
     assert _field(decode_t1.variant_key(**base, aligned=False, realign_pool=True), "realign_pool") is True
     ringed = decode_t1.variant_key(**base, aligned=True, realign_pool=True, bulk_ring=8, slot_major=True)
-    assert _field(ringed, "bulk_ring") == 0 and _field(ringed, "slot_major") is False
+    assert _field(ringed, "bulk_ring") == 8 and _field(ringed, "slot_major") is False
+    assert _field(decode_t1.variant_key(**base, aligned=True, realign_pool=True, bulk_ring=2), "bulk_ring") == 0
 
 
 def test_debug_validation_of_the_entries_lets_slot_0_repeat_under_nonpositive(entries_on_cpu, make_case,

@@ -190,11 +190,52 @@ def test_every_tile_and_rows_in_flight_on_an_odd_pool_matches_the_oracle(tile_v,
         _assert_matches_oracle(out, view[live], ref_out, ref_pool[live])
 
 
+@pytest.mark.parametrize("policy", ["out_of_range", "nonpositive"])
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("tile_v, bulk_ring", [(32, 3), (32, 4), (64, 3), (64, 8), (128, 3), (128, 8), (128, 16)])
+def test_the_realigning_ring_is_bitwise_the_register_path_at_every_misalignment(tile_v, bulk_ring, state_dtype,
+                                                                                 policy, make_case):
+    """The ring on the aligned grid of each tile's run (chunk 0 one vector short, the run's head and tail vectors in
+    pieces from global memory, each row's straddling vector in pieces in shared memory): every first-slot offset and
+    two paddings give every misalignment m, including 0; outputs and the whole buffer are bitwise those of the
+    register path (the same rows, coefficients and row math), and no byte outside the live slots changes."""
+    from kda_core.contracts import NullSlotPolicy
+    from kda_cute.decode_t1 import DecodeT1Config, kda_decode_t1
+
+    policy = NullSlotPolicy(policy)
+    B, N = 9, 16
+    slots, mapped = _slots(B, N, policy, seed=tile_v + bulk_ring)
+    case = make_case(B, H, state_dtype=state_dtype, n_slots=N, slots=[max(s, 0) % N for s in slots],
+                     seed=tile_v * bulk_ring)
+    live = [s for s in mapped if s >= 0]
+    ref_out, ref_pool = dataclasses.replace(case, slots=torch.tensor(mapped, dtype=torch.int32, device="cuda")).oracle()
+    idx = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    seen = set()
+    for pad in (1, 17):
+        for offset in range(16 // case.pool.element_size()):
+            results = []
+            for ring in (bulk_ring, 0):
+                view, flat = _guarded_pool(case.pool, pad, offset)
+                before = flat.clone()
+                out = kda_decode_t1(case.q, case.k, case.v, case.g, case.beta, view, idx, **case.kwargs(),
+                                    null_policy=policy, config=DecodeT1Config(tile_v, bulk_ring=ring))
+                torch.cuda.synchronize()
+                keep = ~_written_mask(view, flat, live)
+                assert torch.equal(flat[keep], before[keep]), f"a byte outside the live slots changed (ring {ring})"
+                results.append((out, view.clone()))  # (the guards are random: each buffer's own)
+            (ring_out, ring_pool), (reg_out, reg_pool) = results
+            assert torch.equal(ring_out, reg_out) and torch.equal(ring_pool, reg_pool), (pad, offset)
+            seen |= {_slot_bytes(view, s) for s in live}
+            _assert_matches_oracle(ring_out, view[live], ref_out, ref_pool[live])
+    assert seen == set(range(0, 16, case.pool.element_size()))
+
+
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("B", [256, 512])
 def test_the_large_batch_schedule_on_an_odd_pool_matches_the_oracle(B, state_dtype, make_case):
     """The schedule's large rows (a ring, and a slot-major grid for a pool of about B rows, on an aligned pool) run
-    the register path of tile 128 on the realigning variant."""
+    tile 128 on the realigning variant: its ring with an fp32 pool, the register path with bf16 (no slot-major
+    grid)."""
     N = B + 8
     case = make_case(B, H, state_dtype=state_dtype, n_slots=N, seed=B)
     ref_out, ref_pool = case.oracle()

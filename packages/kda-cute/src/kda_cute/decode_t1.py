@@ -24,10 +24,10 @@ default, ld.cg / st.wb where the schedule says so (the fp32 large-batch row, mea
 Variants (compile-time): pool dtype x gate mode x beta logit x l2norm x dt_bias present x g/beta dtypes x tile_v x
 alignment (aligned; pool realigned: only the pool misaligned, any slot stride,
 :meth:`KDADecodeT1.update_state_realigned`; element-wise) x rows in flight x cache hint x bulk ring (1-D bulk copies
-through a shared-memory ring, aligned tiles 32-128; the schedule's large rows) x slot-major grid x null-slot policy
-x index dtype x entry (batch rows, the packed GEMM rows, or the varlen form's tokens + cu_seqlens). Batch, pool rows
-and the head count are runtime values (the head count only enters the grid and the index math), so one compiled
-function serves every B and every H.
+through a shared-memory ring, tiles 32-128, aligned or pool-realigned; the schedule's large rows) x slot-major grid
+x null-slot policy x index dtype x entry (batch rows, the packed GEMM rows, or the varlen form's tokens +
+cu_seqlens). Batch, pool rows and the head count are runtime values (the head count only enters the grid and the
+index math), so one compiled function serves every B and every H.
 
 Schedule: :func:`select_config` (the measured table ``_SCHEDULE``) returns a :class:`DecodeT1Config`; the entries
 take ``config=`` to run another one (benchmarks and tests sweep that way; serving leaves it None).
@@ -76,6 +76,9 @@ CACHE_HINTS = ("stream", "global")
 BULK_CHUNK_ROWS = ROW_GROUPS
 BULK_RING_MAX = 16  # = the tile-128 state's chunks
 BULK_TILES = (32, 64, 128)  # tiles of at least 4 chunks (a ring of >= 2 with refills)
+# The pool-realigning ring's lane 0 of the last row group reads and writes the next chunk's first vector while its own
+# chunk is in flight, so the next chunk must already be loaded: issued no later than the previous step (depth >= 3).
+REALIGNED_RING_MIN = 3
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,9 @@ class DecodeT1Config:
 
     ``bulk_ring`` (0 = off): ring depth, in chunks of ``BULK_CHUNK_ROWS`` rows, of a shared-memory ring that one thread
     fills with 1-D bulk loads (cp.async.bulk + mbarrier) and drains with bulk stores; the threads update each chunk in
-    place in shared memory. Only aligned variants of tile 32-128 (see :func:`bulk_ring_for`); it replaces the other
-    staging options; the table uses it for the large rows of both pool dtypes (docs/decode_t1.md, "Bulk ring").
+    place in shared memory. Only tiles 32-128 of the aligned and the pool-realigning variants (see
+    :func:`bulk_ring_for`); it replaces the other staging options; the table uses it for the large rows of both pool
+    dtypes (docs/decode_t1.md, "Bulk ring"; the realigning one: "Pool realigning ring").
 
     ``slot_major``: the grid walks the pool's rows instead of the batch's (docs/decode_t1.md, "Slot-major grid"): CTA z
     of a head streams pool row z for the batch row that names it, so the state is visited in address order whatever
@@ -132,6 +136,13 @@ _SCHEDULE = {
                     (1 << 62, DecodeT1Config(128, rows_in_flight=16, cache_hint="global", bulk_ring=8))),
 }
 
+# The pool-realigning variant (any slot stride) takes the ring rows' ring per pool dtype as below; else their register
+# fields. Measured: H100, 2026-12-06, vLLM K3's packed call (lower-bound gate) on a `+17` pool, H=12, tile 128, CUDA
+# graphs, one process (docs/decode_t1.md, "Pool realigning ring"): fp32 ring 8 39.07 / 285.6 us against 43.94 / 300.9
+# on the register path at B = 64 / 512; bf16 25.25 / 159.1 against 16.64 / 159.0 (the bf16 ring build holds 93
+# registers: 5 CTAs per SM, so 768 CTAs at B=64 take a second wave).
+REALIGNED_RING_SCHEDULED = {torch.bfloat16: False, torch.float32: True}
+
 # Slot-major grid, taken by the ring rows from SLOT_MAJOR_MIN_STATES (B*H) on when the pool has at most
 # SLOT_MAJOR_MAX_POOL_PER_ROW rows per batch row. Measured: H200, 2026-12-01, bench_packed_kda_decode.py --slot-major
 # off on --pool-factor 1 1.25 1.5 2, H=12, CUDA graphs, permuted slots (docs/decode_t1.md, "Slot-major grid").
@@ -154,13 +165,17 @@ def slot_major_for(tile_v: int, aligned: bool, B: int, N: int | None, requested:
                 and N + -(-B // THREADS) <= GRID_Z_MAX)
 
 
-def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool, N: int | None = None) -> DecodeT1Config:
+def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool, N: int | None = None,
+                  realign: bool = False) -> DecodeT1Config:
     """The schedule policy: the ``_SCHEDULE`` row of B*H states, fitted to the call (:func:`effective_config`).
 
     ``KDA_DECODE_TILE_V`` (if non-zero) forces the tile. ``N``: pool rows (None: the slot-major grid is not
-    considered)."""
+    considered). ``realign``: the call runs the pool-realigning variant (``aligned`` False) and may take its ring
+    (``REALIGNED_RING_SCHEDULED``)."""
     states = B * H
     cfg = next(c for limit, c in _SCHEDULE[state_dtype] if states <= limit)
+    if realign and not REALIGNED_RING_SCHEDULED[state_dtype]:
+        cfg = dataclasses.replace(cfg, bulk_ring=0)
     forced = knobs.get("KDA_DECODE_TILE_V")
     if forced:
         if forced not in TILE_V_CHOICES:
@@ -169,34 +184,37 @@ def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool, N: in
     ring = bulk_ring_for(cfg.tile_v, state_dtype.itemsize, aligned, cfg.bulk_ring)
     slot_major = (bool(ring) and states >= SLOT_MAJOR_MIN_STATES[state_dtype] and N is not None
                   and N <= SLOT_MAJOR_MAX_POOL_PER_ROW * B)
-    return effective_config(dataclasses.replace(cfg, slot_major=slot_major), B, state_dtype, aligned, N)
+    return effective_config(dataclasses.replace(cfg, slot_major=slot_major), B, state_dtype, aligned, N, realign)
 
 
 def effective_config(config: DecodeT1Config, B: int, state_dtype: torch.dtype, aligned: bool,
-                     N: int | None = None) -> DecodeT1Config:
+                     N: int | None = None, realign: bool = False) -> DecodeT1Config:
     """What ``config`` runs as on a call of B rows, this pool dtype and alignment class and N pool rows.
 
     The ring only where :func:`bulk_ring_for` gives one (it then replaces rows in flight and the cache hint, which
-    read as 0 and "stream"); the slot-major grid only where :func:`slot_major_for` allows it. Every other field is
-    kept as requested."""
-    ring = bulk_ring_for(config.tile_v, state_dtype.itemsize, aligned, config.bulk_ring)
+    read as 0 and "stream"; ``realign``: the pool-realigning variant's ring); the slot-major grid only where
+    :func:`slot_major_for` allows it. Every other field is kept as requested."""
+    ring = bulk_ring_for(config.tile_v, state_dtype.itemsize, aligned, config.bulk_ring, realigned=realign)
     fields = dict(bulk_ring=ring, slot_major=slot_major_for(config.tile_v, aligned, B, N, config.slot_major))
     if ring:
         fields.update(rows_in_flight=0, cache_hint="stream")
     return dataclasses.replace(config, **fields)
 
 
-def bulk_ring_for(tile_v: int, state_bytes: int, aligned: bool, requested: int) -> int:
+def bulk_ring_for(tile_v: int, state_bytes: int, aligned: bool, requested: int, realigned: bool = False) -> int:
     """Effective bulk-ring depth (0 = off). ``requested`` must be 0 or in [2, ``BULK_RING_MAX``] (the ring refills
     the previous chunk's slot, so one slot cannot work). Only the aligned (16-byte) variants of a bf16 / fp32 pool with
     a tile in ``BULK_TILES`` have one (a tile's rows are one contiguous run of the state); the depth is capped at the
-    tile's chunks (tile 64: 8, tile 32: 4) and at the default 48 KB of dynamic shared memory (fp32: 11 chunks)."""
+    tile's chunks (tile 64: 8, tile 32: 4) and at the default 48 KB of dynamic shared memory (fp32: 11 chunks).
+    ``realigned``: the pool-realigning variant's ring (any slot stride; ``aligned`` is then ignored), which reads the
+    next chunk while it updates one, so it needs a depth of at least ``REALIGNED_RING_MIN`` (else 0)."""
     if requested and not 2 <= requested <= BULK_RING_MAX:
         fail("bulk_ring", f"0 or an integer in [2, {BULK_RING_MAX}]", requested)
-    if not requested or tile_v not in BULK_TILES or not aligned or state_bytes not in (2, 4):
+    if not requested or tile_v not in BULK_TILES or not (aligned or realigned) or state_bytes not in (2, 4):
         return 0
     chunk_bytes = BULK_CHUNK_ROWS * HEAD_DIM * state_bytes
-    return min(requested, tile_v // BULK_CHUNK_ROWS, (SMEM_MAX_BYTES - 1024) // chunk_bytes)
+    depth = min(requested, tile_v // BULK_CHUNK_ROWS, (SMEM_MAX_BYTES - 1024) // chunk_bytes)
+    return 0 if realigned and depth < REALIGNED_RING_MIN else depth
 
 
 # --------------------------------------------------------------------------------------------------
@@ -256,12 +274,15 @@ class KDADecodeT1:
         # need an aligned pool.
         self.realign_pool = bool(realign_pool)
         pool_aligned = bool(aligned) and not self.realign_pool
-        self.tail_vectors = self.realign_pool and state_dtype.width == 16  # see issue_realigned_row
         self.rows = tile_v // ROW_GROUPS
         self.rows_in_flight = rows_in_flight_for(tile_v, state_dtype.width // 8, rows_in_flight)
         self.load_hints = dict(load_cache_mode=_LOAD_MODES[cache_hint])
         self.store_hints = dict(store_cache_mode=_STORE_MODES[cache_hint])
-        self.bulk_ring = bulk_ring_for(tile_v, state_dtype.width // 8, pool_aligned, bulk_ring)
+        self.bulk_ring = bulk_ring_for(tile_v, state_dtype.width // 8, pool_aligned, bulk_ring,
+                                       realigned=self.realign_pool)
+        # bf16 pool-realigning register path: a thread owns a block of consecutive rows (see issue_realigned_row);
+        # the realigning ring keeps the interleaved rows of its chunks.
+        self.tail_vectors = self.realign_pool and state_dtype.width == 16 and not self.bulk_ring
         self.slot_major = bool(slot_major) and slot_major_compiles(tile_v, pool_aligned)
         self.null_policy = NullSlotPolicy(null_policy)
         self.index64 = index_dtype is Int64  # int64 slot indices: compared with N (and pool rows) in 64 bits
@@ -416,17 +437,26 @@ class KDADecodeT1:
 
     def allocate_ring(self, smem):
         """(ring [slot, row of the chunk, channel], its mbarriers) in shared memory, or (None, None) without a bulk
-        ring. Traced inline."""
+        ring. The pool-realigning ring's slots are followed by its stage (:meth:`ring_stage`). Traced inline."""
         if const_expr(not self.bulk_ring):
             return None, None
-        sRing = smem.allocate_tensor(
-            self.state_dtype,
-            cute.make_layout((self.bulk_ring, BULK_CHUNK_ROWS, HEAD_DIM),
-                             stride=(BULK_CHUNK_ROWS * HEAD_DIM, HEAD_DIM, 1)),
-            byte_alignment=128,
-        )
+        chunk_elems = BULK_CHUNK_ROWS * HEAD_DIM
+        stage_elems = (2 * ROW_GROUPS + 1) * (128 // self.state_dtype.width) if const_expr(self.realign_pool) else 0
+        flat = smem.allocate_tensor(self.state_dtype, cute.make_layout((self.bulk_ring * chunk_elems + stage_elems,)),
+                                    byte_alignment=128)
+        sRing = cute.make_tensor(flat.iterator, cute.make_layout((self.bulk_ring, BULK_CHUNK_ROWS, HEAD_DIM),
+                                                                 stride=(chunk_elems, HEAD_DIM, 1)))
         sFull = smem.allocate_tensor(Int64, cute.make_layout((self.bulk_ring,)), byte_alignment=8)  # mbarriers
         return sRing, sFull
+
+    def ring_stage(self, sRing):
+        """(stage, ends): the pool-realigning ring's shared memory after its slots. ``stage``: [2 step parities, 8 row
+        groups] 16-byte vectors, where each row's lane 0 leaves its first vector for the row after it; ``ends``: one
+        vector, the run's end (:meth:`update_state_realigned_ring`). Traced inline."""
+        vec = 128 // self.state_dtype.width
+        base = sRing.iterator + self.bulk_ring * BULK_CHUNK_ROWS * HEAD_DIM
+        stage = cute.make_tensor(base, cute.make_layout((2, ROW_GROUPS, vec), stride=(ROW_GROUPS * vec, vec, 1)))
+        return stage, cute.make_tensor(base + 2 * ROW_GROUPS * vec, cute.make_layout((vec,)))
 
     def state_row(self, row0, group, j: int):
         """State row of a thread's row ``j`` (row group ``group`` of the tile from ``row0``): ``row0 + group + 8 j``,
@@ -612,7 +642,10 @@ class KDADecodeT1:
         each row's output to :meth:`emit_row`. ``sRing`` / ``sFull``: the ring and its mbarriers (None without a
         ring); ``ctx``: what a subclass's :meth:`complete_token` needs (None here). The pool-realigning variant
         streams through :meth:`update_state_realigned`, every other one through :meth:`update_state_vectors`."""
-        if const_expr(self.realign_pool):
+        if const_expr(self.realign_pool and self.bulk_ring):
+            self.update_state_realigned_ring(mState, slot, h, row0, group, lane, tidx, token, scale, lower_bound,
+                                             sRing, sFull, mOut, b, ctx)
+        elif const_expr(self.realign_pool):
             self.update_state_realigned(mState, slot, h, row0, group, lane, tidx, token, scale, lower_bound, mOut, b,
                                         ctx)
         else:
@@ -779,7 +812,7 @@ class KDADecodeT1:
                 # vector that is its own (aligned pieces: the neighbouring rows are another thread's).
                 if const_expr(j == 0):
                     if straddle:
-                        self.store_head_pieces(s_new, fr, shift)
+                        self.store_head_pieces(s_new, self._vector_at(fr), shift)
                     else:
                         cute.copy(store_atom, self._reg_vector(s_new, 0), self._global_vector(own, 0))
                 else:
@@ -789,17 +822,225 @@ class KDADecodeT1:
                     cute.copy(store_atom, self._reg_vector(merged, 0), self._global_vector(own, 0))
                 if const_expr(j == rows - 1):
                     if straddle:
-                        self.store_tail_pieces(s_new, fr + Int64(row_bytes), shift)
+                        self.store_tail_pieces(s_new, self._vector_at(fr + Int64(row_bytes)), shift)
                 prev = s_new
             elif straddle:
                 for i in cutlass.range_constexpr(1, n_vec):
                     cute.copy(store_atom, self._reg_vector(s_new, i), self._global_vector(own, i))
-                self.store_head_pieces(s_new, fr, shift)
-                self.store_tail_pieces(s_new, fr + Int64(row_bytes), shift)
+                self.store_head_pieces(s_new, self._vector_at(fr), shift)
+                self.store_tail_pieces(s_new, self._vector_at(fr + Int64(row_bytes)), shift)
             else:
                 for i in cutlass.range_constexpr(n_vec):
                     cute.copy(store_atom, self._reg_vector(s_new, i), self._global_vector(own, i))
             self.emit_row(mOut, b, h, row, sq + u * kq, lane)
+
+    @cute.jit
+    def update_state_realigned_ring(self, mState: cute.Tensor, slot, h, row0, group, lane, tidx, token,
+                                    scale: Float32, lower_bound: Float32, sRing, sFull, mOut, b, ctx):
+        """:meth:`update_state` of the pool-realigning variant through the bulk ring (docs/decode_t1.md, "Pool
+        realigning ring"). The tile's rows are one contiguous run whose first byte sits ``mis`` bytes past a 16-byte
+        boundary (``floor0``). The ring streams the aligned grid from there: chunk c is the bytes [floor0 + c * chunk,
+        floor0 + (c + 1) * chunk), so lane l of a row holds channels (8 l + t - shift) mod 128 as in
+        :meth:`update_state_realigned` (the coefficients realigned once), and lane 0's first vector straddles the row's
+        start: its elements t < shift are the previous row's last channels. Every byte a bulk copy moves is the
+        tile's: chunk 0 starts one vector late, and the vector straddling the run's start (row 0's head) and the one
+        straddling its end (the last row's tail) are read and written in aligned pieces from global memory by the
+        lane 0 that owns them.
+
+        Inside the ring no two threads write the same 16 bytes: every lane reads its vectors whole (lane 0 also the
+        vector at its row's end, whose elements t < shift are its own; row 7's is the next chunk's first, so that chunk
+        is waited for one step early: ``REALIGNED_RING_MIN``); after the update lane 0 leaves its first vector (new
+        tail and new head) in the stage (:meth:`ring_stage`), and after one CTA barrier each row's lane 0 writes its
+        straddling vector whole: the previous row's new tail from the stage (row 0: the previous chunk's row 7) and its
+        own new head. A tile with mis = 0 takes none of this (a CTA-uniform predicate)."""
+        sdt = self.state_dtype
+        elem_bytes = sdt.width // 8
+        vec = 16 // elem_bytes
+        n_vec = CHANNELS_PER_LANE // vec
+        row_bytes = HEAD_DIM * elem_bytes
+        gState = mState[Int64(slot), h, None, None]  # [V, K]; Int64 slot as in update_state_vectors
+        start = gState.iterator.toint() + Int64(row0 * row_bytes)  # byte address of the tile's first row
+        mis = Int32(start & 15)
+        shift = mis // elem_bytes  # uniform in the CTA
+        floor0 = start - Int64(mis)  # 16-byte aligned
+        straddle = (lane == 0) & (shift > 0)
+
+        chunk_elems = BULK_CHUNK_ROWS * HEAD_DIM
+        chunk_bytes = chunk_elems * elem_bytes
+        n_chunks = self.tile_v // BULK_CHUNK_ROWS
+        ring = self.bulk_ring
+
+        def bulk_atoms(elems):
+            return (cute.make_copy_atom(cute.nvgpu.cpasync.CopyBulkG2SOp(), sdt, num_bits_per_copy=elems * sdt.width),
+                    cute.make_copy_atom(cute.nvgpu.cpasync.CopyBulkS2GOp(), sdt, num_bits_per_copy=elems * sdt.width))
+
+        def gmem(addr, elems):
+            return cute.make_tensor(cute.make_ptr(sdt, addr, cutlass.AddressSpace.gmem, assumed_align=16),
+                                    cute.make_layout((elems,)))
+
+        bulk_load, bulk_store = bulk_atoms(chunk_elems)
+        first_load, first_store = bulk_atoms(chunk_elems - vec)
+        g_chunks = [gmem(floor0 + Int64(c * chunk_bytes), chunk_elems) for c in range(n_chunks)]
+        s_slots = [cute.make_tensor(sRing.iterator + r * chunk_elems, cute.make_layout((chunk_elems,)))
+                   for r in range(ring)]
+        first = (cute.make_tensor(sRing.iterator + vec, cute.make_layout((chunk_elems - vec,))),
+                 gmem(floor0 + Int64(16), chunk_elems - vec), first_load, first_store, (chunk_elems - vec) * elem_bytes)
+        full = [sFull.iterator + r for r in range(ring)]
+        s2r_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sdt, num_bits_per_copy=128)
+        ld_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), sdt, num_bits_per_copy=128, **self.load_hints)
+        st_atom = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), sdt, num_bits_per_copy=128, **self.store_hints)
+
+        if tidx == 0:
+            _bulk_ring.fill(ring, n_chunks, full, s_slots, g_chunks, bulk_load, chunk_bytes, first=first)
+        # The run's two straddling vectors, from global memory by the lane 0 that owns them, issued with the ring:
+        # row 0's head (group 0; its elements t < shift are the previous run's) and the last row's tail (group 7;
+        # only its elements t < shift are this run's).
+        head = cute.make_rmem_tensor((vec,), sdt)
+        tail_end = cute.make_rmem_tensor((vec,), sdt)
+        head_g = gmem(floor0, vec)
+        tail_g = gmem(floor0 + Int64(n_chunks * chunk_bytes), vec)
+        if tidx == 0:
+            if straddle:
+                self.load_head_pieces(head, head_g, shift)
+            else:
+                cute.copy(ld_atom, cute.logical_divide(head_g, (vec,)), cute.logical_divide(head, (vec,)))
+        if (group == ROW_GROUPS - 1) & straddle:
+            self.load_tail_pieces(tail_end, tail_g, shift)
+        cute.arch.sync_threads()  # the mbarrier inits are visible before anyone waits on them
+
+        # ---- per-lane preamble on the natural channels [8 lane, 8 lane + 8), then realigned to the rows' ---------
+        token, gate = self.complete_token(token, ctx, lower_bound)
+        kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound, gate)
+        v_raw = token[3]
+        self.realign_channels(kf, shift, tidx)
+        self.realign_channels(qf, shift, tidx)
+        self.realign_channels(decay, shift, tidx)
+
+        # The two end vectors go to shared memory, read later by the thread that loaded them (no registers held
+        # across the stream): the head into chunk 0's first vector (which its bulk copies skip), the tail beside
+        # the stage.
+        stage, ends = self.ring_stage(sRing)
+        if tidx == 0:
+            cute.copy(s2r_atom, self._reg_vector(head, 0), self._ring_vector(sRing, 0, 0, 0))
+        if (group == ROW_GROUPS - 1) & straddle:
+            cute.copy(s2r_atom, self._reg_vector(tail_end, 0), self._reg_vector(ends, 0))
+        regs = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
+        s_new = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
+        tail = cute.make_rmem_tensor((vec,), sdt)
+        for j in cutlass.range_constexpr(n_chunks):
+            r = j % ring
+            cute.arch.mbarrier_wait(full[r], (j // ring) % 2)
+            last_row = group == ROW_GROUPS - 1
+            # the run's first row (chunk 0, group 0: its head goes to global memory); a group is never ROW_GROUPS
+            head_row = group == (0 if j == 0 else ROW_GROUPS)
+            if const_expr(j + 1 < n_chunks):
+                if last_row & straddle:  # its end vector is the next chunk's first
+                    cute.arch.mbarrier_wait(full[(j + 1) % ring], ((j + 1) // ring) % 2)
+            # ---- every lane's vectors whole; lane 0's elements t < shift from the vector at the row's end --------
+            for i in cutlass.range_constexpr(n_vec):
+                cute.copy(s2r_atom, self._ring_vector(sRing, r, group, lane * n_vec + i), self._reg_vector(regs, i))
+            if straddle:
+                if const_expr(j + 1 < n_chunks):
+                    if last_row:
+                        cute.copy(s2r_atom, self._ring_vector(sRing, (j + 1) % ring, 0, 0), self._reg_vector(tail, 0))
+                    else:
+                        cute.copy(s2r_atom, self._ring_vector(sRing, r, group + 1, 0), self._reg_vector(tail, 0))
+                else:
+                    if last_row:
+                        cute.copy(s2r_atom, self._reg_vector(ends, 0), self._reg_vector(tail, 0))
+                    else:
+                        cute.copy(s2r_atom, self._ring_vector(sRing, r, group + 1, 0), self._reg_vector(tail, 0))
+                for t in cutlass.range_constexpr(vec - 1):
+                    regs[t] = cutlass.select_(t < shift, tail[t], regs[t])
+
+            sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+            sf.store(regs.load().to(Float32))
+            sq, u = self.row_step(sf, decay, kf, qf, beta, v_raw[j])
+            s_new.store(sf.load().to(sdt))
+
+            # ---- write back: whole vectors; a straddling one through the stage (below) ------------------------
+            for i in cutlass.range_constexpr(1, n_vec):
+                cute.copy(s2r_atom, self._reg_vector(s_new, i), self._ring_vector(sRing, r, group, lane * n_vec + i))
+            if lane != 0:
+                cute.copy(s2r_atom, self._reg_vector(s_new, 0), self._ring_vector(sRing, r, group, lane * n_vec))
+            elif straddle:
+                # lane 0's first vector holds this row's new tail (t < shift: the next row's vector's) and new head
+                cute.copy(s2r_atom, self._reg_vector(s_new, 0), self._reg_vector(stage[j % 2, group, None], 0))
+                if head_row:
+                    self.store_head_pieces(s_new, head_g, shift)
+            elif head_row:
+                cute.copy(st_atom, self._reg_vector(s_new, 0), cute.logical_divide(head_g, (vec,)))
+            else:
+                cute.copy(s2r_atom, self._reg_vector(s_new, 0), self._ring_vector(sRing, r, group, 0))
+            if const_expr(j + 1 == n_chunks):
+                if last_row & straddle:
+                    self.store_tail_pieces(s_new, tail_g, shift)
+            if shift > 0:  # CTA-uniform
+                # Every row's straddling vector, merged by the lane 0 whose head it holds: the previous row's new tail
+                # (the stage, written by another half-warp: one CTA barrier; row 0's is the last chunk's row 7)
+                # and its own new head, one whole store. Chunk 0's row 0 went to global memory.
+                cute.arch.sync_threads()
+                if straddle & (group != (0 if j == 0 else ROW_GROUPS)):
+                    prev = stage[cutlass.select_(group == 0, (j + 1) % 2, j % 2), (group + ROW_GROUPS - 1) % ROW_GROUPS,
+                                 None]
+                    cute.copy(s2r_atom, self._reg_vector(prev, 0), self._reg_vector(tail, 0))
+                    for t in cutlass.range_constexpr(vec):
+                        tail[t] = cutlass.select_(t < shift, tail[t], s_new[t])
+                    cute.copy(s2r_atom, self._reg_vector(tail, 0), self._ring_vector(sRing, r, group, 0))
+            _bulk_ring.store_and_refill(j, ring, n_chunks, full, s_slots, g_chunks, bulk_load, bulk_store,
+                                        chunk_bytes, tidx, first=first)
+            self.emit_row(mOut, b, h, row0 + group + j * ROW_GROUPS, sq + u * kq, lane)
+        _bulk_ring.drain(tidx)
+
+    @cute.jit
+    def load_head_pieces(self, regs: cute.Tensor, head: cute.Tensor, shift):
+        """Elements [shift, vec) of the aligned vector ``head`` (global or shared) into the same elements of
+        ``regs``, as naturally aligned pieces (the ranges of :meth:`store_head_pieces`): no byte before the row's
+        start is read. 0 < shift < vec."""
+        vec = 128 // self.state_dtype.width
+        widths = [w for w in (1, 2, 4) if w < vec]
+        lo = shift
+        for k in cutlass.range_constexpr(len(widths)):
+            w = widths[k]
+            self.load_piece(regs, head, lo, (lo & w) != 0, w, tuple(range(w, vec, 2 * w)))
+            lo = lo + (lo & w)
+
+    @cute.jit
+    def load_tail_pieces(self, regs: cute.Tensor, tail: cute.Tensor, shift):
+        """Elements [0, shift) of the aligned vector ``tail`` (global or shared) into the same elements of ``regs``,
+        as naturally aligned pieces (the ranges of :meth:`store_tail_pieces`): no byte past the row's end is read."""
+        vec = 128 // self.state_dtype.width
+        widths = [w for w in (1, 2, 4) if w < vec]
+        pos = Int32(0)
+        for k in cutlass.range_constexpr(len(widths)):
+            w = widths[len(widths) - 1 - k]
+            self.load_piece(regs, tail, pos, (shift & w) != 0, w, tuple(range(0, vec - w, 2 * w)))
+            pos = pos + (shift & w)
+
+    @cute.jit
+    def load_piece(self, regs: cute.Tensor, src: cute.Tensor, pos, take, w: cutlass.Constexpr,
+                   places: cutlass.Constexpr):
+        """If ``take``: elements [pos, pos + w) of the aligned vector ``src`` into the same elements of ``regs``,
+        where ``pos`` is one of ``places`` (multiples of w: one naturally aligned access; the registers are picked
+        by selects, as :meth:`store_piece` picks them)."""
+        sdt = self.state_dtype
+        piece = cute.make_rmem_tensor((w,), sdt)
+        piece.fill(0.0)
+        if take:
+            elem_bytes = sdt.width // 8
+            addr = src.iterator.toint()
+            at = cute.make_tensor(cute.make_ptr(sdt, addr + type(addr)(pos * elem_bytes), src.iterator.memspace,
+                                                assumed_align=w * elem_bytes), cute.make_layout((w,)))
+            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sdt, num_bits_per_copy=w * sdt.width)
+            cute.copy(atom, cute.logical_divide(at, (w,)), cute.logical_divide(piece, (w,)))
+        for c in cutlass.range_constexpr(len(places)):
+            hit = take & (pos == places[c])
+            for i in cutlass.range_constexpr(w):
+                regs[places[c] + i] = cutlass.select_(hit, piece[i], regs[places[c] + i])
+
+    def _ring_vector(self, sRing, r, g, i):
+        """Aligned 16-byte vector ``i`` of row ``g`` of ring slot ``r``, divided for a copy atom. Traced inline."""
+        return self._reg_vector(sRing[r, g, None], i)
 
     def _global_vector(self, addr, i: int):
         """The aligned 16-byte global vector ``i`` from byte address ``addr``, divided for a copy atom. Traced
@@ -894,37 +1135,44 @@ class KDADecodeT1:
             prev = cute.arch.shuffle_sync(x[t], offset=src)
             x[t] = cutlass.select_(t < shift, prev, x[t])
 
+    def _vector_at(self, addr):
+        """The aligned 16-byte global vector at byte address ``addr``, as a [vec] tensor (the pieces' destination).
+        Traced inline."""
+        return cute.make_tensor(cute.make_ptr(self.state_dtype, addr, cutlass.AddressSpace.gmem, assumed_align=16),
+                                cute.make_layout((128 // self.state_dtype.width,)))
+
     @cute.jit
-    def store_head_pieces(self, s_new: cute.Tensor, head_addr, shift):
+    def store_head_pieces(self, s_new: cute.Tensor, head: cute.Tensor, shift):
         """Elements [shift, vec) of lane 0's ``s_new`` (0 < shift < vec, elements per 16 bytes) to the aligned vector
-        at ``head_addr`` (the one straddling the row's start; same positions), as naturally aligned pieces of 1, 2, 4
-        elements (:meth:`store_piece`), so that no byte of the previous row is written."""
+        ``head`` (global or shared: the one straddling the row's start; same positions), as naturally aligned pieces
+        of 1, 2, 4 elements (:meth:`store_piece`), so that no byte of the previous row is written."""
         vec = 128 // self.state_dtype.width
         widths = [w for w in (1, 2, 4) if w < vec]
         lo = shift  # the range [lo, vec): pieces upward, w at lo when lo is w past a multiple of 2w
         for k in cutlass.range_constexpr(len(widths)):
             w = widths[k]
-            self.store_piece(s_new, head_addr, lo, (lo & w) != 0, w, tuple(range(w, vec, 2 * w)))
+            self.store_piece(s_new, head, lo, (lo & w) != 0, w, tuple(range(w, vec, 2 * w)))
             lo = lo + (lo & w)
 
     @cute.jit
-    def store_tail_pieces(self, s_new: cute.Tensor, tail_addr, shift):
-        """Elements [0, shift) of lane 0's ``s_new`` to the aligned vector at ``tail_addr`` (the one straddling the
-        row's end; same positions), as naturally aligned pieces, so that no byte of the next row is written."""
+    def store_tail_pieces(self, s_new: cute.Tensor, tail: cute.Tensor, shift):
+        """Elements [0, shift) of lane 0's ``s_new`` to the aligned vector ``tail`` (global or shared: the one
+        straddling the row's end; same positions), as naturally aligned pieces, so that no byte of the next row is
+        written."""
         vec = 128 // self.state_dtype.width
         widths = [w for w in (1, 2, 4) if w < vec]
         pos = Int32(0)  # the range [0, shift): pieces from the largest, w at the higher bits of shift
         for k in cutlass.range_constexpr(len(widths)):
             w = widths[len(widths) - 1 - k]
-            self.store_piece(s_new, tail_addr, pos, (shift & w) != 0, w, tuple(range(0, vec - w, 2 * w)))
+            self.store_piece(s_new, tail, pos, (shift & w) != 0, w, tuple(range(0, vec - w, 2 * w)))
             pos = pos + (shift & w)
 
     @cute.jit
-    def store_piece(self, s_new: cute.Tensor, addr, pos, take, w: cutlass.Constexpr, places: cutlass.Constexpr):
-        """If ``take``: elements [pos, pos + w) of ``s_new`` to byte address ``addr`` + pos elements, where ``pos`` is
-        one of ``places`` (multiples of w, so the store is w elements naturally aligned)."""
+    def store_piece(self, s_new: cute.Tensor, dst: cute.Tensor, pos, take, w: cutlass.Constexpr,
+                    places: cutlass.Constexpr):
+        """If ``take``: elements [pos, pos + w) of ``s_new`` to the same elements of the aligned vector ``dst``, where
+        ``pos`` is one of ``places`` (multiples of w, so the store is w elements naturally aligned)."""
         sdt = self.state_dtype
-        elem_bytes = sdt.width // 8
         piece = cute.make_rmem_tensor((w,), sdt)
         for i in cutlass.range_constexpr(w):
             value = s_new[places[0] + i]
@@ -932,10 +1180,13 @@ class KDADecodeT1:
                 value = cutlass.select_(pos == places[c], s_new[places[c] + i], value)
             piece[i] = value
         if take:
-            dst = cute.make_tensor(cute.make_ptr(sdt, addr + Int64(pos * elem_bytes), cutlass.AddressSpace.gmem,
-                                                 assumed_align=w * elem_bytes), cute.make_layout((w,)))
+            elem_bytes = sdt.width // 8
+            space = dst.iterator.memspace
+            addr = dst.iterator.toint()
+            at = cute.make_tensor(cute.make_ptr(sdt, addr + type(addr)(pos * elem_bytes), space,
+                                                assumed_align=w * elem_bytes), cute.make_layout((w,)))
             atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sdt, num_bits_per_copy=w * sdt.width)
-            cute.copy(atom, cute.logical_divide(piece, (w,)), cute.logical_divide(dst, (w,)))
+            cute.copy(atom, cute.logical_divide(piece, (w,)), cute.logical_divide(at, (w,)))
 
     def complete_token(self, token, ctx, lower_bound):
         """Hook run once the state rows are issued and before the preamble: returns (token, gate). The T=1 kernel's
@@ -1219,13 +1470,14 @@ def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk
     or the varlen form's cu_seqlens dtype (torch.int32 / torch.int64; :class:`KDADecodeT1Varlen`, never slot-major,
     not packed). ``realign_pool``: the pool-realigning variant (:meth:`KDADecodeT1.update_state_realigned`: the
     pool's pointer and slot stride anything, its rows read in aligned vectors); ``aligned`` is then the class of the
-    other tensors (activations, dt_bias, output: vectors or element-wise). It has no bulk ring and no slot-major grid
-    (normalised away).
+    other tensors (activations, dt_bias, output: vectors or element-wise). Its ring is
+    :meth:`KDADecodeT1.update_state_realigned_ring` (from ``REALIGNED_RING_MIN`` chunks deep, else normalised away);
+    it has no slot-major grid (normalised away).
     """
     null_policy = NullSlotPolicy(null_policy)  # an enum member, or its value
     realign_pool = bool(realign_pool)
     if realign_pool:
-        bulk_ring, slot_major = 0, False
+        slot_major = False
     if index_dtype not in (torch.int32, torch.int64):
         fail("slot_indices", "dtype int32 or int64", index_dtype)
     if cu_dtype is not None:
@@ -1239,7 +1491,7 @@ def variant_key(*, state_dtype, g_dtype, beta_dtype, gate, beta_is_logit, use_qk
     if cache_hint not in CACHE_HINTS:
         fail("cache_hint", f"one of {CACHE_HINTS}", cache_hint)
     rows_in_flight = rows_in_flight_for(tile_v, state_dtype.itemsize, rows_in_flight)
-    bulk_ring = bulk_ring_for(tile_v, state_dtype.itemsize, aligned, bulk_ring)
+    bulk_ring = bulk_ring_for(tile_v, state_dtype.itemsize, aligned, bulk_ring, realigned=realign_pool)
     if bulk_ring:
         rows_in_flight, cache_hint = 0, "stream"
     slot_major = bool(slot_major) and slot_major_compiles(tile_v, aligned)
@@ -1443,13 +1695,15 @@ def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bi
         # every tensor aligned). A call that is not takes the pool-realigning variant (the pool in vectors whatever
         # its slot stride; a slot that happens to be aligned reads as in the aligned variant), with the other tensors
         # in vectors when they are aligned (call.others_aligned), else element-wise.
-        if config is None:  # (varlen: pool rows not given, so the policy never picks the slot-major grid)
-            cfg = select_config(B, call.H, call.state_dtype, call.aligned, None if varlen else call.N)
+        realign_pool = not call.aligned
+        if config is None:  # (varlen: pool rows not given, so the policy never picks the slot-major grid; nor the
+            # realigning ring, whose varlen build was compiled but never run on a GPU)
+            cfg = select_config(B, call.H, call.state_dtype, call.aligned, None if varlen else call.N,
+                                realign_pool and not varlen)
         elif isinstance(config, DecodeT1Config):
-            cfg = effective_config(config, B, call.state_dtype, call.aligned, call.N)
+            cfg = effective_config(config, B, call.state_dtype, call.aligned, call.N, realign_pool)
         else:
             fail("config", "a DecodeT1Config or None", type(config).__name__)
-        realign_pool = not call.aligned
         # dt_bias is optional with the gate in the kernel (absent = zeros), ignored without it.
         key = variant_key(state_dtype=call.state_dtype, g_dtype=g_dtype, beta_dtype=beta_dtype, gate=call.gate_mode,
                           beta_is_logit=call.beta_is_logit, use_qk_l2norm=l2norm, has_dt_bias=gated and has_dt_bias,
