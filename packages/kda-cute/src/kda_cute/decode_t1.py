@@ -777,12 +777,7 @@ class KDADecodeT1:
                                      j == 0)
 
         # ---- per-lane preamble on the natural channels [8 lane, 8 lane + 8), then realigned to the rows' ---------
-        token, gate = self.complete_token(token, ctx, lower_bound)
-        kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound, gate)
-        v_raw = token[3]
-        self.realign_channels(kf, shift, tidx)
-        self.realign_channels(qf, shift, tidx)
-        self.realign_channels(decay, shift, tidx)
+        kf, qf, decay, beta, kq, v_raw = self.prepare_realigned_token(token, ctx, scale, lower_bound, shift, tidx)
 
         prev = None  # bf16: the previous row's new values (lane 0 stores them with this row's, see below)
         for j in cutlass.range_constexpr(rows):
@@ -909,12 +904,7 @@ class KDADecodeT1:
         cute.arch.sync_threads()  # the mbarrier inits are visible before anyone waits on them
 
         # ---- per-lane preamble on the natural channels [8 lane, 8 lane + 8), then realigned to the rows' ---------
-        token, gate = self.complete_token(token, ctx, lower_bound)
-        kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound, gate)
-        v_raw = token[3]
-        self.realign_channels(kf, shift, tidx)
-        self.realign_channels(qf, shift, tidx)
-        self.realign_channels(decay, shift, tidx)
+        kf, qf, decay, beta, kq, v_raw = self.prepare_realigned_token(token, ctx, scale, lower_bound, shift, tidx)
 
         # The two end vectors go to shared memory, read later by the thread that loaded them (no registers held
         # across the stream): the head into chunk 0's first vector (which its bulk copies skip), the tail beside
@@ -992,30 +982,17 @@ class KDADecodeT1:
             self.emit_row(mOut, b, h, row0 + group + j * ROW_GROUPS, sq + u * kq, lane)
         _bulk_ring.drain(tidx)
 
-    @cute.jit
     def load_head_pieces(self, regs: cute.Tensor, head: cute.Tensor, shift):
         """Elements [shift, vec) of the aligned vector ``head`` (global or shared) into the same elements of
-        ``regs``, as naturally aligned pieces (the ranges of :meth:`store_head_pieces`): no byte before the row's
-        start is read. 0 < shift < vec."""
-        vec = 128 // self.state_dtype.width
-        widths = [w for w in (1, 2, 4) if w < vec]
-        lo = shift
-        for k in cutlass.range_constexpr(len(widths)):
-            w = widths[k]
-            self.load_piece(regs, head, lo, (lo & w) != 0, w, tuple(range(w, vec, 2 * w)))
-            lo = lo + (lo & w)
+        ``regs`` (:meth:`head_pieces`): no byte before the row's start is read. Traced inline."""
+        for pos, take, w, places in self.head_pieces(shift):
+            self.load_piece(regs, head, pos, take, w, places)
 
-    @cute.jit
     def load_tail_pieces(self, regs: cute.Tensor, tail: cute.Tensor, shift):
-        """Elements [0, shift) of the aligned vector ``tail`` (global or shared) into the same elements of ``regs``,
-        as naturally aligned pieces (the ranges of :meth:`store_tail_pieces`): no byte past the row's end is read."""
-        vec = 128 // self.state_dtype.width
-        widths = [w for w in (1, 2, 4) if w < vec]
-        pos = Int32(0)
-        for k in cutlass.range_constexpr(len(widths)):
-            w = widths[len(widths) - 1 - k]
-            self.load_piece(regs, tail, pos, (shift & w) != 0, w, tuple(range(0, vec - w, 2 * w)))
-            pos = pos + (shift & w)
+        """Elements [0, shift) of the aligned vector ``tail`` (global or shared) into the same elements of ``regs``
+        (:meth:`tail_pieces`): no byte past the row's end is read. Traced inline."""
+        for pos, take, w, places in self.tail_pieces(shift):
+            self.load_piece(regs, tail, pos, take, w, places)
 
     @cute.jit
     def load_piece(self, regs: cute.Tensor, src: cute.Tensor, pos, take, w: cutlass.Constexpr,
@@ -1041,6 +1018,16 @@ class KDADecodeT1:
     def _ring_vector(self, sRing, r, g, i):
         """Aligned 16-byte vector ``i`` of row ``g`` of ring slot ``r``, divided for a copy atom. Traced inline."""
         return self._reg_vector(sRing[r, g, None], i)
+
+    def prepare_realigned_token(self, token, ctx, scale, lower_bound, shift, tidx):
+        """The pool-realigning variants' preamble: :meth:`complete_token` and :meth:`prepare_token` on the natural
+        channels [8 lane, 8 lane + 8), then the per-channel coefficients realigned to the rows' channels
+        (:meth:`realign_channels`). Returns (k^, q^, decay, beta, k^.q^, the rows' v). Traced inline."""
+        token, gate = self.complete_token(token, ctx, lower_bound)
+        kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound, gate)
+        for x in (kf, qf, decay):
+            self.realign_channels(x, shift, tidx)
+        return kf, qf, decay, beta, kq, token[3]
 
     def _global_vector(self, addr, i: int):
         """The aligned 16-byte global vector ``i`` from byte address ``addr``, divided for a copy atom. Traced
@@ -1141,31 +1128,37 @@ class KDADecodeT1:
         return cute.make_tensor(cute.make_ptr(self.state_dtype, addr, cutlass.AddressSpace.gmem, assumed_align=16),
                                 cute.make_layout((128 // self.state_dtype.width,)))
 
-    @cute.jit
-    def store_head_pieces(self, s_new: cute.Tensor, head: cute.Tensor, shift):
-        """Elements [shift, vec) of lane 0's ``s_new`` (0 < shift < vec, elements per 16 bytes) to the aligned vector
-        ``head`` (global or shared: the one straddling the row's start; same positions), as naturally aligned pieces
-        of 1, 2, 4 elements (:meth:`store_piece`), so that no byte of the previous row is written."""
+    def head_pieces(self, shift):
+        """The naturally aligned pieces of 1, 2, 4 elements that cover elements [shift, vec) of a 16-byte vector (0 <
+        shift < vec, elements per 16 bytes), as (pos, take, w, places): w elements at ``pos`` when ``take``, ``pos``
+        being one of ``places``. Upward: w at lo when lo is w past a multiple of 2w. A generator, so that each
+        piece's access is traced before the next position is computed. Plain Python, traced inline."""
         vec = 128 // self.state_dtype.width
-        widths = [w for w in (1, 2, 4) if w < vec]
-        lo = shift  # the range [lo, vec): pieces upward, w at lo when lo is w past a multiple of 2w
-        for k in cutlass.range_constexpr(len(widths)):
-            w = widths[k]
-            self.store_piece(s_new, head, lo, (lo & w) != 0, w, tuple(range(w, vec, 2 * w)))
+        lo = shift
+        for w in [w for w in (1, 2, 4) if w < vec]:
+            yield lo, (lo & w) != 0, w, tuple(range(w, vec, 2 * w))
             lo = lo + (lo & w)
 
-    @cute.jit
-    def store_tail_pieces(self, s_new: cute.Tensor, tail: cute.Tensor, shift):
-        """Elements [0, shift) of lane 0's ``s_new`` to the aligned vector ``tail`` (global or shared: the one
-        straddling the row's end; same positions), as naturally aligned pieces, so that no byte of the next row is
-        written."""
+    def tail_pieces(self, shift):
+        """:meth:`head_pieces` for elements [0, shift): from the largest piece, w at the higher bits of shift."""
         vec = 128 // self.state_dtype.width
-        widths = [w for w in (1, 2, 4) if w < vec]
-        pos = Int32(0)  # the range [0, shift): pieces from the largest, w at the higher bits of shift
-        for k in cutlass.range_constexpr(len(widths)):
-            w = widths[len(widths) - 1 - k]
-            self.store_piece(s_new, tail, pos, (shift & w) != 0, w, tuple(range(0, vec - w, 2 * w)))
+        pos = Int32(0)
+        for w in [w for w in (4, 2, 1) if w < vec]:
+            yield pos, (shift & w) != 0, w, tuple(range(0, vec - w, 2 * w))
             pos = pos + (shift & w)
+
+    def store_head_pieces(self, s_new: cute.Tensor, head: cute.Tensor, shift):
+        """Elements [shift, vec) of lane 0's ``s_new`` to the aligned vector ``head`` (the one straddling the row's
+        start; same positions) in :meth:`head_pieces`, so that no byte of the previous row is written. Traced
+        inline."""
+        for pos, take, w, places in self.head_pieces(shift):
+            self.store_piece(s_new, head, pos, take, w, places)
+
+    def store_tail_pieces(self, s_new: cute.Tensor, tail: cute.Tensor, shift):
+        """Elements [0, shift) of lane 0's ``s_new`` to the aligned vector ``tail`` (the one straddling the row's end;
+        same positions) in :meth:`tail_pieces`, so that no byte of the next row is written. Traced inline."""
+        for pos, take, w, places in self.tail_pieces(shift):
+            self.store_piece(s_new, tail, pos, take, w, places)
 
     @cute.jit
     def store_piece(self, s_new: cute.Tensor, dst: cute.Tensor, pos, take, w: cutlass.Constexpr,
