@@ -76,8 +76,8 @@ CACHE_HINTS = ("stream", "global")
 BULK_CHUNK_ROWS = ROW_GROUPS
 BULK_RING_MAX = 16  # = the tile-128 state's chunks
 BULK_TILES = (32, 64, 128)  # tiles of at least 4 chunks (a ring of >= 2 with refills)
-# The pool-realigning ring's lane 0 of the last row group reads and writes the next chunk's first vector while its own
-# chunk is in flight, so the next chunk must already be loaded: issued no later than the previous step (depth >= 3).
+# The pool-realigning ring's last row of a chunk reads its end vector, the next chunk's first, while its own chunk is
+# updated, so the next chunk must already be loaded: issued no later than the previous step (depth >= 3).
 REALIGNED_RING_MIN = 3
 
 
@@ -641,7 +641,8 @@ class KDADecodeT1:
         token (:meth:`complete_token`, under the rows' latency), run its preamble, update each row in place and hand
         each row's output to :meth:`emit_row`. ``sRing`` / ``sFull``: the ring and its mbarriers (None without a
         ring); ``ctx``: what a subclass's :meth:`complete_token` needs (None here). The pool-realigning variant
-        streams through :meth:`update_state_realigned`, every other one through :meth:`update_state_vectors`."""
+        streams through :meth:`update_state_realigned` (its ring: :meth:`update_state_realigned_ring`), every other
+        one through :meth:`update_state_vectors`."""
         if const_expr(self.realign_pool and self.bulk_ring):
             self.update_state_realigned_ring(mState, slot, h, row0, group, lane, tidx, token, scale, lower_bound,
                                              sRing, sFull, mOut, b, ctx)
