@@ -870,17 +870,14 @@ class KDADecodeT1:
             return (cute.make_copy_atom(cute.nvgpu.cpasync.CopyBulkG2SOp(), sdt, num_bits_per_copy=elems * sdt.width),
                     cute.make_copy_atom(cute.nvgpu.cpasync.CopyBulkS2GOp(), sdt, num_bits_per_copy=elems * sdt.width))
 
-        def gmem(addr, elems):
-            return cute.make_tensor(cute.make_ptr(sdt, addr, cutlass.AddressSpace.gmem, assumed_align=16),
-                                    cute.make_layout((elems,)))
-
         bulk_load, bulk_store = bulk_atoms(chunk_elems)
         first_load, first_store = bulk_atoms(chunk_elems - vec)
-        g_chunks = [gmem(floor0 + Int64(c * chunk_bytes), chunk_elems) for c in range(n_chunks)]
+        g_chunks = [self._vector_at(floor0 + Int64(c * chunk_bytes), chunk_elems) for c in range(n_chunks)]
         s_slots = [cute.make_tensor(sRing.iterator + r * chunk_elems, cute.make_layout((chunk_elems,)))
                    for r in range(ring)]
         first = (cute.make_tensor(sRing.iterator + vec, cute.make_layout((chunk_elems - vec,))),
-                 gmem(floor0 + Int64(16), chunk_elems - vec), first_load, first_store, (chunk_elems - vec) * elem_bytes)
+                 self._vector_at(floor0 + Int64(16), chunk_elems - vec), first_load, first_store,
+                 (chunk_elems - vec) * elem_bytes)
         full = [sFull.iterator + r for r in range(ring)]
         s2r_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sdt, num_bits_per_copy=128)
         ld_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), sdt, num_bits_per_copy=128, **self.load_hints)
@@ -893,8 +890,8 @@ class KDADecodeT1:
         # only its elements t < shift are this run's).
         head = cute.make_rmem_tensor((vec,), sdt)
         tail_end = cute.make_rmem_tensor((vec,), sdt)
-        head_g = gmem(floor0, vec)
-        tail_g = gmem(floor0 + Int64(n_chunks * chunk_bytes), vec)
+        head_g = self._vector_at(floor0)
+        tail_g = self._vector_at(floor0 + Int64(n_chunks * chunk_bytes))
         if tidx == 0:
             if straddle:
                 self.load_head_pieces(head, head_g, shift)
@@ -984,13 +981,13 @@ class KDADecodeT1:
         _bulk_ring.drain(tidx)
 
     def load_head_pieces(self, regs: cute.Tensor, head: cute.Tensor, shift):
-        """Elements [shift, vec) of the aligned vector ``head`` (global or shared) into the same elements of
-        ``regs`` (:meth:`head_pieces`): no byte before the row's start is read. Traced inline."""
+        """Elements [shift, vec) of the aligned global vector ``head`` into the same elements of ``regs``
+        (:meth:`head_pieces`): no byte before the row's start is read. Traced inline."""
         for pos, take, w, places in self.head_pieces(shift):
             self.load_piece(regs, head, pos, take, w, places)
 
     def load_tail_pieces(self, regs: cute.Tensor, tail: cute.Tensor, shift):
-        """Elements [0, shift) of the aligned vector ``tail`` (global or shared) into the same elements of ``regs``
+        """Elements [0, shift) of the aligned global vector ``tail`` into the same elements of ``regs``
         (:meth:`tail_pieces`): no byte past the row's end is read. Traced inline."""
         for pos, take, w, places in self.tail_pieces(shift):
             self.load_piece(regs, tail, pos, take, w, places)
@@ -1123,11 +1120,11 @@ class KDADecodeT1:
             prev = cute.arch.shuffle_sync(x[t], offset=src)
             x[t] = cutlass.select_(t < shift, prev, x[t])
 
-    def _vector_at(self, addr):
-        """The aligned 16-byte global vector at byte address ``addr``, as a [vec] tensor (the pieces' destination).
-        Traced inline."""
+    def _vector_at(self, addr, elems: int = 0):
+        """``elems`` state elements (0: one 16-byte vector) of global memory from the 16-byte aligned byte address
+        ``addr``, as a 1-D tensor (the pieces' vector, the ring's chunks). Traced inline."""
         return cute.make_tensor(cute.make_ptr(self.state_dtype, addr, cutlass.AddressSpace.gmem, assumed_align=16),
-                                cute.make_layout((128 // self.state_dtype.width,)))
+                                cute.make_layout((elems or 128 // self.state_dtype.width,)))
 
     def head_pieces(self, shift):
         """The naturally aligned pieces of 1, 2, 4 elements that cover elements [shift, vec) of a 16-byte vector (0 <
