@@ -286,11 +286,13 @@ def test_cuda_graph_replay_on_an_odd_pool_follows_changed_inputs_and_indices(sta
 
 @pytest.mark.parametrize("policy", ["out_of_range", "nonpositive"])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("tile_v", [16, 128])
-def test_varlen_on_an_odd_pool_matches_the_oracle(tile_v, state_dtype, policy, make_case):
-    """One-token sequences (the realigned T=1 path), longer ones (the token loop, element-wise on this pool), an
-    empty one and null slots, through the varlen entry (decode_t1._run_varlen with kda-core's description of the
-    same tokens as a dense call, its B set to the sequence count, as test_decode_t1.py's varlen tests)."""
+@pytest.mark.parametrize("tile_v, bulk_ring", [(16, 0), (128, 0), (64, 3), (128, 3), (128, 8)])
+def test_varlen_on_an_odd_pool_matches_the_oracle(tile_v, bulk_ring, state_dtype, policy, make_case):
+    """One-token sequences (the realigned T=1 path: the register path, or the realigning ring with ``bulk_ring``),
+    longer ones (the token loop, element-wise on this pool), an empty one and null slots, through the varlen entry
+    (decode_t1._run_varlen with kda-core's description of the same tokens as a dense call, its B set to the sequence
+    count, as test_decode_t1.py's varlen tests). With a ring, outputs and the whole buffer are also bitwise those of
+    the register path."""
     from kda_core.oracle import recurrent_kda_ref
     from kda_cute import decode_t1
 
@@ -317,14 +319,21 @@ def test_varlen_on_an_odd_pool_matches_the_oracle(tile_v, state_dtype, policy, m
             ref_out[:, cu[n]:cu[n + 1]] = o
     call = dataclasses.replace(_description(case, view), B=len(slots))
     assert not call.aligned and call.others_aligned
-    before = flat.clone()
-    out = torch.full((1, T, H, 128), 7.0, dtype=torch.bfloat16, device="cuda")
-    decode_t1._run_varlen(call, *tokens, view, torch.tensor(slots, dtype=torch.int32, device="cuda"),
-                          torch.tensor(cu, dtype=torch.int32, device="cuda"), case.A_log, case.dt_bias, True, out,
-                          null_policy=policy, config=decode_t1.DecodeT1Config(tile_v))
-    torch.cuda.synchronize()
     live = sorted({s for s, n in zip(mapped, lengths) if s >= 0 and n})
-    keep = ~_written_mask(view, flat, live)
-    assert torch.equal(flat[keep], before[keep])
-    assert torch.count_nonzero(out[0, :lead]) == 0
-    _assert_matches_oracle(out, view[live], ref_out, ref_pool[live])
+    results = []
+    for ring in sorted({bulk_ring, 0}, reverse=True):
+        view, flat = _guarded_pool(case.pool, 17, 1)
+        before = flat.clone()
+        out = torch.full((1, T, H, 128), 7.0, dtype=torch.bfloat16, device="cuda")
+        decode_t1._run_varlen(call, *tokens, view, torch.tensor(slots, dtype=torch.int32, device="cuda"),
+                              torch.tensor(cu, dtype=torch.int32, device="cuda"), case.A_log, case.dt_bias, True, out,
+                              null_policy=policy, config=decode_t1.DecodeT1Config(tile_v, bulk_ring=ring))
+        torch.cuda.synchronize()
+        keep = ~_written_mask(view, flat, live)
+        assert torch.equal(flat[keep], before[keep]), f"a byte outside the live slots changed (ring {ring})"
+        assert torch.count_nonzero(out[0, :lead]) == 0
+        _assert_matches_oracle(out, view[live], ref_out, ref_pool[live])
+        results.append((out, view.clone()))
+    if bulk_ring:
+        (ring_out, ring_pool), (reg_out, reg_pool) = results
+        assert torch.equal(ring_out, reg_out) and torch.equal(ring_pool, reg_pool)
