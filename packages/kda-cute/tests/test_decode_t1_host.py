@@ -644,18 +644,20 @@ def test_varlen_path_hands_the_token_views_and_offsets_to_the_varlen_variant(hos
     assert args[8] is slots and args[9] is cu and args[10] is out and out.shape == (1, 5, 12, 128)
 
 
-def test_the_varlen_form_on_an_odd_pool_keeps_the_register_path_where_the_dense_form_takes_the_ring(entries_on_cpu,
-                                                                                                    make_case):
-    """fp32 on a `+17` pool past the ring rows: the dense call takes the realigning ring, the varlen form (whose ring
-    build was never run on a GPU) the register fields of the same row."""
-    case = make_case(64, 12, device="cpu", state_dtype=torch.float32, pool_row_pad=17)
+@pytest.mark.parametrize("state_dtype, ring", [(torch.float32, 8), (torch.bfloat16, 0)], ids=["fp32", "bf16"])
+def test_the_varlen_form_on_an_odd_pool_takes_the_ring_where_the_dense_form_does(state_dtype, ring, entries_on_cpu,
+                                                                                 make_case):
+    """A `+17` pool past the ring rows: the varlen form takes the realigning ring where the dense call does (fp32:
+    ``REALIGNED_RING_SCHEDULED``), and the register fields of the same row where it does not (bf16)."""
+    case = make_case(64, 12, device="cpu", state_dtype=state_dtype, pool_row_pad=17)
     slots = torch.arange(64, dtype=torch.int32)
     _varlen_call(case, 64, slots, torch.arange(65, dtype=torch.int32))
     _unpacked_entry(case)
     varlen, dense = entries_on_cpu
-    assert _field(varlen.key, "realign_pool") is True and _field(varlen.key, "bulk_ring") == 0
-    assert _field(varlen.key, "tile_v") == 128 and _field(varlen.key, "rows_in_flight") == 16
-    assert _field(dense.key, "realign_pool") is True and _field(dense.key, "bulk_ring") == 8
+    for fn in (varlen, dense):
+        assert _field(fn.key, "realign_pool") is True and _field(fn.key, "bulk_ring") == ring
+        assert _field(fn.key, "tile_v") == 128
+    assert _field(varlen.key, "rows_in_flight") == _field(dense.key, "rows_in_flight")
 
 
 def test_varlen_path_checks_the_offsets_length_and_launches_nothing_without_sequences_or_tokens(host_path, make_case):

@@ -1687,10 +1687,8 @@ def _configure(memo_key, call, packed, l2norm, x, g_dtype, beta_dtype, has_dt_bi
         # its slot stride; a slot that happens to be aligned reads as in the aligned variant), with the other tensors
         # in vectors when they are aligned (call.others_aligned), else element-wise.
         realign_pool = not call.aligned
-        if config is None:  # (varlen: pool rows not given, so the policy never picks the slot-major grid; nor the
-            # realigning ring, whose varlen build was compiled but never run on a GPU)
-            cfg = select_config(B, call.H, call.state_dtype, call.aligned, None if varlen else call.N,
-                                realign_pool and not varlen)
+        if config is None:  # (varlen: pool rows not given, so the policy never picks the slot-major grid)
+            cfg = select_config(B, call.H, call.state_dtype, call.aligned, None if varlen else call.N, realign_pool)
         elif isinstance(config, DecodeT1Config):
             cfg = effective_config(config, B, call.state_dtype, call.aligned, call.N, realign_pool)
         else:
