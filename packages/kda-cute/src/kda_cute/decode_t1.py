@@ -140,7 +140,9 @@ _SCHEDULE = {
 # fields. Measured: H100, 2026-12-06, vLLM K3's packed call (lower-bound gate) on a `+17` pool, H=12, tile 128, CUDA
 # graphs, one process (docs/decode_t1.md, "Pool realigning ring"): fp32 ring 8 39.07 / 285.6 us against 43.94 / 300.9
 # on the register path at B = 64 / 512; bf16 25.25 / 159.1 against 16.64 / 159.0 (the bf16 ring build holds 93
-# registers: 5 CTAs per SM, so 768 CTAs at B=64 take a second wave).
+# registers: 5 CTAs per SM, so 768 CTAs at B=64 take a second wave). The varlen form follows the same table: vLLM
+# Kimi-Linear's [1, N] + cu_seqlens call, fp32, ring 41.19 / 292.4 us against 42.72 / 298.2 at B = 64 / 512 (H100,
+# 2026-12-06, bitwise equal outputs and pool).
 REALIGNED_RING_SCHEDULED = {torch.bfloat16: False, torch.float32: True}
 
 # Slot-major grid, taken by the ring rows from SLOT_MAJOR_MIN_STATES (B*H) on when the pool has at most
