@@ -232,8 +232,10 @@ def test_realigning_ring_variant_does_not_spill(tile_v, bulk_ring, packed, cu_dt
                                                 ptxas):
     """The pool-realigning variant's ring (any slot stride): chunk 0's bulk copies one vector short (the run's head
     vector is lane 0's, in pieces), each chunk waited for one step early by the row that writes its first vector, and
-    the realigned coefficients; no spill, no stack frame, and the registers of a ring build (measured sm_90a packed:
-    105 bf16, 94 fp32), well under the register path's 168."""
+    the realigned coefficients; no spill, no stack frame, and the aligned ring's occupancy: at most 80 registers
+    (measured 2026-12-06, sm_90a / sm_100a: tile 128 72 / 72 both dtypes, tile 32 56 / 56-63), the varlen build at most
+    104 (bf16 96 / 88, fp32 76 / 76); the bf16 merges of lane 0's straddling vector by 32-bit word
+    (``blend_head``) keep it there (a select per 16-bit element: 92-93 at tile 128, 122 varlen)."""
     from kda_core.contracts import GateMode
     from kda_cute import decode_t1
 
@@ -260,7 +262,7 @@ def test_realigning_ring_variant_does_not_spill(tile_v, bulk_ring, packed, cu_dt
     # each chunk waited for by every thread, and every chunk after the first one step early by row 7's lane 0
     assert text.count("mbarrier.try_wait") >= 2 * n_chunks - 1
     registers, spills = ptxas.registers_and_spills(ptx, arch)
-    assert spills == 0 and registers <= 128, (registers, spills)
+    assert spills == 0 and registers <= (104 if cu_dtype else 80), (registers, spills)
     report = ptxas.report(ptx, arch)
     assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes stack frame", report)), report
 

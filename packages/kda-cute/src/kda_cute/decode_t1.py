@@ -940,8 +940,7 @@ class KDADecodeT1:
                         cute.copy(s2r_atom, self._reg_vector(ends, 0), self._reg_vector(tail, 0))
                     else:
                         cute.copy(s2r_atom, self._ring_vector(sRing, r, group + 1, 0), self._reg_vector(tail, 0))
-                for t in cutlass.range_constexpr(vec - 1):
-                    regs[t] = cutlass.select_(t < shift, tail[t], regs[t])
+                self.blend_head(regs, tail, regs, shift)
 
             sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
             sf.store(regs.load().to(Float32))
@@ -974,13 +973,28 @@ class KDADecodeT1:
                     prev = stage[cutlass.select_(group == 0, (j + 1) % 2, j % 2), (group + ROW_GROUPS - 1) % ROW_GROUPS,
                                  None]
                     cute.copy(s2r_atom, self._reg_vector(prev, 0), self._reg_vector(tail, 0))
-                    for t in cutlass.range_constexpr(vec):
-                        tail[t] = cutlass.select_(t < shift, tail[t], s_new[t])
+                    self.blend_head(tail, tail, s_new, shift)
                     cute.copy(s2r_atom, self._reg_vector(tail, 0), self._ring_vector(sRing, r, group, 0))
             _bulk_ring.store_and_refill(j, ring, n_chunks, full, s_slots, g_chunks, bulk_load, bulk_store,
                                         chunk_bytes, tidx, first=first)
             self.emit_row(mOut, b, h, row0 + group + j * ROW_GROUPS, sq + u * kq, lane)
         _bulk_ring.drain(tidx)
+
+    @cute.jit
+    def blend_head(self, out: cute.Tensor, low: cute.Tensor, high: cute.Tensor, shift):
+        """The first 16-byte vector of ``out`` <- elements t < ``shift`` of ``low``, the others of ``high`` (``out`` may
+        be either). bf16: by 32-bit word, one mask of two halves each, so the two elements of a word are never split
+        into 16-bit registers; a select per element held the realigning ring's bf16 build at 92-93 registers, the words
+        at 72, the aligned ring's count (sm_90a, tile 128). fp32: a select per element (a word each)."""
+        if const_expr(self.state_dtype.width == 16):
+            out_w, low_w, high_w = (cute.recast_tensor(x, cutlass.Uint32) for x in (out, low, high))
+            for w in cutlass.range_constexpr(4):
+                mask = (cutlass.select_(2 * w < shift, cutlass.Uint32(0x0000FFFF), cutlass.Uint32(0))
+                        | cutlass.select_(2 * w + 1 < shift, cutlass.Uint32(0xFFFF0000), cutlass.Uint32(0)))
+                out_w[w] = (low_w[w] & mask) | (high_w[w] & ~mask)
+        else:
+            for t in cutlass.range_constexpr(128 // self.state_dtype.width):
+                out[t] = cutlass.select_(t < shift, low[t], high[t])
 
     def load_head_pieces(self, regs: cute.Tensor, head: cute.Tensor, shift):
         """Elements [shift, vec) of the aligned global vector ``head`` into the same elements of ``regs``
