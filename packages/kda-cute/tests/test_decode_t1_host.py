@@ -143,8 +143,9 @@ def test_schedule_rows_from_the_tuning_sweep():
     assert select_config(33, 12, torch.bfloat16, True) == ring
     assert select_config(512, 12, torch.bfloat16, True) == ring
     assert select_config(512, 12, torch.bfloat16, False) == DecodeT1Config(128, rows_in_flight=16)  # element-wise:
-    # the register path; the pool-realigning variant: the ring with fp32, the register path with bf16 (measured)
-    assert select_config(512, 12, torch.bfloat16, False, realign=True) == DecodeT1Config(128, rows_in_flight=16)
+    # the register path; the pool-realigning variant: its ring with both pool dtypes (measured)
+    assert select_config(512, 12, torch.bfloat16, False, realign=True) == ring
+    assert select_config(64, 12, torch.bfloat16, False, realign=True) == ring
     assert select_config(512, 12, torch.float32, False, realign=True) == ring
     assert select_config(64, 12, torch.float32, False, realign=True) == ring
     assert select_config(16, 12, torch.float32, True) == DecodeT1Config(64)
@@ -644,11 +645,14 @@ def test_varlen_path_hands_the_token_views_and_offsets_to_the_varlen_variant(hos
     assert args[8] is slots and args[9] is cu and args[10] is out and out.shape == (1, 5, 12, 128)
 
 
-@pytest.mark.parametrize("state_dtype, ring", [(torch.float32, 8), (torch.bfloat16, 0)], ids=["fp32", "bf16"])
-def test_the_varlen_form_on_an_odd_pool_takes_the_ring_where_the_dense_form_does(state_dtype, ring, entries_on_cpu,
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_varlen_form_on_an_odd_pool_takes_the_ring_where_the_dense_form_does(state_dtype, entries_on_cpu,
                                                                                  make_case):
-    """A `+17` pool past the ring rows: the varlen form takes the realigning ring where the dense call does (fp32:
-    ``REALIGNED_RING_SCHEDULED``), and the register fields of the same row where it does not (bf16)."""
+    """A `+17` pool past the ring rows: the varlen form takes the realigning ring where the dense call does
+    (``REALIGNED_RING_SCHEDULED``), and the register fields of the same row where it does not."""
+    from kda_cute import decode_t1
+
+    ring = 8 if decode_t1.REALIGNED_RING_SCHEDULED[state_dtype] else 0
     case = make_case(64, 12, device="cpu", state_dtype=state_dtype, pool_row_pad=17)
     slots = torch.arange(64, dtype=torch.int32)
     _varlen_call(case, 64, slots, torch.arange(65, dtype=torch.int32))
@@ -732,7 +736,7 @@ def test_a_misaligned_call_takes_the_realigning_variant_without_slot_major(entri
     entry(make_case(3, 12, device="cpu", state_dtype=state_dtype))
     realigned, elementwise, act_only, aligned = entries_on_cpu
     assert _field(realigned.key, "aligned") is True and _field(realigned.key, "realign_pool") is True
-    # the realigning ring where the schedule takes it (fp32), never a slot-major grid
+    # the realigning ring where the schedule takes it, never a slot-major grid
     ring = 8 if decode_t1.REALIGNED_RING_SCHEDULED[state_dtype] else 0
     assert _field(realigned.key, "bulk_ring") == ring and _field(realigned.key, "slot_major") is False
     assert _field(realigned.key, "tile_v") == 128

@@ -234,8 +234,7 @@ def test_the_realigning_ring_is_bitwise_the_register_path_at_every_misalignment(
 @pytest.mark.parametrize("B", [256, 512])
 def test_the_large_batch_schedule_on_an_odd_pool_matches_the_oracle(B, state_dtype, make_case):
     """The schedule's large rows (a ring, and a slot-major grid for a pool of about B rows, on an aligned pool) run
-    tile 128 on the realigning variant: its ring with an fp32 pool, the register path with bf16 (no slot-major
-    grid)."""
+    tile 128 on the realigning variant: its ring with both pool dtypes (no slot-major grid)."""
     N = B + 8
     case = make_case(B, H, state_dtype=state_dtype, n_slots=N, seed=B)
     ref_out, ref_pool = case.oracle()

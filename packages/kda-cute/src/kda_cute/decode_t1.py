@@ -137,13 +137,13 @@ _SCHEDULE = {
 }
 
 # The pool-realigning variant (any slot stride) takes the ring rows' ring per pool dtype as below; else their register
-# fields. Measured: H100, 2026-12-06, vLLM K3's packed call (lower-bound gate) on a `+17` pool, H=12, tile 128, CUDA
-# graphs, one process (docs/decode_t1.md, "Pool realigning ring"): fp32 ring 8 39.07 / 285.6 us against 43.94 / 300.9
-# on the register path at B = 64 / 512; bf16 25.25 / 159.1 against 16.64 / 159.0 (the bf16 ring build holds 93
-# registers: 5 CTAs per SM, so 768 CTAs at B=64 take a second wave). The varlen form follows the same table: vLLM
-# Kimi-Linear's [1, N] + cu_seqlens call, fp32, ring 41.19 / 292.4 us against 42.72 / 298.2 at B = 64 / 512 (H100,
-# 2026-12-06, bitwise equal outputs and pool).
-REALIGNED_RING_SCHEDULED = {torch.bfloat16: False, torch.float32: True}
+# fields. Measured: H200, 2026-12-06, vLLM K3's packed call (lower-bound gate) on a `+17` pool, H=12, CUDA graphs, one
+# process (docs/decode_t1.md, "Pool realigning ring"): bf16 ring 34.05 / 64.16 / 121.1 us against 35.55 / 67.46 /
+# 134.6 on the register path at B = 128 / 256 / 512, a tie at B = 64 (16.96 / 16.90); fp32 (H100, same call) 39.07 /
+# 285.6 against 43.94 / 300.9 at B = 64 / 512. The varlen form follows the same table: vLLM Kimi-Linear's [1, N] +
+# cu_seqlens call, fp32, ring 41.19 / 292.4 us against 42.72 / 298.2 at B = 64 / 512 (H100). Outputs and pool bitwise
+# the register path's in every case.
+REALIGNED_RING_SCHEDULED = {torch.bfloat16: True, torch.float32: True}
 
 # Slot-major grid, taken by the ring rows from SLOT_MAJOR_MIN_STATES (B*H) on when the pool has at most
 # SLOT_MAJOR_MAX_POOL_PER_ROW rows per batch row. Measured: H200, 2026-12-01, bench_packed_kda_decode.py --slot-major
