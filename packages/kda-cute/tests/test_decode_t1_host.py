@@ -648,18 +648,14 @@ def test_varlen_path_hands_the_token_views_and_offsets_to_the_varlen_variant(hos
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_varlen_form_on_an_odd_pool_takes_the_ring_where_the_dense_form_does(state_dtype, entries_on_cpu,
                                                                                  make_case):
-    """A `+17` pool past the ring rows: the varlen form takes the realigning ring where the dense call does
-    (``REALIGNED_RING_SCHEDULED``), and the register fields of the same row where it does not."""
-    from kda_cute import decode_t1
-
-    ring = 8 if decode_t1.REALIGNED_RING_SCHEDULED[state_dtype] else 0
+    """A `+17` pool past the ring rows: the varlen form takes the realigning ring as the dense call does."""
     case = make_case(64, 12, device="cpu", state_dtype=state_dtype, pool_row_pad=17)
     slots = torch.arange(64, dtype=torch.int32)
     _varlen_call(case, 64, slots, torch.arange(65, dtype=torch.int32))
     _unpacked_entry(case)
     varlen, dense = entries_on_cpu
     for fn in (varlen, dense):
-        assert _field(fn.key, "realign_pool") is True and _field(fn.key, "bulk_ring") == ring
+        assert _field(fn.key, "realign_pool") is True and _field(fn.key, "bulk_ring") == 8
         assert _field(fn.key, "tile_v") == 128
     assert _field(varlen.key, "rows_in_flight") == _field(dense.key, "rows_in_flight")
 
@@ -737,8 +733,7 @@ def test_a_misaligned_call_takes_the_realigning_variant_without_slot_major(entri
     realigned, elementwise, act_only, aligned = entries_on_cpu
     assert _field(realigned.key, "aligned") is True and _field(realigned.key, "realign_pool") is True
     # the realigning ring where the schedule takes it, never a slot-major grid
-    ring = 8 if decode_t1.REALIGNED_RING_SCHEDULED[state_dtype] else 0
-    assert _field(realigned.key, "bulk_ring") == ring and _field(realigned.key, "slot_major") is False
+    assert _field(realigned.key, "bulk_ring") == 8 and _field(realigned.key, "slot_major") is False
     assert _field(realigned.key, "tile_v") == 128
     for other in (elementwise, act_only):
         assert _field(other.key, "aligned") is False and _field(other.key, "realign_pool") is True

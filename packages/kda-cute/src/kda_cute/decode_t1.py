@@ -136,14 +136,13 @@ _SCHEDULE = {
                     (1 << 62, DecodeT1Config(128, rows_in_flight=16, cache_hint="global", bulk_ring=8))),
 }
 
-# The pool-realigning variant (any slot stride) takes the ring rows' ring per pool dtype as below; else their register
-# fields. Measured: H200, 2026-12-06, vLLM K3's packed call (lower-bound gate) on a `+17` pool, H=12, CUDA graphs, one
-# process (docs/decode_t1.md, "Pool realigning ring"): bf16 ring 34.05 / 64.16 / 121.1 us against 35.55 / 67.46 /
-# 134.6 on the register path at B = 128 / 256 / 512, a tie at B = 64 (16.96 / 16.90); fp32 (H100, same call) 39.07 /
-# 285.6 against 43.94 / 300.9 at B = 64 / 512. The varlen form follows the same table: vLLM Kimi-Linear's [1, N] +
-# cu_seqlens call, fp32, ring 41.19 / 292.4 us against 42.72 / 298.2 at B = 64 / 512 (H100). Outputs and pool bitwise
-# the register path's in every case.
-REALIGNED_RING_SCHEDULED = {torch.bfloat16: True, torch.float32: True}
+# The pool-realigning variant (any slot stride) runs the ring rows on its own ring (update_state_realigned_ring), with
+# both pool dtypes and in the varlen form too. Measured against those rows' register fields: H200, 2026-12-06, vLLM K3's
+# packed call (lower-bound gate) on a `+17` pool, H=12, CUDA graphs, one process (docs/decode_t1.md, "Pool realigning
+# ring"): bf16 ring 34.05 / 64.16 / 121.1 us against 35.55 / 67.46 / 134.6 on the register path at B = 128 / 256 /
+# 512, a tie at B = 64 (16.96 / 16.90); fp32 (H100, same call) 39.07 / 285.6 against 43.94 / 300.9 at B = 64 / 512;
+# vLLM Kimi-Linear's [1, N] + cu_seqlens call, fp32, ring 41.19 / 292.4 us against 42.72 / 298.2 at B = 64 / 512
+# (H100). Outputs and pool bitwise the register path's in every case.
 
 # Slot-major grid, taken by the ring rows from SLOT_MAJOR_MIN_STATES (B*H) on when the pool has at most
 # SLOT_MAJOR_MAX_POOL_PER_ROW rows per batch row. Measured: H200, 2026-12-01, bench_packed_kda_decode.py --slot-major
@@ -172,12 +171,10 @@ def select_config(B: int, H: int, state_dtype: torch.dtype, aligned: bool, N: in
     """The schedule policy: the ``_SCHEDULE`` row of B*H states, fitted to the call (:func:`effective_config`).
 
     ``KDA_DECODE_TILE_V`` (if non-zero) forces the tile. ``N``: pool rows (None: the slot-major grid is not
-    considered). ``realign``: the call runs the pool-realigning variant (``aligned`` False) and may take its ring
-    (``REALIGNED_RING_SCHEDULED``)."""
+    considered). ``realign``: the call runs the pool-realigning variant (``aligned`` False), whose ring rows take its
+    own ring."""
     states = B * H
     cfg = next(c for limit, c in _SCHEDULE[state_dtype] if states <= limit)
-    if realign and not REALIGNED_RING_SCHEDULED[state_dtype]:
-        cfg = dataclasses.replace(cfg, bulk_ring=0)
     forced = knobs.get("KDA_DECODE_TILE_V")
     if forced:
         if forced not in TILE_V_CHOICES:
