@@ -755,6 +755,7 @@ class KDADecodeT1:
         shift = mis // elem_bytes  # uniform in the CTA
         floor0 = start - Int64(mis)  # 16-byte aligned
         straddle = (lane == 0) & (shift > 0)
+        lane0_shift = cutlass.select_(lane == 0, shift, Int32(0))  # bf16 merges by word (blend_head): 0 keeps all
 
         # bf16 (tail_vectors): a thread owns a block of consecutive rows (:meth:`state_row`), so the vector
         # straddling row j's end is lane 0's first vector of row j + 1, already in flight in its registers; only the
@@ -790,8 +791,7 @@ class KDADecodeT1:
                 # lane 0: channels 128 - shift + t from the end's vector: row j + 1's first vector as loaded (its
                 # own merge comes at the next row), or the block's last row's tail register
                 end = row_regs[j + 1] if const_expr(j + 1 < rows) else tail
-                for t in cutlass.range_constexpr(vec - 1):
-                    regs[t] = cutlass.select_(straddle & (t < shift), end[t], regs[t])
+                self.blend_head(regs, end, regs, lane0_shift)
             sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
             sf.store(regs.load().to(Float32))
             sq, u = self.row_step(sf, decay, kf, qf, beta, v_raw[j])
@@ -812,8 +812,7 @@ class KDADecodeT1:
                         cute.copy(store_atom, self._reg_vector(s_new, 0), self._global_vector(own, 0))
                 else:
                     merged = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
-                    for t in cutlass.range_constexpr(CHANNELS_PER_LANE):
-                        merged[t] = cutlass.select_(straddle & (t < shift), prev[t], s_new[t])
+                    self.blend_head(merged, prev, s_new, lane0_shift)
                     cute.copy(store_atom, self._reg_vector(merged, 0), self._global_vector(own, 0))
                 if const_expr(j == rows - 1):
                     if straddle:
@@ -982,7 +981,8 @@ class KDADecodeT1:
         """The first 16-byte vector of ``out`` <- elements t < ``shift`` of ``low``, the others of ``high`` (``out`` may
         be either). bf16: by 32-bit word, one mask of two halves each, so the two elements of a word are never split
         into 16-bit registers; a select per element held the realigning ring's bf16 build at 92-93 registers, the words
-        at 72, the aligned ring's count (sm_90a, tile 128). fp32: a select per element (a word each)."""
+        at 72, the aligned ring's count (sm_90a, tile 128), and the register path's at 138 against 128 (tile 128, 8
+        rows in flight). fp32: a select per element (a word each)."""
         if const_expr(self.state_dtype.width == 16):
             out_w, low_w, high_w = (cute.recast_tensor(x, cutlass.Uint32) for x in (out, low, high))
             for w in cutlass.range_constexpr(4):
