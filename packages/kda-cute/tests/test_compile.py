@@ -225,24 +225,30 @@ def test_bulk_ring_variant_does_not_spill(tile_v, bulk_ring, packed, state_dtype
 @pytest.mark.sm100_share(lambda params, indices: params["tile_v"] == 128 and not params["cu_dtype"])
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("tile_v, bulk_ring, packed, cu_dtype",
-                         [(128, 8, True, None), (32, 3, False, None), (128, 8, False, torch.int32)],
-                         ids=["ring8-packed", "tile32-ring3", "ring8-varlen"])
-def test_realigning_ring_variant_does_not_spill(tile_v, bulk_ring, packed, cu_dtype, state_dtype, arch, tmp_path,
-                                                ptxas):
+@pytest.mark.parametrize("tile_v, bulk_ring, packed, cu_dtype, kimi_linear",
+                         [(128, 8, True, None, False), (32, 3, False, None, False), (128, 8, False, torch.int32, False),
+                          (128, 8, False, torch.int32, True)],
+                         ids=["ring8-packed", "tile32-ring3", "ring8-varlen", "ring8-varlen-kimi-linear"])
+def test_realigning_ring_variant_does_not_spill(tile_v, bulk_ring, packed, cu_dtype, kimi_linear, state_dtype, arch,
+                                                tmp_path, ptxas):
     """The pool-realigning variant's ring (any slot stride): chunk 0's bulk copies one vector short (the run's head
     vector is lane 0's, in pieces), each chunk waited for one step early by the row that writes its first vector, and
     the realigned coefficients; no spill, no stack frame, and the aligned ring's occupancy: at most 80 registers
     (measured 2026-12-06, sm_90a / sm_100a: tile 128 72 / 72 both dtypes, tile 32 56 / 56-63), the varlen build at most
     104 (bf16 96 / 88, fp32 76 / 76); the bf16 merges of lane 0's straddling vector by 32-bit word
-    (``blend_head``) keep it there (a select per 16-bit element: 92-93 at tile 128, 122 varlen)."""
-    from kda_core.contracts import GateMode
+    (``blend_head``) keep it there (a select per 16-bit element: 92-93 at tile 128, 122 varlen). ``kimi_linear``: the
+    build vLLM Kimi-Linear's decode call takes from the ring batch sizes on (fp32 log decay and beta, slot 0 null;
+    measured 2026-12-07, sm_90a: bf16 75, fp32 88, against the plain builds' 64 / 72: docs/decode_t1.md, "Varlen
+    form")."""
+    from kda_core.contracts import GateMode, NullSlotPolicy
     from kda_cute import decode_t1
 
-    key = decode_t1.variant_key(state_dtype=state_dtype, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16,
-                                gate=GateMode.SOFTPLUS, beta_is_logit=True, use_qk_l2norm=True, has_dt_bias=True,
-                                tile_v=tile_v, aligned=True, bulk_ring=bulk_ring, packed=packed, cu_dtype=cu_dtype,
-                                realign_pool=True)
+    gate = (dict(g_dtype=torch.float32, beta_dtype=torch.float32, gate=GateMode.PRECOMPUTED, beta_is_logit=False,
+                 has_dt_bias=False, null_policy=NullSlotPolicy.NONPOSITIVE) if kimi_linear else
+            dict(g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16, gate=GateMode.SOFTPLUS, beta_is_logit=True,
+                 has_dt_bias=True))
+    key = decode_t1.variant_key(state_dtype=state_dtype, use_qk_l2norm=True, tile_v=tile_v, aligned=True,
+                                bulk_ring=bulk_ring, packed=packed, cu_dtype=cu_dtype, realign_pool=True, **gate)
     assert _field(key, "bulk_ring") == bulk_ring and _field(key, "realign_pool") is True
     decode_t1.compile_variant(key, arch, ptxas.keep(tmp_path))
     (ptx,) = sorted(tmp_path.glob("*.ptx"))
@@ -389,29 +395,6 @@ def test_varlen_variant_does_not_spill(state_dtype, tile_v, bulk_ring, aligned, 
     registers, spills = ptxas.registers_and_spills(ptx, arch)
     assert spills == 0, (registers, spills)
     report = ptxas.report(ptx, arch)
-    assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes stack frame", report)), report
-
-
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) not on PATH")
-@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_kimi_linear_varlen_ring_builds_do_not_spill(state_dtype, tmp_path, ptxas):
-    """The builds vLLM Kimi-Linear's decode call takes from the ring batch sizes on (`[1, N]` + cu_seqlens, fp32 log
-    decay and beta, slot 0 null, a `+17` pool: the realigning ring in the varlen form) neither spill nor keep a stack
-    frame. Measured (sm_90a): 75 registers bf16, 88 fp32, against the plain builds' 64 / 72 (docs/decode_t1.md,
-    "Varlen form": the token loop's registers)."""
-    from kda_core.contracts import GateMode, NullSlotPolicy
-    from kda_cute import decode_t1
-
-    key = decode_t1.variant_key(state_dtype=state_dtype, g_dtype=torch.float32, beta_dtype=torch.float32,
-                                gate=GateMode.PRECOMPUTED, beta_is_logit=False, use_qk_l2norm=True, has_dt_bias=False,
-                                tile_v=128, aligned=True, bulk_ring=8, realign_pool=True,
-                                null_policy=NullSlotPolicy.NONPOSITIVE, cu_dtype=torch.int32)
-    assert _field(key, "bulk_ring") == 8 and _field(key, "realign_pool") is True
-    decode_t1.compile_variant(key, "sm_90a", ptxas.keep(tmp_path))
-    (ptx,) = sorted(tmp_path.glob("*.ptx"))
-    registers, spills = ptxas.registers_and_spills(ptx, "sm_90a")
-    assert spills == 0, (registers, spills)
-    report = ptxas.report(ptx, "sm_90a")
     assert all(int(x) == 0 for x in re.findall(r"(\d+) bytes stack frame", report)), report
 
 
