@@ -152,6 +152,15 @@ SLOT_MAJOR_MAX_POOL_PER_ROW = 1.25
 GRID_Z_MAX = 65535  # CUDA's limit on gridDim.z
 SCAN_UNROLL = 8  # slot indices each thread of a slot-major CTA loads at once (1024 rows per pass of the CTA)
 
+# The varlen form's token loop (the exact fallback for a sequence of length != 1) runs a thread's state rows rolled
+# (one copy of the body) except where this set says unrolled, by (gate mode, pool bits): it is the varlen kernel's
+# register peak, so it sets the one-token path's residency. Measured: ptxas, 2026-12-07, the tile 128 ring 8 varlen
+# builds on sm_90a (sm_100a beside it), registers unrolled -> rolled (docs/decode_t1.md, "Varlen form"): precomputed
+# gate, fp32 pool 88 -> 74 (vLLM Kimi-Linear's call on a `+17` pool; 6 CTAs per SM like the plain call's 72, against
+# 5), bf16 75 -> 72; lower-bound gate, bf16 pool: a 64-byte spill -> none, fp32 94 -> 95; softplus gate, bf16 pool
+# 96 -> 96 (aligned pool 123 -> 96), fp32 77 -> 84 (aligned 80 -> 96): kept unrolled.
+TOKEN_LOOP_UNROLLED = {(GateMode.SOFTPLUS, 32)}
+
 
 def slot_major_compiles(tile_v: int, aligned: bool) -> bool:
     """The slot-major grid's compile-time conditions: tile 128 (a CTA owns its head's whole state and output row)
@@ -1226,27 +1235,38 @@ class KDADecodeT1:
         read once, run through the tokens in fp32 registers and stored once (rounded once, as the oracle). Every
         token's preamble is recomputed for each row: the exact fallback of the T=1 kernel, not a fast path (the
         generic kernel is the one for multi-token sequences)."""
+        gState = mState[Int64(slot), h, None, None]  # [V, K]
+        if const_expr((self.gate, self.state_dtype.width) not in TOKEN_LOOP_UNROLLED):
+            for j in cutlass.range(self.rows, unroll=1):
+                self.token_loop_row(mQ, mK, mV, mG, mBeta, mALog, mDtBias, gState, mOut, self.state_row(row0, group, j),
+                                    h, bos, seq_len, lane, scale, lower_bound)
+        else:
+            for j in cutlass.range_constexpr(self.rows):
+                self.token_loop_row(mQ, mK, mV, mG, mBeta, mALog, mDtBias, gState, mOut, self.state_row(row0, group, j),
+                                    h, bos, seq_len, lane, scale, lower_bound)
+
+    @cute.jit
+    def token_loop_row(self, mQ, mK, mV, mG, mBeta, mALog, mDtBias, gState: cute.Tensor, mOut: cute.Tensor, row, h, bos,
+                       seq_len, lane, scale: Float32, lower_bound: Float32):
+        """:meth:`token_loop` on one state row ``row`` of the (slot, head) state ``gState`` [V, K]."""
         sdt = self.state_dtype
         s_bits = self._state_copy_bits()
         s_vec = s_bits // sdt.width
         load_atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), sdt, num_bits_per_copy=s_bits, **self.load_hints)
         store_atom = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), sdt, num_bits_per_copy=s_bits, **self.store_hints)
-        gState = mState[Int64(slot), h, None, None]  # [V, K]
-        for j in cutlass.range_constexpr(self.rows):
-            row = self.state_row(row0, group, j)
-            view = cute.logical_divide(cute.local_tile(gState[row, None], (CHANNELS_PER_LANE,), (lane,)), (s_vec,))
-            raw = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
-            cute.copy(load_atom, view, cute.logical_divide(raw, (s_vec,)))
-            sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
-            sf.store(raw.load().to(Float32))
-            for t in cutlass.range(bos, bos + seq_len, unroll=1):
-                token = self.load_token(mQ, mK, mV, mG, mBeta, mALog, mDtBias, t, h, lane, [row])
-                kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound)
-                sq, u = self.row_step(sf, decay, kf, qf, beta, token[3][0])
-                if lane == 0:
-                    mOut[t, 0, h, row] = (sq + u * kq).to(mOut.element_type)
-            raw.store(sf.load().to(sdt))
-            cute.copy(store_atom, cute.logical_divide(raw, (s_vec,)), view)
+        view = cute.logical_divide(cute.local_tile(gState[row, None], (CHANNELS_PER_LANE,), (lane,)), (s_vec,))
+        raw = cute.make_rmem_tensor((CHANNELS_PER_LANE,), sdt)
+        cute.copy(load_atom, view, cute.logical_divide(raw, (s_vec,)))
+        sf = cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32)
+        sf.store(raw.load().to(Float32))
+        for t in cutlass.range(bos, bos + seq_len, unroll=1):
+            token = self.load_token(mQ, mK, mV, mG, mBeta, mALog, mDtBias, t, h, lane, [row])
+            kf, qf, decay, beta, kq = self.prepare_token(token, scale, lower_bound)
+            sq, u = self.row_step(sf, decay, kf, qf, beta, token[3][0])
+            if lane == 0:
+                mOut[t, 0, h, row] = (sq + u * kq).to(mOut.element_type)
+        raw.store(sf.load().to(sdt))
+        cute.copy(store_atom, cute.logical_divide(raw, (s_vec,)), view)
 
 
 class KDADecodeT1Packed(KDADecodeT1):
