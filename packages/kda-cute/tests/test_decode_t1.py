@@ -1030,12 +1030,15 @@ def test_varlen_of_one_token_sequences_is_bitwise_the_dense_call(grid, state_dty
     assert torch.count_nonzero(out[0, inactive]) == 0
 
 
-@pytest.mark.parametrize("policy", ["out_of_range", "nonpositive"])
+@pytest.mark.parametrize("gate, policy", [("lower_bound", "out_of_range"), ("lower_bound", "nonpositive"),
+                                          ("softplus", "out_of_range"), ("precomputed", "nonpositive")])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("grid", list(VARLEN_GRIDS))
-def test_varlen_sequences_of_any_length_match_the_oracle(grid, state_dtype, policy, make_case):
+def test_varlen_sequences_of_any_length_match_the_oracle(grid, state_dtype, gate, policy, make_case):
     """Lengths 0-5 (the token loop for all but 1), null slots of every length, two uncovered tokens before the first
-    sequence and one after the last (zero output); slots no live sequence names stay bitwise untouched."""
+    sequence and one after the last (zero output); slots no live sequence names stay bitwise untouched. Every gate
+    mode: the token loop runs a thread's rows rolled or unrolled by gate and pool dtype (``TOKEN_LOOP_UNROLLED``);
+    ``precomputed`` as vLLM Kimi-Linear calls it (fp32 log decay, beta in (0, 1), slot 0 null)."""
     from kda_core.contracts import NullSlotPolicy
     from kda_cute.decode_t1 import DecodeT1Config
 
@@ -1049,7 +1052,8 @@ def test_varlen_sequences_of_any_length_match_the_oracle(grid, state_dtype, poli
     cu = [lead + sum(lengths[:n]) for n in range(len(lengths) + 1)]
     low = 1 if policy is NullSlotPolicy.NONPOSITIVE else 0
     mapped = [s if low <= s < N else -1 for s in slots]
-    case = make_case(T, H, state_dtype=state_dtype, n_slots=N, slots=[0] * T, seed=112)
+    g_dtype = torch.float32 if gate == "precomputed" else torch.bfloat16
+    case = make_case(T, H, state_dtype=state_dtype, gate=gate, g_dtype=g_dtype, n_slots=N, slots=[0] * T, seed=112)
     before = case.pool.clone()
     ref_out, ref_pool = _varlen_reference(case, _clamped(cu, T), mapped)
     tile_v, ring = VARLEN_GRIDS[grid]

@@ -1234,7 +1234,8 @@ class KDADecodeT1:
         """Varlen, a sequence of ``seq_len`` != 1 tokens from ``bos`` at a live slot: each of this thread's rows is
         read once, run through the tokens in fp32 registers and stored once (rounded once, as the oracle). Every
         token's preamble is recomputed for each row: the exact fallback of the T=1 kernel, not a fast path (the
-        generic kernel is the one for multi-token sequences)."""
+        generic kernel is the one for multi-token sequences). The rows run rolled (one copy of the body) unless
+        ``TOKEN_LOOP_UNROLLED`` names this gate and pool dtype: this loop sets the varlen build's register count."""
         gState = mState[Int64(slot), h, None, None]  # [V, K]
         if const_expr((self.gate, self.state_dtype.width) not in TOKEN_LOOP_UNROLLED):
             for j in cutlass.range(self.rows, unroll=1):
