@@ -1237,6 +1237,7 @@ class KDADecodeT1:
         generic kernel is the one for multi-token sequences). The rows run rolled (one copy of the body) unless
         ``TOKEN_LOOP_UNROLLED`` names this gate and pool dtype: this loop sets the varlen build's register count."""
         gState = mState[Int64(slot), h, None, None]  # [V, K]
+        # Two literal loops: the DSL's preprocessor takes a loop's kind (range / range_constexpr) from its source.
         if const_expr((self.gate, self.state_dtype.width) not in TOKEN_LOOP_UNROLLED):
             for j in cutlass.range(self.rows, unroll=1):
                 self.token_loop_row(mQ, mK, mV, mG, mBeta, mALog, mDtBias, gState, mOut, self.state_row(row0, group, j),
