@@ -240,10 +240,10 @@ def test_realigning_ring_variant_does_not_spill(tile_v, bulk_ring, packed, cu_dt
     104 (bf16 96 / 96, fp32 77 / 80); the bf16 merges of lane 0's straddling vector by 32-bit word
     (``blend_head``) keep it there (a select per 16-bit element: 92-93 at tile 128, 122 varlen). ``kimi-linear``: the
     build vLLM Kimi-Linear's decode call takes from the ring batch sizes on (fp32 log decay and beta, slot 0 null), at
-    most the plain builds' 80 with the token loop rolled (measured 2026-12-07, sm_90a / sm_100a: bf16 72 / 68, fp32 74
-    / 74; unrolled 75 / 75 and 88 / 96: docs/decode_t1.md, "Varlen form"). ``lower-bound``: the facade's varlen call
-    with Kimi K3's gate (bf16 raw gate and beta, in-kernel lower-bound gate), whose bf16 build spilled 64 / 704 bytes
-    with the token loop unrolled (rolled: bf16 96 / 94, fp32 95 / 94)."""
+    most the plain builds' 80 (measured 2026-12-07, sm_90a / sm_100a: fp32 74 / 74 with the token loop's rows rolled,
+    88 / 96 unrolled; bf16 75 / 75 unrolled: docs/decode_t1.md, "Varlen form"). ``lower-bound``: the facade's varlen
+    call with Kimi K3's gate (bf16 raw gate and beta, in-kernel lower-bound gate), whose bf16 build spilled 64 / 704
+    bytes with the token loop unrolled (rolled: 96 / 94; the fp32 build runs unrolled, 94 / 96)."""
     from kda_core.contracts import GateMode, NullSlotPolicy
     from kda_cute import decode_t1
 

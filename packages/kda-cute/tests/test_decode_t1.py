@@ -1006,7 +1006,7 @@ def _clamped(cu, T):
     return bounds
 
 
-VARLEN_GRIDS = {"tile16": (16, 0), "tile64": (64, 0), "ring": (128, 8)}
+VARLEN_GRIDS = {"tile16": (16, 0), "tile32": (32, 0), "tile64": (64, 0), "ring": (128, 8)}
 
 
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -1037,7 +1037,7 @@ def test_varlen_of_one_token_sequences_is_bitwise_the_dense_call(grid, state_dty
 def test_varlen_sequences_of_any_length_match_the_oracle(grid, state_dtype, gate, policy, make_case):
     """Lengths 0-5 (the token loop for all but 1), null slots of every length, two uncovered tokens before the first
     sequence and one after the last (zero output); slots no live sequence names stay bitwise untouched. Every gate
-    mode: the token loop runs a thread's rows rolled or unrolled by gate and pool dtype (``TOKEN_LOOP_UNROLLED``);
+    mode: the token loop runs a thread's rows rolled or unrolled by gate, pool dtype and tile (``TOKEN_LOOP_ROLLED``);
     ``precomputed`` as vLLM Kimi-Linear calls it (fp32 log decay, beta in (0, 1), slot 0 null)."""
     from kda_core.contracts import NullSlotPolicy
     from kda_cute.decode_t1 import DecodeT1Config

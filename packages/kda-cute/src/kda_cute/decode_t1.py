@@ -152,14 +152,18 @@ SLOT_MAJOR_MAX_POOL_PER_ROW = 1.25
 GRID_Z_MAX = 65535  # CUDA's limit on gridDim.z
 SCAN_UNROLL = 8  # slot indices each thread of a slot-major CTA loads at once (1024 rows per pass of the CTA)
 
-# The varlen form's token loop (the exact fallback for a sequence of length != 1) runs a thread's state rows rolled
-# (one copy of the body) except where this set says unrolled, by (gate mode, pool bits): it is the varlen kernel's
-# register peak, so it sets the one-token path's residency. Measured: ptxas, 2026-12-07, the tile 128 ring 8 varlen
-# builds on sm_90a (sm_100a beside it), registers unrolled -> rolled (docs/decode_t1.md, "Varlen form"): precomputed
-# gate, fp32 pool 88 -> 74 (vLLM Kimi-Linear's call on a `+17` pool; 6 CTAs per SM like the plain call's 72, against
-# 5), bf16 75 -> 72; lower-bound gate, bf16 pool: a 64-byte spill -> none, fp32 94 -> 95; softplus gate, bf16 pool
-# 96 -> 96 (aligned pool 123 -> 96), fp32 77 -> 84 (aligned 80 -> 96): kept unrolled.
-TOKEN_LOOP_UNROLLED = {(GateMode.SOFTPLUS, 32)}
+# The varlen form's token loop (the exact fallback for a sequence of length != 1) runs a thread's state rows unrolled
+# (one copy of the body per row) except for the builds this set names, by (gate mode, pool bits, tile_v), which run
+# them rolled (one copy). The loop is the varlen kernel's register peak, so it sets the one-token path's residency, and
+# the one-token path's schedule moves with it. Measured: H100 80GB HBM3, 2026-12-07, vLLM Kimi-Linear's [1, N] +
+# cu_seqlens call on its `+17` pool (precomputed gate), H = 12, CUDA graphs, one process, unrolled -> rolled, us
+# (docs/decode_t1.md, "Varlen form"): fp32 tile 32 (B = 8) 4.69 -> 4.48, the fp32 ring (tile 128) 40.7 -> 39.2 at B = 64
+# (74 registers against 88: 6 CTAs per SM, as the plain call), level from B = 256; bf16 tile 32 (B = 8) 3.84 -> 3.60.
+# Rolled was slower at tile 16 (fp32 2.38 -> 2.59 at B = 1, bf16 2.56 -> 2.62), bf16 tile 64 and the bf16 ring (1-2%).
+# The lower-bound gate's bf16 ring build is rolled because unrolled it spills (64 bytes on sm_90a, 704 on sm_100a;
+# ptxas), not timed.
+TOKEN_LOOP_ROLLED = {(GateMode.PRECOMPUTED, 32, 32), (GateMode.PRECOMPUTED, 32, 128), (GateMode.PRECOMPUTED, 16, 32),
+                     (GateMode.LOWER_BOUND, 16, 128)}
 
 
 def slot_major_compiles(tile_v: int, aligned: bool) -> bool:
@@ -1234,11 +1238,11 @@ class KDADecodeT1:
         """Varlen, a sequence of ``seq_len`` != 1 tokens from ``bos`` at a live slot: each of this thread's rows is
         read once, run through the tokens in fp32 registers and stored once (rounded once, as the oracle). Every
         token's preamble is recomputed for each row: the exact fallback of the T=1 kernel, not a fast path (the
-        generic kernel is the one for multi-token sequences). The rows run rolled (one copy of the body) unless
-        ``TOKEN_LOOP_UNROLLED`` names this gate and pool dtype: this loop sets the varlen build's register count."""
+        generic kernel is the one for multi-token sequences). The rows run unrolled unless ``TOKEN_LOOP_ROLLED`` names
+        this gate, pool dtype and tile: this loop sets the varlen build's register count."""
         gState = mState[Int64(slot), h, None, None]  # [V, K]
         # Two literal loops: the DSL's preprocessor takes a loop's kind (range / range_constexpr) from its source.
-        if const_expr((self.gate, self.state_dtype.width) not in TOKEN_LOOP_UNROLLED):
+        if const_expr((self.gate, self.state_dtype.width, self.tile_v) in TOKEN_LOOP_ROLLED):
             for j in cutlass.range(self.rows, unroll=1):
                 self.token_loop_row(mQ, mK, mV, mG, mBeta, mALog, mDtBias, gState, mOut, self.state_row(row0, group, j),
                                     h, bos, seq_len, lane, scale, lower_bound)
