@@ -237,7 +237,7 @@ def test_realigning_ring_variant_does_not_spill(tile_v, bulk_ring, packed, cu_dt
     vector is lane 0's, in pieces), each chunk waited for one step early by the row that writes its first vector, and
     the realigned coefficients; no spill, no stack frame, and the aligned ring's occupancy: at most 80 registers
     (measured 2026-12-06, sm_90a / sm_100a: tile 128 72 / 72 both dtypes, tile 32 56 / 56-63), the varlen build at most
-    104 (bf16 96 / 96, fp32 77 / 80); the bf16 merges of lane 0's straddling vector by 32-bit word
+    104 (softplus, bf16 96 / 86, fp32 77 / 80); the bf16 merges of lane 0's straddling vector by 32-bit word
     (``blend_head``) keep it there (a select per 16-bit element: 92-93 at tile 128, 122 varlen). ``kimi-linear``: the
     build vLLM Kimi-Linear's decode call takes from the ring batch sizes on (fp32 log decay and beta, slot 0 null), at
     most the plain builds' 80 (measured 2026-12-07, sm_90a / sm_100a: fp32 74 / 74 with the token loop's rows rolled,
