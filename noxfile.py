@@ -64,9 +64,9 @@ GPU_HOST_ENV = {
 }
 HOST_PYTEST = (sys.executable, "-m", "pytest")
 SANITIZER_TOOLS = ("memcheck", "racecheck")
-# kda-cute's ucache GPU tests that reach the kernel's bounds paths, one test each (8 tests): out-of-range and
-# inactive slots, a padded pool, a misaligned pool, T=4 with w_ring 32, the softplus gate with strong decay, the
-# 4-CTA build, the cursor restart.
+# kda-cute's ucache GPU tests that reach the kernel's bounds paths (10 tests): out-of-range and inactive slots, a
+# padded pool, a misaligned pool, T=4 with w_ring 32, the softplus gate with strong decay, the 4-CTA build, the
+# cursor restart, one test each, and the null-policy test's two out_of_range cases, which the first term also selects.
 UCACHE_SANITIZE = (
     "out_of_range or only_inactive or padded_pool or misaligned_pool_takes or (w_ring_32 and 4-128) "
     "or (strong_decay and 128) or (four_resident_ctas and mixed-T8) or restart_hist"
