@@ -290,10 +290,11 @@ def _check_gpu_host(session: nox.Session) -> None:
 def gpu(session: nox.Session) -> None:
     """GPU-marked tests (`-m gpu`) of every package, for a GPU host (the host's Python; see the module docstring).
 
-    `nox -s gpu -- --jobs N` runs them in N pytest processes at once, each a contiguous share of one package's
-    collected tests (the suite's time is mostly kernel compiles, one CPU core each); the other arguments after `--`
-    go to every pytest run. A similar split run by a shell loop on an H100 host (16 cores, 2026-12-07): 1427 tests
-    in 7.5 minutes in 8 processes, whose times summed to 29 minutes.
+    `nox -s gpu -- --jobs N` runs them in N pytest processes at once (the suite's time is mostly kernel compiles, one
+    CPU core each); the other arguments after `--` go to every pytest run. Eight contiguous shares, one per process,
+    run by a shell loop on an H100 host (16 cores, 2026-12-07): 1427 tests in 7.5 minutes, the processes' times
+    summing to 29 minutes; the slowest share took 7.3 minutes, the others 2.5-4.
+    So the session cuts about 3N contiguous shares and hands them to the N processes in order as each finishes.
     """
     _check_gpu_host(session)
     jobs, args = _jobs_option(session)
@@ -351,11 +352,11 @@ def _gpu_node_ids(name: str, args: list[str]) -> list[str]:
 
 
 def _gpu_in_shards(session: nox.Session, jobs: int, args: list[str]) -> int:
-    """Every package's GPU tests in contiguous shards of about total / jobs tests (a shard never mixes packages:
-    their test modules share names), `jobs` shards at a time; each writes its JUnit file and log under
-    .nox/junit/, printed when it ends. Returns how many tests ran."""
+    """Every package's GPU tests in contiguous shards of about total / (3 jobs) tests (a shard never mixes
+    packages: their test modules share names), `jobs` shards at a time, in order; each writes its JUnit file and log
+    under .nox/junit/, printed when it ends. Returns how many tests ran."""
     ids = {name: _gpu_node_ids(name, args) for name in PACKAGE_NAMES}
-    size = max(1, -(-sum(map(len, ids.values())) // jobs))
+    size = max(1, -(-sum(map(len, ids.values())) // (3 * jobs)))
     shards = [(f"gpu-{name}-{i // size}", found[i:i + size])
               for name, found in ids.items() for i in range(0, len(found), size)]
     session.log(f"gpu tests: {sum(map(len, ids.values()))} in {len(shards)} shards, {jobs} at a time")
