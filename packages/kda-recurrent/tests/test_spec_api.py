@@ -289,6 +289,27 @@ def test_sglang_target_verify_runs_each_token_on_its_root_to_token_path(device, 
             torch.testing.assert_close(inter[n, t], s_ref, rtol=1e-4, atol=1e-4)
 
 
+def test_sglang_target_verify_refuses_the_replayssm_ring_mode_it_does_not_write():
+    """SGLang's ring mode (``cache_ring=True``: the draft tokens' records go to its ReplaySSM rings, no intermediate
+    states) is refused by name before anything runs, not answered with outputs and stale rings."""
+    g = torch.Generator().manual_seed(8)
+    N, T, H = 2, 3, 4
+    q, k, v, graw = (rnd(g, 1, N * T, H, D) for _ in range(4))
+    pool = rnd(g, N + 1, H, D, D, dtype=torch.float32, scale=0.1)
+    rings = {"replayssm_rawv": torch.zeros(N + 1, H, T, D, dtype=BF16),
+             "replayssm_rawk": torch.zeros(N + 1, H, T, D, dtype=BF16),
+             "replayssm_g": torch.zeros(N + 1, H, T), "replayssm_beta": torch.zeros(N + 1, H, T)}
+    before = {name: t.clone() for name, t in rings.items()}
+    qsl = torch.arange(0, N * T + 1, T, dtype=torch.int32)
+    with pytest.raises(KDAError, match="cache_ring"):
+        sglang.kda_target_verify(rnd(g, H, dtype=torch.float32), rnd(g, H * D, dtype=torch.float32), q, k, v,
+                                 graw.reshape(1, N * T, H * D), rnd(g, 1, N * T, H), ssm_states=pool,
+                                 cache_indices=torch.arange(1, N + 1, dtype=torch.int32), query_start_loc=qsl,
+                                 intermediate_states_buffer=None, intermediate_state_indices=None, cache_steps=T,
+                                 retrieve_parent_token=None, lower_bound=-5.0, cache_ring=True, **rings)
+    assert all(torch.equal(rings[name], before[name]) for name in rings)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("pool_dtype", [torch.float32, BF16])

@@ -172,6 +172,7 @@ def kda_target_verify(
     cache_steps=None,
     retrieve_parent_token=None,
     lower_bound=None,
+    cache_ring=False,
     **kwargs,
 ):
     """SGLang's KDA speculative verify (``TritonKDAKernel.target_verify``'s arguments, without ``self``).
@@ -196,13 +197,22 @@ def kda_target_verify(
         retrieve_parent_token: None (a chain) or [N, T] (EAGLE trees): token t > 0 continues from the stored state
             of token ``retrieve_parent_token[n, t]`` (docs/design.md §9 gives the rule for parents outside [0, t),
             which SGLang's kernel reads out of bounds).
-        lower_bound: None (softplus gate) or a negative float. ``kwargs``: SGLang's other keywords, ignored.
+        lower_bound: None (softplus gate) or a negative float.
+        cache_ring: False. A later stored copy of ``target_verify`` (no recorded commit) adds ``cache_ring`` and the
+            ReplaySSM ring tensors ``replayssm_rawv``, ``replayssm_rawk``, ``replayssm_g``, ``replayssm_beta``: with
+            ``cache_ring=True`` its kernel writes every draft token's records into those rings instead of the
+            intermediate states. kda does not write them, so ``cache_ring=True`` raises a KDAError rather than return
+            outputs while leaving the rings stale. ``kwargs``: SGLang's other keywords (the ring tensors included,
+            which only the ring mode reads), ignored.
 
     Without an intermediate buffer the call is a frozen verify (outputs only). The committed pool is never
     written. Returns the output [1, Ntok, HV, V] (q's dtype is SGLang's; kda writes bf16 there).
     """
     from kda_recurrent.spec import spec_call
 
+    if cache_ring is not False:
+        fail("cache_ring", "False (kda's verify does not write SGLang's ReplaySSM rings; take the intermediate states "
+             "path)", repr(cache_ring))
     if not isinstance(ssm_states, torch.Tensor) or ssm_states.dim() != 4:
         fail("ssm_states", "the state pool [slots, HV, V, K]", shape_text(ssm_states))
     _, HV, V, K = ssm_states.shape
