@@ -180,14 +180,103 @@ def test_vllm_recoverssm_verify_then_commit_context(device, request_indices):
         assert torch.equal(layer.kv_cache[0][untouched], conv0[untouched])
 
 
-def test_vllm_commit_context_refuses_the_align_mode():
+def test_vllm_commit_context_align_mode_arguments_come_together_and_a_block_covers_a_window():
     g = torch.Generator().manual_seed(1)
     layers = recoverssm_layers(g, layers=1, blocks=3, H=4, T=4, conv_dim=12, history=3, pool_dtype=torch.float32,
                                device="cpu")
     ctx = kimi_k3.KDARecoverSSMCommitContext.create(layers, spec_query_len=4, max_num_reqs=2, conv_dim_first=True)
     one = torch.ones(1, dtype=torch.int32)
+    qsl = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(KDAError, match="num_computed_tokens"):
+        ctx.commit(one, one, qsl, block_table=one[:, None], mamba_block_size=8)
+    with pytest.raises(KDAError, match="mamba_block_size"):
+        ctx.commit(one, one, qsl, block_table=one[:, None], num_computed_tokens=one, mamba_block_size=2)
     with pytest.raises(KDAError, match="block_table"):
-        ctx.commit(one, one, torch.tensor([0, 4], dtype=torch.int32), block_table=one[:, None])
+        ctx.commit(one, one, qsl, block_table=one, num_computed_tokens=one, mamba_block_size=8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_vllm_commit_context_align_mode_keeps_malformed_metadata_in_bounds(device):
+    """Requests past the tables, block ids past the pool or negative, a negative computed count, counts out of
+    range: every row is null, nothing is read or written outside the tensors (an index out of range raises on the
+    CPU), and every block keeps its bytes."""
+    g = torch.Generator().manual_seed(13)
+    T, blocks = 4, 6
+    layers = recoverssm_layers(g, layers=2, blocks=blocks, H=4, T=T, conv_dim=12, history=3,
+                               pool_dtype=torch.float32, device=device)
+    before = [tuple(c.clone() for c in layer.kv_cache) for layer in layers]
+    ctx = kimi_k3.KDARecoverSSMCommitContext.create(layers, spec_query_len=T, max_num_reqs=5, conv_dim_first=True)
+
+    def i32(*values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    table = i32(99, -3, 99, 2, 2, 2, -7, 6, 1_000_000).view(3, 3)
+    ctx.commit(i32(100, 2, 3), i32(1, 2, 3, 4, 5), i32(0, 4, 8, 12, 16, 20), request_indices=i32(7, -2, 0, 1, 2),
+               block_table=table, num_computed_tokens=i32(10**6, -1, 2**30), mamba_block_size=8)
+    for layer, old in zip(layers, before):
+        assert all(torch.equal(c, o) for c, o in zip(layer.kv_cache, old))
+
+
+# Align-mode cases: T, block size, pool blocks, rows (source slot, the request's blocks, tokens before the window,
+# accepted), the request of each row with request_indices (None: row n is request n), and the blocks written
+# (block, source slot, row, tokens folded).
+ALIGN_CASES = {
+    # 0 stays in its block (2 + 3 < 8): the source slot is the final block; 1 crosses 8 (6 + 4): the boundary state
+    # (2 tokens) to block 4, its source, the final state to block 5; 2 is a padding row (slot 0); 3's final block is
+    # 0 in the table (vLLM's null block), so nothing moves
+    "crossing_into_the_source": (4, 8, 10, [(1, [1, 2, 3], 2, 3), (4, [4, 5, 6], 6, 4), (0, [8, 8, 8], 0, 4),
+                                            (7, [7, 0, 9], 5, 4)], [2, 0, 3, 1],
+                                 [(1, 1, 0, 3), (4, 4, 1, 2), (5, 4, 1, 4)]),
+    # vLLM's own test inputs (tests/models/kimi_k3/test_kda.py): slots [5, 6], block table [[1, 5], [2, 6]], 4
+    # computed tokens, block size 8, accepted [2, 8] (through request_indices [1, 3]): row 0's state moves to block 1,
+    # row 1 stays in block 6 and leaves the boundary state (4 tokens) in block 2
+    "vllm_test_inputs": (8, 8, 8, [(5, [1, 5], 4, 2), (6, [2, 6], 4, 8)], [1, 3],
+                         [(1, 5, 0, 2), (6, 6, 1, 8), (2, 6, 1, 4)]),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("request_indices", [False, True])
+@pytest.mark.parametrize("case", list(ALIGN_CASES))
+def test_vllm_commit_context_align_mode_writes_the_final_and_boundary_blocks(device, request_indices, case):
+    """vLLM's prefix-cache align mode: the folded state goes to the block of the new position, and the state at a
+    crossed block boundary to that boundary's block, both from the source slot's checkpoint and records."""
+    T, size, blocks, spec, order, written = ALIGN_CASES[case]
+    g = torch.Generator().manual_seed(12)
+    H, N = 4, len(spec)
+    layers = recoverssm_layers(g, layers=2, blocks=blocks, H=H, T=T, conv_dim=12, history=3,
+                               pool_dtype=torch.float32, device=device)
+    order = order if request_indices else list(range(N))  # spec row n is request order[n]
+    R = max(order) + 1
+    table = torch.zeros(R, len(spec[0][1]), dtype=torch.int32)
+    done, nat = torch.zeros(R, dtype=torch.int32), torch.zeros(R, dtype=torch.int32)
+    for n, (_, row, c, a) in enumerate(spec):
+        table[order[n]] = torch.tensor(row)
+        done[order[n]], nat[order[n]] = c, a
+    slots = torch.tensor([s for s, *_ in spec], dtype=torch.int32, device=device)
+    qsl = torch.arange(0, N * T + 1, T, dtype=torch.int32, device=device)
+    initial = [(layer.kv_cache[0].clone(), layer.kv_cache[1].clone()) for layer in layers]
+    inputs = []
+    for layer in layers:
+        q, k, v, graw = (rnd(g, 1, N * T, H, D, device=device) for _ in range(4))
+        beta = rnd(g, 1, N * T, H, device=device)
+        kimi_k3.kda_recoverssm_verify(q, k, v, graw, beta, layer.A_log, layer.dt_bias, LB, layer.kv_cache[1],
+                                      layer.kv_cache[2], layer.kv_cache[3], qsl, slots, T)
+        inputs.append((q, k, v, graw, beta))
+    ctx = kimi_k3.KDARecoverSSMCommitContext.create(layers, spec_query_len=T, max_num_reqs=N, conv_dim_first=True)
+    ctx.commit(nat.to(device), slots, qsl,
+               request_indices=torch.tensor(order, dtype=torch.int32, device=device) if request_indices else None,
+               block_table=table.to(device), num_computed_tokens=done.to(device), mamba_block_size=size)
+    for (conv0, pool0), layer, (q, k, v, graw, beta) in zip(initial, layers, inputs):
+        for block, s, n, a in written:
+            rows = slice(n * T, n * T + a)
+            _, s_ref = plain(q[0, rows], k[0, rows], v[0, rows], graw[0, rows], beta[0, rows], layer.A_log,
+                             layer.dt_bias, pool0[s])
+            torch.testing.assert_close(layer.kv_cache[1][block], s_ref, rtol=1e-4, atol=1e-5)
+            assert torch.equal(layer.kv_cache[0][block, :, :3], conv0[s, :, a - 1 : a + 2])
+        untouched = [b for b in range(blocks) if b not in [w[0] for w in written]]  # block 0 among them
+        assert torch.equal(layer.kv_cache[1][untouched], pool0[untouched])
+        assert torch.equal(layer.kv_cache[0][untouched], conv0[untouched])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -24,7 +24,8 @@ Replaced (each where the module imports; see :mod:`kda_recurrent.integrations` f
 - Kimi K3 RecoverSSM (``--use-replayssm``), ``vllm/models/kimi_k3/nvidia/ops/recoverssm.py``
   @ 055e47c28003156421365af985d676fc921cb075: ``kda_recoverssm_verify`` and ``KDARecoverSSMCommitContext`` (its
   ``create`` and ``commit`` signatures compared) by :mod:`kda_recurrent.compat.vllm.kimi_k3`; the layer and the
-  metadata builder import both from that module at call time. kda's commit refuses the prefix-cache align mode.
+  metadata builder import both from that module at call time. kda's commit takes the prefix-cache align mode too
+  (the kernel and plan of that file @ 7752ecb8ac83fc27b687de672711efc5b8d94d32 read for its rule).
 - Kimi K3's native fused decode (conv, the recurrence and the gated RMSNorm in one call), ``vllm/_custom_ops.py``'s
   ``fused_kda_decode``, the Python function over ``torch.ops._C.fused_kda_decode``
   (``csrc/libtorch_stable/kimi_k3/fused_kda_decode_kernel.cu`` @ 75162ed0be3505bbdaa9f24849afbb03dd7d2568), by

@@ -269,8 +269,8 @@ def kda_recoverssm_verify(
 
 class KDARecoverSSMCommitContext:
     """vLLM Kimi K3's RecoverSSM commit context on kda's commit kernel: ``create(layers, *, spec_query_len,
-    max_num_reqs)`` once, ``commit(num_accepted_tokens, state_indices, query_start_loc, request_indices=None)``
-    after every sampling step.
+    max_num_reqs)`` once, ``commit(num_accepted_tokens, state_indices, query_start_loc, request_indices=None,
+    block_table=None, num_computed_tokens=None, mamba_block_size=None)`` after every sampling step.
 
     ``layers``: vLLM's KDA layer objects; each has ``kv_cache`` = (conv state, checkpoint [blocks, H, V, K],
     correction cache, kg cache), ``A_log`` [H], ``dt_bias`` ([H*K] or [H, K]), ``gate_lower_bound`` (one value for
@@ -284,8 +284,24 @@ class KDARecoverSSMCommitContext:
     when ``request_indices`` is given. Commit length, null rows: :func:`kda_recurrent.recoverssm_commit`, under
     vLLM's policy (an index ``<= 0`` is null).
 
-    Not supported: vLLM's prefix-cache "align" mode (``block_table``, ``num_computed_tokens``, ``mamba_block_size``,
-    which commit into another block and a boundary checkpoint): passing them raises a KDAError.
+    vLLM's prefix-cache "align" mode (``block_table`` [requests, columns], ``num_computed_tokens`` [requests],
+    ``mamba_block_size``, all three or none), as its commit computes it (``_prepare_commit_plan_kernel``,
+    ``_compact_conv_state_kernel`` and ``_commit_kda_state_kernel`` in ``recoverssm.py``
+    @ 7752ecb8ac83fc27b687de672711efc5b8d94d32): request r = ``request_indices[n]`` (or n)
+    with c = ``num_computed_tokens[r]`` tokens before the window and ``commit_len`` accepted ends at block
+    ``block_table[r, min((c + commit_len) // size, columns - 1)]`` (the *final* block, which receives the folded
+    state and conv window instead of the source slot ``state_indices[n]``); when c + commit_len reaches the next
+    boundary b = (c // size + 1) * size, the state after the window's first ``b - c`` tokens (and its conv window) also
+    goes to ``block_table[r, b // size - 1]`` (the *boundary* block). Both are folded from the source slot's
+    checkpoint and records. A final block ``<= 0`` makes the row null, as in vLLM; a final block past the pool, a
+    request past ``block_table``, ``num_computed_tokens`` or ``num_accepted_tokens`` and c < 0 make it null too, and
+    a boundary column past the table or a boundary block outside (0, blocks) leaves the boundary unwritten (vLLM's
+    kernel would read or write out of bounds there); a boundary block equal to the final one is left to the final
+    state (vLLM stores the boundary first, then the final state over it). kda folds in place, so this mode first copies
+    each moving row's source checkpoint and records to its final and boundary blocks (device copies of whole slots,
+    per layer), then runs the one-launch commit twice (final, then boundary): about three times the commit's state
+    traffic of the plain mode, not measured. A row that does not move copies its slot onto itself (a null row:
+    block 0, rewritten with its own bytes, as the conv compaction rewrites it).
     """
 
     def __init__(self, commit, conv_states, history, spec_query_len, max_num_reqs):
@@ -335,18 +351,93 @@ class KDARecoverSSMCommitContext:
     def commit(self, num_accepted_tokens, state_indices, query_start_loc, request_indices=None, block_table=None,
                num_computed_tokens=None, mamba_block_size=None):
         """Fold the accepted prefix of every layer into its checkpoint and compact every layer's conv state."""
-        for name, value in (("block_table", block_table), ("num_computed_tokens", num_computed_tokens),
-                            ("mamba_block_size", mamba_block_size)):
-            if value is not None:
-                fail(name, "None (vLLM's prefix-cache align mode is not supported by kda's commit)", "a value")
+        align = self._check_align(block_table, num_computed_tokens, mamba_block_size)
         n = state_indices.shape[0]
         if n == 0:
             return
         if n > self.max_num_reqs:
             fail("state_indices", f"at most max_num_reqs = {self.max_num_reqs} rows", n)
+        if align:
+            self._commit_aligned(num_accepted_tokens, state_indices, query_start_loc, request_indices, block_table,
+                                 num_computed_tokens, mamba_block_size)
+            return
         nat = num_accepted_tokens if request_indices is None else num_accepted_tokens[request_indices[:n].long()]
         self._commit.commit(state_indices, nat, query_start_loc)
         self._compact_conv(state_indices, nat, query_start_loc)
+
+    def _check_align(self, block_table, num_computed_tokens, mamba_block_size):
+        """Whether the call is the align mode (all three of its arguments); a KDAError naming the first one that is
+        missing or malformed (host metadata only)."""
+        given = {"block_table": block_table, "num_computed_tokens": num_computed_tokens,
+                 "mamba_block_size": mamba_block_size}
+        if all(value is None for value in given.values()):
+            return False
+        for name, value in given.items():
+            if value is None:
+                fail(name, "given with the other align-mode arguments (block_table, num_computed_tokens, "
+                     "mamba_block_size: all three or none)", None)
+        if type(mamba_block_size) is not int or mamba_block_size < self.spec_query_len:
+            fail("mamba_block_size", f"an int >= spec_query_len = {self.spec_query_len} (a block covers a window)",
+                 repr(mamba_block_size))
+        for name, dims in (("block_table", 2), ("num_computed_tokens", 1)):
+            value = given[name]
+            if not isinstance(value, torch.Tensor) or value.dim() != dims or value.dtype.is_floating_point \
+                    or value.dtype.is_complex or value.dtype == torch.bool or value.numel() == 0:
+                fail(name, f"a non-empty {dims}-D integer tensor", shape_text(value))
+            if value.device != self.conv_states[0].device:
+                fail(name, f"a tensor on {self.conv_states[0].device}", str(value.device))
+        return True
+
+    def _commit_aligned(self, num_accepted_tokens, state_indices, query_start_loc, request_indices, block_table,
+                        num_computed_tokens, size):
+        """The align mode (see the class docstring): device ops only, no sync."""
+        n, T = state_indices.shape[0], self.spec_query_len
+        dev = state_indices.device
+        rows, width = block_table.shape
+        blocks = min(self.conv_states[0].shape[0], *(c.shape[0] for c in self._commit.checkpoints))
+        req = torch.arange(n, device=dev) if request_indices is None else request_indices[:n].long()
+        req_ok = (req >= 0) & (req < min(rows, num_computed_tokens.shape[0], num_accepted_tokens.shape[0]))
+        req = torch.where(req_ok, req, torch.zeros_like(req))
+        src = state_indices.long()
+        src_ok = (src > 0) & (src < blocks)
+        src = torch.where(src_ok, src, torch.zeros_like(src))
+        lens = (query_start_loc[1 : n + 1] - query_start_loc[:n]).long().clamp(0, T)
+        commit_len = torch.minimum(num_accepted_tokens[req].long().clamp(0, T), lens)
+        done = num_computed_tokens[req].long()
+        ends = done + commit_len
+        table = block_table[req].long()  # [n, width]
+
+        def block_at(col):
+            col_ok = (col >= 0) & (col < width)
+            block = table.gather(1, col.clamp(0, width - 1)[:, None])[:, 0]
+            return block, col_ok & (block > 0) & (block < blocks)
+
+        final, final_ok = block_at(torch.clamp(torch.div(ends, size, rounding_mode="floor"), max=width - 1))
+        final_ok &= req_ok & src_ok & (commit_len > 0) & (done >= 0)
+        boundary_end = (torch.div(done, size, rounding_mode="floor") + 1) * size
+        bound, bound_ok = block_at(torch.div(boundary_end, size, rounding_mode="floor") - 1)
+        bound_ok &= final_ok & (ends >= boundary_end) & (bound != final)
+        bound_len = torch.where(bound_ok, boundary_end - done, torch.zeros_like(done))
+        zero = torch.zeros_like(src)
+        final_dst = torch.where(final_ok & (final != src), final, src)  # a row that does not move copies onto itself
+        bound_dst = torch.where(bound_ok & (bound != src), bound, src)
+        dst, from_ = torch.cat([final_dst, bound_dst]), torch.cat([src, src])
+        commit = self._commit
+        for tensors in zip(commit.checkpoints, commit.correction_caches, commit.kg_caches):
+            for t in tensors:  # the source slot's checkpoint and records, read before any write
+                t[dst] = t[from_]
+        commit.commit(torch.where(final_ok, final, zero), commit_len, query_start_loc)
+        commit.commit(torch.where(bound_ok, bound, zero), bound_len, query_start_loc)
+        hist = self.conv_history_len
+        steps = torch.arange(hist, device=dev)
+        # the window's columns that end at the boundary's and at the last accepted token (boundary first, as vLLM)
+        stores = [(torch.where(ok, block, src), ok[:, None, None], (length.clamp(1, T) - 1)[:, None, None] + steps)
+                  for block, ok, length in ((bound, bound_ok, bound_len), (final, final_ok, commit_len))]
+        for conv in self.conv_states:
+            window = conv[src]  # a copy: every source column is read before any write
+            keep = window[:, :, :hist]
+            for to, ok, cols in stores:
+                conv[to, :, :hist] = torch.where(ok, window.gather(2, cols.expand(-1, window.shape[1], -1)), keep)
 
     def _compact_conv(self, state_indices, nat, query_start_loc):
         """Each live row's conv window: columns [commit_len - 1, commit_len - 1 + history) move to [0, history)."""
