@@ -401,9 +401,11 @@ def test_sglang_target_verify_refuses_the_replayssm_ring_mode_it_does_not_write(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("align", [False, True], ids=["plain", "align"])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, BF16])
-def test_vllm_verify_and_commit_context_replay_in_a_cuda_graph_bit_for_bit(pool_dtype):
-    """One spec step as vLLM runs it under FULL CUDA graphs: the verify of every layer, then the commit context; five
+def test_vllm_verify_and_commit_context_replay_in_a_cuda_graph_bit_for_bit(pool_dtype, align):
+    """One spec step as vLLM runs it under FULL CUDA graphs: the verify of every layer, then the commit context (in
+    the align mode too: rows 0 and 2 cross a block boundary, their final states move to blocks 3 and 1); five
     replays against five eager steps on copies of every cache."""
     g = torch.Generator().manual_seed(9)
     H, T, N, blocks, L = 12, 4, 3, 5, 2
@@ -416,6 +418,10 @@ def test_vllm_verify_and_commit_context_replay_in_a_cuda_graph_bit_for_bit(pool_
     acts = [[rnd(g, 1, N * T, H, D, device=dev) for _ in range(4)] + [rnd(g, 1, N * T, H, device=dev)]
             for _ in range(L)]
     nat = torch.tensor([3, 1, 4], dtype=torch.int32, device=dev)
+    extra = {}
+    if align:
+        extra = dict(block_table=torch.tensor([[2, 3], [0, 0], [4, 1]], dtype=torch.int32, device=dev),
+                     num_computed_tokens=torch.tensor([6, 0, 7], dtype=torch.int32, device=dev), mamba_block_size=8)
     outs = [torch.empty(1, N * T, H, D, dtype=BF16, device=dev) for _ in range(L)]
     twin_outs = [o.clone() for o in outs]
 
@@ -435,16 +441,16 @@ def test_vllm_verify_and_commit_context_replay_in_a_cuda_graph_bit_for_bit(pool_
                 for m in layers]
         step(warm, [o.clone() for o in outs])
         kimi_k3.KDARecoverSSMCommitContext.create(warm, spec_query_len=T, max_num_reqs=N,
-                                                  conv_dim_first=True).commit(nat, slots, qsl)
+                                                  conv_dim_first=True).commit(nat, slots, qsl, **extra)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step(layers, outs)
-        ctx.commit(nat, slots, qsl)
+        ctx.commit(nat, slots, qsl, **extra)
     for _ in range(5):
         graph.replay()
         step(twins, twin_outs)
-        twin_ctx.commit(nat, slots, qsl)
+        twin_ctx.commit(nat, slots, qsl, **extra)
         torch.cuda.synchronize()
         for a, b in zip(layers, twins):
             for x, y in zip(a.kv_cache, b.kv_cache):
