@@ -193,6 +193,8 @@ def test_vllm_commit_context_align_mode_arguments_come_together_and_a_block_cove
         ctx.commit(one, one, qsl, block_table=one[:, None], num_computed_tokens=one, mamba_block_size=2)
     with pytest.raises(KDAError, match="block_table"):
         ctx.commit(one, one, qsl, block_table=one, num_computed_tokens=one, mamba_block_size=8)
+    with pytest.raises(KDAError, match="query_start_loc"):
+        ctx.commit(one, one, qsl[:1], block_table=one[:, None], num_computed_tokens=one, mamba_block_size=8)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -392,6 +392,10 @@ class KDARecoverSSMCommitContext:
                         num_computed_tokens, size):
         """The align mode (see the class docstring): device ops only, no sync."""
         n, T = state_indices.shape[0], self.spec_query_len
+        if not isinstance(query_start_loc, torch.Tensor) or query_start_loc.dim() != 1 \
+                or query_start_loc.shape[0] != n + 1:
+            fail("query_start_loc", f"a 1-D tensor of {n + 1} offsets (state_indices has {n} rows)",
+                 shape_text(query_start_loc))
         dev = state_indices.device
         rows, width = block_table.shape
         blocks = min(self.conv_states[0].shape[0], *(c.shape[0] for c in self._commit.checkpoints))
