@@ -180,6 +180,30 @@ def test_vllm_recoverssm_verify_then_commit_context(device, request_indices):
         assert torch.equal(layer.kv_cache[0][untouched], conv0[untouched])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_vllm_commit_context_request_past_the_counts_commits_nothing(device):
+    """request_indices is device data: a request past num_accepted_tokens (or negative) makes its row commit nothing,
+    with no read outside the counts (on the CPU such an index raises); the other rows commit as usual."""
+    g = torch.Generator().manual_seed(14)
+    H, T, blocks = 4, 4, 4
+    layers = recoverssm_layers(g, layers=1, blocks=blocks, H=H, T=T, conv_dim=12, history=3,
+                               pool_dtype=torch.float32, device=device)
+    slots = torch.tensor([1, 2, 3], dtype=torch.int32, device=device)
+    qsl = torch.arange(0, 3 * T + 1, T, dtype=torch.int32, device=device)
+    layer = layers[0]
+    q, k, v, graw = (rnd(g, 1, 3 * T, H, D, device=device) for _ in range(4))
+    beta = rnd(g, 1, 3 * T, H, device=device)
+    pool0 = layer.kv_cache[1].clone()
+    kimi_k3.kda_recoverssm_verify(q, k, v, graw, beta, layer.A_log, layer.dt_bias, LB, layer.kv_cache[1],
+                                  layer.kv_cache[2], layer.kv_cache[3], qsl, slots, T)
+    ctx = kimi_k3.KDARecoverSSMCommitContext.create(layers, spec_query_len=T, max_num_reqs=3, conv_dim_first=True)
+    counts = torch.tensor([0, 2], dtype=torch.int32, device=device)
+    ctx.commit(counts, slots, qsl, request_indices=torch.tensor([1, 9, -1], dtype=torch.int32, device=device))
+    _, s_ref = plain(q[0, :2], k[0, :2], v[0, :2], graw[0, :2], beta[0, :2], layer.A_log, layer.dt_bias, pool0[1])
+    torch.testing.assert_close(layer.kv_cache[1][1], s_ref, rtol=1e-4, atol=1e-5)
+    assert torch.equal(layer.kv_cache[1][[0, 2, 3]], pool0[[0, 2, 3]])
+
+
 def test_vllm_commit_context_align_mode_arguments_come_together_and_a_block_covers_a_window():
     g = torch.Generator().manual_seed(1)
     layers = recoverssm_layers(g, layers=1, blocks=3, H=4, T=4, conv_dim=12, history=3, pool_dtype=torch.float32,

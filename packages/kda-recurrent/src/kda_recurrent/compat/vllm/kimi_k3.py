@@ -361,7 +361,13 @@ class KDARecoverSSMCommitContext:
             self._commit_aligned(num_accepted_tokens, state_indices, query_start_loc, request_indices, block_table,
                                  num_computed_tokens, mamba_block_size)
             return
-        nat = num_accepted_tokens if request_indices is None else num_accepted_tokens[request_indices[:n].long()]
+        nat = num_accepted_tokens
+        if request_indices is not None:  # a request past the counts commits nothing (no read out of bounds)
+            if num_accepted_tokens.shape[0] == 0:
+                fail("num_accepted_tokens", "a count per request (request_indices is given)", 0)
+            req = request_indices[:n].long()
+            ok = (req >= 0) & (req < num_accepted_tokens.shape[0])
+            nat = torch.where(ok, num_accepted_tokens[req.clamp(0, num_accepted_tokens.shape[0] - 1)], 0)
         self._commit.commit(state_indices, nat, query_start_loc)
         self._compact_conv(state_indices, nat, query_start_loc)
 
