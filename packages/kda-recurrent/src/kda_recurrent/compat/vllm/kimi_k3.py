@@ -278,11 +278,11 @@ class KDARecoverSSMCommitContext:
     each layer's conv state (``[blocks, conv_dim, history + spec_query_len - 1]`` dim-first, or
     ``[blocks, width, conv_dim]``: ``conv_dim_first``, by default vLLM's ``is_conv_state_dim_first()``, else
     dim-first) is compacted as vLLM's commit compacts it: the ``history`` columns that end at the last accepted token
-    move to the front, with device ops only
-    (a gather and a masked copy per layer; no sync; null rows rewrite block 0's columns with their own values, so
-    block 0 stays bitwise unchanged). Counts come from ``num_accepted_tokens[request_indices[n]]``
-    when ``request_indices`` is given. Commit length, null rows: :func:`kda_recurrent.recoverssm_commit`, under
-    vLLM's policy (an index ``<= 0`` is null).
+    move to the front, with device ops only (a gather and a masked copy per layer; no sync; null rows rewrite block
+    0's columns with their own values, so block 0 stays bitwise unchanged). Counts come from
+    ``num_accepted_tokens[request_indices[n]]`` when ``request_indices`` is given (a request outside the counts
+    commits nothing). Commit length, null rows: :func:`kda_recurrent.recoverssm_commit`, under vLLM's policy (an
+    index ``<= 0`` is null).
 
     vLLM's prefix-cache "align" mode (``block_table`` [requests, columns], ``num_computed_tokens`` [requests],
     ``mamba_block_size``, all three or none), as its commit computes it (``_prepare_commit_plan_kernel``,
