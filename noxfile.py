@@ -172,6 +172,35 @@ def _package_tests(session: nox.Session, name: str, *args: str, label: str, allo
     return _pytest(session, tests, *ignore, *args, label=label, allow_empty=allow_empty, **run)
 
 
+def _pytest_logged(label: str, python: str, args: list[str], env: dict) -> tuple[str, int, int, Path]:
+    """One pytest process (`python -m pytest` with `args`) from the repository root, its JUnit file and its output
+    in .nox/junit/<label>.{xml,log}: (label, exit code, tests run, log path)."""
+    junit = JUNIT_DIR / f"{label}.xml"
+    junit.unlink(missing_ok=True)
+    log = JUNIT_DIR / f"{label}.log"
+    cmd = [python, "-m", "pytest", *args, f"--junitxml={junit}", "-o", "junit_family=xunit2"]
+    with open(log, "w") as out:
+        code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    return label, code, _junit_counts([junit])["tests"] if junit.exists() else 0, log
+
+
+def _pytest_runs_in_parallel(session: nox.Session, runs: list[tuple], workers: int, *,
+                             empty_fails: bool) -> tuple[list[str], int]:
+    """`_pytest_logged` over `runs` ((label, python, args, env) each), `workers` at a time; each log is printed in
+    order as its run ends. Returns the labels that failed (exit != 0, or no test with `empty_fails`) and how many
+    tests ran."""
+    JUNIT_DIR.mkdir(parents=True, exist_ok=True)
+    failed, total = [], 0
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        for label, code, ran, log in pool.map(lambda run: _pytest_logged(*run), runs):
+            print(log.read_text(), end="", flush=True)
+            session.log(f"{label}: exit {code}, {ran} tests")
+            total += ran
+            if code != 0 or (empty_fails and ran == 0):
+                failed.append(label if ran else f"{label} (collected nothing)")
+    return failed, total
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check over the packages, benchmarks, CI scripts and this file (config: ruff.toml)."""
@@ -235,34 +264,16 @@ def compile(session: nox.Session) -> None:
     jobs = [(arch, path, arch if i else f"{arch} or {untargeted}")
             for i, arch in enumerate(COMPILE_ARCHS) for path in tests]
     jobs.sort(key=lambda job: (job[0] != COMPILE_ARCHS[0], -job[1].stat().st_size))  # sm_90a's biggest files first
-    JUNIT_DIR.mkdir(parents=True, exist_ok=True)
     python = str(Path(session.bin) / "python")
-
-    def run(job):
-        arch, path, selection = job
-        label = f"compile-{arch}-{path.stem}"
-        junit = JUNIT_DIR / f"{label}.xml"
-        junit.unlink(missing_ok=True)
-        log = JUNIT_DIR / f"{label}.log"
-        cmd = [python, "-m", "pytest", str(path.relative_to(ROOT)), f"--junitxml={junit}", "-o",
-               "junit_family=xunit2", "-k", selection, *session.posargs]
-        env = {**os.environ, "PATH": f"{session.bin}{os.pathsep}{os.environ.get('PATH', '')}", "CUTE_DSL_ARCH": arch,
-               **BYTECODE_ON}
-        with open(log, "w") as out:
-            code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
-        ran = _junit_counts([junit])["tests"] if junit.exists() else 0
-        return label, code, ran, log
-
+    path_env = f"{session.bin}{os.pathsep}{os.environ.get('PATH', '')}"
+    runs = [(f"compile-{arch}-{path.stem}", python,
+             [str(path.relative_to(ROOT)), "-k", selection, *session.posargs],
+             {**os.environ, "PATH": path_env, "CUTE_DSL_ARCH": arch, **BYTECODE_ON})
+            for arch, path, selection in jobs]
     workers = max(1, min(len(jobs), os.cpu_count() or 1))
     session.log(f"compile checks: {len(jobs)} runs ({', '.join(COMPILE_ARCHS)} x {len(tests)} files) "
                 f"on {workers} workers")
-    failed = []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        for label, code, ran, log in pool.map(run, jobs):
-            print(log.read_text(), end="", flush=True)
-            session.log(f"{label}: exit {code}, {ran} tests")
-            if code != 0 or ran == 0:
-                failed.append(label if ran else f"{label} (collected nothing)")
+    failed, _ = _pytest_runs_in_parallel(session, runs, workers, empty_fails=True)
     if failed:
         session.error(f"compile checks failed: {', '.join(failed)}")
 
@@ -360,29 +371,9 @@ def _gpu_in_shards(session: nox.Session, jobs: int, args: list[str]) -> int:
     shards = [(f"gpu-{name}-{i // size}", found[i:i + size])
               for name, found in ids.items() for i in range(0, len(found), size)]
     session.log(f"gpu tests: {sum(map(len, ids.values()))} in {len(shards)} shards, {jobs} at a time")
-    JUNIT_DIR.mkdir(parents=True, exist_ok=True)
-
-    def run(shard):
-        label, nodes = shard
-        junit = JUNIT_DIR / f"{label}.xml"
-        junit.unlink(missing_ok=True)
-        log = JUNIT_DIR / f"{label}.log"
-        cmd = [*HOST_PYTEST, *nodes, f"--junitxml={junit}", "-o", "junit_family=xunit2", "-p", "no:cacheprovider",
-               *args]
-        with open(log, "w") as out:
-            code = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **GPU_HOST_ENV}, stdout=out,
-                                  stderr=subprocess.STDOUT).returncode
-        ran = _junit_counts([junit])["tests"] if junit.exists() else 0
-        return label, code, ran, log
-
-    failed, total = [], 0
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        for label, code, ran, log in pool.map(run, shards):
-            print(log.read_text(), end="", flush=True)
-            session.log(f"{label}: exit {code}, {ran} tests")
-            total += ran
-            if code != 0:
-                failed.append(label)
+    env = {**os.environ, **GPU_HOST_ENV}
+    runs = [(label, sys.executable, [*nodes, "-p", "no:cacheprovider", *args], env) for label, nodes in shards]
+    failed, total = _pytest_runs_in_parallel(session, runs, jobs, empty_fails=False)
     if failed:
         session.error(f"GPU tests failed: {', '.join(failed)}")
     return total
