@@ -363,11 +363,8 @@ class KDARecoverSSMCommitContext:
             return
         nat = num_accepted_tokens
         if request_indices is not None:  # a request past the counts commits nothing (no read out of bounds)
-            if num_accepted_tokens.shape[0] == 0:
-                fail("num_accepted_tokens", "a count per request (request_indices is given)", 0)
-            req = request_indices[:n].long()
-            ok = (req >= 0) & (req < num_accepted_tokens.shape[0])
-            nat = torch.where(ok, num_accepted_tokens[req.clamp(0, num_accepted_tokens.shape[0] - 1)], 0)
+            req, ok = _requests(request_indices, n, num_accepted_tokens=num_accepted_tokens)
+            nat = torch.where(ok, num_accepted_tokens[req], 0)
         self._commit.commit(state_indices, nat, query_start_loc)
         self._compact_conv(state_indices, nat, query_start_loc)
 
@@ -405,9 +402,9 @@ class KDARecoverSSMCommitContext:
         dev = state_indices.device
         rows, width = block_table.shape
         blocks = min(self.conv_states[0].shape[0], *(c.shape[0] for c in self._commit.checkpoints))
-        req = torch.arange(n, device=dev) if request_indices is None else request_indices[:n].long()
-        req_ok = (req >= 0) & (req < min(rows, num_computed_tokens.shape[0], num_accepted_tokens.shape[0]))
-        req = torch.where(req_ok, req, torch.zeros_like(req))
+        req, req_ok = _requests(torch.arange(n, device=dev) if request_indices is None else request_indices, n,
+                                block_table=block_table, num_computed_tokens=num_computed_tokens,
+                                num_accepted_tokens=num_accepted_tokens)
         src = state_indices.long()
         src_ok = (src > 0) & (src < blocks)
         src = torch.where(src_ok, src, torch.zeros_like(src))
@@ -438,32 +435,45 @@ class KDARecoverSSMCommitContext:
                 t[dst] = t[from_]
         commit.commit(torch.where(final_ok, final, zero), commit_len, query_start_loc)
         commit.commit(torch.where(bound_ok, bound, zero), bound_len, query_start_loc)
-        hist = self.conv_history_len
-        steps = torch.arange(hist, device=dev)
-        # the window's columns that end at the boundary's and at the last accepted token (boundary first, as vLLM)
-        stores = [(torch.where(ok, block, src), ok[:, None, None], (length.clamp(1, T) - 1)[:, None, None] + steps)
-                  for block, ok, length in ((bound, bound_ok, bound_len), (final, final_ok, commit_len))]
-        for conv in self.conv_states:
-            window = conv[src]  # a copy: every source column is read before any write
-            keep = window[:, :, :hist]
-            for to, ok, cols in stores:
-                conv[to, :, :hist] = torch.where(ok, window.gather(2, cols.expand(-1, window.shape[1], -1)), keep)
+        # the boundary's window first, then the final one, as vLLM stores them
+        self._move_conv(src, ((bound, bound_ok, bound_len), (final, final_ok, commit_len)))
 
     def _compact_conv(self, state_indices, nat, query_start_loc):
         """Each live row's conv window: columns [commit_len - 1, commit_len - 1 + history) move to [0, history)."""
         T = self.spec_query_len
-        conv0 = self.conv_states[0]
         slots = state_indices.long()
         lens = (query_start_loc[1:] - query_start_loc[:-1]).long().clamp(0, T)
         commit_len = torch.minimum(nat.long().clamp(0, T), lens)
-        live = (slots > 0) & (slots < conv0.shape[0]) & (commit_len > 0)
+        live = (slots > 0) & (slots < self.conv_states[0].shape[0]) & (commit_len > 0)
         safe = torch.where(live, slots, torch.zeros_like(slots))
-        cols = (commit_len.clamp(min=1) - 1)[:, None] + torch.arange(self.conv_history_len, device=slots.device)
+        self._move_conv(safe, ((safe, live, commit_len),))
+
+    def _move_conv(self, src, stores):
+        """Every layer's conv state: for each (block, ok, length) of ``stores``, in order, row n's block receives
+        in its first ``history`` columns the source slot ``src[n]``'s columns [length - 1, length - 1 + history) where
+        ``ok[n]``; a row not ok writes the source slot's own first columns back onto it. Every source column is read
+        (a copy per layer) before any write."""
+        hist = self.conv_history_len
+        steps = torch.arange(hist, device=src.device)
+        stores = [(torch.where(ok, block, src), ok[:, None, None],
+                   (length.clamp(1, self.spec_query_len) - 1)[:, None, None] + steps) for block, ok, length in stores]
         for conv in self.conv_states:
-            window = conv[safe]  # [n, conv_dim, width] (a copy: the source columns are read before any write)
-            moved = window.gather(2, cols[:, None, :].expand(-1, window.shape[1], -1))
-            keep = window[:, :, : self.conv_history_len]
-            conv[safe, :, : self.conv_history_len] = torch.where(live[:, None, None], moved, keep)
+            window = conv[src]  # [n, conv_dim, width], a copy
+            keep = window[:, :, :hist]
+            for to, ok, cols in stores:
+                conv[to, :, :hist] = torch.where(ok, window.gather(2, cols.expand(-1, window.shape[1], -1)), keep)
+
+
+def _requests(request_indices, n, **per_request):
+    """Row n's request ``request_indices[n]`` (int64), bounded by the length of every per-request tensor (named in
+    ``per_request`` for the error): (index, clamped to 0 where out of range; in range). A KDAError if one of them is
+    empty."""
+    for name, tensor in per_request.items():
+        if tensor.shape[0] == 0:
+            fail(name, "a value per request", 0)
+    req = request_indices[:n].long()
+    ok = (req >= 0) & (req < min(tensor.shape[0] for tensor in per_request.values()))
+    return torch.where(ok, req, torch.zeros_like(req)), ok
 
 
 # ---------------------------------------------------------------------------------------------------------------
