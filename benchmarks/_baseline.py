@@ -150,6 +150,9 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
                        help="where the JSON goes: a .json path, or a folder for <name>.json (default: the baseline, "
                             "benchmarks/baselines/<gpu>/<name>.json); the PNG goes next to it")
     group.add_argument("--no-save", action="store_true", help="print only: write no JSON and no PNG")
+    group.add_argument("--resume", action="store_true",
+                       help="continue a run cut short: keep the records of <name>.partial.json next to the output "
+                            "when they were measured on the same commit and GPU, and measure only the rest")
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -171,6 +174,24 @@ class Run:
         self.provenance = provenance()
         self.json_path = None if args.no_save else self._resolve(args.out)
         self._print()
+        self.resumed = self._load_partial() if getattr(args, "resume", False) else []
+
+    def _load_partial(self) -> list:
+        """The records a cut-short run of the same commit on the same GPU kept (none if it differs or is absent)."""
+        if self.json_path is None or not self._partial_path.exists():
+            print("resume: no partial records; measuring every point")
+            return []
+        with open(self._partial_path) as fh:
+            kept = json.load(fh)
+        theirs = kept.get("provenance", {})
+        for key in ("commit", "gpu", "driver"):
+            if theirs.get(key) != self.provenance[key]:
+                print(f"resume: the partial records' {key} is {theirs.get(key)!r}, this run's "
+                      f"{self.provenance[key]!r}; measuring every point")
+                return []
+        print(f"resume: keeping {len(kept['records'])} records of {self._shown(self._partial_path)}")
+        self.provenance["resumed"] = {"records": len(kept["records"]), "first_date": theirs.get("date")}
+        return kept["records"]
 
     def _resolve(self, out: str | None) -> Path:
         if out is None:

@@ -369,6 +369,11 @@ def variant_point(name, B, H, dtype, dtype_name, args, timer, default_us):
     return rec
 
 
+def record_key(rec):
+    """What a record measured: (kind, engine or variant, B, H, state dtype); ``--resume`` keeps records by it."""
+    return (rec["kind"], rec.get("engine", rec.get("variant")), rec["B"], rec["heads"], rec["state_dtype"])
+
+
 def main(argv=None):
     args = parse_args(argv)
     _baseline.require_cuda(NAME)
@@ -388,7 +393,13 @@ def main(argv=None):
     points = [(e, B, H, d) for d in args.state_dtype for e in args.engine for H in args.heads
               for B in args.batch_size]
     total, done, records = len(points) + len(variants), 0, []
+    kept = {record_key(r): r for r in run.resumed}
+    default_us = {}
     for engine, B, H, dtype_name in points:
+        if ("engine", engine, B, H, dtype_name) in kept:
+            records.append(kept[("engine", engine, B, H, dtype_name)])
+            done += 1
+            continue
         x = make_case(engine, B, H, DTYPES[dtype_name], seed=B + H)
         rec = engine_point(x, dtype_name, args, timer, with_fla)
         records.append(rec)
@@ -403,8 +414,14 @@ def main(argv=None):
                            f"copy {rec['copy_us']:8.2f} us ({rec['pct_of_copy']:.0f}%){eager}")
         del x
         torch.cuda.empty_cache()
-    default_us = {}
     for name, B, H, dtype_name in variants:
+        rec = kept.get(("variant", name, B, H, dtype_name))
+        if rec is not None:
+            records.append(rec)
+            done += 1
+            if name == "default":
+                default_us[(B, H, dtype_name)] = rec["bare_us"]
+            continue
         rec = variant_point(name, B, H, DTYPES[dtype_name], dtype_name, args, timer, default_us)
         records.append(rec)
         run.checkpoint(records)
