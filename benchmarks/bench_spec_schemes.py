@@ -14,6 +14,9 @@ Kimi K3 gate (lower bound -5, raw gate, beta logits), in one process and with on
   w_ring 16; bf16 checkpoints only, so absent for fp32 pools);
 - ``fla``: FLA's per-token checkpoints (``fused_recurrent_kda_fwd``, V-first states in the pool's dtype, its
   fastest form for our layout);
+- ``vllm_commit`` and ``vllm_commit_align``: vLLM's commit context for one layer (the commit plus the conv-window
+  compaction), plain and in the prefix-cache align mode (about half the rows cross a block boundary; see
+  ``commit_context_fns``), on a layer of their own;
 - ``copy_<scheme>``: a device-to-device copy of the bytes the scheme must move (``bytes_<scheme>`` beside it).
 
 Each scheme is checked against the kda-core oracle before it is timed (B <= ``--check-max-batch``). The defaults
@@ -130,6 +133,42 @@ def recoverssm_fns(x, out):
                           LOWER_BOUND, query_start_loc=f["qsl"], null_policy="nonpositive")
 
     return verify, commit
+
+
+def commit_context_fns(x, block_size=64):
+    """(plain, align): vLLM's commit context for one layer (``compat.vllm.kimi_k3.KDARecoverSSMCommitContext``:
+    the one-launch commit and the conv-window compaction) on a layer of its own, 2B + 1 blocks, a bf16 conv state
+    [blocks, 3HK, 3 + T - 1]; the align mode with ``block_table`` [B, 2] = (the source slot, a block of its own) and
+    ``num_computed_tokens`` = block_size - T // 2 for every request, so a row whose count reaches T // 2 crosses the
+    boundary (its final state moves to the second block, the boundary state goes back to the source)."""
+    import types
+
+    from kda_recurrent.compat.vllm.kimi_k3 import KDARecoverSSMCommitContext
+
+    B, T, H, _ = x["q"].shape
+    dev = x["q"].device
+    blocks = 2 * B + 1
+    ckpt = torch.empty(blocks, H, K, K, device=dev, dtype=x["pool"].dtype)
+    ckpt[: B + 1] = x["pool"]
+    ckpt[B + 1:] = x["pool"][1:]
+    layer = types.SimpleNamespace(
+        kv_cache=(torch.randn(blocks, 3 * H * K, 3 + T - 1, device=dev).bfloat16(), ckpt,
+                  torch.zeros(blocks, H, T, K, device=dev), torch.zeros(blocks, H, T, 2 * K, device=dev,
+                                                                         dtype=torch.bfloat16)),
+        A_log=x["A_log"], dt_bias=x["dt_bias"], gate_lower_bound=LOWER_BOUND)
+    ctx = KDARecoverSSMCommitContext.create([layer], spec_query_len=T, max_num_reqs=B, conv_dim_first=True)
+    qsl = torch.arange(0, B * T + 1, T, device=dev, dtype=torch.int32)
+    table = torch.stack([x["slots"], torch.arange(B + 1, 2 * B + 1, device=dev, dtype=torch.int32)], dim=1)
+    computed = torch.full((B,), block_size - T // 2, device=dev, dtype=torch.int32)
+
+    def plain():
+        ctx.commit(x["accepted"], x["slots"], qsl)
+
+    def align():
+        ctx.commit(x["accepted"], x["slots"], qsl, block_table=table, num_computed_tokens=computed,
+                   mamba_block_size=block_size)
+
+    return plain, align
 
 
 def fla_fn(x, out):
@@ -285,6 +324,7 @@ def main(argv=None):
         calls = {"per_token": per_token_fn(x, out), "frozen": frozen_fn(x, out), "recoverssm": both,
                  "recoverssm_verify": verify, "recoverssm_commit": commit}
         nbytes = {n: moved_bytes(x, n) for n in calls}
+        calls["vllm_commit"], calls["vllm_commit_align"] = commit_context_fns(x)
         if pool_name == "bf16":
             more, more_bytes = ucache_calls(B, T, H)
             calls.update(more)
@@ -301,12 +341,14 @@ def main(argv=None):
         rec["recoverssm_over_per_token"] = rec["recoverssm_us"] / rec["per_token_us"]
         if "fla_us" in rec:
             rec["fla_over_recoverssm"] = rec["fla_us"] / rec["recoverssm_us"]
+        rec["vllm_commit_align_over_plain"] = rec["vllm_commit_align_us"] / rec["vllm_commit_us"]
         if "ucache_0_us" in rec:
             rec["frozen_over_ucache_0"] = rec["frozen_us"] / rec["ucache_0_us"]
         records.append(rec)
         run.checkpoint(records)
         _baseline.progress(i + 1, len(points), f"{pool_name} T={T} B={B:4d}  " + "  ".join(
-            f"{n} {rec[f'{n}_us']:.1f}" for n in ("per_token", "recoverssm", "frozen", "ucache_0", "fla")
+            f"{n} {rec[f'{n}_us']:.1f}" for n in ("per_token", "recoverssm", "frozen", "ucache_0", "fla",
+                                                   "vllm_commit", "vllm_commit_align")
             if f"{n}_us" in rec))
         del x, graphs, calls
         torch.cuda.empty_cache()
