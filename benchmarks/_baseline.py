@@ -144,15 +144,18 @@ def provenance() -> dict:
 # command line and output
 
 
-def add_output_args(parser: argparse.ArgumentParser) -> None:
+def add_output_args(parser: argparse.ArgumentParser, resumable: bool = False) -> None:
+    """--out and --no-save; --resume too for a benchmark that skips the points of ``Run.resumed``."""
     group = parser.add_argument_group("output")
     group.add_argument("--out", default=None,
                        help="where the JSON goes: a .json path, or a folder for <name>.json (default: the baseline, "
                             "benchmarks/baselines/<gpu>/<name>.json); the PNG goes next to it")
     group.add_argument("--no-save", action="store_true", help="print only: write no JSON and no PNG")
-    group.add_argument("--resume", action="store_true",
-                       help="continue a run cut short: keep the records of <name>.partial.json next to the output "
-                            "when they were measured on the same commit and GPU, and measure only the rest")
+    if resumable:
+        group.add_argument("--resume", action="store_true",
+                           help="continue a run cut short: keep the records of <name>.partial.json next to the "
+                                "output when they were measured on the same commit, GPU and driver, and measure only "
+                                "the rest")
 
 
 def parser(doc: str) -> argparse.ArgumentParser:

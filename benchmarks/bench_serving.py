@@ -83,7 +83,7 @@ def parse_args(argv=None):
     p.add_argument("--no-fla", action="store_true", help="skip FLA (e.g. fla-core missing)")
     p.add_argument("--eager-calls", type=int, default=200, help="calls a round for the host-cost figure (0 = skip)")
     p.add_argument("--check-max-batch", type=int, default=128, help="oracle check for B up to this (0 = never)")
-    _baseline.add_output_args(p)
+    _baseline.add_output_args(p, resumable=True)
     return p.parse_args(argv)
 
 
