@@ -572,6 +572,24 @@ def test_commit_lengths_and_null_rows_under_malformed_device_data(kda, policy):
     _untouched(kda, ckpt, before, commit_len)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_commit_into_destination_slots_reads_the_source_and_leaves_it(kda, policy):
+    """destination_indices: row n folds slot s_n (checkpoint and records) into slot d_n; d_n null makes the row
+    null; the source is left as it was unless it is its own destination."""
+    P, HV, K, T_max = 8, 2, 8, 4
+    ckpt, cc, kg, A, dt = _commit_case(kda, P, HV, K, T_max, seed=43)
+    before = ckpt.clone()
+    slots = torch.tensor([1, 2, 3, 4, 6], dtype=I64)
+    dst = torch.tensor([5, 2, -1, P, 7], dtype=I64)  # moves, in place, null, past the pool, moves
+    nat = torch.tensor([3, 2, 4, 4, 1], dtype=I64)
+    recoverssm_commit_ref(ckpt, cc, kg, slots, nat, A, dt, -5.0, null_policy=policy, destination_indices=dst)
+    in_place = before.clone()
+    recoverssm_commit_ref(in_place, cc, kg, slots, nat, A, dt, -5.0, null_policy=policy)
+    for s, d in ((1, 5), (2, 2), (6, 7)):
+        assert kda.same_bits(ckpt[d], in_place[s])
+    _untouched(kda, ckpt, before, [5, 2, 7])
+
+
 def test_commit_rounds_once_to_a_bf16_checkpoint(kda):
     P, HV, K, T_max = 4, 2, 8, 4
     ck32, cc, kg, A, dt = _commit_case(kda, P, HV, K, T_max, seed=42)

@@ -229,7 +229,7 @@ def _commit_lengths(num_accepted_tokens, query_start_loc, N, T_max, dev):
 @torch.no_grad()
 def recoverssm_commit_ref(checkpoint_state, correction_cache, kg_cache, state_indices, num_accepted_tokens, A_log,
                           dt_bias, lower_bound, *, query_start_loc=None, use_qk_l2norm_in_kernel=True,
-                          null_policy=NullSlotPolicy.OUT_OF_RANGE, dtype=torch.float32):
+                          null_policy=NullSlotPolicy.OUT_OF_RANGE, destination_indices=None, dtype=torch.float32):
     """Fold a frozen verify's RecoverSSM records into the checkpoint, in place (docs/design.md §9; vLLM RecoverSSM
     ``vllm/models/kimi_k3/nvidia/ops/recoverssm.py`` @ 055e47c28003156421365af985d676fc921cb075).
 
@@ -244,6 +244,10 @@ def recoverssm_commit_ref(checkpoint_state, correction_cache, kg_cache, state_in
     dt_bias [H*K] of query head hv // (HV // H) (``lower_bound`` None: softplus form; ``A_log`` None: the raw g is
     the log decay and ``dt_bias`` is unused), ``u_t = correction_cache[s, hv, t]``; S is stored rounded once.
 
+    ``destination_indices`` [N] (the dtype of ``state_indices``) or None: row n stores S in slot
+    ``d = destination_indices[n]`` instead of s (read from s, its records from s; slot s is then left as it was
+    unless d == s); a null d under ``null_policy`` makes the row null. None: d = s (in place).
+
     Returns ``checkpoint_state``.
     """
     null_policy = null_policy_of(null_policy)
@@ -255,6 +259,10 @@ def recoverssm_commit_ref(checkpoint_state, correction_cache, kg_cache, state_in
     N = slots.numel()
     commit = _commit_lengths(num_accepted_tokens, query_start_loc, N, T_max, dev)
     live = _in_pool(slots, P, first) & (commit > 0)
+    dst = slots
+    if destination_indices is not None:
+        dst = destination_indices.to(device=dev, dtype=torch.long).reshape(-1)
+        live &= _in_pool(dst, P, first)
     if not bool(live.any()):
         return checkpoint_state
     s = slots[live]
@@ -271,16 +279,16 @@ def recoverssm_commit_ref(checkpoint_state, correction_cache, kg_cache, state_in
         u = correction_cache[s, :, t].to(dtype)  # [n, HV, V]
         S_new = S * torch.exp(g_log).unsqueeze(-2) + u.unsqueeze(-1) * k.unsqueeze(-2)
         S = torch.where(run, S_new, S)
-    checkpoint_state[s] = S.to(checkpoint_state.dtype)
+    checkpoint_state[dst[live]] = S.to(checkpoint_state.dtype)
     return checkpoint_state
 
 
 def recoverssm_commit_layers_ref(checkpoints, correction_caches, kg_caches, A_logs, dt_biases, lower_bound,
                                  state_indices, num_accepted_tokens, *, query_start_loc=None,
                                  use_qk_l2norm_in_kernel=True, null_policy=NullSlotPolicy.OUT_OF_RANGE,
-                                 dtype=torch.float32):
-    """:func:`recoverssm_commit_ref` for L layers sharing slots, accepted counts and offsets (vLLM commits every
-    layer in one launch): per layer i, checkpoint ``checkpoints[i]``, caches ``correction_caches[i]`` /
+                                 destination_indices=None, dtype=torch.float32):
+    """:func:`recoverssm_commit_ref` for L layers sharing slots, destinations, accepted counts and offsets (vLLM
+    commits every layer in one launch): per layer i, checkpoint ``checkpoints[i]``, caches ``correction_caches[i]`` /
     ``kg_caches[i]``, ``A_logs[i]`` and ``dt_biases[i]`` (either list may be None: None for every layer), one
     ``lower_bound``. Returns the list of checkpoints."""
     L = len(checkpoints)
@@ -293,5 +301,6 @@ def recoverssm_commit_layers_ref(checkpoints, correction_caches, kg_caches, A_lo
     for i in range(L):
         recoverssm_commit_ref(checkpoints[i], correction_caches[i], kg_caches[i], state_indices, num_accepted_tokens,
                               A_logs[i], dt_biases[i], lower_bound, query_start_loc=query_start_loc,
-                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, null_policy=null_policy, dtype=dtype)
+                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, null_policy=null_policy,
+                              destination_indices=destination_indices, dtype=dtype)
     return list(checkpoints)

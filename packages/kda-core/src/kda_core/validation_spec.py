@@ -514,7 +514,7 @@ def _commit_gate(A_log, dt_bias, lower_bound, HV, K, dev, suffix=""):
     return H, mode, None if lower_bound is None else float(lower_bound), dt_bias is not None, ptr
 
 
-def _commit_rows(state_indices, num_accepted_tokens, query_start_loc, dev):
+def _commit_rows(state_indices, num_accepted_tokens, query_start_loc, destination_indices, dev):
     _tensor("state_indices", state_indices)
     if state_indices.dim() != 1:
         fail("state_indices", "a 1-D tensor [N] (one checkpoint slot per request)", tuple(state_indices.shape))
@@ -523,12 +523,17 @@ def _commit_rows(state_indices, num_accepted_tokens, query_start_loc, dev):
     _slots("num_accepted_tokens", num_accepted_tokens, N, "[N] (the rows of state_indices)", dev)
     if query_start_loc is not None:
         _index_rows("query_start_loc", query_start_loc, (N + 1,), "[N + 1]", dev)
+    if destination_indices is not None:
+        _slots("destination_indices", destination_indices, N, "[N] (the rows of state_indices)", dev)
+        if destination_indices.dtype is not state_indices.dtype:
+            fail("destination_indices", f"state_indices' dtype {state_indices.dtype}", destination_indices.dtype)
     return N
 
 
 def validate_recoverssm_commit(checkpoint_state, correction_cache, kg_cache, state_indices, num_accepted_tokens,
                                A_log, dt_bias, lower_bound, *, query_start_loc=None, use_qk_l2norm_in_kernel=True,
-                               null_policy=NullSlotPolicy.OUT_OF_RANGE, device_kind="cuda") -> CommitCall:
+                               null_policy=NullSlotPolicy.OUT_OF_RANGE, destination_indices=None,
+                               device_kind="cuda") -> CommitCall:
     """Validate one layer's RecoverSSM commit (docs/design.md §9; the arguments of
     :func:`kda_core.oracle_spec.recoverssm_commit_ref`) and describe it.
 
@@ -537,7 +542,8 @@ def validate_recoverssm_commit(checkpoint_state, correction_cache, kg_cache, sta
     state_indices and num_accepted_tokens [N] int32/int64, any stride; query_start_loc [N + 1] int32/int64, any
     stride, or None. A_log fp32 [H] with H dividing HV, dt_bias fp32 [H*K] / [H, K] contiguous or None, lower_bound
     a finite negative float or None (softplus); A_log None: the recorded g is the log decay, dt_bias and lower_bound
-    are unused. The checkpoint shares no byte with any other argument (paged layouts compared row by row).
+    are unused. destination_indices [N] with state_indices' dtype, any stride, or None (in place). The checkpoint
+    shares no byte with any other argument (paged layouts compared row by row).
     """
     policy = _check_null_policy(null_policy)
     _tensor("checkpoint_state", checkpoint_state)
@@ -551,9 +557,10 @@ def validate_recoverssm_commit(checkpoint_state, correction_cache, kg_cache, sta
     _check_flag("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     P, HV, K, T_max, bits = _commit_layout(checkpoint_state, correction_cache, kg_cache, dev)
     H, gmode, lb, has_dt_bias, ptr = _commit_gate(A_log, dt_bias, lower_bound, HV, K, dev)
-    N = _commit_rows(state_indices, num_accepted_tokens, query_start_loc, dev)
+    N = _commit_rows(state_indices, num_accepted_tokens, query_start_loc, destination_indices, dev)
     read = [("correction_cache", correction_cache), ("kg_cache", kg_cache), ("state_indices", state_indices),
-            ("num_accepted_tokens", num_accepted_tokens), ("query_start_loc", query_start_loc)]
+            ("num_accepted_tokens", num_accepted_tokens), ("query_start_loc", query_start_loc),
+            ("destination_indices", destination_indices)]
     if A_log is not None:
         read += [("A_log", A_log), ("dt_bias", dt_bias)]
     if dev < 0:
@@ -562,7 +569,7 @@ def validate_recoverssm_commit(checkpoint_state, correction_cache, kg_cache, sta
     alignment = _pow2_alignment(bits | ptr)
     key = ("recoverssm", N, P, H, HV, K, T_max, checkpoint_state.dtype, kg_cache.dtype, state_indices.dtype,
            num_accepted_tokens.dtype, None if query_start_loc is None else query_start_loc.dtype, gmode, lb,
-           has_dt_bias, use_qk_l2norm_in_kernel, policy, alignment, dev >= 0)
+           has_dt_bias, use_qk_l2norm_in_kernel, policy, alignment, dev >= 0, destination_indices is not None)
     call = _VALIDATION_MEMO.get(key)
     if call is None:
         call = _remember(key, CommitCall(
