@@ -364,6 +364,66 @@ def test_plan_on_the_bulk_ring(state_dtype):
                                                           config=CommitConfig(128, bulk_ring=8))
 
 
+# ---- destinations: read one slot, store another -----------------------------------------------------------------
+
+
+DESTINATION_CONFIGS = {"tile64": (64, 0), "tile16": (16, 0), "ring8": (128, 8)}
+
+
+@pytest.mark.parametrize("config", list(DESTINATION_CONFIGS))
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_commit_into_destination_slots_leaves_the_sources(state_dtype, config):
+    """Row n folds slot slots[n]'s checkpoint and records into slot dst[n]: the oracle's result there, the source
+    untouched (unless it is its own destination), and a null or out-of-range destination makes the row commit
+    nothing (vLLM's policy: 0 is null)."""
+    from kda_cute.recoverssm import CommitConfig
+
+    P, HV, H, T_max = 14, 4, 2, 4
+    ck, corr, kg, gate_kw, _ = make_records(P, HV, H, T_max=T_max, state_dtype=state_dtype, seed=41)
+    slots = torch.tensor([3, 7, 1, 10, 5, 6], dtype=torch.int32, device=DEV)
+    dst = torch.tensor([9, 7, 12, 0, 14, 2], dtype=torch.int32, device=DEV)
+    #                    move, itself, move, null, past P, move
+    nat = torch.tensor([2, 4, 3, 4, 4, 1], dtype=torch.int32, device=DEV)
+    tile, ring = DESTINATION_CONFIGS[config]
+    got, ref, before = commit_both(ck, corr, kg, slots, nat, gate_kw, null_policy=NullSlotPolicy.NONPOSITIVE,
+                                   destination_indices=dst, config=CommitConfig(tile, bulk_ring=ring))
+    assert_committed(got, ref)
+    assert_untouched(got, before, [0, 1, 3, 4, 5, 6, 8, 10, 11, 13])  # sources, the null row's, and unnamed slots
+    for s in (9, 7, 12, 2):
+        assert not torch.equal(got[s], before[s])
+    # the moved states are the in-place fold of their sources
+    in_place = before.clone()
+    recoverssm_commit_ref(in_place, corr, kg, slots[[0, 2, 5]], nat[[0, 2, 5]], gate_kw["A_log"],
+                          gate_kw["dt_bias"], gate_kw["lower_bound"])
+    for s, d in ((3, 9), (1, 12), (6, 2)):
+        assert torch.equal(ref[d], in_place[s])
+
+
+@pytest.mark.parametrize("config", [None, (128, 8)], ids=["schedule", "ring8"])
+def test_plan_commits_into_destination_slots_in_every_layer(config):
+    from kda_cute.recoverssm import CommitConfig, RecoverSSMCommitPlan
+
+    cks, corrs, kgs, A_logs, dt_biases = _layers(3, torch.bfloat16, pages=True)
+    refs = [c.clone() for c in cks]
+    befores = [c.clone() for c in cks]
+    slots = torch.tensor([5, 0, 8, 3], dtype=torch.int64, device=DEV)
+    dst = torch.tensor([1, 6, 8, 7], dtype=torch.int64, device=DEV)  # moves, a null source, in place, moves
+    nat = torch.tensor([4, 3, 2, 2], dtype=torch.int64, device=DEV)
+    qsl = torch.tensor([0, 4, 8, 12, 13], dtype=torch.int32, device=DEV)  # the last row's length 1 bounds it
+    policy = NullSlotPolicy.NONPOSITIVE
+    recoverssm_commit_layers_ref(refs, corrs, kgs, A_logs, dt_biases, -5.0, slots, nat, query_start_loc=qsl,
+                                 null_policy=policy, destination_indices=dst)
+    plan = RecoverSSMCommitPlan(cks, corrs, kgs, A_logs, dt_biases, -5.0, null_policy=policy,
+                                config=None if config is None else CommitConfig(*config[:1], bulk_ring=config[1]))
+    plan.commit(slots, nat, query_start_loc=qsl, destination_indices=dst)
+    torch.cuda.synchronize()
+    for i in range(3):
+        assert_committed(cks[i], refs[i])
+        assert_untouched(cks[i], befores[i], [0, 2, 3, 4, 5, 6])  # the sources, the null row's target, the rest
+        for s in (1, 8, 7):
+            assert not torch.equal(cks[i][s], befores[i][s])
+
+
 # ---- CUDA graphs ---------------------------------------------------------------------------------------------
 
 

@@ -24,7 +24,7 @@ ARCHS = ("sm_90a", "sm_100a")
 BASE = dict(
     head_dim=128, state_dtype=torch.bfloat16, kg_dtype=torch.bfloat16, gate=GateMode.LOWER_BOUND,
     use_qk_l2norm=True, has_dt_bias=True, qsl_dtype=torch.int32, slot_dtype=torch.int32, nat_dtype=torch.int32,
-    layered=False, tile_v=64, aligned=True, null_policy=NullSlotPolicy.OUT_OF_RANGE, bulk_ring=0,
+    layered=False, tile_v=64, aligned=True, null_policy=NullSlotPolicy.OUT_OF_RANGE, bulk_ring=0, has_dst=False,
 )
 
 
@@ -58,6 +58,9 @@ def _variants():
                                               state_dtype=torch.float32),
         "kg-fp16": dict(kg_dtype=torch.float16),
         "kg-fp32-unaligned": dict(kg_dtype=torch.float32, aligned=False),
+        "destinations-layers-nonpositive": dict(has_dst=True, layered=True, null_policy=NullSlotPolicy.NONPOSITIVE),
+        "destinations-int64-unaligned-fp32": dict(has_dst=True, slot_dtype=torch.int64, aligned=False,
+                                                  state_dtype=torch.float32),
     }
     for name, flag in flags.items():
         out[name] = {**BASE, **flag}
@@ -65,6 +68,10 @@ def _variants():
         for layered in (False, True):
             name = f"ring8-{'bf16' if state == torch.bfloat16 else 'fp32'}-{'layers' if layered else 'single'}"
             out[name] = {**BASE, "state_dtype": state, "layered": layered, "tile_v": 128, "bulk_ring": 8}
+    for state in (torch.bfloat16, torch.float32):
+        out[f"ring8-{'bf16' if state == torch.bfloat16 else 'fp32'}-layers-destinations"] = {
+            **BASE, "state_dtype": state, "layered": True, "tile_v": 128, "bulk_ring": 8, "has_dst": True,
+            "null_policy": NullSlotPolicy.NONPOSITIVE}
     out["ring2-softplus-int64"] = {**BASE, "tile_v": 128, "bulk_ring": 2, "gate": GateMode.SOFTPLUS,
                                    "slot_dtype": torch.int64, "nat_dtype": torch.int64, "qsl_dtype": torch.int64}
     return out
@@ -200,7 +207,7 @@ def test_a_ring_config_the_call_cannot_take_launches_the_register_path(monkeypat
     R.recoverssm_commit(state, corr, kg, slots, nat, A_log, dt_bias, -5.0, config=R.CommitConfig(128, bulk_ring=8))
     state, corr, kg, slots, nat, A_log, dt_bias = _single(T_max=9)
     R.recoverssm_commit(state, corr, kg, slots, nat, A_log, dt_bias, -5.0, config=R.CommitConfig(128, bulk_ring=8))
-    assert [(k[11], k[-1]) for k in keys] == [(128, 8), (16, 0)]  # (tile_v, bulk_ring)
+    assert [(k[11], k[14]) for k in keys] == [(128, 8), (16, 0)]  # (tile_v, bulk_ring)
 
 
 def test_schedule_policy_by_grid_size():
@@ -226,7 +233,7 @@ def test_variant_key_normalises_only_what_cannot_change_the_code():
     changes = dict(head_dim=64, state_dtype=torch.float32, kg_dtype=torch.float16, gate=GateMode.SOFTPLUS,
                    use_qk_l2norm=False, has_dt_bias=False, qsl_dtype=torch.int64, slot_dtype=torch.int64,
                    nat_dtype=torch.int64, layered=True, tile_v=32, aligned=False,
-                   null_policy=NullSlotPolicy.NONPOSITIVE, bulk_ring=8)
+                   null_policy=NullSlotPolicy.NONPOSITIVE, bulk_ring=8, has_dst=True)
     assert set(changes) == set(BASE)  # every code-generation parameter is varied
     keys = {R.variant_key(**{**BASE, name: value}) for name, value in changes.items()}
     assert base not in keys and len(keys) == len(changes)
@@ -263,15 +270,22 @@ def test_more_rows_than_grid_z_run_as_several_launches_on_row_views(monkeypatch)
     slots = torch.zeros(N, 2, dtype=torch.int64)[:, 1]  # a strided column view
     nat = torch.arange(N, dtype=torch.int32)
     qsl = torch.arange(N + 1, dtype=torch.int32)
+    dst = torch.arange(N, dtype=torch.int64) + 7
     R.recoverssm_commit(state, corr, kg, slots, nat, A_log, dt_bias, -5.0, query_start_loc=qsl)
-    assert len(calls) == 3
+    R.recoverssm_commit(state, corr, kg, slots, nat, A_log, dt_bias, -5.0, query_start_loc=qsl,
+                        destination_indices=dst)
+    assert len(calls) == 6
     starts = [0, R.GRID_Z_MAX, 2 * R.GRID_Z_MAX]
-    for (s, c, g, sl, na, q, *_), r0 in zip(calls, starts):
+    for i, ((s, c, g, sl, na, q, *_, d, lb), r0) in enumerate(zip(calls, starts * 2)):
         r1 = min(r0 + R.GRID_Z_MAX, N)
-        assert s is state and c is corr and g is kg
+        assert s is state and c is corr and g is kg and lb == -5.0
         assert sl.shape[0] == na.shape[0] == r1 - r0 and q.shape[0] == r1 - r0 + 1
         assert int(na[0]) == r0 and int(q[0]) == r0 and int(q[-1]) == r1
         assert sl.stride() == slots.stride()
+        if i < 3:
+            assert d is None
+        else:  # the destinations move with their rows
+            assert d.shape[0] == r1 - r0 and int(d[0]) == r0 + 7
 
 
 def test_zero_rows_launch_nothing(monkeypatch):
@@ -295,7 +309,8 @@ def test_the_gate_form_follows_A_log_and_lower_bound(monkeypatch):
     assert calls[0][-1] == -5.0
 
 
-@pytest.mark.parametrize("bad", ["config", "policy", "head-dim", "heads", "dt-bias", "counts", "offsets"])
+@pytest.mark.parametrize("bad", ["config", "policy", "head-dim", "heads", "dt-bias", "counts", "offsets",
+                                 "destinations", "destination-dtype"])
 def test_a_launch_the_kernel_cannot_take_is_refused_before_launch(bad, monkeypatch):
     # what the kernel would index out of its tensors (or cannot build) is refused on the host, naming the argument
     calls, _ = _recorder(monkeypatch)
@@ -304,7 +319,9 @@ def test_a_launch_the_kernel_cannot_take_is_refused_before_launch(bad, monkeypat
     match = {"config": "^config: expected a CommitConfig", "policy": "^null_policy: expected",
              "head-dim": "^checkpoint_state: expected", "heads": "^A_log: expected",
              "dt-bias": r"^dt_bias: expected \[H\*K\] = \[256\]", "counts": "^num_accepted_tokens: expected",
-             "offsets": r"^query_start_loc: expected \[N \+ 1\] = \[4\]"}[bad]
+             "offsets": r"^query_start_loc: expected \[N \+ 1\] = \[4\]",
+             "destinations": r"^destination_indices: expected \[N\] = \[3\]",
+             "destination-dtype": r"^destination_indices: expected .*torch.int32"}[bad]
     if bad == "config":
         kw["config"] = R.CommitConfig(128)  # 16 rows per thread at K=128
     elif bad == "policy":
@@ -317,6 +334,10 @@ def test_a_launch_the_kernel_cannot_take_is_refused_before_launch(bad, monkeypat
         dt_bias = torch.zeros(128)
     elif bad == "counts":
         nat = nat[:2]
+    elif bad == "destinations":
+        kw["destination_indices"] = slots[:2]
+    elif bad == "destination-dtype":
+        kw["destination_indices"] = slots.long()
     else:
         kw["query_start_loc"] = torch.zeros(3, dtype=torch.int32)
     with pytest.raises(KDAError, match=match):

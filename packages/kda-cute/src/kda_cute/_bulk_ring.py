@@ -36,8 +36,9 @@ def fill(ring: cutlass.Constexpr, n_chunks: cutlass.Constexpr, full, s_slots, g_
 
 @cute.jit
 def store_and_refill(j: cutlass.Constexpr, ring: cutlass.Constexpr, n_chunks: cutlass.Constexpr, full, s_slots,
-                     g_chunks, bulk_load, bulk_store, chunk_bytes: cutlass.Constexpr, tidx, first=None):
-    """Chunk ``j`` after every thread wrote its part of it back into its slot: bulk-store the slot, and refill the
+                     g_chunks, bulk_load, bulk_store, chunk_bytes: cutlass.Constexpr, tidx, first=None, g_out=None):
+    """Chunk ``j`` after every thread wrote its part of it back into its slot: bulk-store the slot (to
+    ``g_chunks[j]``, or ``g_out[j]`` when given: a state read from one place and written to another), and refill the
     previous chunk's slot with the chunk ``ring`` past it.
 
     The refill waits (``wait_group.read 1``) only for the previous chunk's store to have read its slot, which had a
@@ -50,7 +51,10 @@ def store_and_refill(j: cutlass.Constexpr, ring: cutlass.Constexpr, n_chunks: cu
         if const_expr(j == 0 and first is not None):
             cute.copy(first[3], first[0], first[1])
         else:
-            cute.copy(bulk_store, s_slots[slot], g_chunks[j])
+            if const_expr(g_out is None):
+                cute.copy(bulk_store, s_slots[slot], g_chunks[j])
+            else:
+                cute.copy(bulk_store, s_slots[slot], g_out[j])
         cute.arch.cp_async_bulk_commit_group()
         if const_expr(j >= 1 and j - 1 + ring < n_chunks):
             prev = (j - 1) % ring

@@ -202,6 +202,7 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
         nat_dtype=Int32,  # of num_accepted_tokens
         qsl_dtype=Int32,  # of query_start_loc
         bulk_ring: int = 0,  # ring depth (0: register path); needs K = 128, tile_v = K, aligned
+        has_dst: bool = False,  # a destination slot per row (read the checkpoint at one slot, store it at another)
     ):
         if bulk_ring and not (head_dim == BULK_HEAD_DIM and tile_v == head_dim and aligned
                               and 2 <= bulk_ring <= BULK_RING_MAX):
@@ -231,6 +232,7 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
         self.qsl_dtype = qsl_dtype
         self.rows = tile_v // self.groups
         self.bulk_ring = bulk_ring
+        self.has_dst = has_dst
         self.token_buffers = 1 if bulk_ring else 2  # the ring prepares every token once
         self.u_per_lane = (tile_v + self.lanes - 1) // self.lanes  # u values of a token one lane prepares
 
@@ -273,6 +275,7 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
         mALog,  # [H] / [L, H] fp32 or None (precomputed gate)
         mDtBias,  # [H*K] / [L, H*K] fp32 or None
         mOffsets,  # [L, 3] int64 element offsets (layered) or None
+        mDst,  # [N] destination slots (state_indices' dtype) or None (in place)
         lower_bound: Float32,
         stream,
     ):
@@ -283,7 +286,7 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
             n_layers = cute.size(mOffsets, mode=[0])
         # (a carveout given, so that the DSL needs no device to ask for its shared memory per SM)
         occupancy = dict(min_blocks_per_mp=self.min_ctas, preferred_smem_carveout=100) if self.min_ctas else {}
-        self.kernel(mState, mCorr, mKG, mSlots, mNat, mQsl, mALog, mDtBias, mOffsets, lower_bound).launch(
+        self.kernel(mState, mCorr, mKG, mSlots, mNat, mQsl, mALog, mDtBias, mOffsets, mDst, lower_bound).launch(
             grid=[self.head_dim // self.tile_v, HV * n_layers, n_rows], block=[THREADS, 1, 1], stream=stream,
             **occupancy)
 
@@ -291,7 +294,7 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
 
     @cute.kernel
     def kernel(self, mState: cute.Tensor, mCorr: cute.Tensor, mKG: cute.Tensor, mSlots: cute.Tensor,
-               mNat: cute.Tensor, mQsl, mALog, mDtBias, mOffsets, lower_bound: Float32):
+               mNat: cute.Tensor, mQsl, mALog, mDtBias, mOffsets, mDst, lower_bound: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         lane = tidx % self.lanes
         group = tidx // self.lanes
@@ -307,7 +310,7 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
 
         bufs = (chunk_buffers(self.head_dim), chunk_buffers(self.head_dim), chunk_buffers(self.tile_v))
         v_tile, y, n = cute.arch.block_idx()
-        slot, commit_len, active = self.row_meta(n, mState, mCorr, mKG, mSlots, mNat, mQsl)
+        slot, dst, commit_len, active = self.row_meta(n, mState, mCorr, mKG, mSlots, mNat, mQsl, mDst)
         if const_expr(self.bulk_ring):
             sRing = smem.allocate_tensor(
                 state_dtype,
@@ -318,15 +321,16 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
             sFull = smem.allocate_tensor(Int64, cute.make_layout((self.bulk_ring,)), byte_alignment=8)  # mbarriers
             if active:
                 gState, gCorr, gKG = self.item_views(mState, mCorr, mKG, mOffsets, slot, y)
-                self.commit_ring(gState, gCorr, gKG, commit_len, tok, bias, mALog, mDtBias, y, lower_bound, group,
-                                 lane, tidx, bufs, sRing, sFull, HV=cute.size(mState, mode=[1]))
+                gOut = self.out_view(mState, mOffsets, dst, y)
+                self.commit_ring(gState, gOut, gCorr, gKG, commit_len, tok, bias, mALog, mDtBias, y, lower_bound,
+                                 group, lane, tidx, bufs, sRing, sFull, HV=cute.size(mState, mode=[1]))
         else:
-            self.commit_registers(mState, mCorr, mKG, mOffsets, mALog, mDtBias, lower_bound, slot, commit_len, active,
-                                  tok, bias, bufs, v_tile, y, group, lane)
+            self.commit_registers(mState, mCorr, mKG, mOffsets, mALog, mDtBias, lower_bound, slot, dst, commit_len,
+                                  active, tok, bias, bufs, v_tile, y, group, lane)
 
     @cute.jit
-    def commit_registers(self, mState, mCorr, mKG, mOffsets, mALog, mDtBias, lower_bound, slot, commit_len, active,
-                         tok, bias, bufs, v_tile, y, group, lane):
+    def commit_registers(self, mState, mCorr, mKG, mOffsets, mALog, mDtBias, lower_bound, slot, dst, commit_len,
+                         active, tok, bias, bufs, v_tile, y, group, lane):
         """The register path: the thread's ``tile_v / groups`` rows are loaded, committed and stored from registers."""
         raw = [cute.make_rmem_tensor((CHANNELS_PER_LANE,), mState.element_type) for _ in range(self.rows)]
         rows = [cute.make_rmem_tensor((CHANNELS_PER_LANE,), Float32) for _ in range(self.rows)]
@@ -341,14 +345,15 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
             cute.arch.sync_threads()
             self.to_fp32(rows, raw)
             self.commit_chunks(rows, commit_len, gKG, gCorr, bias, a_log, lower_bound, v_tile, group, lane, bufs)
-            self.store_rows(rows, gState, v_tile, group, lane)
+            self.store_rows(rows, self.out_view(mState, mOffsets, dst, y), v_tile, group, lane)
 
     # ---- pieces of one item ---------------------------------------------------------------------------
 
     @cute.jit
-    def row_meta(self, n, mState, mCorr, mKG, mSlots, mNat, mQsl):
-        """(slot, commit length, active) of row n: the commit length bounded in 64 bits before narrowing, the slot
-        compared in the indices' width (an int64 slot past 2^31 is null rather than wrapped into the pool)."""
+    def row_meta(self, n, mState, mCorr, mKG, mSlots, mNat, mQsl, mDst):
+        """(slot, destination slot, commit length, active) of row n: the commit length bounded in 64 bits before
+        narrowing, the slots compared in the indices' width (an int64 slot past 2^31 is null rather than wrapped into
+        the pool); a null destination makes the row inactive as a null slot does."""
         T_max = cute.size(mCorr, mode=[2])
         # the caches are validated to have the checkpoint's rows; bounding by all three keeps an unvalidated call
         # inside every tensor anyway
@@ -362,7 +367,11 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
         slot = mSlots[n]
         active = ((slot >= self.slot_dtype(self.first_slot)) & (slot < self.slot_dtype(n_slots))
                   & (commit_len > Int32(0)))
-        return slot, commit_len, active
+        dst = slot
+        if const_expr(self.has_dst):
+            dst = mDst[n]
+            active = active & (dst >= self.slot_dtype(self.first_slot)) & (dst < self.slot_dtype(n_slots))
+        return slot, dst, commit_len, active
 
     @cute.jit
     def item_views(self, mState, mCorr, mKG, mOffsets, slot, y):
@@ -375,6 +384,13 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
         gCorr = self.layer_view(mCorr, mOffsets, layer, 1, False)[Int64(slot), hv, None, None]
         gKG = self.layer_view(mKG, mOffsets, layer, 2, True)[Int64(slot), hv, None, None]
         return gState, gCorr, gKG
+
+    @cute.jit
+    def out_view(self, mState, mOffsets, dst, y):
+        """The checkpoint [V, K] the item's folded state is stored to: slot ``dst`` of value head x layer ``y`` (the
+        source slot itself without destinations)."""
+        HV = cute.size(mState, mode=[1])
+        return self.layer_view(mState, mOffsets, y // HV, 0, True)[Int64(dst), y % HV, None, None]
 
     @cute.jit
     def load_rows(self, raw, gState, v_tile, group, lane):
@@ -515,8 +531,8 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
         cute.arch.sync_threads()
 
     @cute.jit
-    def commit_ring(self, gState, gCorr, gKG, commit_len, tok, bias, mALog, mDtBias, y, lower_bound, group, lane,
-                    tidx, bufs, sRing, sFull, HV):
+    def commit_ring(self, gState, gOut, gCorr, gKG, commit_len, tok, bias, mALog, mDtBias, y, lower_bound, group,
+                    lane, tidx, bufs, sRing, sFull, HV):
         """The bulk-ring path (``bulk_ring``): one item is the whole [V, K] checkpoint of (slot, value head x layer).
 
         Thread 0 fills the ring with the first chunks (chunk c = rows [8c, 8c + 8), one contiguous run, in slot
@@ -524,7 +540,8 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
         groups prepare the item's tokens (all of them: T_max <= groups) and fold them (:meth:`fold_tokens`); every
         thread then keeps A and the kk_t of its lane's channels in registers and streams its row of each chunk:
         S = S * A + sum_t u_t kk_t in place in the slot, then thread 0 bulk-stores the chunk and refills the previous
-        chunk's slot once its store has read it (the T=1 kernel's ring, ``kda_cute.decode_t1``)."""
+        chunk's slot once its store has read it (the T=1 kernel's ring, ``kda_cute.decode_t1``); with destinations
+        the chunks are read from ``gState`` and stored to ``gOut``."""
         sK, _, sU = bufs
         sdt = gState.element_type
         K = self.head_dim
@@ -540,6 +557,10 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
         s2r = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sdt, num_bits_per_copy=128)
         g_chunks = [cute.make_tensor(gState.iterator + c * chunk_elems, cute.make_layout((chunk_elems,)))
                     for c in range(n_chunks)]
+        g_out = None
+        if const_expr(self.has_dst):
+            g_out = [cute.make_tensor(gOut.iterator + c * chunk_elems, cute.make_layout((chunk_elems,)))
+                     for c in range(n_chunks)]
         s_slots = [cute.make_tensor(sRing.iterator + r * chunk_elems, cute.make_layout((chunk_elems,)))
                    for r in range(ring)]
         full = [sFull.iterator + r for r in range(ring)]
@@ -576,7 +597,7 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
             raw.store(sf.load().to(sdt))
             cute.copy(s2r, cute.logical_divide(raw, (s_vec,)), views[slot])
             _bulk_ring.store_and_refill(j, ring, n_chunks, full, s_slots, g_chunks, bulk_load, bulk_store, chunk_bytes,
-                                        tidx)
+                                        tidx, g_out=g_out)
         _bulk_ring.drain(tidx)
 
     @cute.jit
@@ -659,6 +680,7 @@ def variant_key(
     aligned: bool,
     null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
     bulk_ring: int = 0,
+    has_dst: bool = False,
 ) -> tuple:
     """Every code-generation parameter of one variant, in the order ``_compile`` reads them (arch added by
     ``_launch.get_or_compile``). Facts that cannot change the code are normalised so they share one entry."""
@@ -667,13 +689,13 @@ def variant_key(
     return (
         "recoverssm_commit", int(head_dim), state_dtype, kg_dtype, GateMode(gate), bool(use_qk_l2norm),
         bool(has_dt_bias), qsl_dtype, slot_dtype, nat_dtype, bool(layered), int(tile_v), bool(aligned),
-        NullSlotPolicy(null_policy), int(bulk_ring),
+        NullSlotPolicy(null_policy), int(bulk_ring), bool(has_dst),
     )
 
 
 def _compile(key: tuple, arch: str, extra_options: str = ""):
     (_, K, state_dt, kg_dt, gate, l2norm, has_dt_bias, qsl_dt, slot_dt, nat_dt, layered, tile_v, aligned,
-     null_policy, bulk_ring) = key
+     null_policy, bulk_ring, has_dst) = key
     cdt = _launch.cutlass_dtype
     align = _launch.VECTOR_BYTES if aligned else 1
     sym = _launch.sym_size
@@ -684,6 +706,7 @@ def _compile(key: tuple, arch: str, extra_options: str = ""):
     m_kg = _launch.fake_tensor(cdt(kg_dt), (sym(), HV, T_max, 2 * K), (None, None, None, 1), align_bytes=align)
     m_slots = _launch.fake_tensor(cdt(slot_dt), (N,), (None,), align_bytes=1)
     m_nat = _launch.fake_tensor(cdt(nat_dt), (N,), (None,), align_bytes=1)
+    m_dst = _launch.fake_tensor(cdt(slot_dt), (N,), (None,), align_bytes=1) if has_dst else None
     m_qsl = None if qsl_dt is None else _launch.fake_tensor(cdt(qsl_dt), (sym(),), (None,), align_bytes=1)
     m_alog = m_dt_bias = m_offsets = None
     H = sym()
@@ -703,10 +726,10 @@ def _compile(key: tuple, arch: str, extra_options: str = ""):
         layered=layered, tile_v=tile_v, aligned=aligned, null_policy=null_policy, slot_dtype=cdt(slot_dt),
         nat_dtype=cdt(nat_dt), qsl_dtype=Int32 if qsl_dt is None else cdt(qsl_dt),
         min_ctas=0 if layered or bulk_ring or _launch.arch_number(arch) >= 100 else MIN_CTAS_PER_SM.get((K, tile_v), 0),
-        bulk_ring=bulk_ring,
+        bulk_ring=bulk_ring, has_dst=has_dst,
     )
     return cute.compile(
-        kernel, m_state, m_corr, m_kg, m_slots, m_nat, m_qsl, m_alog, m_dt_bias, m_offsets,
+        kernel, m_state, m_corr, m_kg, m_slots, m_nat, m_qsl, m_alog, m_dt_bias, m_offsets, m_dst,
         cutlass.Float32(-1.0), _launch.fake_stream(),
         options=_launch.compile_options(arch, extra_options),
     )
@@ -742,9 +765,14 @@ def _check_launch(checkpoint_state, A_log, dt_bias, HV_rows: int, config, null_p
     return K
 
 
-def _check_rows(state_indices, num_accepted_tokens, query_start_loc) -> None:
-    """The kernel reads num_accepted_tokens[n] and query_start_loc[n], [n + 1] for every row n of state_indices."""
+def _check_rows(state_indices, num_accepted_tokens, query_start_loc, destination_indices=None) -> None:
+    """The kernel reads num_accepted_tokens[n], query_start_loc[n], [n + 1] and destination_indices[n] (in
+    state_indices' width) for every row n of state_indices."""
     N = state_indices.shape[0]
+    if destination_indices is not None and (destination_indices.dim() != 1 or destination_indices.shape[0] != N
+                                            or destination_indices.dtype != state_indices.dtype):
+        fail("destination_indices", f"[N] = [{N}] slots of state_indices' dtype {state_indices.dtype}",
+             f"{tuple(destination_indices.shape)} {destination_indices.dtype}")
     if num_accepted_tokens.dim() != 1 or num_accepted_tokens.shape[0] != N:
         fail("num_accepted_tokens", f"[N] = [{N}] counts (one per row of state_indices)",
              tuple(num_accepted_tokens.shape))
@@ -752,18 +780,23 @@ def _check_rows(state_indices, num_accepted_tokens, query_start_loc) -> None:
         fail("query_start_loc", f"[N + 1] = [{N + 1}] offsets", tuple(query_start_loc.shape))
 
 
-def _debug_check(state_indices, num_accepted_tokens, query_start_loc, P: int, null_policy) -> None:
+def _debug_check(state_indices, num_accepted_tokens, query_start_loc, P: int, null_policy,
+                 destination_indices=None) -> None:
     """KDA_DEBUG_VALIDATE: two committing rows naming one slot race on its checkpoint (rows that commit nothing are
-    null and may repeat)."""
+    null and may repeat); with destinations, two committing rows storing to one slot do."""
     if debug_checks_enabled():
         live = num_accepted_tokens.to(torch.int64) > 0
         if query_start_loc is not None:
             q = query_start_loc.to(torch.int64)
             live &= q[1:] > q[:-1]
-        debug_check_slots(state_indices[live], P, argument="state_indices", null_policy=null_policy)
+        if destination_indices is None:
+            debug_check_slots(state_indices[live], P, argument="state_indices", null_policy=null_policy)
+        else:
+            debug_check_slots(destination_indices[live], P, argument="destination_indices", null_policy=null_policy)
 
 
-def _launch_rows(fn, fixed_before: tuple, state_indices, num_accepted_tokens, query_start_loc, fixed_after: tuple):
+def _launch_rows(fn, fixed_before: tuple, state_indices, num_accepted_tokens, query_start_loc, fixed_after: tuple,
+                 destination_indices=None, lower_bound=-1.0):
     """One launch per ``GRID_Z_MAX`` rows (rows are independent; a row view moves index pointers only)."""
     n = state_indices.shape[0]
     for r0 in range(0, n, GRID_Z_MAX):
@@ -773,7 +806,9 @@ def _launch_rows(fn, fixed_before: tuple, state_indices, num_accepted_tokens, qu
            state_indices if whole else state_indices[r0:r1],
            num_accepted_tokens if whole else num_accepted_tokens[r0:r1],
            None if query_start_loc is None else (query_start_loc if whole else query_start_loc[r0 : r1 + 1]),
-           *fixed_after)
+           *fixed_after,
+           None if destination_indices is None else (destination_indices if whole else destination_indices[r0:r1]),
+           lower_bound)
 
 
 def recoverssm_commit(
@@ -790,8 +825,10 @@ def recoverssm_commit(
     use_qk_l2norm_in_kernel: bool = True,
     null_policy: NullSlotPolicy = NullSlotPolicy.OUT_OF_RANGE,
     config: CommitConfig | None = None,
+    destination_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Fold each row's accepted prefix of a RecoverSSM verify into its checkpoint, in place (one layer).
+    """Fold each row's accepted prefix of a RecoverSSM verify into its checkpoint, in place (one layer), or into
+    another slot of the same pool (``destination_indices``).
 
     Same semantics as ``kda_core.oracle_spec.recoverssm_commit_ref`` (its docstring is the spec; summary in this
     module's docstring). Not validated here (``kda_recurrent.recoverssm_commit`` validates through
@@ -812,6 +849,9 @@ def recoverssm_commit(
         use_qk_l2norm_in_kernel: normalise raw k as the verify did (eps 1e-6).
         null_policy: ``OUT_OF_RANGE`` (null iff s < 0 or s >= P) or ``NONPOSITIVE`` (vLLM: also s == 0).
         config: the launch schedule (:class:`CommitConfig`); None takes :func:`select_config`'s.
+        destination_indices: [N] of state_indices' dtype, any stride, or None: row n reads slot state_indices[n]
+            (checkpoint and records) and stores the folded state in slot destination_indices[n] (null under
+            ``null_policy``: the row commits nothing); the source slot is left as it was unless the two are equal.
 
     Returns ``checkpoint_state``. Rows sharing an active slot race (a caller error; ``KDA_DEBUG_VALIDATE=1``
     detects it). No host sync and no allocation: capturable in a CUDA graph.
@@ -825,8 +865,9 @@ def recoverssm_commit(
     gate = commit_gate_mode(A_log, lower_bound)
     K = _check_launch(checkpoint_state, A_log, None if gate == GateMode.PRECOMPUTED else dt_bias, HV, config,
                       null_policy, "checkpoint_state")
-    _check_rows(state_indices, num_accepted_tokens, query_start_loc)
-    _debug_check(state_indices, num_accepted_tokens, query_start_loc, checkpoint_state.shape[0], null_policy)
+    _check_rows(state_indices, num_accepted_tokens, query_start_loc, destination_indices)
+    _debug_check(state_indices, num_accepted_tokens, query_start_loc, checkpoint_state.shape[0], null_policy,
+                 destination_indices)
     n_rows = state_indices.shape[0]
     if n_rows == 0 or HV == 0 or correction_cache.shape[2] == 0:
         return checkpoint_state  # nothing to commit (a grid dimension would be 0)
@@ -842,12 +883,12 @@ def recoverssm_commit(
         use_qk_l2norm=use_qk_l2norm_in_kernel, has_dt_bias=dt_bias is not None,
         qsl_dtype=None if query_start_loc is None else query_start_loc.dtype, slot_dtype=state_indices.dtype,
         nat_dtype=num_accepted_tokens.dtype, layered=False, tile_v=cfg.tile_v, aligned=aligned,
-        null_policy=null_policy, bulk_ring=cfg.bulk_ring,
+        null_policy=null_policy, bulk_ring=cfg.bulk_ring, has_dst=destination_indices is not None,
     )
     fn = _launch.get_or_compile(key, lambda arch: _compile(key, arch), _launch.arch_for(checkpoint_state.device))
     lb = -1.0 if lower_bound is None or gate != GateMode.LOWER_BOUND else float(lower_bound)
     _launch_rows(fn, (checkpoint_state, correction_cache, kg_cache), state_indices, num_accepted_tokens,
-                 query_start_loc, (A_log, dt_bias, None, lb))
+                 query_start_loc, (A_log, dt_bias, None), destination_indices, lb)
     return checkpoint_state
 
 
@@ -958,13 +999,15 @@ class RecoverSSMCommitPlan:
             self.dt_bias.copy_(torch.stack([b.reshape(-1) for b in self._dt_biases]))
 
     def commit(self, state_indices: torch.Tensor, num_accepted_tokens: torch.Tensor,
-               query_start_loc: torch.Tensor | None = None) -> None:
+               query_start_loc: torch.Tensor | None = None, destination_indices: torch.Tensor | None = None) -> None:
         """Commit rows [N] (``state_indices``, ``num_accepted_tokens``, ``query_start_loc`` [N + 1] or None) in every
-        layer, in place, in one launch (several past ``GRID_Z_MAX`` rows). No host sync, no allocation."""
+        layer, in place or into ``destination_indices`` [N] (as in :func:`recoverssm_commit`), in one launch
+        (several past ``GRID_Z_MAX`` rows). No host sync, no allocation."""
         ref = self.states[0]
         HV = ref.shape[1]
-        _check_rows(state_indices, num_accepted_tokens, query_start_loc)
-        _debug_check(state_indices, num_accepted_tokens, query_start_loc, ref.shape[0], self.null_policy)
+        _check_rows(state_indices, num_accepted_tokens, query_start_loc, destination_indices)
+        _debug_check(state_indices, num_accepted_tokens, query_start_loc, ref.shape[0], self.null_policy,
+                     destination_indices)
         n_rows = state_indices.shape[0]
         if n_rows == 0 or HV == 0 or self.corrs[0].shape[2] == 0:
             return
@@ -976,8 +1019,8 @@ class RecoverSSMCommitPlan:
             use_qk_l2norm=self.use_qk_l2norm, has_dt_bias=self.dt_bias is not None,
             qsl_dtype=None if query_start_loc is None else query_start_loc.dtype, slot_dtype=state_indices.dtype,
             nat_dtype=num_accepted_tokens.dtype, layered=True, tile_v=cfg.tile_v, aligned=self.aligned,
-            null_policy=self.null_policy, bulk_ring=cfg.bulk_ring,
+            null_policy=self.null_policy, bulk_ring=cfg.bulk_ring, has_dst=destination_indices is not None,
         )
         fn = _launch.get_or_compile(key, lambda arch: _compile(key, arch), self.arch or _launch.target_arch())
         _launch_rows(fn, (ref, self.corrs[0], self.kgs[0]), state_indices, num_accepted_tokens, query_start_loc,
-                     (self.A_log, self.dt_bias, self.offsets, self.lower_bound))
+                     (self.A_log, self.dt_bias, self.offsets), destination_indices, self.lower_bound)
