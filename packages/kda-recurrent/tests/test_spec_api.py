@@ -364,6 +364,45 @@ def test_multi_layer_commit_equals_one_commit_per_layer(device):
         torch.testing.assert_close(layer.kv_cache[1], e, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_commit_into_destination_slots_one_layer_and_every_layer(device):
+    """``destination_indices``: the folded state lands in another slot, the source keeps its checkpoint; one layer
+    through recoverssm_commit and every layer through RecoverSSMCommit agree with the in-place fold moved."""
+    g = torch.Generator().manual_seed(4)
+    H, T, blocks, L = 4, 4, 6, 2
+    made = recoverssm_layers(g, layers=L, blocks=blocks, H=H, T=T, conv_dim=4, history=3, pool_dtype=torch.float32,
+                             device=device)
+    for layer in made:
+        layer.kv_cache[2].copy_(rnd(g, *layer.kv_cache[2].shape, dtype=torch.float32, scale=0.1, device=device))
+        layer.kv_cache[3].copy_(rnd(g, *layer.kv_cache[3].shape, device=device))
+    slots = torch.tensor([2, 1, 3], dtype=torch.int32, device=device)
+    dst = torch.tensor([5, 0, 3], dtype=torch.int32, device=device)  # moves, null (vLLM's policy), in place
+    nat = torch.tensor([3, 4, 2], dtype=torch.int32, device=device)
+    before = [layer.kv_cache[1].clone() for layer in made]
+    moved = [b.clone() for b in before]
+    for m, layer in zip(moved, made):  # the in-place fold of the live rows, moved by hand
+        folded = m.clone()
+        recoverssm_commit(folded, layer.kv_cache[2], layer.kv_cache[3], slots[[0, 2]], nat[[0, 2]], layer.A_log,
+                          layer.dt_bias, LB)
+        m[5], m[3] = folded[2], folded[3]
+    one = made[0].kv_cache[1].clone()
+    recoverssm_commit(one, made[0].kv_cache[2], made[0].kv_cache[3], slots, nat, made[0].A_log, made[0].dt_bias, LB,
+                      null_policy="nonpositive", destination_indices=dst)
+    torch.testing.assert_close(one, moved[0], rtol=1e-6, atol=1e-6)
+    ctx = RecoverSSMCommit([m.kv_cache[1] for m in made], [m.kv_cache[2] for m in made],
+                           [m.kv_cache[3] for m in made], [m.A_log for m in made], [m.dt_bias for m in made], LB,
+                           null_policy="nonpositive")
+    ctx.commit(slots, nat, destination_indices=dst)
+    for m, b, layer in zip(moved, before, made):
+        torch.testing.assert_close(layer.kv_cache[1], m, rtol=1e-6, atol=1e-6)
+        assert torch.equal(layer.kv_cache[1][[0, 1, 2, 4]], b[[0, 1, 2, 4]])  # sources and unnamed slots
+    with pytest.raises(KDAError, match="destination_indices: expected state_indices' dtype"):
+        ctx.commit(slots, nat, destination_indices=dst.long())
+    with pytest.raises(KDAError, match="destination_indices: expected shape"):
+        recoverssm_commit(one, made[0].kv_cache[2], made[0].kv_cache[3], slots, nat, made[0].A_log, made[0].dt_bias,
+                          LB, destination_indices=dst[:2])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # SGLang tree verify
 

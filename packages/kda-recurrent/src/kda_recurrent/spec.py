@@ -154,7 +154,7 @@ def _run_tc(tc, call, args: RecurrentArgs, spec: SpecArgs, null_policy, rows_t):
 
 def recoverssm_commit(checkpoint_state, correction_cache, kg_cache, state_indices, num_accepted_tokens, A_log,
                       dt_bias, lower_bound, *, query_start_loc=None, use_qk_l2norm_in_kernel=True,
-                      null_policy=NullSlotPolicy.OUT_OF_RANGE):
+                      null_policy=NullSlotPolicy.OUT_OF_RANGE, destination_indices=None):
     """Fold the accepted prefix of a RecoverSSM verify's records into one layer's checkpoints, in place.
 
     For row n with slot ``s = state_indices[n]`` and ``commit_len = clamp(num_accepted_tokens[n], 0, min(len_n,
@@ -171,6 +171,11 @@ def recoverssm_commit(checkpoint_state, correction_cache, kg_cache, state_indice
         A_log: [H] fp32 or None (then raw g is the log decay itself); dt_bias: [H*K] fp32 or None; lower_bound:
             < 0 (Kimi K3's gate) or None (softplus).
         query_start_loc: [N + 1] int32/int64 or None. null_policy: ``NullSlotPolicy`` or its string value.
+        destination_indices: [N] of state_indices' dtype, any stride, or None (in place): row n reads slot
+            ``state_indices[n]`` (checkpoint and records) and stores the folded state in slot
+            ``destination_indices[n]`` instead (null under ``null_policy``: the row commits nothing); the source slot
+            is left as it was unless the two are equal. (vLLM's prefix-cache align mode moves a state to another
+            block this way.)
 
     Returns ``checkpoint_state``.
     """
@@ -180,18 +185,24 @@ def recoverssm_commit(checkpoint_state, correction_cache, kg_cache, state_indice
     call = validate_recoverssm_commit(checkpoint_state, correction_cache, kg_cache, state_indices,
                                       num_accepted_tokens, A_log, dt_bias, lower_bound,
                                       query_start_loc=query_start_loc, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                      null_policy=null_policy, device_kind="any")
+                                      null_policy=null_policy, destination_indices=destination_indices,
+                                      device_kind="any")
     if debug_checks_enabled():
-        debug_check_slots(state_indices, checkpoint_state.shape[0], argument="state_indices", null_policy=null_policy)
+        written = state_indices if destination_indices is None else destination_indices
+        debug_check_slots(written, checkpoint_state.shape[0],
+                          argument="state_indices" if destination_indices is None else "destination_indices",
+                          null_policy=null_policy)
     fn = _entry("kda_cute.recoverssm", "recoverssm_commit") if call.on_cuda else None
     if fn is None:
         from kda_core.oracle_spec import recoverssm_commit_ref
 
         return recoverssm_commit_ref(checkpoint_state, correction_cache, kg_cache, state_indices, num_accepted_tokens,
                                      A_log, dt_bias, lower_bound, query_start_loc=query_start_loc,
-                                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, null_policy=null_policy)
+                                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, null_policy=null_policy,
+                                     destination_indices=destination_indices)
     fn(checkpoint_state, correction_cache, kg_cache, state_indices, num_accepted_tokens, A_log, dt_bias, lower_bound,
-       query_start_loc=query_start_loc, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, null_policy=null_policy)
+       query_start_loc=query_start_loc, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, null_policy=null_policy,
+       destination_indices=destination_indices)
     return checkpoint_state
 
 
@@ -239,8 +250,9 @@ class RecoverSSMCommit:
                                   self.dt_biases, lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                   null_policy=self.null_policy)
 
-    def commit(self, state_indices, num_accepted_tokens, query_start_loc=None):
-        """Fold every layer's accepted prefix (the rows' slots, accepted counts and, optionally, token offsets)."""
+    def commit(self, state_indices, num_accepted_tokens, query_start_loc=None, destination_indices=None):
+        """Fold every layer's accepted prefix (the rows' slots, accepted counts and, optionally, token offsets), in
+        place or into ``destination_indices`` (as in :func:`recoverssm_commit`)."""
         from kda_core.validation_spec import validate_recoverssm_commit
 
         validate_recoverssm_commit(self.checkpoints[0], self.correction_caches[0], self.kg_caches[0], state_indices,
@@ -248,12 +260,14 @@ class RecoverSSMCommit:
                                    None if self.dt_biases is None else self.dt_biases[0], self.lower_bound,
                                    query_start_loc=query_start_loc,
                                    use_qk_l2norm_in_kernel=self.use_qk_l2norm_in_kernel, null_policy=self.null_policy,
-                                   device_kind="any")
+                                   destination_indices=destination_indices, device_kind="any")
         if debug_checks_enabled():
-            debug_check_slots(state_indices, self.checkpoints[0].shape[0], argument="state_indices",
+            written = state_indices if destination_indices is None else destination_indices
+            debug_check_slots(written, self.checkpoints[0].shape[0],
+                              argument="state_indices" if destination_indices is None else "destination_indices",
                               null_policy=self.null_policy)
         if self._plan is not None:
-            self._plan.commit(state_indices, num_accepted_tokens, query_start_loc)
+            self._plan.commit(state_indices, num_accepted_tokens, query_start_loc, destination_indices)
             return
         from kda_core.oracle_spec import recoverssm_commit_layers_ref
 
@@ -261,4 +275,4 @@ class RecoverSSMCommit:
                                      self.dt_biases, self.lower_bound, state_indices, num_accepted_tokens,
                                      query_start_loc=query_start_loc,
                                      use_qk_l2norm_in_kernel=self.use_qk_l2norm_in_kernel,
-                                     null_policy=self.null_policy)
+                                     null_policy=self.null_policy, destination_indices=destination_indices)
