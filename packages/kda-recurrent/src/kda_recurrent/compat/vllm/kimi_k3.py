@@ -297,11 +297,12 @@ class KDARecoverSSMCommitContext:
     request past ``block_table``, ``num_computed_tokens`` or ``num_accepted_tokens`` and c < 0 make it null too, and
     a boundary column past the table or a boundary block outside (0, blocks) leaves the boundary unwritten (vLLM's
     kernel would read or write out of bounds there); a boundary block equal to the final one is left to the final
-    state (vLLM stores the boundary first, then the final state over it). kda folds in place, so this mode first copies
-    each moving row's source checkpoint and records to its final and boundary blocks (device copies of whole slots,
-    per layer), then runs the one-launch commit twice (final, then boundary): about three times the commit's state
-    traffic of the plain mode, not measured. A row that does not move copies its slot onto itself (a null row:
-    block 0, rewritten with its own bytes, as the conv compaction rewrites it).
+    state (vLLM stores the boundary first, then the final state over it). Both are folded by the one-launch commit
+    reading the source slot and storing to another (``destination_indices``), in three launches whose rows are
+    disjoint: the boundary states of rows whose boundary block is not the source, then every row's final state (in
+    place where the final block is the source), then the boundary states stored over the source itself, so no launch
+    reads a slot an earlier one wrote. A row that does not cross a boundary costs what the plain mode's row costs; a
+    crossing row adds one more read of its checkpoint and records and one more state write.
     """
 
     def __init__(self, commit, conv_states, history, spec_query_len, max_num_reqs):
@@ -426,15 +427,12 @@ class KDARecoverSSMCommitContext:
         bound_ok &= final_ok & (ends >= boundary_end) & (bound != final)
         bound_len = torch.where(bound_ok, boundary_end - done, torch.zeros_like(done))
         zero = torch.zeros_like(src)
-        final_dst = torch.where(final_ok & (final != src), final, src)  # a row that does not move copies onto itself
-        bound_dst = torch.where(bound_ok & (bound != src), bound, src)
-        dst, from_ = torch.cat([final_dst, bound_dst]), torch.cat([src, src])
-        commit = self._commit
-        for tensors in zip(commit.checkpoints, commit.correction_caches, commit.kg_caches):
-            for t in tensors:  # the source slot's checkpoint and records, read before any write
-                t[dst] = t[from_]
-        commit.commit(torch.where(final_ok, final, zero), commit_len, query_start_loc)
-        commit.commit(torch.where(bound_ok, bound, zero), bound_len, query_start_loc)
+        before = bound_ok & (bound != src)  # reads the source before the final pass may store over it
+        after = bound_ok & (bound == src)  # stores over the source after the final pass has read it
+        for rows, block, length in ((before, bound, bound_len), (final_ok, final, commit_len),
+                                    (after, bound, bound_len)):
+            self._commit.commit(src, torch.where(rows, length, zero), query_start_loc,
+                                destination_indices=torch.where(rows, block, zero))
         # the boundary's window first, then the final one, as vLLM stores them
         self._move_conv(src, ((bound, bound_ok, bound_len), (final, final_ok, commit_len)))
 
