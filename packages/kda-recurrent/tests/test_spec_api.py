@@ -306,6 +306,56 @@ def test_vllm_commit_context_align_mode_writes_the_final_and_boundary_blocks(dev
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_align_mode_chain_keeps_the_recurrence_in_the_block_of_every_position_and_boundary(device):
+    """vLLM's prefix-cache align mode over a stream of 12 steps: each request verifies from the block of its
+    position c (``block_table[r, c // size]``) and commits with ``num_computed_tokens`` = c; the block of the position
+    reached then holds the recurrence over the accepted stream, and the block of every boundary crossed the state at
+    that boundary (accepted counts random in [1, T], so some steps end exactly on a boundary). A padding request
+    (block 0 in every column) leaves block 0 untouched."""
+    g = torch.Generator().manual_seed(21)
+    H, T, size, cols, R, steps = 4, 4, 8, 7, 3, 12
+    blocks = 1 + R * cols
+    layers = recoverssm_layers(g, layers=1, blocks=blocks, H=H, T=T, conv_dim=8, history=3,
+                               pool_dtype=torch.float32, device=device)
+    layer = layers[0]
+    pool, corr, kg = layer.kv_cache[1:]
+    block0 = pool[0].clone()
+    table = torch.cat([1 + torch.arange(R * cols, dtype=torch.int32).view(R, cols),
+                       torch.zeros(1, cols, dtype=torch.int32)])  # request R pads: block 0 everywhere
+    N = R + 1
+    done = torch.zeros(N, dtype=torch.int32)
+    ref = [pool[int(table[r, 0])].float().clone() for r in range(R)]
+    expect = {}  # block -> the state it must hold at the end
+    ctx = kimi_k3.KDARecoverSSMCommitContext.create(layers, spec_query_len=T, max_num_reqs=N, conv_dim_first=True)
+    qsl = torch.arange(0, N * T + 1, T, dtype=torch.int32, device=device)
+    crossed = 0
+    for _ in range(steps):
+        slots = torch.tensor([int(table[r, int(done[r]) // size]) for r in range(N)], dtype=torch.int32)
+        q, k, v, graw = (rnd(g, 1, N * T, H, D, device=device) for _ in range(4))
+        beta = rnd(g, 1, N * T, H, device=device)
+        kimi_k3.kda_recoverssm_verify(q, k, v, graw, beta, layer.A_log, layer.dt_bias, LB, pool, corr, kg, qsl,
+                                      slots.to(device), T)
+        nat = torch.randint(1, T + 1, (N,), generator=g, dtype=torch.int32)
+        ctx.commit(nat.to(device), slots.to(device), qsl, block_table=table.to(device),
+                   num_computed_tokens=done.to(device), mamba_block_size=size)
+        for r in range(R):
+            c, a = int(done[r]), int(nat[r])
+            b = (c // size + 1) * size
+            x = [t[0, r * T : r * T + a] for t in (q, k, v, graw, beta)]
+            if c + a >= b:  # the state after the window's first b - c tokens, to the boundary's block
+                crossed += 1
+                _, expect[int(table[r, b // size - 1])] = plain(*(t[: b - c] for t in x), layer.A_log,
+                                                                 layer.dt_bias, ref[r])
+            _, ref[r] = plain(*x, layer.A_log, layer.dt_bias, ref[r])
+            expect[int(table[r, (c + a) // size])] = ref[r]
+            done[r] = c + a
+    assert crossed >= R  # every request crossed a boundary at least once
+    for block, want in expect.items():
+        assert (pool[block] - want).abs().max() <= 1e-5 * want.abs().max(), block
+    assert torch.equal(pool[0], block0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pool_dtype", [torch.float32, BF16])
 def test_verify_commit_chain_over_20_steps_equals_the_recurrence_over_the_accepted_stream(device, pool_dtype):
     g = torch.Generator().manual_seed(20)
