@@ -585,8 +585,9 @@ def test_commit_into_destination_slots_reads_the_source_and_leaves_it(kda, polic
     recoverssm_commit_ref(ckpt, cc, kg, slots, nat, A, dt, -5.0, null_policy=policy, destination_indices=dst)
     in_place = before.clone()
     recoverssm_commit_ref(in_place, cc, kg, slots, nat, A, dt, -5.0, null_policy=policy)
-    for s, d in ((1, 5), (2, 2), (6, 7)):
-        assert kda.same_bits(ckpt[d], in_place[s])
+    for s, d in ((1, 5), (2, 2), (6, 7)):  # to rounding: the batches differ (see the malformed-data test)
+        torch.testing.assert_close(ckpt[d], in_place[s], rtol=1e-6, atol=1e-6)
+        assert not kda.same_bits(ckpt[d], before[d])
     _untouched(kda, ckpt, before, [5, 2, 7])
 
 

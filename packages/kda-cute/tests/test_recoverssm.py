@@ -395,8 +395,8 @@ def test_commit_into_destination_slots_leaves_the_sources(state_dtype, config):
     in_place = before.clone()
     recoverssm_commit_ref(in_place, corr, kg, slots[[0, 2, 5]], nat[[0, 2, 5]], gate_kw["A_log"],
                           gate_kw["dt_bias"], gate_kw["lower_bound"])
-    for s, d in ((3, 9), (1, 12), (6, 2)):
-        assert torch.equal(ref[d], in_place[s])
+    for s, d in ((3, 9), (1, 12), (6, 2)):  # to rounding: a batched fold may round one ulp off a smaller batch's
+        assert_committed(ref[d], in_place[s])
 
 
 @pytest.mark.parametrize("config", [None, (128, 8)], ids=["schedule", "ring8"])
