@@ -401,7 +401,7 @@ class KDARecoverSSMCommitContext:
             fail("query_start_loc", f"a 1-D tensor of {n + 1} offsets (state_indices has {n} rows)",
                  shape_text(query_start_loc))
         dev = state_indices.device
-        rows, width = block_table.shape
+        width = block_table.shape[1]
         blocks = min(self.conv_states[0].shape[0], *(c.shape[0] for c in self._commit.checkpoints))
         req, req_ok = _requests(torch.arange(n, device=dev) if request_indices is None else request_indices, n,
                                 block_table=block_table, num_computed_tokens=num_computed_tokens,
@@ -429,10 +429,10 @@ class KDARecoverSSMCommitContext:
         zero = torch.zeros_like(src)
         before = bound_ok & (bound != src)  # reads the source before the final pass may store over it
         after = bound_ok & (bound == src)  # stores over the source after the final pass has read it
-        for rows, block, length in ((before, bound, bound_len), (final_ok, final, commit_len),
-                                    (after, bound, bound_len)):
-            self._commit.commit(src, torch.where(rows, length, zero), query_start_loc,
-                                destination_indices=torch.where(rows, block, zero))
+        for these, block, length in ((before, bound, bound_len), (final_ok, final, commit_len),
+                                     (after, bound, bound_len)):
+            self._commit.commit(src, torch.where(these, length, zero), query_start_loc,
+                                destination_indices=torch.where(these, block, zero))
         # the boundary's window first, then the final one, as vLLM stores them
         self._move_conv(src, ((bound, bound_ok, bound_len), (final, final_ok, commit_len)))
 
