@@ -15,8 +15,9 @@ Kimi K3 gate (lower bound -5, raw gate, beta logits), in one process and with on
 - ``fla``: FLA's per-token checkpoints (``fused_recurrent_kda_fwd``, V-first states in the pool's dtype, its
   fastest form for our layout);
 - ``vllm_commit`` and ``vllm_commit_align``: vLLM's commit context for one layer (the commit plus the conv-window
-  compaction), plain and in the prefix-cache align mode (about half the rows cross a block boundary; see
-  ``commit_context_fns``), on a layer of their own;
+  compaction), plain and in the prefix-cache align mode (a row whose count reaches T / 2 crosses a block
+  boundary: with uniform counts 5 rows in 8 at T = 8, 3 in 4 at T = 4; ``commit_context_fns``), on a layer of
+  their own;
 - ``copy_<scheme>``: a device-to-device copy of the bytes the scheme must move (``bytes_<scheme>`` beside it).
 
 Each scheme is checked against the kda-core oracle before it is timed (B <= ``--check-max-batch``). The defaults
