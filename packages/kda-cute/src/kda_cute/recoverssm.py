@@ -321,7 +321,7 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
             sFull = smem.allocate_tensor(Int64, cute.make_layout((self.bulk_ring,)), byte_alignment=8)  # mbarriers
             if active:
                 gState, gCorr, gKG = self.item_views(mState, mCorr, mKG, mOffsets, slot, y)
-                gOut = self.out_view(mState, mOffsets, dst, y)
+                gOut = self.out_view(mState, mOffsets, dst, y, gState)
                 self.commit_ring(gState, gOut, gCorr, gKG, commit_len, tok, bias, mALog, mDtBias, y, lower_bound,
                                  group, lane, tidx, bufs, sRing, sFull, HV=cute.size(mState, mode=[1]))
         else:
@@ -345,7 +345,7 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
             cute.arch.sync_threads()
             self.to_fp32(rows, raw)
             self.commit_chunks(rows, commit_len, gKG, gCorr, bias, a_log, lower_bound, v_tile, group, lane, bufs)
-            self.store_rows(rows, self.out_view(mState, mOffsets, dst, y), v_tile, group, lane)
+            self.store_rows(rows, self.out_view(mState, mOffsets, dst, y, gState), v_tile, group, lane)
 
     # ---- pieces of one item ---------------------------------------------------------------------------
 
@@ -386,11 +386,14 @@ class RecoverSSMCommitKernel(_lane_math.RowLanes):
         return gState, gCorr, gKG
 
     @cute.jit
-    def out_view(self, mState, mOffsets, dst, y):
-        """The checkpoint [V, K] the item's folded state is stored to: slot ``dst`` of value head x layer ``y`` (the
-        source slot itself without destinations)."""
-        HV = cute.size(mState, mode=[1])
-        return self.layer_view(mState, mOffsets, y // HV, 0, True)[Int64(dst), y % HV, None, None]
+    def out_view(self, mState, mOffsets, dst, y, gState):
+        """The checkpoint [V, K] the item's folded state is stored to: slot ``dst`` of value head x layer ``y``;
+        without destinations the source's own view ``gState``, so those variants trace what they always did."""
+        out = gState
+        if const_expr(self.has_dst):
+            HV = cute.size(mState, mode=[1])
+            out = self.layer_view(mState, mOffsets, y // HV, 0, True)[Int64(dst), y % HV, None, None]
+        return out
 
     @cute.jit
     def load_rows(self, raw, gState, v_tile, group, lane):
