@@ -152,6 +152,15 @@ def _run_tc(tc, call, args: RecurrentArgs, spec: SpecArgs, null_policy, rows_t):
 # RecoverSSM commit
 
 
+def _debug_check_written(state_indices, destination_indices, P, null_policy):
+    """KDA_DEBUG_VALIDATE: the slots a commit writes (its destinations, else its slots) repeat no live slot."""
+    if debug_checks_enabled():
+        if destination_indices is None:
+            debug_check_slots(state_indices, P, argument="state_indices", null_policy=null_policy)
+        else:
+            debug_check_slots(destination_indices, P, argument="destination_indices", null_policy=null_policy)
+
+
 def recoverssm_commit(checkpoint_state, correction_cache, kg_cache, state_indices, num_accepted_tokens, A_log,
                       dt_bias, lower_bound, *, query_start_loc=None, use_qk_l2norm_in_kernel=True,
                       null_policy=NullSlotPolicy.OUT_OF_RANGE, destination_indices=None):
@@ -187,11 +196,7 @@ def recoverssm_commit(checkpoint_state, correction_cache, kg_cache, state_indice
                                       query_start_loc=query_start_loc, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                       null_policy=null_policy, destination_indices=destination_indices,
                                       device_kind="any")
-    if debug_checks_enabled():
-        written = state_indices if destination_indices is None else destination_indices
-        debug_check_slots(written, checkpoint_state.shape[0],
-                          argument="state_indices" if destination_indices is None else "destination_indices",
-                          null_policy=null_policy)
+    _debug_check_written(state_indices, destination_indices, checkpoint_state.shape[0], null_policy)
     fn = _entry("kda_cute.recoverssm", "recoverssm_commit") if call.on_cuda else None
     if fn is None:
         from kda_core.oracle_spec import recoverssm_commit_ref
@@ -261,11 +266,7 @@ class RecoverSSMCommit:
                                    query_start_loc=query_start_loc,
                                    use_qk_l2norm_in_kernel=self.use_qk_l2norm_in_kernel, null_policy=self.null_policy,
                                    destination_indices=destination_indices, device_kind="any")
-        if debug_checks_enabled():
-            written = state_indices if destination_indices is None else destination_indices
-            debug_check_slots(written, self.checkpoints[0].shape[0],
-                              argument="state_indices" if destination_indices is None else "destination_indices",
-                              null_policy=self.null_policy)
+        _debug_check_written(state_indices, destination_indices, self.checkpoints[0].shape[0], self.null_policy)
         if self._plan is not None:
             self._plan.commit(state_indices, num_accepted_tokens, query_start_loc, destination_indices)
             return
