@@ -396,8 +396,9 @@ def main(argv=None):
     kept = {record_key(r): r for r in run.resumed}
     default_us = {}
     for engine, B, H, dtype_name in points:
-        if ("engine", engine, B, H, dtype_name) in kept:
-            records.append(kept[("engine", engine, B, H, dtype_name)])
+        rec = kept.get(("engine", engine, B, H, dtype_name))
+        if rec is not None:
+            records.append(rec)
             done += 1
             continue
         x = make_case(engine, B, H, DTYPES[dtype_name], seed=B + H)

@@ -425,7 +425,7 @@ class KDARecoverSSMCommitContext:
         boundary_end = (torch.div(done, size, rounding_mode="floor") + 1) * size
         bound, bound_ok = block_at(torch.div(boundary_end, size, rounding_mode="floor") - 1)
         bound_ok &= final_ok & (ends >= boundary_end) & (bound != final)
-        bound_len = torch.where(bound_ok, boundary_end - done, torch.zeros_like(done))
+        bound_len = boundary_end - done  # read only where bound_ok (each pass and the conv store mask it)
         zero = torch.zeros_like(src)
         before = bound_ok & (bound != src)  # reads the source before the final pass may store over it
         after = bound_ok & (bound == src)  # stores over the source after the final pass has read it
