@@ -14,6 +14,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from kda_recurrent.compat import sglang as sglang_adapters
 from kda_recurrent.compat.vllm import kimi_k3, kimi_linear
@@ -231,6 +232,7 @@ def test_vllm_commit_context_with_a_changed_method_is_left_alone(engine, caplog)
 
 
 CUSTOM_OPS = "vllm._custom_ops"
+K3_LAYER = "vllm.models.kimi_k3.nvidia.kda"
 
 
 def test_vllm_native_fused_op_is_replaced_where_the_layer_reads_it(engine):
@@ -240,12 +242,82 @@ def test_vllm_native_fused_op_is_replaced_where_the_layer_reads_it(engine):
     layer = engine("vllm.models.kimi_k3.nvidia.kda", "vllm_k3_native_layer.py")
     original = ops.fused_kda_decode
     assert layer.native_decode_function() is original
-    assert vllm_integration.enable() == [f"{CUSTOM_OPS}.fused_kda_decode"]
+    both = [f"{CUSTOM_OPS}.fused_kda_decode", f"{K3_LAYER}.is_fused_kda_decode_supported"]
+    assert vllm_integration.enable() == both
     assert ops.fused_kda_decode is kimi_k3.fused_kda_decode
     assert layer.native_decode_function() is kimi_k3.fused_kda_decode
     assert ops.rms_norm(None, None, None, 1e-6) == ("vllm-custom-ops", "rms_norm")
-    assert vllm_integration.disable() == [f"{CUSTOM_OPS}.fused_kda_decode"]
+    assert vllm_integration.disable() == both
     assert layer.native_decode_function() is original
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """The device a layer is built on, as vLLM's backend test sees it: ``hopper(major, minor)`` (default 9.0)."""
+
+    def on(major=9, minor=0):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (major, minor))
+
+    on()
+    return on
+
+
+def test_vllm_native_backend_takes_a_bf16_pool_once_the_op_is_kdas(engine, hopper):
+    """vLLM's backend test takes an fp32 state only; with kda enabled a layer built on Hopper (or SM100) with a bf16
+    pool takes the native backend too, whose op is then kda's fused layer; disabling restores vLLM's answer."""
+    engine(CUSTOM_OPS, "vllm_custom_ops.py")
+    layer = engine(K3_LAYER, "vllm_k3_native_layer.py")
+    assert (layer.decode_backend(torch.bfloat16), layer.decode_backend(torch.float32)) == ("triton", "native")
+    vllm_integration.enable()
+    assert layer.is_fused_kda_decode_supported is kimi_k3.is_fused_kda_decode_supported
+    assert (layer.decode_backend(torch.bfloat16), layer.decode_backend(torch.float32)) == ("native", "native")
+    assert layer.decode_backend(torch.bfloat16, num_heads=16) == "native"  # a head count vLLM's op lacks
+    assert layer.decode_backend(torch.float16) == "triton"
+    assert layer.decode_backend(torch.bfloat16, num_heads=20) == "triton"
+    hopper(10, 0)
+    assert layer.decode_backend(torch.bfloat16) == "native"
+    hopper(8, 0)  # a device kda's fused kernel is not built for
+    assert layer.decode_backend(torch.float32) == "triton"
+    vllm_integration.disable()
+    hopper()
+    assert (layer.decode_backend(torch.bfloat16), layer.decode_backend(torch.float32)) == ("triton", "native")
+
+
+def test_kda_backend_test_needs_kdas_op(engine, hopper, caplog):
+    """Where vLLM's op was kept (its signature changed), vLLM's backend test is kept too: the native backend would
+    call vLLM's op, which takes no bf16 pool. And the installed test answers False once the op is not kda's."""
+    ops = engine(CUSTOM_OPS, "vllm_custom_ops.py")
+    layer = engine(K3_LAYER, "vllm_k3_native_layer.py")
+
+    def fused_kda_decode(x, weight, new_first_option, bias=None):  # a vLLM whose op changed
+        return "vllm-custom-ops", "changed"
+
+    ops.fused_kda_decode = fused_kda_decode
+    original = layer.is_fused_kda_decode_supported
+    with caplog.at_level(logging.WARNING, logger="kda_recurrent.integrations"):
+        assert vllm_integration.enable() == []
+    assert layer.is_fused_kda_decode_supported is original
+    assert any("is_fused_kda_decode_supported kept" in r.getMessage() for r in caplog.records)
+    assert kimi_k3.is_fused_kda_decode_supported(12, 128, 4, 0, torch.bfloat16, torch.bfloat16, torch.float32) is False
+
+
+def test_engine_module_failing_at_import_is_left_alone(engine, monkeypatch, caplog):
+    """An engine module that raises something other than ImportError when imported (a model module touching the
+    device, say) costs its own targets only: the rest are installed and ``enable()`` does not raise."""
+    fla = engine(FLA_OPS, "vllm_fla_ops_kda.py")
+    real_import = importlib.import_module
+
+    def import_module(name, *args):
+        if name == K3_LAYER:
+            raise RuntimeError("no device")
+        return real_import(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    with caplog.at_level(logging.WARNING, logger="kda_recurrent.integrations"):
+        assert vllm_integration.enable() == [f"{FLA_OPS}.fused_recurrent_kda"]
+    assert fla.fused_recurrent_kda is kimi_linear.fused_recurrent_kda
+    assert any(f"importing {K3_LAYER} failed (RuntimeError: no device)" in r.getMessage() for r in caplog.records)
 
 
 def test_native_fused_adapter_takes_the_engines_signature():

@@ -42,6 +42,9 @@ class Target:
     via: tuple[str, ...] = ()
     """For a class: the attributes (its constructor and methods the engine calls) whose signatures must match;
     empty for a function, whose own signature is compared."""
+    requires: tuple[str, str] | None = None
+    """``(module, name)`` of an earlier target: this one is installed only while that one holds kda's adapter (a
+    backend test that routes calls to an adapter)."""
 
     def mismatch(self, original, adapter) -> str | None:
         """Why ``adapter`` cannot stand in for ``original`` (:func:`signature_mismatch`, per ``via`` attribute)."""
@@ -126,6 +129,13 @@ class Patcher:
             except ImportError as err:
                 logger.debug("kda: %s not importable (%s); %s left alone", target.module, err, target.name)
                 continue
+            except Exception as err:  # an engine module that fails at import is the engine's to report, not ours
+                logger.warning("kda: importing %s failed (%s: %s); %s left alone", target.module,
+                               type(err).__name__, err, target.name)
+                continue
+            if target.requires is not None and not self._holds_adapter(*target.requires):
+                logger.warning("kda: %s.%s kept: %s.%s is not kda's", target.module, target.name, *target.requires)
+                continue
             adapter = target.load_adapter()
             current = defining.__dict__.get(target.name)
             original = self._originals.get(target)
@@ -149,6 +159,14 @@ class Patcher:
                     replaced.append(f"{module_name}.{target.name}")
                     logger.info("kda: %s.%s -> %s", module_name, target.name, target.adapter.replace(":", "."))
         return replaced
+
+    def _holds_adapter(self, module: str, name: str) -> bool:
+        """Whether ``module.name`` is now the adapter of this patcher's target of that name."""
+        loaded = sys.modules.get(module)
+        for target in self.targets:
+            if (target.module, target.name) == (module, name):
+                return loaded is not None and loaded.__dict__.get(name) is target.load_adapter()
+        return False
 
     def disable(self) -> list[str]:
         """Put every engine function back, in each module holding an adapter; returns the attributes restored."""

@@ -36,6 +36,15 @@ Replaced (each where the module imports; see :mod:`kda_recurrent.integrations` f
   families, fp32 state); elsewhere it takes the packed-decode call replaced above. ``torch.ops._C`` itself is not
   touched.
 
+- Kimi K3's choice of that backend: ``is_fused_kda_decode_supported`` in the layer module (``kda.py`` @
+  3a1f05ba17aa4715f4020a4d304d57cfc1e37ebb), which ``resolve_kda_decode_backend`` reads when each layer is built,
+  by :func:`kda_recurrent.compat.vllm.kimi_k3.is_fused_kda_decode_supported`. vLLM's own test takes only an fp32
+  state and its compiled op; kda's also takes a bf16 state (and H in 8-96), on devices of capability 9.0 and 10.0,
+  once the op above is kda's. A bf16 pool on Hopper then runs one fused launch per decode step instead of vLLM's
+  Triton conv, recurrence and norm. The layer module is imported by ``enable()`` for this (so ``enable()`` must run
+  before the model is built, as the plugin entry point does). It is replaced only where the op above is kda's;
+  vLLM trees whose test has another signature keep theirs.
+
 Not replaced: FlashInfer's decode ops and prefill. Every replacement treats slot ``<= 0`` as null (vLLM's
 ``NULL_BLOCK_ID``); vLLM's native op has no null test at all (its padding rows compute into block 0), kda's
 adapter leaves block 0 untouched and writes zeros for those rows.
@@ -51,6 +60,7 @@ __all__ = ["TARGETS", "disable", "enable", "patched", "register"]
 _K3 = "vllm.models.kimi_k3.nvidia.ops.third_party.kda.fused_recurrent"
 _K3_RS = "vllm.models.kimi_k3.nvidia.ops.recoverssm"
 _CUSTOM_OPS = "vllm._custom_ops"
+_K3_LAYER = "vllm.models.kimi_k3.nvidia.kda"
 TARGETS = (
     Target(_K3, "fused_recurrent_kda_packed_decode",
            "kda_recurrent.compat.vllm.kimi_k3:fused_recurrent_kda_packed_decode"),
@@ -61,6 +71,9 @@ TARGETS = (
     Target(_K3_RS, "KDARecoverSSMCommitContext", "kda_recurrent.compat.vllm.kimi_k3:KDARecoverSSMCommitContext",
            via=("create", "commit")),
     Target(_CUSTOM_OPS, "fused_kda_decode", "kda_recurrent.compat.vllm.kimi_k3:fused_kda_decode"),
+    Target(_K3_LAYER, "is_fused_kda_decode_supported",
+           "kda_recurrent.compat.vllm.kimi_k3:is_fused_kda_decode_supported",
+           requires=(_CUSTOM_OPS, "fused_kda_decode")),
 )
 
 _patcher = Patcher("vllm", TARGETS, "vLLM")

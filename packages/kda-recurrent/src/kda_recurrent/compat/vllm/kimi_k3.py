@@ -23,10 +23,12 @@ index row's stride instead, docs/serving.md §1); outputs are bf16 (what the lay
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from kda_core.call_args import RecurrentArgs, SpecArgs
-from kda_core.contracts import NullSlotPolicy
+from kda_core.contracts import T1_HEAD_COUNTS, NullSlotPolicy
 from kda_core.errors import fail
 from kda_core.oracle import kda_gate_ref
 from kda_core.validation import validate_recurrent
@@ -546,3 +548,35 @@ def fused_kda_decode(
 
     return vllm_native_call(x, weight, bias, conv_state, raw_g, raw_beta, A_log, dt_bias, state_indices, state, out,
                             lower_bound, output_gate, norm_weight, norm_eps)
+
+
+# The archs kda-cute's fused kernel is compiled and tested for (sm_90a on the H200 and H100; sm_100a compiled in CI).
+_FUSED_CAPABILITIES = ((9, 0), (10, 0))
+
+
+def is_fused_kda_decode_supported(num_heads, head_dim, conv_width, num_spec, input_dtype, conv_state_dtype,
+                                  recurrent_state_dtype):
+    """vLLM Kimi K3's test for its native fused decode backend, answered for kda's fused layer.
+
+    vLLM's layer asks this once, at construction (``resolve_kda_decode_backend`` in
+    ``vllm/models/kimi_k3/nvidia/kda.py`` @ 3a1f05ba17aa4715f4020a4d304d57cfc1e37ebb, which reads the module's
+    attribute at call time): True makes it take the native backend, one ``ops.fused_kda_decode`` call per decode
+    step; False sends it to FlashInfer's fused decode where that applies (SM100 / SM103), else to the Triton path
+    (the conv update, the packed recurrence and the gated RMSNorm as three launches). vLLM's own answer needs an fp32
+    state, H in {12, 24, 48, 96} and its compiled op. kda's: the native op's Python function is kda's adapter
+    (:func:`fused_kda_decode`, installed by ``kda_recurrent.integrations.vllm``; without it vLLM's op would get the
+    pool), H in ``kda_core.contracts.T1_HEAD_COUNTS``, head_dim 128, conv width 4, no speculative tokens, bf16
+    activations and conv cache, an **fp32 or bf16** state, and a CUDA device of capability 9.0 or 10.0. So with
+    kda enabled a bf16 pool on Hopper decodes in one fused launch, where vLLM alone runs three.
+    """
+    ops = sys.modules.get("vllm._custom_ops")
+    if ops is None or getattr(ops, "fused_kda_decode", None) is not fused_kda_decode:
+        return False
+    if (num_heads not in T1_HEAD_COUNTS or head_dim != 128 or conv_width != 4 or num_spec != 0
+            or input_dtype != torch.bfloat16 or conv_state_dtype != torch.bfloat16
+            or recurrent_state_dtype not in (torch.float32, torch.bfloat16)):
+        return False
+    return torch.cuda.is_available() and tuple(torch.cuda.get_device_capability()) in _FUSED_CAPABILITIES
+
+
+__all__ += ["is_fused_kda_decode_supported"]
