@@ -238,17 +238,28 @@ K3_LAYER = "vllm.models.kimi_k3.nvidia.kda"
 def test_vllm_native_fused_op_is_replaced_where_the_layer_reads_it(engine):
     """``vllm._custom_ops.fused_kda_decode`` (the native op's Python function) gets kda's adapter; the layer, which
     bound the module as ``ops`` at import, reads the adapter at call time; other ops of the module stay vLLM's."""
-    ops = engine(CUSTOM_OPS, "vllm_custom_ops.py")
-    layer = engine("vllm.models.kimi_k3.nvidia.kda", "vllm_k3_native_layer.py")
+    ops, _, layer = load_k3_fused(engine)
     original = ops.fused_kda_decode
     assert layer.native_decode_function() is original
-    both = [f"{CUSTOM_OPS}.fused_kda_decode", f"{K3_LAYER}.is_fused_kda_decode_supported"]
-    assert vllm_integration.enable() == both
+    assert vllm_integration.enable() == FUSED_NAMES
     assert ops.fused_kda_decode is kimi_k3.fused_kda_decode
     assert layer.native_decode_function() is kimi_k3.fused_kda_decode
     assert ops.rms_norm(None, None, None, 1e-6) == ("vllm-custom-ops", "rms_norm")
-    assert vllm_integration.disable() == both
+    assert vllm_integration.disable() == FUSED_NAMES
     assert layer.native_decode_function() is original
+
+
+def load_k3_fused(engine):
+    """(ops, vllm.utils.flashinfer, the layer module) as stand-ins, in the order vLLM imports them."""
+    ops = engine(CUSTOM_OPS, "vllm_custom_ops.py")
+    utils = engine(FI_UTILS, "vllm_utils_flashinfer.py")
+    return ops, utils, engine(K3_LAYER, "vllm_k3_native_layer.py")
+
+
+FI_UTILS = "vllm.utils.flashinfer"
+FUSED_NAMES = [f"{CUSTOM_OPS}.fused_kda_decode", f"{K3_LAYER}.is_fused_kda_decode_supported",
+               f"{FI_UTILS}.flashinfer_packed_fused_kda_decode", f"{K3_LAYER}.flashinfer_packed_fused_kda_decode",
+               f"{K3_LAYER}.is_flashinfer_fused_kda_spec_decode_supported"]
 
 
 @pytest.fixture
@@ -266,8 +277,7 @@ def hopper(monkeypatch):
 def test_vllm_native_backend_takes_a_bf16_pool_once_the_op_is_kdas(engine, hopper):
     """vLLM's backend test takes an fp32 state only; with kda enabled a layer built on Hopper (or SM100) with a bf16
     pool takes the native backend too, whose op is then kda's fused layer; disabling restores vLLM's answer."""
-    engine(CUSTOM_OPS, "vllm_custom_ops.py")
-    layer = engine(K3_LAYER, "vllm_k3_native_layer.py")
+    _, _, layer = load_k3_fused(engine)
     assert (layer.decode_backend(torch.bfloat16), layer.decode_backend(torch.float32)) == ("triton", "native")
     vllm_integration.enable()
     assert layer.is_fused_kda_decode_supported is kimi_k3.is_fused_kda_decode_supported
@@ -287,8 +297,7 @@ def test_vllm_native_backend_takes_a_bf16_pool_once_the_op_is_kdas(engine, hoppe
 def test_kda_backend_test_needs_kdas_op(engine, hopper, caplog):
     """Where vLLM's op was kept (its signature changed), vLLM's backend test is kept too: the native backend would
     call vLLM's op, which takes no bf16 pool. And the installed test answers False once the op is not kda's."""
-    ops = engine(CUSTOM_OPS, "vllm_custom_ops.py")
-    layer = engine(K3_LAYER, "vllm_k3_native_layer.py")
+    ops, _, layer = load_k3_fused(engine)
 
     def fused_kda_decode(x, weight, new_first_option, bias=None):  # a vLLM whose op changed
         return "vllm-custom-ops", "changed"
@@ -296,10 +305,54 @@ def test_kda_backend_test_needs_kdas_op(engine, hopper, caplog):
     ops.fused_kda_decode = fused_kda_decode
     original = layer.is_fused_kda_decode_supported
     with caplog.at_level(logging.WARNING, logger="kda_recurrent.integrations"):
-        assert vllm_integration.enable() == []
+        assert vllm_integration.enable() == FUSED_NAMES[2:]  # the spec-decode pair does not depend on the op
     assert layer.is_fused_kda_decode_supported is original
     assert any("is_fused_kda_decode_supported kept" in r.getMessage() for r in caplog.records)
     assert kimi_k3.is_fused_kda_decode_supported(12, 128, 4, 0, torch.bfloat16, torch.bfloat16, torch.float32) is False
+
+
+def test_vllm_spec_decode_backend_takes_kdas_fused_multi_token_layer(engine, hopper):
+    """vLLM's fused spec-decode backend needs FlashInfer on SM100; with kda enabled a layer built on Hopper takes it
+    (an fp32 or a bf16 pool), its call being kda's ``packed_fused_kda_decode``; where kda's kernel does not take the
+    layer (RecoverSSM on, no bounded gate, the DS conv layout, too many drafts, another device) it keeps vLLM's
+    unfused spec path; disabling restores vLLM's own answer and wrapper."""
+    _, utils, layer = load_k3_fused(engine)
+    wrapper = utils.flashinfer_packed_fused_kda_decode
+    assert layer.spec_decode_function()(x=None) == ("vllm-utils-flashinfer", "packed_fused_kda_decode")
+    assert layer.spec_decode_backend(torch.bfloat16) == "native"
+    vllm_integration.enable()
+    assert layer.spec_decode_function() is kimi_k3.flashinfer_packed_fused_kda_decode
+    assert utils.flashinfer_fused_kda_decode(x=None) == ("vllm-utils-flashinfer", "fused_kda_decode")  # not a target
+    for dtype in (torch.bfloat16, torch.float32):
+        assert layer.spec_decode_backend(dtype) == "flashinfer"
+    assert layer.spec_decode_backend(torch.bfloat16, num_spec=15) == "flashinfer"  # T = 16, kda's limit
+    for refused in (dict(num_spec=16), dict(num_spec=0), dict(lower_bound=None), dict(lower_bound=0.5),
+                    dict(use_recoverssm=True), dict(num_heads=20)):
+        assert layer.spec_decode_backend(torch.bfloat16, **refused) == "native", refused
+    layer.DIM_FIRST[0] = True  # vLLM's DS conv layout: kda's multi-token kernel takes the SD layout only
+    assert layer.spec_decode_backend(torch.bfloat16) == "native"
+    layer.DIM_FIRST[0] = False
+    hopper(8, 9)
+    assert layer.spec_decode_backend(torch.bfloat16) == "native"
+    hopper()
+    vllm_integration.disable()
+    assert layer.spec_decode_function() is wrapper
+    assert layer.spec_decode_backend(torch.bfloat16) == "native"
+
+
+def test_vllm_spec_decode_wrapper_runs_kdas_layer_with_vllms_call(engine, monkeypatch):
+    """The replaced wrapper forwards vLLM's keyword call, unchanged, to ``kda_recurrent.packed_fused_kda_decode``."""
+    from kda_recurrent import fused
+
+    seen = {}
+    monkeypatch.setattr(fused, "packed_fused_kda_decode", lambda *a, **kw: seen.update(args=a, kwargs=kw) or "out")
+    _, _, layer = load_k3_fused(engine)
+    vllm_integration.enable()
+    call = dict(x=1, weight=2, conv_state=3, raw_gate=4, raw_beta=5, A_log=6, dt_bias=7, state_indices=8,
+                query_start_loc=9, num_accepted_tokens=10, state=11, output_gate=12, norm_weight=13, lower_bound=-5.0,
+                norm_eps=1e-5, output=14)
+    assert layer.spec_decode_function()(**call) == "out"
+    assert seen == dict(args=(), kwargs=call)
 
 
 def test_engine_module_failing_at_import_is_left_alone(engine, monkeypatch, caplog):

@@ -45,7 +45,15 @@ Replaced (each where the module imports; see :mod:`kda_recurrent.integrations` f
   before the model is built, as the plugin entry point does). It is replaced only where the op above is kda's;
   vLLM trees whose test has another signature keep theirs.
 
-Not replaced: FlashInfer's decode ops and prefill. Every replacement treats slot ``<= 0`` as null (vLLM's
+- Kimi K3's fused spec-decode backend: ``flashinfer_packed_fused_kda_decode`` of ``vllm/utils/flashinfer.py`` (a lazy
+  wrapper of FlashInfer's ``packed_fused_kda_decode``, bound by the layer module at import) by
+  :func:`kda_recurrent.compat.vllm.kimi_k3.flashinfer_packed_fused_kda_decode` (kda's fused multi-token layer, same
+  call), and the layer's ``is_flashinfer_fused_kda_spec_decode_supported`` by kda's answer (no FlashInfer needed,
+  capability 9.0 or 10.0, fp32 or bf16 state, Kimi K3's bounded gate, RecoverSSM off, the SD conv layout), only
+  where the first is kda's. A pure spec-decode batch on Hopper then runs one fused launch.
+
+Not replaced: FlashInfer's other ops (its T=1 ``fused_kda_decode``, which vLLM prefers below the native backend,
+and prefill). Every replacement treats slot ``<= 0`` as null (vLLM's
 ``NULL_BLOCK_ID``); vLLM's native op has no null test at all (its padding rows compute into block 0), kda's
 adapter leaves block 0 untouched and writes zeros for those rows.
 """
@@ -61,6 +69,7 @@ _K3 = "vllm.models.kimi_k3.nvidia.ops.third_party.kda.fused_recurrent"
 _K3_RS = "vllm.models.kimi_k3.nvidia.ops.recoverssm"
 _CUSTOM_OPS = "vllm._custom_ops"
 _K3_LAYER = "vllm.models.kimi_k3.nvidia.kda"
+_FLASHINFER_UTILS = "vllm.utils.flashinfer"
 TARGETS = (
     Target(_K3, "fused_recurrent_kda_packed_decode",
            "kda_recurrent.compat.vllm.kimi_k3:fused_recurrent_kda_packed_decode"),
@@ -74,6 +83,11 @@ TARGETS = (
     Target(_K3_LAYER, "is_fused_kda_decode_supported",
            "kda_recurrent.compat.vllm.kimi_k3:is_fused_kda_decode_supported",
            requires=(_CUSTOM_OPS, "fused_kda_decode")),
+    Target(_FLASHINFER_UTILS, "flashinfer_packed_fused_kda_decode",
+           "kda_recurrent.compat.vllm.kimi_k3:flashinfer_packed_fused_kda_decode"),
+    Target(_K3_LAYER, "is_flashinfer_fused_kda_spec_decode_supported",
+           "kda_recurrent.compat.vllm.kimi_k3:is_flashinfer_fused_kda_spec_decode_supported",
+           requires=(_FLASHINFER_UTILS, "flashinfer_packed_fused_kda_decode")),
 )
 
 _patcher = Patcher("vllm", TARGETS, "vLLM")

@@ -32,6 +32,7 @@ from kda_core.contracts import T1_HEAD_COUNTS, NullSlotPolicy
 from kda_core.errors import fail
 from kda_core.oracle import kda_gate_ref
 from kda_core.validation import validate_recurrent
+from kda_core.validation_fused import MAX_FUSED_SPEC_TOKENS
 from kda_recurrent.compat import optional_entry, shape_text
 from kda_recurrent.facade import recurrent_kda
 
@@ -580,3 +581,55 @@ def is_fused_kda_decode_supported(num_heads, head_dim, conv_width, num_spec, inp
 
 
 __all__ += ["is_fused_kda_decode_supported"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fused spec-decode backend (``kda_spec_decode_backend`` "flashinfer"/"auto"): in ``vllm/models/kimi_k3/nvidia/
+# kda.py`` @ 3a1f05ba17aa4715f4020a4d304d57cfc1e37ebb a pure spec-decode batch calls
+# ``flashinfer_packed_fused_kda_decode(x=, weight=, conv_state=, raw_gate=, raw_beta=, A_log=, dt_bias=,
+# state_indices=, query_start_loc=, num_accepted_tokens=, state=, output_gate=, norm_weight=, lower_bound=,
+# norm_eps=, output=)`` (every argument by keyword) when ``resolve_kda_spec_decode_backend`` chose this backend at
+# construction through ``is_flashinfer_fused_kda_spec_decode_supported``. The module binds the name at import from
+# ``vllm/utils/flashinfer.py``, where it is ``_lazy_import_wrapper("flashinfer", "packed_fused_kda_decode")``, a
+# ``wrapper(*args, **kwargs)`` (the stored copy that has the KDA names carries no commit in the code index; the copy
+# @ 487151de954b26f8f2d3263b88d2a182f2a1b0cd predates them).
+
+def flashinfer_packed_fused_kda_decode(*args, **kwargs):
+    """vLLM's binding of FlashInfer's ``packed_fused_kda_decode``, on kda's fused multi-token layer
+    (:func:`kda_recurrent.fused.packed_fused_kda_decode`, which takes FlashInfer 0.7.2's signature and semantics:
+    an index ``<= 0`` is null, as vLLM's metadata pads). vLLM's wrapper forwards ``*args, **kwargs``; so does this."""
+    from kda_recurrent.fused import packed_fused_kda_decode
+
+    return packed_fused_kda_decode(*args, **kwargs)
+
+
+def is_flashinfer_fused_kda_spec_decode_supported(num_heads, head_dim, conv_width, num_spec, input_dtype,
+                                                  conv_state_dtype, recurrent_state_dtype, lower_bound,
+                                                  use_recoverssm):
+    """vLLM Kimi K3's test for the fused spec-decode backend, answered for kda's fused multi-token layer.
+
+    vLLM's answer needs FlashInfer and an SM100-family device, H in {12, 24, 32, 48, 96}, 1-7 speculative tokens.
+    kda's: the layer module's ``flashinfer_packed_fused_kda_decode`` is kda's (above), H in
+    ``kda_core.contracts.T1_HEAD_COUNTS``, head_dim 128, conv width 4, 1 to ``MAX_FUSED_SPEC_TOKENS - 1``
+    speculative tokens, bf16 activations and conv cache, an fp32 or bf16 state, a negative ``lower_bound`` (Kimi
+    K3's gate), RecoverSSM off (its verify writes records, not checkpoints), vLLM's SD conv layout (not
+    ``is_conv_state_dim_first()``), and a CUDA device of capability 9.0 or 10.0. With kda enabled, a pure
+    spec-decode batch on Hopper then runs one fused launch (conv window, recurrence with per-token checkpoints,
+    gated RMSNorm) where vLLM alone runs its conv update, the recurrence and the norm.
+    """
+    layer = sys.modules.get("vllm.models.kimi_k3.nvidia.kda")
+    if layer is None or getattr(layer, "flashinfer_packed_fused_kda_decode", None) is not \
+            flashinfer_packed_fused_kda_decode:
+        return False
+    if (num_heads not in T1_HEAD_COUNTS or head_dim != 128 or conv_width != 4
+            or not 1 <= num_spec < MAX_FUSED_SPEC_TOKENS or input_dtype != torch.bfloat16
+            or conv_state_dtype != torch.bfloat16 or recurrent_state_dtype not in (torch.float32, torch.bfloat16)
+            or lower_bound is None or not lower_bound < 0 or use_recoverssm):
+        return False
+    dim_first = getattr(layer, "is_conv_state_dim_first", None)
+    if dim_first is None or dim_first():
+        return False
+    return torch.cuda.is_available() and tuple(torch.cuda.get_device_capability()) in _FUSED_CAPABILITIES
+
+
+__all__ += ["flashinfer_packed_fused_kda_decode", "is_flashinfer_fused_kda_spec_decode_supported"]
