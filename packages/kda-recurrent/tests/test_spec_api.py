@@ -493,6 +493,40 @@ def test_sglang_target_verify_runs_each_token_on_its_root_to_token_path(device, 
             torch.testing.assert_close(inter[n, t], s_ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_sglang_target_verify_adaptive_steps_keep_each_request_in_its_buffer_slot(device):
+    """SGLang's adaptive speculation runs fewer draft steps (``cache_steps``) than its intermediate buffer holds per
+    slot (S = shape[1]): request n's token t still lands in ``buffer[slot_n, t]`` (the stride is S, as SGLang's
+    later kernel derives it), the steps past the window and every other slot stay untouched; a ``cache_steps``
+    over S is refused by name."""
+    g = torch.Generator().manual_seed(9)
+    N, T, S, H = 3, 3, 5, 4
+    q, k, v, graw = (rnd(g, 1, N * T, H, D, device=device) for _ in range(4))
+    b = rnd(g, 1, N * T, H, device=device)
+    A_log = rnd(g, H, dtype=torch.float32, scale=0.5, device=device)
+    dt_bias = rnd(g, H * D, dtype=torch.float32, scale=0.1, device=device)
+    pool = rnd(g, N + 1, H, D, D, dtype=torch.float32, scale=0.1, device=device)
+    inter = torch.full((N + 2, S, H, D, D), 7.0, device=device)
+    slots = torch.tensor([3, 0, 2], dtype=torch.int32, device=device)  # buffer slots 1 and 4 belong to nobody
+    qsl = torch.arange(0, N * T + 1, T, dtype=torch.int32, device=device)
+    call = dict(ssm_states=pool, cache_indices=torch.arange(1, N + 1, dtype=torch.int32, device=device),
+                query_start_loc=qsl, intermediate_states_buffer=inter, intermediate_state_indices=slots,
+                retrieve_parent_token=None, lower_bound=-5.0)
+    o = sglang.kda_target_verify(A_log, dt_bias, q, k, v, graw.reshape(1, N * T, H * D), b, cache_steps=T, **call)
+    for n, slot in enumerate(slots.tolist()):
+        rows = list(range(n * T, (n + 1) * T))
+        for t in range(T):
+            o_ref, s_ref = plain(q[0, rows[:t + 1]], k[0, rows[:t + 1]], v[0, rows[:t + 1]], graw[0, rows[:t + 1]],
+                                 b[0, rows[:t + 1]], A_log, dt_bias, pool[n + 1], lower_bound=-5.0)
+            torch.testing.assert_close(o[0, rows[t]].float(), o_ref[-1].float(), rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(inter[slot, t], s_ref, rtol=1e-4, atol=1e-4)
+        assert bool((inter[slot, T:] == 7.0).all()), slot  # the steps past this call's window
+    assert bool((inter[[1, 4]] == 7.0).all())  # the slots no request names
+    with pytest.raises(KDAError, match=r"^cache_steps: expected at most the buffer's steps per slot"):
+        sglang.kda_target_verify(A_log, dt_bias, q, k, v, graw.reshape(1, N * T, H * D), b, cache_steps=S + 1,
+                                 **call)
+
+
 def test_sglang_target_verify_refuses_the_replayssm_ring_mode_it_does_not_write():
     """SGLang's ring mode (``cache_ring=True``: the draft tokens' records go to its ReplaySSM rings, no intermediate
     states) is refused by name before anything runs, not answered with outputs and stale rings."""

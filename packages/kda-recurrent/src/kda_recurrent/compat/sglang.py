@@ -190,10 +190,16 @@ def kda_target_verify(
         ssm_states: the committed pool [slots, HV, V, K], **read only**; cache_indices: [N] its slots (``< 0``:
             null, as SGLang pads).
         query_start_loc: [N + 1] int offsets (device data, bounded in the kernel).
-        intermediate_states_buffer: [cache_slots, cache_steps, HV, V, K] (or any view of that memory as
+        intermediate_states_buffer: [cache_slots, S, HV, V, K] (or a view of that memory as
             [cache_slots * cache_steps, HV, V, K]) receiving the state after every draft token;
             intermediate_state_indices: [N] each request's cache slot (``< 0``: no states stored, and then the
-            request has no output either); cache_steps: int, the buffer's steps per slot.
+            request has no output either); cache_steps: int, the draft steps of this call (at most S; None: S).
+            Request n's token t goes to ``buffer[slot_n, t]``: the 5-D buffer's S is the per-slot stride, as in
+            SGLang's later kernel (``fused_sigmoid_gating_delta_rule_update`` of
+            ``python/sglang/kernels/ops/attention/fla/fused_sigmoid_gating_recurrent.py``, stored copy without a
+            recorded commit: "kept for API compat; stride is derived from intermediate_states_buffer.shape[1]"),
+            which ``--speculative-adaptive`` needs (its steps per call change, the buffer does not). A 4-D view
+            takes ``cache_steps`` as the stride.
         retrieve_parent_token: None (a chain) or [N, T] (EAGLE trees): token t > 0 continues from the stored state
             of token ``retrieve_parent_token[n, t]`` (docs/design.md §9 gives the rule for parents outside [0, t),
             which SGLang's kernel reads out of bounds).
@@ -228,15 +234,25 @@ def kda_target_verify(
     out = torch.empty(1, n_tok, HV, V, dtype=torch.bfloat16, device=q.device)
     pool = idx = None
     if intermediate_states_buffer is not None:
+        buf = intermediate_states_buffer
+        # A [cache_slots, steps, HV, V, K] buffer fixes the steps per slot: the per-request stride (SGLang's later
+        # kernel derives it from the buffer, not from cache_steps: the two differ under adaptive speculation).
+        per_slot = buf.shape[1] if isinstance(buf, torch.Tensor) and buf.dim() == 5 else None
+        if cache_steps is None and per_slot is not None:
+            cache_steps = per_slot
         if type(cache_steps) is not int or cache_steps < 1:
             fail("cache_steps", "an int >= 1 (the intermediate buffer's steps per slot)", repr(cache_steps))
+        if per_slot is not None and cache_steps > per_slot:
+            fail("cache_steps", f"at most the buffer's steps per slot, intermediate_states_buffer.shape[1] = "
+                 f"{per_slot}", cache_steps)
         if intermediate_state_indices is None:
             fail("intermediate_state_indices", "[N] cache slots with an intermediate_states_buffer", None)
-        pool = intermediate_states_buffer.reshape(-1, HV, V, K)
+        pool = buf.reshape(-1, HV, V, K)
+        stride = cache_steps if per_slot is None else per_slot
         steps = torch.arange(cache_steps, device=q.device, dtype=intermediate_state_indices.dtype)
         cache = intermediate_state_indices
-        # request n's step t at row cache * cache_steps + t; a negative cache slot nulls every step
-        idx = torch.where(cache[:, None] >= 0, cache[:, None] * cache_steps + steps, torch.full_like(steps, -1))
+        # request n's step t at row cache * stride + t (t < cache_steps); a negative cache slot nulls every step
+        idx = torch.where(cache[:, None] >= 0, cache[:, None] * stride + steps, torch.full_like(steps, -1))
     args = RecurrentArgs(q, k, v, g, beta, A_log if use_gate else None, dt_bias if use_gate else None, None, pool,
                          False, True, use_gate, lower_bound if use_gate else None, True, query_start_loc, idx, None,
                          out)
