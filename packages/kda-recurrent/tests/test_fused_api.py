@@ -60,6 +60,25 @@ def test_cpu_call_is_the_reference_and_updates_both_caches_in_place(policy):
     assert torch.equal(got_in["state"][0], inp["state"][0]) == row0_null
 
 
+def test_later_flashinfer_selection_keywords_run_the_same_call():
+    """vLLM's K3 layer passes ``backend="auto", state_indices_mode="unique_or_null"`` to FlashInfer releases that take
+    them: the same call here runs kda's layer unchanged (bitwise the call without them); other values are refused
+    by name before anything runs."""
+    inp = _inputs(B=3, slots=5)
+    inp["state_indices"] = torch.tensor([2, 0, 4], dtype=torch.int32)
+    plain_in, selected_in = _copies(inp), _copies(inp)
+    want = fused_kda_decode(**plain_in)
+    got = fused_kda_decode(**selected_in, backend="auto", state_indices_mode="unique_or_null")
+    assert torch.equal(got, want) and torch.equal(selected_in["state"], plain_in["state"])
+    assert torch.equal(selected_in["conv_state"], plain_in["conv_state"])
+    untouched = _copies(inp)
+    with pytest.raises(KDAError, match="^backend: expected one of"):
+        fused_kda_decode(**untouched, backend="triton")
+    with pytest.raises(KDAError, match="^state_indices_mode: expected one of"):
+        fused_kda_decode(**untouched, state_indices_mode="sorted")
+    assert torch.equal(untouched["state"], inp["state"]) and torch.equal(untouched["conv_state"], inp["conv_state"])
+
+
 def test_bad_arguments_raise_the_kda_error_naming_them():
     inp = _inputs(B=2, slots=3)
     with pytest.raises(KDAError, match="^null_policy: expected"):

@@ -35,6 +35,7 @@ from kda_core.errors import fail
 from kda_core.oracle_fused import NORM_EPS, fused_kda_decode_ref, packed_fused_kda_decode_ref
 from kda_core.validation_fused import validate_fused_decode, validate_packed_fused_decode
 from kda_recurrent.compat import optional_entry
+from kda_recurrent.facade import BACKENDS
 
 __all__ = ["fused_kda_decode", "packed_fused_kda_decode"]
 
@@ -104,6 +105,8 @@ def fused_kda_decode(
     *,
     bias=None,
     null_policy=NullSlotPolicy.NONPOSITIVE,
+    backend=None,
+    state_indices_mode=None,
 ):
     """One fused T=1 decode step for B rows; updates ``conv_state`` and ``state`` in place, returns ``output``.
 
@@ -123,10 +126,18 @@ def fused_kda_decode(
         null_policy: ``NONPOSITIVE`` (default, FlashInfer's op and vLLM: slot 0 is reserved) or ``OUT_OF_RANGE``
             (``-1`` null, slot 0 live); a slot >= slots is null under both. A null row gets zero output and
             neither cache is read or written.
+        backend, state_indices_mode: the keywords later FlashInfer releases add (vLLM's K3 layer passes
+            ``backend="auto", state_indices_mode="unique_or_null"`` where FlashInfer takes them), accepted so that
+            call runs unchanged: ``backend`` one of ``facade.BACKENDS`` or None, ``state_indices_mode`` one of
+            :data:`STATE_INDICES_MODES` or None. Neither changes what runs: every backend is kda's kernel, and the
+            mode is a promise about the indices (no live slot twice) that kda's contract already asks of every call
+            (duplicate live slots are a caller error, checked under ``KDA_DEBUG_VALIDATE``; docs/design.md §4).
 
     No host sync and no allocation when ``output`` is given (CUDA); safe under CUDA-graph capture.
     """
     policy = null_policy if type(null_policy) is NullSlotPolicy else _policy(null_policy)
+    if backend is not None or state_indices_mode is not None:
+        _check_flashinfer_selection(backend, state_indices_mode)
     if torch.compiler.is_compiling():
         if output is None:
             output = x.new_empty((1, x.shape[0], A_log.shape[0], HEAD_DIM), dtype=torch.bfloat16)
@@ -136,6 +147,19 @@ def fused_kda_decode(
         return output
     return _eager(x, weight, conv_state, raw_gate, raw_beta, A_log, dt_bias, state_indices, state, output_gate,
                   norm_weight, lower_bound, norm_eps, output, bias, policy)
+
+
+STATE_INDICES_MODES = ("unique_or_null", "positive_unique")
+"""The ``state_indices_mode`` values vLLM's K3 layer names (``unique_or_null``: each index null (<= 0) or used once,
+what it passes under CUDA-graph padding; ``positive_unique``: every index live and used once)."""
+
+
+def _check_flashinfer_selection(backend, state_indices_mode):
+    if backend is not None and (type(backend) is not str or backend not in BACKENDS):
+        fail("backend", f"one of {BACKENDS} (all run kda's kernels) or None", repr(backend))
+    if state_indices_mode is not None and (type(state_indices_mode) is not str
+                                           or state_indices_mode not in STATE_INDICES_MODES):
+        fail("state_indices_mode", f"one of {STATE_INDICES_MODES} or None", repr(state_indices_mode))
 
 
 @torch.library.custom_op("kda::fused_kda_decode", mutates_args=("conv_state", "state", "output"))
