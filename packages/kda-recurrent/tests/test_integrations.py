@@ -159,6 +159,32 @@ def test_sglang_enable_and_disable(engine, caplog):
     assert caller.fused_recurrent_kda_packed_decode is original
 
 
+SGL_FUSED = "sglang.kernels.ops.attention.kda_fused_decode"
+SGL_BACKEND = "sglang.srt.layers.attention.linear.kda_backend"
+
+
+def test_sglang_fused_decode_and_its_test_are_replaced_where_the_backend_reads_them(engine, caplog):
+    """SGLang's KDA backend reads ``covered`` and ``kda_fused_decode`` off the module it bound at import: both
+    become kda's (the test only with the kernel); disabling restores both; a changed kernel signature keeps both."""
+    fused = engine(SGL_FUSED, "sglang_kda_fused_decode.py")
+    backend = engine(SGL_BACKEND, "sglang_kda_backend.py")
+    originals = backend.fused_decode_functions()
+    assert sglang_integration.enable() == [f"{SGL_FUSED}.kda_fused_decode", f"{SGL_FUSED}.covered"]
+    assert backend.fused_decode_functions() == (sglang_adapters.kda_fused_decode_covered,
+                                                sglang_adapters.kda_fused_decode)
+    assert sglang_integration.disable() == [f"{SGL_FUSED}.kda_fused_decode", f"{SGL_FUSED}.covered"]
+    assert backend.fused_decode_functions() == originals
+
+    def kda_fused_decode(mixed_qkv, a, b, conv_states, fused_weight, conv_bias):  # a SGLang whose call changed
+        return "sglang", "changed"
+
+    fused.kda_fused_decode = kda_fused_decode
+    with caplog.at_level(logging.WARNING, logger="kda_recurrent.integrations"):
+        assert sglang_integration.enable() == []
+    assert backend.fused_decode_functions() == (originals[0], kda_fused_decode)
+    assert any("covered kept" in r.getMessage() for r in caplog.records)
+
+
 def test_adapters_take_the_engines_signatures():
     # The engines' signatures (the stand-ins) against the adapters: every positional parameter in place, the
     # keywords present; an adapter that dropped or moved one would be refused.

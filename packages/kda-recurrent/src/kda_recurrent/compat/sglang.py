@@ -27,10 +27,12 @@ head. Both are exact up to rounding.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from kda_core.call_args import RecurrentArgs, SpecArgs
-from kda_core.contracts import NullSlotPolicy
+from kda_core.contracts import T1_HEAD_COUNTS, NullSlotPolicy
 from kda_core.errors import fail
 from kda_core.oracle import kda_gate_ref
 from kda_core.validation import validate_gate_params, validate_recurrent
@@ -261,3 +263,122 @@ def kda_target_verify(
                     parent_indices=retrieve_parent_token if pool is not None else None)
     o, _ = spec_call(args, spec, _NULL_POLICY, rows_t=cache_steps)
     return o
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kimi K3's fused decode (conv update + SiLU + the KDA step + gated RMSNorm in one launch): read from
+# sgl-project/sglang ``python/sglang/kernels/ops/attention/kda_fused_decode.py``
+# @ 0000e9b46f38dd9055ecad825a42c47a047077e6 (``covered`` and ``kda_fused_decode``), its caller in the KDA backend
+# (``python/sglang/srt/layers/attention/linear/kda_backend.py``, stored copies without a recorded commit), which binds
+# the module by ``from sglang.kernels.ops.attention import kda_fused_decode`` and reads both attributes per call, and
+# the model's ``_prepare_fused_decode`` in ``python/sglang/srt/models/kimi_k3.py`` (stored copy without a recorded
+# commit), which builds the static arguments: per-part transposed fp32 conv weights [4, seg], a dense fp32 conv bias
+# [3 * seg] (zeros without one), A_log [H], the fp32 norm weight [128] and eps. On an SM90 GPU this is SGLang's
+# default T=1 decode for Kimi K3 at TP8 (12 local heads) ahead of the packed decode replaced above; its own kernel
+# takes an fp32 pool and H in {3, 6, 12}.
+
+SCALE = 128 ** -0.5
+_stacked: dict = {}  # (data_ptr, _version) of the three parts -> their [3, 4, seg] stack, built once per weight set
+
+
+def _conv_weight(w_q_t, w_k_t, w_v_t, fused_weight):
+    """kda's conv weight [3, 4, seg] fp32 from SGLang's three [4, seg] parts: a stack, kept per weight set (the parts
+    are static after loading; an in-place change bumps their ``_version`` and rebuilds it). Never kept while a CUDA
+    graph is being captured (its memory would be the graph's): built in the graph instead."""
+    if fused_weight is not None:
+        return fused_weight
+    parts = (w_q_t, w_k_t, w_v_t)
+    if not all(isinstance(p, torch.Tensor) for p in parts):
+        fail("w_q_t", "three [4, H*128] fp32 tensors (w_q_t, w_k_t, w_v_t)", [type(p).__name__ for p in parts])
+    key = tuple((p.data_ptr(), p._version, p.device) for p in parts)
+    got = _stacked.get(key)
+    if got is None:
+        got = torch.stack(parts)
+        if got.is_cuda and torch.cuda.is_current_stream_capturing():
+            return got
+        if len(_stacked) > 4096:  # weights reloaded many times over: start again
+            _stacked.clear()
+        _stacked[key] = got
+    return got
+
+
+def kda_fused_decode(mixed_qkv, a, b, conv_states, w_q_t, w_k_t, w_v_t, conv_bias, A_log, dt_bias, onorm_g,
+                     onorm_weight, ssm_states, cache_indices, scale, onorm_eps, lower_bound=None, *,
+                     fused_weight=None, actual_batch_size=None):
+    """SGLang's fused Kimi K3 decode step on kda's fused layer (:func:`kda_recurrent.fused.fused_kda_decode`):
+    shifts ``conv_states`` and updates ``ssm_states`` in place for the rows of ``cache_indices``, returns the
+    gated-normed output [1, B, H, 128] bf16 (allocated, as SGLang's does).
+
+    Args (B rows, H heads, seg = H * 128):
+        mixed_qkv: [B, 3 * seg] bf16, the raw (pre-conv) q|k|v row (row stride free).
+        a: [B, seg] bf16, the raw forget gate; b: [B, H] bf16, beta logits (both row stride free).
+        conv_states: [slots, 3, 3 * seg] bf16, channel-contiguous columns oldest first (kda's SD layout seen
+            transposed; its slot stride free).
+        w_q_t, w_k_t, w_v_t: [4, seg] fp32 each, the conv taps of q, k, v (tap 0 the oldest column); conv_bias
+            [3 * seg] fp32. A_log [H] fp32, dt_bias [seg] fp32; lower_bound None (softplus gate) or negative (Kimi K3).
+        onorm_g: [B, seg] bf16, the output gate; onorm_weight [128] fp32; onorm_eps the norm's eps.
+        ssm_states: [slots, H, 128, 128] fp32 (bf16 too), inner dims compact, slot stride free; as many slots as
+            ``conv_states``. cache_indices: [B] int32 (int64 too).
+        scale: 128 ** -0.5 (kda's fixed scale; another value raises a KDAError).
+        fused_weight, actual_batch_size: the keywords a later copy's tests pass: the three parts already stacked
+            [3, 4, seg] (used as given), and the rows that are real (rows past it are CUDA-graph padding: zero
+            output, no cache touched).
+
+    Null rows are SGLang's: an index ``< 0`` (its graph padding) gets zero output and touches neither cache; slot 0 is
+    live (``NullSlotPolicy.OUT_OF_RANGE``); kda also nulls an index ``>= slots``, which SGLang's kernel would read
+    past the pool. The conv outputs and o are rounded to bf16 inside the layer (docs/design.md §8). No host sync;
+    CUDA-graph capturable once a first eager call has built the stacked weight (SGLang's warm-up runs do).
+    """
+    from kda_recurrent.fused import fused_kda_decode as fused
+
+    if not isinstance(scale, (int, float)) or abs(float(scale) - SCALE) > 1e-12 * SCALE:
+        fail("scale", f"128 ** -0.5 = {SCALE!r} (kda's fused layer fixes it)", repr(scale))
+    weight = _conv_weight(w_q_t, w_k_t, w_v_t, fused_weight)
+    if not isinstance(ssm_states, torch.Tensor) or ssm_states.dim() != 4:
+        fail("ssm_states", "the state pool [slots, H, 128, 128]", shape_text(ssm_states))
+    if not isinstance(conv_states, torch.Tensor) or conv_states.dim() != 3:
+        fail("conv_states", "the conv pool [slots, 3, 3*H*128]", shape_text(conv_states))
+    H = ssm_states.shape[1]
+    B = mixed_qkv.shape[0]
+    out = torch.empty((1, B, H, 128), dtype=torch.bfloat16, device=mixed_qkv.device)
+    n = B if actual_batch_size is None else max(0, min(int(actual_batch_size), B))
+    if n < B:
+        out[:, n:].zero_()
+    if n == 0:
+        return out
+    fused(mixed_qkv[:n], weight, conv_states.transpose(1, 2), a[:n].unflatten(-1, (H, 128)).unsqueeze(0),
+          b[:n].unsqueeze(0), A_log, dt_bias, cache_indices[:n], ssm_states, onorm_g[:n].unflatten(-1, (H, 128)),
+          onorm_weight, lower_bound, float(onorm_eps), out[:, :n], bias=conv_bias, null_policy=_NULL_POLICY)
+    return out
+
+
+def kda_fused_decode_covered(mixed_qkv, a, b, conv_states, ssm_states, cache_indices, onorm_g):
+    """SGLang's ``covered`` test for its fused decode, answered for kda's fused layer: True where
+    :func:`kda_fused_decode` takes the call. SGLang's own needs an fp32 pool and H in {3, 6, 12}; kda's takes an fp32
+    or bf16 pool and H in ``kda_core.contracts.T1_HEAD_COUNTS`` (not 3 or 6: those keep SGLang's chain), the
+    module's ``kda_fused_decode`` being kda's (``integrations.sglang``), CUDA tensors, and the layouts above."""
+    module = sys.modules.get("sglang.kernels.ops.attention.kda_fused_decode")
+    if module is None or getattr(module, "kda_fused_decode", None) is not kda_fused_decode:
+        return False
+    tensors = (mixed_qkv, a, b, conv_states, ssm_states, cache_indices, onorm_g)
+    if not all(isinstance(t, torch.Tensor) and t.get_device() >= _KERNEL_DEVICE_MIN for t in tensors) \
+            or ssm_states.dim() != 4:
+        return False
+    slots, H, V, K = ssm_states.shape
+    seg = H * 128
+    B = mixed_qkv.shape[0] if mixed_qkv.dim() == 2 else -1
+    bf16 = torch.bfloat16
+    return (
+        H in T1_HEAD_COUNTS and V == 128 and K == 128
+        and ssm_states.dtype in (torch.float32, bf16) and ssm_states.stride()[1:] == (V * K, K, 1)
+        and mixed_qkv.dim() == 2 and mixed_qkv.shape[1] == 3 * seg and mixed_qkv.stride(1) == 1
+        and a.shape == (B, seg) and a.stride(1) == 1 and b.shape == (B, H) and b.stride(1) == 1
+        and onorm_g.shape == (B, seg) and onorm_g.stride(1) == 1
+        and all(t.dtype == bf16 for t in (mixed_qkv, a, b, onorm_g, conv_states))
+        and conv_states.dim() == 3 and conv_states.shape == (slots, 3, 3 * seg)
+        and conv_states.stride()[1:] == (3 * seg, 1)
+        and cache_indices.shape == (B,) and cache_indices.dtype in (torch.int32, torch.int64)
+    )
+
+
+__all__ += ["kda_fused_decode", "kda_fused_decode_covered"]

@@ -8,8 +8,18 @@ Replaced (where the module imports; see :mod:`kda_recurrent.integrations` for ho
 @ 047d31af2516212c09b8ce356fae8298ba8526d7 by :func:`kda_recurrent.compat.sglang.fused_recurrent_kda_packed_decode`,
 also the name its caller ``python/sglang/srt/layers/attention/linear/kernels/kda_triton.py``
 @ 007d1d93beabe99478bc855e6ccdc4ac0bfcdf7d binds by ``from ... import`` at import. That caller is the Triton KDA
-backend's ``packed_decode`` (the T=1 decode); its ReplaySSM ring variant, the target-verify and extend paths, and the
-CuTe DSL and FlashInfer backends are not replaced. Slot ``-1`` is null and slot 0 live, as in SGLang.
+backend's ``packed_decode`` (the T=1 decode).
+
+Also Kimi K3's fused decode, ``python/sglang/kernels/ops/attention/kda_fused_decode.py``
+@ 0000e9b46f38dd9055ecad825a42c47a047077e6: ``kda_fused_decode`` (conv + SiLU + the KDA step + gated RMSNorm) by
+:func:`kda_recurrent.compat.sglang.kda_fused_decode`, and ``covered`` by
+:func:`kda_recurrent.compat.sglang.kda_fused_decode_covered` (only where the first is kda's). SGLang's KDA backend
+binds that module at import and reads both attributes per call, ahead of the packed decode, wherever the model has
+stashed the fused arguments (Kimi K3 at 12 local heads, TP8): on an SM90 GPU that is the default T=1 decode for that
+model. kda's ``covered`` also takes a bf16 pool.
+
+Not replaced: the ReplaySSM ring variant, the target-verify and extend paths, and the CuTe DSL and FlashInfer
+backends. Slot ``-1`` is null and slot 0 live, as in SGLang.
 """
 
 from __future__ import annotations
@@ -18,17 +28,21 @@ from kda_recurrent.integrations import Patcher, Target
 
 __all__ = ["TARGETS", "disable", "enable", "patched"]
 
+_FUSED = "sglang.kernels.ops.attention.kda_fused_decode"
 TARGETS = (
     Target("sglang.kernels.ops.attention.fla.fused_recurrent", "fused_recurrent_kda_packed_decode",
            "kda_recurrent.compat.sglang:fused_recurrent_kda_packed_decode"),
+    Target(_FUSED, "kda_fused_decode", "kda_recurrent.compat.sglang:kda_fused_decode"),
+    Target(_FUSED, "covered", "kda_recurrent.compat.sglang:kda_fused_decode_covered",
+           requires=(_FUSED, "kda_fused_decode")),
 )
 
 _patcher = Patcher("sglang", TARGETS, "SGLang")
 
 
 def enable(*, require_kernels: bool = True) -> list[str]:
-    """Replace SGLang's KDA packed decode by kda's; returns the ``module.name`` attributes replaced by this call.
-    ``require_kernels`` as :func:`kda_recurrent.integrations.vllm.enable`'s."""
+    """Replace SGLang's KDA packed decode and fused decode by kda's; returns the ``module.name`` attributes replaced by
+    this call. ``require_kernels`` as :func:`kda_recurrent.integrations.vllm.enable`'s."""
     return _patcher.enable(require_kernels)
 
 

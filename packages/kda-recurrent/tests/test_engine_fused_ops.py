@@ -1,5 +1,8 @@
-"""vLLM Kimi K3's native fused op on kda (``kda_recurrent.compat.vllm.kimi_k3.fused_kda_decode``), with vLLM's test
-inputs (docs/serving.md §3 "Native fused op").
+"""The engines' fused Kimi K3 decode ops on kda's fused layer, with the engines' test inputs: vLLM's native op
+(``kda_recurrent.compat.vllm.kimi_k3.fused_kda_decode``, docs/serving.md §3 "Native fused op") and, at the end,
+SGLang's fused decode (``kda_recurrent.compat.sglang.kda_fused_decode`` and its ``covered`` test).
+
+vLLM's inputs:
 
 H in {12, 24, 48, 96}, B in {1, 4}, with the gated RMSNorm (bounded gate) and without it (softplus gate), the SD and
 the DS conv layouts; x the first 3·H·128 columns of a [B, 3·H·128 + 17] buffer, weight 0.1·randn [3·H·128, 4]
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from kda_core.contracts import NullSlotPolicy
 from kda_core.errors import KDAError
 from kda_core.oracle import recurrent_kda_ref
+from kda_recurrent.compat import sglang
 from kda_recurrent.compat.vllm import kimi_k3
 
 D, W = 128, 4
@@ -65,9 +69,10 @@ def vllm_inputs(H, B, *, ds=False, norm=True, device="cpu", seed=None, state_dty
     return args, storage
 
 
-def composed(args):
+def composed(args, null_policy=NullSlotPolicy.NONPOSITIVE):
     """The layer from independent parts on CPU copies: (output [1, B, H, 128] bf16, conv cache after, state after);
-    vLLM's null policy (an index <= 0 or >= slots is a null row)."""
+    vLLM's null policy by default (an index <= 0 or >= slots is a null row), SGLang's with ``OUT_OF_RANGE`` (< 0)."""
+    first_live = 1 if null_policy is NullSlotPolicy.NONPOSITIVE else 0
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
     x, conv, state = cpu["x"], cpu["conv_state"].clone(), cpu["state"].clone()
     B, C = x.shape
@@ -76,16 +81,15 @@ def composed(args):
     taps = cpu["weight"].permute(0, 2, 1).reshape(C, 1, W)
     mixed = torch.zeros(B, C)
     for r, s in enumerate(slots):
-        if 0 < s < state.shape[0]:
+        if first_live <= s < state.shape[0]:
             window = torch.cat((conv[s].float(), x[r].float()[:, None]), dim=1)  # [C, 4], oldest column first
-            mixed[r] = F.silu(F.conv1d(window[None], taps, groups=C)[0, :, 0]).bfloat16().float()
+            mixed[r] = F.silu(F.conv1d(window[None], taps, cpu.get("bias"), groups=C)[0, :, 0]).bfloat16().float()
             conv[s] = window[:, 1:].bfloat16()
     q, k, v = (mixed.view(B, 1, 3, H, D)[:, :, i].bfloat16() for i in range(3))
     o, state = recurrent_kda_ref(
         q, k, v, cpu["raw_g"].view(B, 1, H, D), cpu["raw_beta"].reshape(B, 1, H), A_log=cpu["A_log"],
         dt_bias=cpu["dt_bias"], initial_state=state, use_gate_in_kernel=True, lower_bound=cpu["lower_bound"],
-        beta_is_logit=True, ssm_state_indices=torch.tensor(slots, dtype=torch.int32),
-        null_policy=NullSlotPolicy.NONPOSITIVE,
+        beta_is_logit=True, ssm_state_indices=torch.tensor(slots, dtype=torch.int32), null_policy=null_policy,
     )
     o = o.float().view(B, H, D)
     if cpu["norm_weight"] is not None:
@@ -260,3 +264,115 @@ def test_cuda_graph_replay_with_new_inputs(ds):
     assert not out[0, 1].any()
     torch.testing.assert_close(args["conv_state"].cpu(), want_conv, rtol=0, atol=0)
     torch.testing.assert_close(args["state"].cpu(), want_state, **STATE_TOL)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SGLang's fused Kimi K3 decode (``sglang.kernels.ops.attention.kda_fused_decode``) on kda's fused layer. Inputs as
+# SGLang's own test builds them: the raw q|k|v row, ``a`` [B, seg] and ``b`` [B, H] (here views of strided buffers),
+# the conv pool [slots, 3, C] channel-contiguous (here the transposed view of vLLM's interleaved pages), the conv
+# weight split into three transposed [4, seg] parts, a dense fp32 conv bias, cache indices with -1 padding and slot 0
+# live (SGLang's allocator).
+
+SGL_ROWS = [2, 0, -1, 3]  # slot 0 live, -1 a padded graph row; slots 1 and 4 belong to nobody
+
+
+def sglang_inputs(H, *, device="cpu", state_dtype=torch.float32, seed=None):
+    """(SGLang's positional arguments as a dict, the equivalent kda/vLLM-form args for ``composed``, the pages)."""
+    B = len(SGL_ROWS)
+    args, storage = vllm_inputs(H, B, device=device, seed=seed, state_dtype=state_dtype)
+    seg = H * D
+    gen = torch.Generator().manual_seed(31 + H)
+    args["bias"] = (0.1 * torch.randn(3 * seg, generator=gen)).to(device)
+    args["state_indices"] = torch.tensor(SGL_ROWS, dtype=torch.int32, device=device)
+    args["lower_bound"] = -5.0
+    w_q_t, w_k_t, w_v_t = (args["weight"][i].clone() for i in range(3))
+    call = dict(
+        mixed_qkv=args["x"], a=args["raw_g"].reshape(B, seg), b=args["raw_beta"][0],
+        conv_states=args["conv_state"].transpose(1, 2), w_q_t=w_q_t, w_k_t=w_k_t, w_v_t=w_v_t,
+        conv_bias=args["bias"], A_log=args["A_log"], dt_bias=args["dt_bias"], onorm_g=args["output_gate"].flatten(1),
+        onorm_weight=args["norm_weight"], ssm_states=args["state"], cache_indices=args["state_indices"],
+        scale=D ** -0.5, onorm_eps=EPS, lower_bound=-5.0,
+    )
+    return call, args, storage
+
+
+def _sglang_matches_the_composition(H, device, state_dtype):
+    call, args, storage = sglang_inputs(H, device=device, state_dtype=state_dtype)
+    want, want_conv, want_state = composed(args, NullSlotPolicy.OUT_OF_RANGE)
+    before = storage.clone()
+    got = sglang.kda_fused_decode(**call)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert got.shape == (1, len(SGL_ROWS), H, D) and got.dtype is torch.bfloat16
+    torch.testing.assert_close(got.cpu(), want, **OUT_TOL)
+    assert not got[0, 2].any()  # the padded row
+    torch.testing.assert_close(args["conv_state"].cpu(), want_conv, rtol=0, atol=0)
+    torch.testing.assert_close(args["state"].cpu(), want_state, **STATE_TOL)
+    page = storage.numel() // (len(SGL_ROWS) + 2)
+    for s in range(len(SGL_ROWS) + 2):  # slot 0 is SGLang's to use; 1 and 4 nobody's: bitwise untouched
+        same = torch.equal(storage[s * page:(s + 1) * page], before[s * page:(s + 1) * page])
+        assert same == (s not in (0, 2, 3)), s
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("H", [12, 24])
+def test_sglang_fused_decode_matches_the_composition_on_cpu(H, state_dtype):
+    _sglang_matches_the_composition(H, "cpu", state_dtype)
+
+
+def test_sglang_fused_decode_padding_rows_scale_and_stacked_weight():
+    """``actual_batch_size`` (a later copy's keyword): rows past it are graph padding, zero and untouched. A scale
+    other than 128 ** -0.5 is refused by name. The three weight parts are stacked once per weight set, and again
+    after an in-place change of one (its version moves)."""
+    call, args, storage = sglang_inputs(12)
+    before = storage.clone()
+    got = sglang.kda_fused_decode(**call, actual_batch_size=0)
+    assert not got.any() and torch.equal(storage, before)
+    with pytest.raises(KDAError, match=r"^scale: expected 128 \*\* -0.5"):
+        sglang.kda_fused_decode(**{**call, "scale": 1.0})
+    stacked = sglang._conv_weight(call["w_q_t"], call["w_k_t"], call["w_v_t"], None)
+    assert stacked is sglang._conv_weight(call["w_q_t"], call["w_k_t"], call["w_v_t"], None)
+    assert torch.equal(stacked, args["weight"])
+    call["w_k_t"].mul_(2)
+    restacked = sglang._conv_weight(call["w_q_t"], call["w_k_t"], call["w_v_t"], None)
+    assert restacked is not stacked and torch.equal(restacked[1], 2 * args["weight"][1])
+
+
+def test_sglang_covered_answers_for_kdas_layer(monkeypatch):
+    """kda's ``covered``: True for the shapes and layouts kda's fused layer takes (fp32 and bf16 pools, H 12 and 16),
+    False where SGLang's chain must run (H 6, the DS conv pool, an fp16 row, SGLang's own op still installed)."""
+    import sys
+    import types
+
+    module = types.ModuleType("sglang.kernels.ops.attention.kda_fused_decode")
+    module.kda_fused_decode = sglang.kda_fused_decode
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(sglang, "_KERNEL_DEVICE_MIN", -1)  # CPU tensors stand for CUDA ones here
+    keys = ("mixed_qkv", "a", "b", "conv_states", "ssm_states", "cache_indices", "onorm_g")
+
+    def covered(call, **changed):
+        merged = {**call, **changed}
+        return sglang.kda_fused_decode_covered(*(merged[k] for k in keys))
+
+    for H, dtype in ((12, torch.float32), (12, torch.bfloat16), (16, torch.float32)):
+        call, _, _ = sglang_inputs(H, state_dtype=dtype)
+        assert covered(call), (H, dtype)
+    call, _, _ = sglang_inputs(12)
+    assert covered(call, conv_states=call["conv_states"].contiguous())  # a compact [slots, 3, C] pool of its own
+    assert not covered(call, conv_states=torch.empty(6, 3 * 12 * D, 3, dtype=torch.bfloat16).transpose(1, 2))
+    assert not covered(call, mixed_qkv=call["mixed_qkv"].half())
+    six, _, _ = sglang_inputs(12)
+    assert not covered(six, ssm_states=six["ssm_states"][:, :6])
+    monkeypatch.setattr(sglang, "_KERNEL_DEVICE_MIN", 0)
+    assert not covered(call)  # CPU tensors
+    monkeypatch.setattr(sglang, "_KERNEL_DEVICE_MIN", -1)
+    module.kda_fused_decode = lambda *a, **kw: None  # SGLang's own
+    assert not covered(call)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("H", [12, 24])
+def test_sglang_fused_decode_matches_the_composition_on_cuda(H, state_dtype):
+    _sglang_matches_the_composition(H, "cuda", state_dtype)
