@@ -284,7 +284,9 @@ _stacked: dict = {}  # (data_ptr, _version) of the three parts -> their [3, 4, s
 def _conv_weight(w_q_t, w_k_t, w_v_t, fused_weight):
     """kda's conv weight [3, 4, seg] fp32 from SGLang's three [4, seg] parts: a stack, kept per weight set (the parts
     are static after loading; an in-place change bumps their ``_version`` and rebuilds it). Never kept while a CUDA
-    graph is being captured (its memory would be the graph's): built in the graph instead."""
+    graph is being captured (its memory would be the graph's): built in the graph instead. A graph captured with a
+    stack keeps reading it, as SGLang's graphs keep reading the derived parts they were captured with (its
+    ``_prepare_fused_decode`` makes new tensors, never rewrites them in place)."""
     if fused_weight is not None:
         return fused_weight
     parts = (w_q_t, w_k_t, w_v_t)
