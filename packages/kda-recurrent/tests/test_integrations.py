@@ -366,6 +366,26 @@ def test_vllm_spec_decode_backend_takes_kdas_fused_multi_token_layer(engine, hop
     assert layer.spec_decode_backend(torch.bfloat16) == "native"
 
 
+def test_vllm_spec_decode_stays_flashinfers_off_hopper(engine, hopper, monkeypatch):
+    """On SM100, where vLLM takes FlashInfer's fused spec decode and kda's kernels have not run, vLLM's own test
+    answers and the wrapper hands the call to vLLM's (FlashInfer's); on Hopper a tensor call runs kda's layer."""
+    from kda_recurrent import fused
+
+    monkeypatch.setattr(fused, "packed_fused_kda_decode", lambda *a, **kw: "kda")
+    _, _, layer = load_k3_fused(engine)
+    vllm_integration.enable()
+    hopper(10, 0)
+    for present in (False, True):
+        layer.FLASHINFER[0] = present
+        assert layer.spec_decode_backend(torch.bfloat16) == ("flashinfer" if present else "native")
+    x = torch.zeros(2, 3 * 12 * 128, dtype=torch.bfloat16)
+    assert layer.spec_decode_function()(x=x) == ("vllm-utils-flashinfer", "packed_fused_kda_decode")
+    monkeypatch.setattr(kimi_k3, "_spec_on_kda", lambda x: True)  # a CUDA tensor on a Hopper GPU
+    assert layer.spec_decode_function()(x=x) == "kda"
+    vllm_integration.disable()
+    layer.FLASHINFER[0] = False
+
+
 def test_vllm_spec_decode_wrapper_runs_kdas_layer_with_vllms_call(engine, monkeypatch):
     """The replaced wrapper forwards vLLM's keyword call, unchanged, to ``kda_recurrent.packed_fused_kda_decode``."""
     from kda_recurrent import fused

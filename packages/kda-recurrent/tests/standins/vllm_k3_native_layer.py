@@ -2,14 +2,15 @@
 at import and reads ``ops.fused_kda_decode`` at each call; it binds ``flashinfer_packed_fused_kda_decode`` by name
 at import; its backend choices read the module's ``is_fused_kda_decode_supported`` and
 ``is_flashinfer_fused_kda_spec_decode_supported`` when a layer is built (signatures as the engine's; the stand-in's
-answers are vLLM's dtype rules only: an fp32 state for the native op, FlashInfer's own test being False without
-FlashInfer)."""
+answers are vLLM's dtype rules only: an fp32 state for the native op; for the spec-decode backend whether FlashInfer
+is there, ``FLASHINFER``)."""
 
 import torch
 from vllm import _custom_ops as ops
 from vllm.utils.flashinfer import flashinfer_packed_fused_kda_decode
 
 DIM_FIRST = [False]  # what vLLM's ``is_conv_state_dim_first()`` answers (its conv-state layout option)
+FLASHINFER = [False]  # whether vLLM's own spec-decode test finds FlashInfer's kernel (SM100 with FlashInfer)
 
 
 def is_conv_state_dim_first():
@@ -34,7 +35,7 @@ def is_fused_kda_decode_supported(num_heads, head_dim, conv_width, num_spec, inp
 def is_flashinfer_fused_kda_spec_decode_supported(num_heads, head_dim, conv_width, num_spec, input_dtype,
                                                   conv_state_dtype, recurrent_state_dtype, lower_bound,
                                                   use_recoverssm):
-    return False
+    return FLASHINFER[0]
 
 
 def decode_backend(recurrent_state_dtype, num_heads=12):

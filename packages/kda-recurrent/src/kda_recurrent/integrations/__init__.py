@@ -27,9 +27,17 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["Patcher", "Target"]
+__all__ = ["Patcher", "Target", "original"]
 
 logger = logging.getLogger(__name__)
+
+_ORIGINALS: dict[tuple[str, str], Callable] = {}  # (module, name) -> the engine function an adapter replaced
+
+
+def original(module: str, name: str) -> Callable | None:
+    """The engine's own ``module.name`` that a kda adapter replaced and still stands in for, else None: for an adapter
+    that hands some calls back to the engine (a device kda's kernels are not tested on, say)."""
+    return _ORIGINALS.get((module, name))
 
 
 @dataclass(frozen=True)
@@ -149,6 +157,7 @@ class Patcher:
                     continue
                 original = current
                 self._originals[target] = original
+                _ORIGINALS[(target.module, target.name)] = original
             if original is None:  # the adapter was installed by another Patcher, or by hand: not ours to manage
                 continue
             modules = self._engine_modules() if modules is None else modules
@@ -179,6 +188,8 @@ class Patcher:
                     namespace[target.name] = original
                     restored.append(f"{module_name}.{target.name}")
                     logger.info("kda: %s.%s restored", module_name, target.name)
+        for target in self._originals:
+            _ORIGINALS.pop((target.module, target.name), None)
         self._originals.clear()
         self._patched.clear()
         return restored

@@ -47,10 +47,12 @@ Replaced (each where the module imports; see :mod:`kda_recurrent.integrations` f
 
 - Kimi K3's fused spec-decode backend: ``flashinfer_packed_fused_kda_decode`` of ``vllm/utils/flashinfer.py`` (a lazy
   wrapper of FlashInfer's ``packed_fused_kda_decode``, bound by the layer module at import) by
-  :func:`kda_recurrent.compat.vllm.kimi_k3.flashinfer_packed_fused_kda_decode` (kda's fused multi-token layer, same
-  call), and the layer's ``is_flashinfer_fused_kda_spec_decode_supported`` by kda's answer (no FlashInfer needed,
-  capability 9.0 or 10.0, fp32 or bf16 state, Kimi K3's bounded gate, RecoverSSM off, the SD conv layout), only
-  where the first is kda's. A pure spec-decode batch on Hopper then runs one fused launch.
+  :func:`kda_recurrent.compat.vllm.kimi_k3.flashinfer_packed_fused_kda_decode` (on Hopper kda's fused multi-token
+  layer, same call; elsewhere vLLM's wrapper), and the layer's ``is_flashinfer_fused_kda_spec_decode_supported`` by
+  one giving kda's answer on Hopper (no FlashInfer needed, fp32 or bf16 state, Kimi K3's bounded gate, RecoverSSM
+  off, the SD conv layout) and vLLM's elsewhere, only where the first is kda's. A pure spec-decode batch on Hopper
+  then runs one fused launch; SM100 keeps FlashInfer's (:func:`kda_recurrent.integrations.original` gives the
+  adapters vLLM's functions).
 
 Not replaced: FlashInfer's other ops (its T=1 ``fused_kda_decode``, which vLLM prefers below the native backend,
 and prefill). Every replacement treats slot ``<= 0`` as null (vLLM's

@@ -594,30 +594,62 @@ __all__ += ["is_fused_kda_decode_supported"]
 # ``wrapper(*args, **kwargs)`` (the stored copy that has the KDA names carries no commit in the code index; the copy
 # @ 487151de954b26f8f2d3263b88d2a182f2a1b0cd predates them).
 
-def flashinfer_packed_fused_kda_decode(*args, **kwargs):
-    """vLLM's binding of FlashInfer's ``packed_fused_kda_decode``, on kda's fused multi-token layer
-    (:func:`kda_recurrent.fused.packed_fused_kda_decode`, which takes FlashInfer 0.7.2's signature and semantics:
-    an index ``<= 0`` is null, as vLLM's metadata pads). vLLM's wrapper forwards ``*args, **kwargs``; so does this."""
-    from kda_recurrent.fused import packed_fused_kda_decode
+_K3_LAYER = "vllm.models.kimi_k3.nvidia.kda"
+_FI_WRAPPER = ("vllm.utils.flashinfer", "flashinfer_packed_fused_kda_decode")
+_SPEC_CAPABILITY = (9, 0)  # kda's fused spec path stands in for FlashInfer's on Hopper only (see below)
+_on_kda: dict[int, bool] = {}  # device index -> whether kda's fused spec layer runs there
 
+
+def _spec_on_kda(x) -> bool:
+    """Whether kda's fused spec layer takes a call whose rows ``x`` live where they do (a Hopper GPU)."""
+    if not x.is_cuda:
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    here = _on_kda.get(index)
+    if here is None:
+        here = _on_kda[index] = tuple(torch.cuda.get_device_capability(index)) == _SPEC_CAPABILITY
+    return here
+
+
+def flashinfer_packed_fused_kda_decode(*args, **kwargs):
+    """vLLM's binding of FlashInfer's ``packed_fused_kda_decode``: on Hopper kda's fused multi-token layer
+    (:func:`kda_recurrent.fused.packed_fused_kda_decode`, FlashInfer 0.7.2's signature and semantics: an index
+    ``<= 0`` is null, as vLLM's metadata pads), elsewhere (and on the CPU) vLLM's own wrapper, i.e. FlashInfer's
+    kernel, which vLLM takes on SM100 and kda's kernels have not run on. vLLM's wrapper forwards ``*args,
+    **kwargs``; so does this."""
+    from kda_recurrent.fused import packed_fused_kda_decode
+    from kda_recurrent.integrations import original
+
+    x = kwargs["x"] if "x" in kwargs else (args[0] if args else None)
+    engine = original(*_FI_WRAPPER)
+    if engine is not None and isinstance(x, torch.Tensor) and not _spec_on_kda(x):
+        return engine(*args, **kwargs)
     return packed_fused_kda_decode(*args, **kwargs)
 
 
 def is_flashinfer_fused_kda_spec_decode_supported(num_heads, head_dim, conv_width, num_spec, input_dtype,
                                                   conv_state_dtype, recurrent_state_dtype, lower_bound,
                                                   use_recoverssm):
-    """vLLM Kimi K3's test for the fused spec-decode backend, answered for kda's fused multi-token layer.
+    """vLLM Kimi K3's test for the fused spec-decode backend, answered for kda's fused multi-token layer on Hopper.
 
-    vLLM's answer needs FlashInfer and an SM100-family device, H in {12, 24, 32, 48, 96}, 1-7 speculative tokens.
-    kda's: the layer module's ``flashinfer_packed_fused_kda_decode`` is kda's (above), H in
+    vLLM's answer needs FlashInfer and an SM100-family device, H in {12, 24, 32, 48, 96}, 1-7 speculative tokens; on
+    any device but Hopper it is the answer given here (vLLM's own test, run as it is), and the wrapper above runs
+    FlashInfer's kernel there. On Hopper (capability 9.0), where vLLM alone has no fused spec path, kda's answer:
+    the layer module's ``flashinfer_packed_fused_kda_decode`` is kda's (above), H in
     ``kda_core.contracts.T1_HEAD_COUNTS``, head_dim 128, conv width 4, 1 to ``MAX_FUSED_SPEC_TOKENS - 1``
     speculative tokens, bf16 activations and conv cache, an fp32 or bf16 state, a negative ``lower_bound`` (Kimi
     K3's gate), RecoverSSM off (its verify writes records, not checkpoints), vLLM's SD conv layout (not
-    ``is_conv_state_dim_first()``), and a CUDA device of capability 9.0 or 10.0. With kda enabled, a pure
-    spec-decode batch on Hopper then runs one fused launch (conv window, recurrence with per-token checkpoints,
-    gated RMSNorm) where vLLM alone runs its conv update, the recurrence and the norm.
+    ``is_conv_state_dim_first()``). With kda enabled, a pure spec-decode batch on Hopper then runs one fused launch
+    (conv window, recurrence with per-token checkpoints, gated RMSNorm) where vLLM alone runs its conv update, the
+    recurrence and the norm.
     """
-    layer = sys.modules.get("vllm.models.kimi_k3.nvidia.kda")
+    from kda_recurrent.integrations import original
+
+    if not torch.cuda.is_available() or tuple(torch.cuda.get_device_capability()) != _SPEC_CAPABILITY:
+        engine = original(_K3_LAYER, "is_flashinfer_fused_kda_spec_decode_supported")
+        return bool(engine(num_heads, head_dim, conv_width, num_spec, input_dtype, conv_state_dtype,
+                           recurrent_state_dtype, lower_bound, use_recoverssm)) if engine is not None else False
+    layer = sys.modules.get(_K3_LAYER)
     if layer is None or getattr(layer, "flashinfer_packed_fused_kda_decode", None) is not \
             flashinfer_packed_fused_kda_decode:
         return False
@@ -627,9 +659,7 @@ def is_flashinfer_fused_kda_spec_decode_supported(num_heads, head_dim, conv_widt
             or lower_bound is None or not lower_bound < 0 or use_recoverssm):
         return False
     dim_first = getattr(layer, "is_conv_state_dim_first", None)
-    if dim_first is None or dim_first():
-        return False
-    return torch.cuda.is_available() and tuple(torch.cuda.get_device_capability()) in _FUSED_CAPABILITIES
+    return dim_first is not None and not dim_first()
 
 
 __all__ += ["flashinfer_packed_fused_kda_decode", "is_flashinfer_fused_kda_spec_decode_supported"]
