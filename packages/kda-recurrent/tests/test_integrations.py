@@ -185,6 +185,18 @@ def test_sglang_fused_decode_and_its_test_are_replaced_where_the_backend_reads_t
     assert any("covered kept" in r.getMessage() for r in caplog.records)
 
 
+def test_sglang_fused_decode_stays_sglangs_off_hopper(engine, monkeypatch):
+    """Where kda's fused layer does not stand in (not a Hopper GPU: SGLang runs its own kernel on SM100 too), kda's
+    ``covered`` gives SGLang's answer and the kernel call goes to SGLang's, keywords and all."""
+    fused = engine(SGL_FUSED, "sglang_kda_fused_decode.py")
+    monkeypatch.setattr(fused, "covered", lambda *args: True)  # SGLang finds its kernel covers the call
+    sglang_integration.enable()
+    monkeypatch.setattr(sglang_adapters, "_fused_on_kda", lambda x: False)
+    x = torch.zeros(1, 3 * 12 * 128, dtype=torch.bfloat16)
+    assert fused.covered(x, *[None] * 6) is True  # SGLang's own answer
+    assert fused.kda_fused_decode(x, *[None] * 15) == ("sglang", "kda_fused_decode")
+
+
 def test_adapters_take_the_engines_signatures():
     # The engines' signatures (the stand-ins) against the adapters: every positional parameter in place, the
     # keywords present; an adapter that dropped or moved one would be refused.

@@ -332,7 +332,14 @@ def kda_fused_decode(mixed_qkv, a, b, conv_states, w_q_t, w_k_t, w_v_t, conv_bia
     CUDA-graph capturable once a first eager call has built the stacked weight (SGLang's warm-up runs do).
     """
     from kda_recurrent.fused import fused_kda_decode as fused
+    from kda_recurrent.integrations import original
 
+    engine = original(_FUSED_MODULE, "kda_fused_decode")
+    if engine is not None and isinstance(mixed_qkv, torch.Tensor) and not _fused_on_kda(mixed_qkv):
+        kwargs = {} if fused_weight is None and actual_batch_size is None else \
+            dict(fused_weight=fused_weight, actual_batch_size=actual_batch_size)
+        return engine(mixed_qkv, a, b, conv_states, w_q_t, w_k_t, w_v_t, conv_bias, A_log, dt_bias, onorm_g,
+                      onorm_weight, ssm_states, cache_indices, scale, onorm_eps, lower_bound, **kwargs)
     if not isinstance(scale, (int, float)) or abs(float(scale) - SCALE) > 1e-12 * SCALE:
         fail("scale", f"128 ** -0.5 = {SCALE!r} (kda's fused layer fixes it)", repr(scale))
     weight = _conv_weight(w_q_t, w_k_t, w_v_t, fused_weight)
@@ -354,14 +361,40 @@ def kda_fused_decode(mixed_qkv, a, b, conv_states, w_q_t, w_k_t, w_v_t, conv_bia
     return out
 
 
+_FUSED_MODULE = "sglang.kernels.ops.attention.kda_fused_decode"
+_FUSED_CAPABILITY = (9, 0)  # kda's layer stands in for SGLang's fused kernel on Hopper only (see covered)
+_on_kda: dict[int, bool] = {}  # device index -> whether kda's fused layer runs there
+
+
+def _fused_on_kda(x) -> bool:
+    """Whether kda's fused layer takes a call whose rows ``x`` live where they do (a Hopper GPU; tests may lower
+    ``_KERNEL_DEVICE_MIN`` to let CPU tensors stand for one)."""
+    if x.get_device() < _KERNEL_DEVICE_MIN:
+        return False
+    if not x.is_cuda:
+        return True
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    here = _on_kda.get(index)
+    if here is None:
+        here = _on_kda[index] = tuple(torch.cuda.get_device_capability(index)) == _FUSED_CAPABILITY
+    return here
+
+
 def kda_fused_decode_covered(mixed_qkv, a, b, conv_states, ssm_states, cache_indices, onorm_g):
     """SGLang's ``covered`` test for its fused decode, answered for kda's fused layer: True where
     :func:`kda_fused_decode` takes the call. SGLang's own needs an fp32 pool and H in {3, 6, 12}; kda's takes an fp32
     or bf16 pool and H in ``kda_core.contracts.T1_HEAD_COUNTS`` (not 3 or 6: those keep SGLang's chain), the
-    module's ``kda_fused_decode`` being kda's (``integrations.sglang``), CUDA tensors, and the layouts above."""
-    module = sys.modules.get("sglang.kernels.ops.attention.kda_fused_decode")
+    module's ``kda_fused_decode`` being kda's (``integrations.sglang``), tensors on a Hopper GPU, and the layouts
+    above. Elsewhere (other GPUs: SGLang runs its kernel on SM100 too, where kda's kernels have not run) SGLang's
+    own test answers, and :func:`kda_fused_decode` hands those calls to SGLang's kernel."""
+    from kda_recurrent.integrations import original
+
+    module = sys.modules.get(_FUSED_MODULE)
     if module is None or getattr(module, "kda_fused_decode", None) is not kda_fused_decode:
         return False
+    if isinstance(mixed_qkv, torch.Tensor) and not _fused_on_kda(mixed_qkv):
+        engine = original(_FUSED_MODULE, "covered")
+        return bool(engine(mixed_qkv, a, b, conv_states, ssm_states, cache_indices, onorm_g)) if engine else False
     tensors = (mixed_qkv, a, b, conv_states, ssm_states, cache_indices, onorm_g)
     if not all(isinstance(t, torch.Tensor) and t.get_device() >= _KERNEL_DEVICE_MIN for t in tensors) \
             or ssm_states.dim() != 4:

@@ -16,7 +16,8 @@ Also Kimi K3's fused decode, ``python/sglang/kernels/ops/attention/kda_fused_dec
 :func:`kda_recurrent.compat.sglang.kda_fused_decode_covered` (only where the first is kda's). SGLang's KDA backend
 binds that module at import and reads both attributes per call, ahead of the packed decode, wherever the model has
 stashed the fused arguments (Kimi K3 at 12 local heads, TP8): on an SM90 GPU that is the default T=1 decode for that
-model. kda's ``covered`` also takes a bf16 pool.
+model. kda's ``covered`` also takes a bf16 pool. On Hopper only: on other GPUs (SGLang runs its kernel on SM100 too,
+where kda's kernels have not run) SGLang's ``covered`` answers and SGLang's kernel runs.
 
 Not replaced: the ReplaySSM ring variant, the target-verify and extend paths, and the CuTe DSL and FlashInfer
 backends. Slot ``-1`` is null and slot 0 live, as in SGLang.
