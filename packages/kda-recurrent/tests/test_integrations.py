@@ -197,6 +197,24 @@ def test_sglang_fused_decode_stays_sglangs_off_hopper(engine, monkeypatch):
     assert fused.kda_fused_decode(x, *[None] * 15) == ("sglang", "kda_fused_decode")
 
 
+def test_sglang_fused_decode_head_counts_kda_lacks_stay_sglangs(engine, monkeypatch):
+    """On a device kda's layer takes (CPU tensors stand for Hopper here), a head count kda's kernel is not built for
+    (SGLang's JIT takes H = 3 and 6 too) gets SGLang's answer and runs SGLang's kernel, not a KDAError."""
+    fused = engine(SGL_FUSED, "sglang_kda_fused_decode.py")
+    monkeypatch.setattr(fused, "covered", lambda *args: True)
+    sglang_integration.enable()
+    monkeypatch.setattr(sglang_adapters, "_KERNEL_DEVICE_MIN", -1)
+    H, B, bf16 = 6, 2, torch.bfloat16
+    seg = H * 128
+    call = (torch.zeros(B, 3 * seg, dtype=bf16), torch.zeros(B, seg, dtype=bf16), torch.zeros(B, H, dtype=bf16),
+            torch.zeros(3, 3, 3 * seg, dtype=bf16), torch.zeros(3, H, 128, 128), torch.zeros(B, dtype=torch.int32),
+            torch.zeros(B, seg, dtype=bf16))
+    assert fused.covered(*call) is True
+    mixed, a, b, conv, ssm, idx, gate = call
+    assert fused.kda_fused_decode(mixed, a, b, conv, None, None, None, None, None, None, gate, None, ssm, idx,
+                                  128 ** -0.5, 1e-6) == ("sglang", "kda_fused_decode")
+
+
 def test_adapters_take_the_engines_signatures():
     # The engines' signatures (the stand-ins) against the adapters: every positional parameter in place, the
     # keywords present; an adapter that dropped or moved one would be refused.

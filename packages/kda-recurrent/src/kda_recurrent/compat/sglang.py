@@ -335,7 +335,7 @@ def kda_fused_decode(mixed_qkv, a, b, conv_states, w_q_t, w_k_t, w_v_t, conv_bia
     from kda_recurrent.integrations import original
 
     engine = original(_FUSED_MODULE, "kda_fused_decode")
-    if engine is not None and isinstance(mixed_qkv, torch.Tensor) and not _fused_on_kda(mixed_qkv):
+    if engine is not None and not _kda_covers(mixed_qkv, a, b, conv_states, ssm_states, cache_indices, onorm_g):
         kwargs = {} if fused_weight is None and actual_batch_size is None else \
             dict(fused_weight=fused_weight, actual_batch_size=actual_batch_size)
         return engine(mixed_qkv, a, b, conv_states, w_q_t, w_k_t, w_v_t, conv_bias, A_log, dt_bias, onorm_g,
@@ -385,19 +385,24 @@ def kda_fused_decode_covered(mixed_qkv, a, b, conv_states, ssm_states, cache_ind
     :func:`kda_fused_decode` takes the call. SGLang's own needs an fp32 pool and H in {3, 6, 12}; kda's takes an fp32
     or bf16 pool and H in ``kda_core.contracts.T1_HEAD_COUNTS`` (not 3 or 6: those keep SGLang's chain), the
     module's ``kda_fused_decode`` being kda's (``integrations.sglang``), tensors on a Hopper GPU, and the layouts
-    above. Elsewhere (other GPUs: SGLang runs its kernel on SM100 too, where kda's kernels have not run) SGLang's
-    own test answers, and :func:`kda_fused_decode` hands those calls to SGLang's kernel."""
+    above. Any other call (another GPU: SGLang runs its kernel on SM100 too, where kda's kernels have not run; H 3
+    or 6) gets SGLang's own answer, and :func:`kda_fused_decode` hands exactly those calls to SGLang's kernel."""
     from kda_recurrent.integrations import original
 
     module = sys.modules.get(_FUSED_MODULE)
     if module is None or getattr(module, "kda_fused_decode", None) is not kda_fused_decode:
         return False
-    if isinstance(mixed_qkv, torch.Tensor) and not _fused_on_kda(mixed_qkv):
-        engine = original(_FUSED_MODULE, "covered")
-        return bool(engine(mixed_qkv, a, b, conv_states, ssm_states, cache_indices, onorm_g)) if engine else False
+    if _kda_covers(mixed_qkv, a, b, conv_states, ssm_states, cache_indices, onorm_g):
+        return True
+    engine = original(_FUSED_MODULE, "covered")
+    return bool(engine(mixed_qkv, a, b, conv_states, ssm_states, cache_indices, onorm_g)) if engine else False
+
+
+def _kda_covers(mixed_qkv, a, b, conv_states, ssm_states, cache_indices, onorm_g) -> bool:
+    """kda's rules for SGLang's fused call: the device (:func:`_fused_on_kda`), the shapes, dtypes and layouts."""
     tensors = (mixed_qkv, a, b, conv_states, ssm_states, cache_indices, onorm_g)
-    if not all(isinstance(t, torch.Tensor) and t.get_device() >= _KERNEL_DEVICE_MIN for t in tensors) \
-            or ssm_states.dim() != 4:
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or ssm_states.dim() != 4 or not _fused_on_kda(mixed_qkv) \
+            or not all(t.get_device() == mixed_qkv.get_device() for t in tensors):
         return False
     slots, H, V, K = ssm_states.shape
     seg = H * 128
