@@ -553,6 +553,7 @@ def fused_kda_decode(
 
 # The archs kda-cute's fused kernel is compiled and tested for (sm_90a on the H200 and H100; sm_100a compiled in CI).
 _FUSED_CAPABILITIES = ((9, 0), (10, 0))
+_K3_LAYER = "vllm.models.kimi_k3.nvidia.kda"
 
 
 def is_fused_kda_decode_supported(num_heads, head_dim, conv_width, num_spec, input_dtype, conv_state_dtype,
@@ -568,16 +569,22 @@ def is_fused_kda_decode_supported(num_heads, head_dim, conv_width, num_spec, inp
     (:func:`fused_kda_decode`, installed by ``kda_recurrent.integrations.vllm``; without it vLLM's op would get the
     pool), H in ``kda_core.contracts.T1_HEAD_COUNTS``, head_dim 128, conv width 4, no speculative tokens, bf16
     activations and conv cache, an **fp32 or bf16** state, and a CUDA device of capability 9.0 or 10.0. So with
-    kda enabled a bf16 pool on Hopper decodes in one fused launch, where vLLM alone runs three.
+    kda enabled a bf16 pool on Hopper decodes in one fused launch, where vLLM alone runs three. Any other layer gets
+    vLLM's own answer (as before ``enable()``).
     """
+    from kda_recurrent.integrations import original
+
     ops = sys.modules.get("vllm._custom_ops")
     if ops is None or getattr(ops, "fused_kda_decode", None) is not fused_kda_decode:
         return False
-    if (num_heads not in T1_HEAD_COUNTS or head_dim != 128 or conv_width != 4 or num_spec != 0
-            or input_dtype != torch.bfloat16 or conv_state_dtype != torch.bfloat16
-            or recurrent_state_dtype not in (torch.float32, torch.bfloat16)):
-        return False
-    return torch.cuda.is_available() and tuple(torch.cuda.get_device_capability()) in _FUSED_CAPABILITIES
+    if (num_heads in T1_HEAD_COUNTS and head_dim == 128 and conv_width == 4 and num_spec == 0
+            and input_dtype == torch.bfloat16 and conv_state_dtype == torch.bfloat16
+            and recurrent_state_dtype in (torch.float32, torch.bfloat16) and torch.cuda.is_available()
+            and tuple(torch.cuda.get_device_capability()) in _FUSED_CAPABILITIES):
+        return True
+    engine = original(_K3_LAYER, "is_fused_kda_decode_supported")
+    return bool(engine(num_heads, head_dim, conv_width, num_spec, input_dtype, conv_state_dtype,
+                       recurrent_state_dtype)) if engine is not None else False
 
 
 __all__ += ["is_fused_kda_decode_supported"]
@@ -594,7 +601,6 @@ __all__ += ["is_fused_kda_decode_supported"]
 # ``wrapper(*args, **kwargs)`` (the stored copy that has the KDA names carries no commit in the code index; the copy
 # @ 487151de954b26f8f2d3263b88d2a182f2a1b0cd predates them).
 
-_K3_LAYER = "vllm.models.kimi_k3.nvidia.kda"
 _FI_WRAPPER = ("vllm.utils.flashinfer", "flashinfer_packed_fused_kda_decode")
 _SPEC_CAPABILITY = (9, 0)  # kda's fused spec path stands in for FlashInfer's on Hopper only (see below)
 _on_kda: dict[int, bool] = {}  # device index -> whether kda's fused spec layer runs there
