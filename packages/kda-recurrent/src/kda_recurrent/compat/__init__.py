@@ -26,3 +26,18 @@ def optional_entry(module: str, name: str):
 def shape_text(x):
     """A refused argument as an error message shows it: its shape, or its type when it is not a tensor."""
     return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}  # CUDA device index -> its compute capability, asked once
+
+
+def capability_of(x: torch.Tensor) -> tuple[int, int] | None:
+    """The compute capability of the CUDA device ``x`` lives on (cached per device index), None off CUDA: adapters
+    that stand in for an engine kernel on some GPUs only ask it per call."""
+    if not x.is_cuda:
+        return None
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    got = _CAPABILITY.get(index)
+    if got is None:
+        got = _CAPABILITY[index] = tuple(torch.cuda.get_device_capability(index))
+    return got

@@ -36,7 +36,7 @@ from kda_core.contracts import T1_HEAD_COUNTS, NullSlotPolicy
 from kda_core.errors import fail
 from kda_core.oracle import kda_gate_ref
 from kda_core.validation import validate_gate_params, validate_recurrent
-from kda_recurrent.compat import optional_entry, shape_text
+from kda_recurrent.compat import capability_of, optional_entry, shape_text
 from kda_recurrent.facade import recurrent_kda
 
 __all__ = ["fused_recurrent_kda_packed_decode", "kda_target_verify"]
@@ -363,7 +363,6 @@ def kda_fused_decode(mixed_qkv, a, b, conv_states, w_q_t, w_k_t, w_v_t, conv_bia
 
 _FUSED_MODULE = "sglang.kernels.ops.attention.kda_fused_decode"
 _FUSED_CAPABILITY = (9, 0)  # kda's layer stands in for SGLang's fused kernel on Hopper only (see covered)
-_on_kda: dict[int, bool] = {}  # device index -> whether kda's fused layer runs there
 
 
 def _fused_on_kda(x) -> bool:
@@ -371,13 +370,7 @@ def _fused_on_kda(x) -> bool:
     ``_KERNEL_DEVICE_MIN`` to let CPU tensors stand for one)."""
     if x.get_device() < _KERNEL_DEVICE_MIN:
         return False
-    if not x.is_cuda:
-        return True
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    here = _on_kda.get(index)
-    if here is None:
-        here = _on_kda[index] = tuple(torch.cuda.get_device_capability(index)) == _FUSED_CAPABILITY
-    return here
+    return not x.is_cuda or capability_of(x) == _FUSED_CAPABILITY
 
 
 def kda_fused_decode_covered(mixed_qkv, a, b, conv_states, ssm_states, cache_indices, onorm_g):

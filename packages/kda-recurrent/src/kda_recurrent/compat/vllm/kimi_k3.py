@@ -33,7 +33,7 @@ from kda_core.errors import fail
 from kda_core.oracle import kda_gate_ref
 from kda_core.validation import validate_recurrent
 from kda_core.validation_fused import MAX_FUSED_SPEC_TOKENS
-from kda_recurrent.compat import optional_entry, shape_text
+from kda_recurrent.compat import capability_of, optional_entry, shape_text
 from kda_recurrent.facade import recurrent_kda
 
 __all__ = ["fused_recurrent_kda", "fused_recurrent_kda_packed_decode", "kda_recoverssm_verify",
@@ -603,18 +603,11 @@ __all__ += ["is_fused_kda_decode_supported"]
 
 _FI_WRAPPER = ("vllm.utils.flashinfer", "flashinfer_packed_fused_kda_decode")
 _SPEC_CAPABILITY = (9, 0)  # kda's fused spec path stands in for FlashInfer's on Hopper only (see below)
-_on_kda: dict[int, bool] = {}  # device index -> whether kda's fused spec layer runs there
 
 
 def _spec_on_kda(x) -> bool:
     """Whether kda's fused spec layer takes a call whose rows ``x`` live where they do (a Hopper GPU)."""
-    if not x.is_cuda:
-        return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    here = _on_kda.get(index)
-    if here is None:
-        here = _on_kda[index] = tuple(torch.cuda.get_device_capability(index)) == _SPEC_CAPABILITY
-    return here
+    return capability_of(x) == _SPEC_CAPABILITY
 
 
 def flashinfer_packed_fused_kda_decode(*args, **kwargs):
