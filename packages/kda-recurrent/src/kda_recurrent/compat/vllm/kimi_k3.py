@@ -556,6 +556,12 @@ _FUSED_CAPABILITIES = ((9, 0), (10, 0))
 _K3_LAYER = "vllm.models.kimi_k3.nvidia.kda"
 
 
+def _layer_fits(num_heads, head_dim, conv_width, input_dtype, conv_state_dtype, recurrent_state_dtype) -> bool:
+    """The layer facts vLLM's two backend tests pass that kda's fused layers (T=1 and multi-token) take."""
+    return (num_heads in T1_HEAD_COUNTS and head_dim == 128 and conv_width == 4 and input_dtype == torch.bfloat16
+            and conv_state_dtype == torch.bfloat16 and recurrent_state_dtype in (torch.float32, torch.bfloat16))
+
+
 def is_fused_kda_decode_supported(num_heads, head_dim, conv_width, num_spec, input_dtype, conv_state_dtype,
                                   recurrent_state_dtype):
     """vLLM Kimi K3's test for its native fused decode backend, answered for kda's fused layer.
@@ -577,10 +583,9 @@ def is_fused_kda_decode_supported(num_heads, head_dim, conv_width, num_spec, inp
     ops = sys.modules.get("vllm._custom_ops")
     if ops is None or getattr(ops, "fused_kda_decode", None) is not fused_kda_decode:
         return False
-    if (num_heads in T1_HEAD_COUNTS and head_dim == 128 and conv_width == 4 and num_spec == 0
-            and input_dtype == torch.bfloat16 and conv_state_dtype == torch.bfloat16
-            and recurrent_state_dtype in (torch.float32, torch.bfloat16) and torch.cuda.is_available()
-            and tuple(torch.cuda.get_device_capability()) in _FUSED_CAPABILITIES):
+    if (num_spec == 0 and _layer_fits(num_heads, head_dim, conv_width, input_dtype, conv_state_dtype,
+                                      recurrent_state_dtype)
+            and torch.cuda.is_available() and tuple(torch.cuda.get_device_capability()) in _FUSED_CAPABILITIES):
         return True
     engine = original(_K3_LAYER, "is_fused_kda_decode_supported")
     return bool(engine(num_heads, head_dim, conv_width, num_spec, input_dtype, conv_state_dtype,
@@ -652,10 +657,9 @@ def is_flashinfer_fused_kda_spec_decode_supported(num_heads, head_dim, conv_widt
     if layer is None or getattr(layer, "flashinfer_packed_fused_kda_decode", None) is not \
             flashinfer_packed_fused_kda_decode:
         return False
-    if (num_heads not in T1_HEAD_COUNTS or head_dim != 128 or conv_width != 4
-            or not 1 <= num_spec < MAX_FUSED_SPEC_TOKENS or input_dtype != torch.bfloat16
-            or conv_state_dtype != torch.bfloat16 or recurrent_state_dtype not in (torch.float32, torch.bfloat16)
-            or lower_bound is None or not lower_bound < 0 or use_recoverssm):
+    if (not _layer_fits(num_heads, head_dim, conv_width, input_dtype, conv_state_dtype, recurrent_state_dtype)
+            or not 1 <= num_spec < MAX_FUSED_SPEC_TOKENS or lower_bound is None or not lower_bound < 0
+            or use_recoverssm):
         return False
     dim_first = getattr(layer, "is_conv_state_dim_first", None)
     return dim_first is not None and not dim_first()
