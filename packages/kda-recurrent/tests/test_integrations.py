@@ -149,14 +149,110 @@ def test_sglang_enable_and_disable(engine, caplog):
     with caplog.at_level(logging.INFO, logger="kda_recurrent.integrations"):
         replaced = sglang_integration.enable()
     assert sorted(replaced) == sorted([f"{SGL}.fused_recurrent_kda_packed_decode",
-                                       f"{SGL_CALLER}.fused_recurrent_kda_packed_decode"])
-    assert len([r for r in caplog.records if " -> " in r.getMessage()]) == 2
+                                       f"{SGL_CALLER}.fused_recurrent_kda_packed_decode",
+                                       f"{SGL_CALLER}.TritonKDAKernel.target_verify"])
+    assert len([r for r in caplog.records if " -> " in r.getMessage()]) == 3
     adapter = sglang_adapters.fused_recurrent_kda_packed_decode
     assert defining.fused_recurrent_kda_packed_decode is adapter and caller.fused_recurrent_kda_packed_decode is adapter
     assert sglang_integration.enable() == []
     assert sorted(sglang_integration.disable()) == sorted(replaced)
     assert defining.fused_recurrent_kda_packed_decode is original
     assert caller.fused_recurrent_kda_packed_decode is original
+
+
+def verify_call(N=2, T=3, H=2, S=4, dtype=torch.bfloat16, seed=5):
+    """SGLang's ``target_verify`` arguments (positional and keyword) for N requests of T draft tokens, H heads of
+    128: the committed pool's slots 1..N (0 belongs to nobody), an intermediate buffer of S steps per slot."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, dt=dtype, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dt)
+
+    n_tok, D = N * T, 128
+    args = (rnd(H, dt=torch.float32, scale=0.5), rnd(H * D, dt=torch.float32, scale=0.1),
+            rnd(1, n_tok, H, D), rnd(1, n_tok, H, D), rnd(1, n_tok, H, D), rnd(n_tok, H * D), rnd(n_tok, H))
+    kwargs = dict(ssm_states=rnd(N + 1, H, D, D, dt=torch.float32, scale=0.1),
+                  cache_indices=torch.arange(1, N + 1, dtype=torch.int32),
+                  query_start_loc=torch.arange(0, n_tok + 1, T, dtype=torch.int32),
+                  intermediate_states_buffer=torch.zeros(N, S, H, D, D),
+                  intermediate_state_indices=torch.arange(N, dtype=torch.int32), cache_steps=T,
+                  retrieve_parent_token=None, lower_bound=-5.0)
+    return args, kwargs
+
+
+def test_sglang_triton_verify_is_replaced_in_the_class(engine, monkeypatch):
+    """SGLang's KDA backend calls ``target_verify`` on its kernel object (or on a wrapper kernel that forwards to a
+    Triton one): the method is replaced in the class, so both get kda's verify, which gives what
+    ``kda_target_verify`` gives; a subclass with its own method keeps it; disabling puts SGLang's back."""
+    engine(SGL, "sglang_fused_recurrent.py")
+    caller = engine(SGL_CALLER, "sglang_kda_triton.py")
+    own = caller.TritonKDAKernel.target_verify
+
+    class Overriding(caller.TritonKDAKernel):
+        def target_verify(self, *args, **kwargs):
+            return "subclass"
+
+    assert f"{SGL_CALLER}.TritonKDAKernel.target_verify" in sglang_integration.enable()
+    assert caller.TritonKDAKernel.target_verify is sglang_adapters.triton_kda_target_verify
+    assert f"{SGL_CALLER}.TritonKDAKernel.target_verify" in sglang_integration.patched()
+    assert sglang_integration.enable() == []
+    monkeypatch.setattr(sglang_adapters, "_KERNEL_DEVICE_MIN", -1)  # CPU tensors stand for a Hopper GPU
+    args, kwargs = verify_call()
+    expected_buffer = kwargs["intermediate_states_buffer"].clone()
+    expected = sglang_adapters.kda_target_verify(*args, **{**kwargs, "intermediate_states_buffer": expected_buffer})
+    for kernel in (caller.TritonKDAKernel(), caller.WrappedKDAKernel()):
+        kwargs["intermediate_states_buffer"].zero_()
+        out = kernel.target_verify(*args, **kwargs)
+        assert torch.equal(out, expected)
+        assert torch.equal(kwargs["intermediate_states_buffer"], expected_buffer)
+    assert Overriding().target_verify(*args, **kwargs) == "subclass"
+    assert f"{SGL_CALLER}.TritonKDAKernel.target_verify" in sglang_integration.disable()
+    assert caller.TritonKDAKernel.target_verify is own
+    assert caller.TritonKDAKernel().target_verify(*args, **kwargs)[:2] == ("sglang", "target_verify")
+
+
+@pytest.mark.parametrize("case", ["ring", "off_hopper", "fp16", "head_dim_64", "buffer_fp16"])
+def test_sglang_triton_verify_calls_kda_does_not_take_run_sglangs_method(engine, monkeypatch, case):
+    """The ReplaySSM ring mode (kda does not write SGLang's rings), another GPU (SGLang's kernel runs on SM100 too,
+    where kda's kernels have not), and dtypes or shapes kda's kernels lack go to SGLang's own method with every
+    argument it was given, never a KDAError."""
+    engine(SGL, "sglang_fused_recurrent.py")
+    caller = engine(SGL_CALLER, "sglang_kda_triton.py")
+    sglang_integration.enable()
+    monkeypatch.setattr(sglang_adapters, "_KERNEL_DEVICE_MIN", -1)
+    args, kwargs = verify_call()
+    ring = torch.zeros(3, 2, 3, 128)
+    if case == "fp16":  # fp16 activations (a and b stay bf16): kda writes bf16 where SGLang returns q's dtype
+        args = (*args[:2], *(t.half() for t in args[2:5]), *args[5:])
+    elif case == "ring":
+        kwargs.update(intermediate_states_buffer=None, cache_ring=True, replayssm_rawv=ring)
+    elif case == "off_hopper":
+        monkeypatch.setattr(sglang_adapters, "_on_kda_gpu", lambda x: False)
+    elif case == "head_dim_64":  # kda's kernels take K = V = 64 too, but not its T=1 and fused ones: SGLang's K3 is 128
+        q, k, v = (t[..., :64] for t in args[2:5])
+        args = (args[0], args[1][: 2 * 64], q, k, v, args[5][:, : 2 * 64], args[6])
+        kwargs.update(ssm_states=kwargs["ssm_states"][..., :64, :64],
+                      intermediate_states_buffer=kwargs["intermediate_states_buffer"][..., :64, :64])
+    elif case == "buffer_fp16":
+        kwargs["intermediate_states_buffer"] = kwargs["intermediate_states_buffer"].half()
+    ran, name, given = caller.TritonKDAKernel().target_verify(*args, **kwargs, some_future_keyword=7)
+    assert (ran, name) == ("sglang", "target_verify")
+    assert given["some_future_keyword"] == 7 and given["cache_steps"] == 3 and given["lower_bound"] == -5.0
+    assert given["cache_ring"] is (case == "ring") and (given["replayssm_rawv"] is ring) == (case == "ring")
+
+
+def test_sglang_triton_verify_with_a_changed_signature_is_left_alone(engine, caplog):
+    engine(SGL, "sglang_fused_recurrent.py")
+    caller = engine(SGL_CALLER, "sglang_kda_triton.py")
+
+    def target_verify(self, q, k, v, A_log, dt_bias, a, b, **kwargs):  # a SGLang whose call changed
+        return "sglang"
+
+    caller.TritonKDAKernel.target_verify = target_verify
+    with caplog.at_level(logging.WARNING, logger="kda_recurrent.integrations"):
+        assert f"{SGL_CALLER}.TritonKDAKernel.target_verify" not in sglang_integration.enable()
+    assert caller.TritonKDAKernel.target_verify is target_verify
+    assert any("TritonKDAKernel.target_verify kept" in r.getMessage() for r in caplog.records)
 
 
 SGL_FUSED = "sglang.kernels.ops.attention.kda_fused_decode"
@@ -191,7 +287,7 @@ def test_sglang_fused_decode_stays_sglangs_off_hopper(engine, monkeypatch):
     fused = engine(SGL_FUSED, "sglang_kda_fused_decode.py")
     monkeypatch.setattr(fused, "covered", lambda *args: True)  # SGLang finds its kernel covers the call
     sglang_integration.enable()
-    monkeypatch.setattr(sglang_adapters, "_fused_on_kda", lambda x: False)
+    monkeypatch.setattr(sglang_adapters, "_on_kda_gpu", lambda x: False)
     x = torch.zeros(1, 3 * 12 * 128, dtype=torch.bfloat16)
     assert fused.covered(x, *[None] * 6) is True  # SGLang's own answer
     assert fused.kda_fused_decode(x, *[None] * 15) == ("sglang", "kda_fused_decode")

@@ -32,7 +32,7 @@ import sys
 import torch
 
 from kda_core.call_args import RecurrentArgs, SpecArgs
-from kda_core.contracts import T1_HEAD_COUNTS, NullSlotPolicy
+from kda_core.contracts import MAX_TREE_TOKENS, T1_HEAD_COUNTS, NullSlotPolicy
 from kda_core.errors import fail
 from kda_core.oracle import kda_gate_ref
 from kda_core.validation import validate_gate_params, validate_recurrent
@@ -362,15 +362,15 @@ def kda_fused_decode(mixed_qkv, a, b, conv_states, w_q_t, w_k_t, w_v_t, conv_bia
 
 
 _FUSED_MODULE = "sglang.kernels.ops.attention.kda_fused_decode"
-_FUSED_CAPABILITY = (9, 0)  # kda's layer stands in for SGLang's fused kernel on Hopper only (see covered)
+_KDA_CAPABILITY = (9, 0)  # kda stands in for SGLang's fused decode and verify on Hopper only (see covered)
 
 
-def _fused_on_kda(x) -> bool:
-    """Whether kda's fused layer takes a call whose rows ``x`` live where they do (a Hopper GPU; tests may lower
-    ``_KERNEL_DEVICE_MIN`` to let CPU tensors stand for one)."""
+def _on_kda_gpu(x) -> bool:
+    """Whether kda stands in for SGLang's kernel on a call whose tensor ``x`` lives where it does (a Hopper GPU; tests
+    may lower ``_KERNEL_DEVICE_MIN`` to let CPU tensors stand for one)."""
     if x.get_device() < _KERNEL_DEVICE_MIN:
         return False
-    return not x.is_cuda or capability_of(x) == _FUSED_CAPABILITY
+    return not x.is_cuda or capability_of(x) == _KDA_CAPABILITY
 
 
 def kda_fused_decode_covered(mixed_qkv, a, b, conv_states, ssm_states, cache_indices, onorm_g):
@@ -392,9 +392,9 @@ def kda_fused_decode_covered(mixed_qkv, a, b, conv_states, ssm_states, cache_ind
 
 
 def _kda_covers(mixed_qkv, a, b, conv_states, ssm_states, cache_indices, onorm_g) -> bool:
-    """kda's rules for SGLang's fused call: the device (:func:`_fused_on_kda`), the shapes, dtypes and layouts."""
+    """kda's rules for SGLang's fused call: the device (:func:`_on_kda_gpu`), the shapes, dtypes and layouts."""
     tensors = (mixed_qkv, a, b, conv_states, ssm_states, cache_indices, onorm_g)
-    if not all(isinstance(t, torch.Tensor) for t in tensors) or ssm_states.dim() != 4 or not _fused_on_kda(mixed_qkv) \
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or ssm_states.dim() != 4 or not _on_kda_gpu(mixed_qkv) \
             or not all(t.get_device() == mixed_qkv.get_device() for t in tensors):
         return False
     slots, H, V, K = ssm_states.shape
@@ -415,3 +415,96 @@ def _kda_covers(mixed_qkv, a, b, conv_states, ssm_states, cache_indices, onorm_g
 
 
 __all__ += ["kda_fused_decode", "kda_fused_decode_covered"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Triton KDA backend's speculative verify, the method SGLang's KDA backend calls for every target-verify step
+# (``_forward_target_verify`` -> ``kernel_dispatcher.target_verify`` -> the verify kernel's ``target_verify``; the
+# backend's wrapper kernel classes forward to a ``TritonKDAKernel`` too). Read from sgl-project/sglang
+# ``python/sglang/srt/layers/attention/linear/kernels/kda_triton.py`` (stored copy without a recorded commit, the one
+# with ``cache_ring`` and the ReplaySSM ring keywords; the earlier @ 007d1d93beabe99478bc855e6ccdc4ac0bfcdf7d takes
+# the same arguments without them) and ``python/sglang/srt/layers/attention/linear/kda_backend.py`` (stored copy
+# without a recorded commit). Its body calls ``fused_sigmoid_gating_delta_rule_update`` with ``is_kda=True``: that
+# module function also serves GDN, so the method, which only KDA reaches, is what kda replaces.
+
+_VERIFY_MODULE = "sglang.srt.layers.attention.linear.kernels.kda_triton"
+_VERIFY_NAME = "TritonKDAKernel.target_verify"
+
+
+def triton_kda_target_verify(
+    self,
+    A_log,
+    dt_bias,
+    q,
+    k,
+    v,
+    a,
+    b,
+    *,
+    ssm_states,
+    cache_indices,
+    query_start_loc,
+    intermediate_states_buffer,
+    intermediate_state_indices,
+    cache_steps,
+    retrieve_parent_token,
+    lower_bound=None,
+    cache_ring=False,
+    replayssm_rawv=None,
+    replayssm_rawk=None,
+    replayssm_g=None,
+    replayssm_beta=None,
+    **kwargs,
+):
+    """``TritonKDAKernel.target_verify`` (``self`` is SGLang's kernel object), on :func:`kda_target_verify` where kda
+    takes the call (:func:`_verify_covers`: a Hopper GPU, the intermediate-states mode, the Kimi shapes and dtypes);
+    every other call (the ReplaySSM ring mode, which writes records kda does not; another GPU, where SGLang's kernel
+    runs on SM100 too and kda's kernels have not; shapes kda's kernels lack) goes to SGLang's own method, unchanged.
+    Same arguments and return value as SGLang's: the output [1, Ntok, HV, V]; the committed pool is read only."""
+    from kda_recurrent.integrations import original
+
+    call = dict(ssm_states=ssm_states, cache_indices=cache_indices, query_start_loc=query_start_loc,
+                intermediate_states_buffer=intermediate_states_buffer,
+                intermediate_state_indices=intermediate_state_indices, cache_steps=cache_steps,
+                retrieve_parent_token=retrieve_parent_token, lower_bound=lower_bound)
+    if _verify_covers(q, k, v, a, b, ssm_states, intermediate_states_buffer, cache_steps, retrieve_parent_token,
+                      cache_ring):
+        return kda_target_verify(A_log, dt_bias, q, k, v, a, b, **call)
+    engine = original(_VERIFY_MODULE, _VERIFY_NAME)
+    if engine is None:
+        fail("TritonKDAKernel.target_verify", "SGLang's own method to hand this call to (kda's integration holds it "
+             "while enabled)", None)
+    return engine(self, A_log, dt_bias, q, k, v, a, b, **call, cache_ring=cache_ring, replayssm_rawv=replayssm_rawv,
+                  replayssm_rawk=replayssm_rawk, replayssm_g=replayssm_g, replayssm_beta=replayssm_beta, **kwargs)
+
+
+def _verify_covers(q, k, v, a, b, ssm_states, buffer, cache_steps, parents, cache_ring) -> bool:
+    """kda's rules for SGLang's verify: not the ring mode; a Hopper GPU (:func:`_on_kda_gpu`), every tensor on it;
+    q, k [1, Ntok, H, 128], v [1, Ntok, HV, 128] bf16 with HV a multiple of H; a and b bf16 or fp32; a pool
+    [slots, HV, 128, 128] and a buffer (or none) of fp32 or bf16; a tree of at most ``MAX_TREE_TOKENS`` steps."""
+    if cache_ring is not False:
+        return False
+    tensors = (q, k, v, a, b, ssm_states)
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or not _on_kda_gpu(q):
+        return False
+    device = q.get_device()
+    if any(t.get_device() != device for t in tensors[1:]):
+        return False
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or ssm_states.dim() != 4 or q.shape[0] != 1:
+        return False
+    H, HV = q.shape[2], v.shape[2]
+    pool = (torch.float32, torch.bfloat16)
+    if buffer is not None and (not isinstance(buffer, torch.Tensor) or buffer.dtype not in pool
+                               or buffer.get_device() != device):
+        return False
+    if parents is not None and (type(cache_steps) is not int or cache_steps > MAX_TREE_TOKENS):
+        return False
+    return (
+        q.shape[3] == 128 and v.shape[:2] == q.shape[:2] and v.shape[3] == 128 and HV % H == 0
+        and all(t.dtype == torch.bfloat16 for t in (q, k, v))
+        and a.dtype in pool and b.dtype in pool
+        and ssm_states.dtype in pool and tuple(ssm_states.shape[1:]) == (HV, 128, 128)
+    )
+
+
+__all__ += ["triton_kda_target_verify"]

@@ -10,6 +10,8 @@ skipped with a warning: an engine whose call changed keeps its own function. The
 engine's package whose attribute of that name *is* the original gets the adapter instead: the defining module, the
 package that re-exports it, and each caller that did ``from ... import name`` (which binds the name in the
 caller's module). A module imported later reads the defining module's attribute, so it gets the adapter too.
+A dotted name (``"Class.method"``) is a method of a class the module defines: it is replaced in the class itself,
+so every instance, and every subclass that does not define its own, calls the adapter (which takes ``self``).
 
 ``enable()`` is idempotent (a second call finds the adapters installed and patches nothing new); ``disable()``
 puts every original back, also in modules that bound the adapter after ``enable()``. Each replacement and each
@@ -42,7 +44,8 @@ def original(module: str, name: str) -> Callable | None:
 
 @dataclass(frozen=True)
 class Target:
-    """One engine function to replace: ``module`` defines ``name``; ``adapter`` is ``"package.module:function"``."""
+    """One engine function to replace: ``module`` defines ``name`` (or ``"Class.method"``, a method of a class it
+    defines); ``adapter`` is ``"package.module:function"``."""
 
     module: str
     name: str
@@ -145,7 +148,8 @@ class Patcher:
                 logger.warning("kda: %s.%s kept: %s.%s is not kda's", target.module, target.name, *target.requires)
                 continue
             adapter = target.load_adapter()
-            current = defining.__dict__.get(target.name)
+            owner, attr = _owner(defining, target.name)
+            current = _get(owner, attr)
             original = self._originals.get(target)
             if current is None:
                 logger.warning("kda: %s has no %s; nothing replaced", target.module, target.name)
@@ -160,6 +164,13 @@ class Patcher:
                 _ORIGINALS[(target.module, target.name)] = original
             if original is None:  # the adapter was installed by another Patcher, or by hand: not ours to manage
                 continue
+            if isinstance(owner, type):  # a method: the class is the one place that holds it
+                if current is original:
+                    setattr(owner, attr, adapter)
+                    self._patched[(target.module, target.name)] = target
+                    replaced.append(f"{target.module}.{target.name}")
+                    logger.info("kda: %s.%s -> %s", target.module, target.name, target.adapter.replace(":", "."))
+                continue
             modules = self._engine_modules() if modules is None else modules
             for module_name, namespace in modules:
                 if namespace.get(target.name) is original:
@@ -171,10 +182,9 @@ class Patcher:
 
     def _holds_adapter(self, module: str, name: str) -> bool:
         """Whether ``module.name`` is now the adapter of this patcher's target of that name."""
-        loaded = sys.modules.get(module)
         for target in self.targets:
             if (target.module, target.name) == (module, name):
-                return loaded is not None and loaded.__dict__.get(name) is target.load_adapter()
+                return _holds(module, name, target.load_adapter())
         return False
 
     def disable(self) -> list[str]:
@@ -183,6 +193,13 @@ class Patcher:
         modules = self._engine_modules()
         for target, original in self._originals.items():
             adapter = target.load_adapter()
+            owner, attr = _owner(sys.modules.get(target.module), target.name)
+            if isinstance(owner, type):
+                if _get(owner, attr) is adapter:
+                    setattr(owner, attr, original)
+                    restored.append(f"{target.module}.{target.name}")
+                    logger.info("kda: %s.%s restored", target.module, target.name)
+                continue
             for module_name, namespace in modules:
                 if namespace.get(target.name) is adapter:
                     namespace[target.name] = original
@@ -196,5 +213,29 @@ class Patcher:
 
     def patched(self) -> list[str]:
         """The ``module.name`` attributes that hold an adapter now (installed by this patcher)."""
-        return [f"{m}.{n}" for (m, n), target in self._patched.items()
-                if m in sys.modules and sys.modules[m].__dict__.get(n) is target.load_adapter()]
+        return [f"{m}.{n}" for (m, n), target in self._patched.items() if _holds(m, n, target.load_adapter())]
+
+
+def _owner(module, name: str):
+    """Where ``name`` lives in ``module``: (the module's namespace dict, name), or for ``"Class.method"`` (the class,
+    method); (None, name) when the module or the class is missing."""
+    namespace = getattr(module, "__dict__", None)
+    if not isinstance(namespace, dict):
+        return None, name
+    if "." not in name:
+        return namespace, name
+    cls_name, attr = name.split(".", 1)
+    cls = namespace.get(cls_name)
+    return (cls, attr) if isinstance(cls, type) else (None, attr)
+
+
+def _get(owner, attr: str):
+    """``attr`` of an owner :func:`_owner` found (a module's namespace or a class, not its bases), else None."""
+    if owner is None:
+        return None
+    return owner.get(attr) if isinstance(owner, dict) else vars(owner).get(attr)
+
+
+def _holds(module: str, name: str, adapter) -> bool:
+    """Whether ``module``'s ``name`` (a dotted name: a class's method) is ``adapter`` now."""
+    return _get(*_owner(sys.modules.get(module), name)) is adapter

@@ -1,4 +1,4 @@
-"""Run SGLang's KDA T=1 decode on kda: ``enable()`` replaces SGLang's vendored function by kda's adapter.
+"""Run SGLang's KDA decode and speculative verify on kda: ``enable()`` replaces SGLang's vendored functions by kda's.
 
     from kda_recurrent.integrations import sglang as kda_sglang
     kda_sglang.enable()    # in every process that runs the model, before its first forward
@@ -19,7 +19,13 @@ stashed the fused arguments (Kimi K3 at 12 local heads, TP8): on an SM90 GPU tha
 model. kda's ``covered`` also takes a bf16 pool. On Hopper only: on other GPUs (SGLang runs its kernel on SM100 too,
 where kda's kernels have not run) SGLang's ``covered`` answers and SGLang's kernel runs.
 
-Not replaced: the ReplaySSM ring variant, the target-verify and extend paths, and the CuTe DSL and FlashInfer
+Also the Triton KDA backend's speculative verify, the method ``TritonKDAKernel.target_verify`` of that caller's
+module, by :func:`kda_recurrent.compat.sglang.triton_kda_target_verify`: replaced in the class, so every kernel
+object (and the backend's wrapper kernels, which forward to one) calls kda's. kda's verify runs on Hopper for the
+intermediate-states mode; the ReplaySSM ring mode, other GPUs and shapes kda lacks go to SGLang's own method. The
+module function that method calls, ``fused_sigmoid_gating_delta_rule_update``, also serves GDN and stays SGLang's.
+
+Not replaced: the ReplaySSM ring variants (decode and verify), the extend path, and the CuTe DSL and FlashInfer
 backends. Slot ``-1`` is null and slot 0 live, as in SGLang.
 """
 
@@ -36,14 +42,16 @@ TARGETS = (
     Target(_FUSED, "kda_fused_decode", "kda_recurrent.compat.sglang:kda_fused_decode"),
     Target(_FUSED, "covered", "kda_recurrent.compat.sglang:kda_fused_decode_covered",
            requires=(_FUSED, "kda_fused_decode")),
+    Target("sglang.srt.layers.attention.linear.kernels.kda_triton", "TritonKDAKernel.target_verify",
+           "kda_recurrent.compat.sglang:triton_kda_target_verify"),
 )
 
 _patcher = Patcher("sglang", TARGETS, "SGLang")
 
 
 def enable(*, require_kernels: bool = True) -> list[str]:
-    """Replace SGLang's KDA packed decode and fused decode by kda's; returns the ``module.name`` attributes replaced by
-    this call. ``require_kernels`` as :func:`kda_recurrent.integrations.vllm.enable`'s."""
+    """Replace SGLang's KDA packed decode, fused decode and Triton verify by kda's; returns the ``module.name``
+    attributes replaced by this call. ``require_kernels`` as :func:`kda_recurrent.integrations.vllm.enable`'s."""
     return _patcher.enable(require_kernels)
 
 
