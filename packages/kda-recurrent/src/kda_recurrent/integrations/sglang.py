@@ -25,8 +25,9 @@ object (and the backend's wrapper kernels, which forward to one) calls kda's. kd
 intermediate-states mode; the ReplaySSM ring mode, other GPUs and shapes kda lacks go to SGLang's own method. The
 module function that method calls, ``fused_sigmoid_gating_delta_rule_update``, also serves GDN and stays SGLang's.
 
-Not replaced: the ReplaySSM ring variants (decode and verify), the extend path, and the CuTe DSL and FlashInfer
-backends. Slot ``-1`` is null and slot 0 live, as in SGLang.
+Not replaced: the ReplaySSM ring variants (decode and verify), SGLang's opt-in fused conv + chain verify
+(``SGLANG_OPT_FUSED_KDA_VERIFY``, off by default; with it on, chain verifies skip ``target_verify``), the extend
+path, and the CuTe DSL and FlashInfer backends. Slot ``-1`` is null and slot 0 live, as in SGLang.
 """
 
 from __future__ import annotations
