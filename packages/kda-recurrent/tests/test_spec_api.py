@@ -527,6 +527,40 @@ def test_sglang_target_verify_adaptive_steps_keep_each_request_in_its_buffer_slo
                                  **call)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_sglang_target_verify_ragged_layout_covers_each_row_and_no_more(device):
+    """SGLang's ragged verify layout: rows of fewer draft tokens than ``cache_steps`` (here 2, 3 and 1 of 3), and a
+    ``query_start_loc`` capped below the tokens passed (SGLang's tier leftovers: the last token is in no row, and
+    SGLang zeroes its output afterwards). Each row's tokens get the recurrence of their row; its states land in its
+    buffer slot at steps 0..len-1, the steps past its length stay untouched, and so does every other slot."""
+    g = torch.Generator().manual_seed(11)
+    lengths, S, H = [2, 3, 1], 3, 4
+    n_tok = sum(lengths) + 1  # one token past the last row
+    q, k, v, graw = (rnd(g, 1, n_tok, H, D, device=device) for _ in range(4))
+    b = rnd(g, n_tok, H, device=device)
+    A_log = rnd(g, H, dtype=torch.float32, scale=0.5, device=device)
+    dt_bias = rnd(g, H * D, dtype=torch.float32, scale=0.1, device=device)
+    N = len(lengths)
+    pool = rnd(g, N + 1, H, D, D, dtype=torch.float32, scale=0.1, device=device)
+    inter = torch.full((N + 1, S, H, D, D), 7.0, device=device)
+    slots = torch.tensor([2, 0, 1], dtype=torch.int32, device=device)  # buffer slot 3 belongs to nobody
+    starts = [0, 2, 5, 6]
+    o = sglang.kda_target_verify(A_log, dt_bias, q, k, v, graw.reshape(n_tok, H * D), b, ssm_states=pool,
+                                 cache_indices=torch.arange(1, N + 1, dtype=torch.int32, device=device),
+                                 query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+                                 intermediate_states_buffer=inter, intermediate_state_indices=slots, cache_steps=S,
+                                 retrieve_parent_token=None, lower_bound=-5.0)
+    for n, slot in enumerate(slots.tolist()):
+        rows = list(range(starts[n], starts[n + 1]))
+        for t in range(len(rows)):
+            o_ref, s_ref = plain(q[0, rows[:t + 1]], k[0, rows[:t + 1]], v[0, rows[:t + 1]], graw[0, rows[:t + 1]],
+                                 b[rows[:t + 1]], A_log, dt_bias, pool[n + 1], lower_bound=-5.0)
+            torch.testing.assert_close(o[0, rows[t]].float(), o_ref[-1].float(), rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(inter[slot, t], s_ref, rtol=1e-4, atol=1e-4)
+        assert bool((inter[slot, len(rows):] == 7.0).all()), slot
+    assert bool((inter[3] == 7.0).all())
+
+
 def test_sglang_target_verify_refuses_the_replayssm_ring_mode_it_does_not_write():
     """SGLang's ring mode (``cache_ring=True``: the draft tokens' records go to its ReplaySSM rings, no intermediate
     states) is refused by name before anything runs, not answered with outputs and stale rings."""
