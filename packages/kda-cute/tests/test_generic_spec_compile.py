@@ -51,6 +51,9 @@ FACETS = {
                                         null_policy=NullSlotPolicy.NONPOSITIVE),
     "tree-nat-varlen": dict(parents_dtype=torch.int32, has_num_accepted=True, varlen=True, cu_dtype=torch.int32),
     "tree-source": dict(parents_dtype=torch.int64, source_dtype=torch.float32, source_idx_dtype=torch.int64),
+    # SGLang's verify (kda_recurrent.compat.sglang): int32 cache slots read, the buffer rows it builds in int64
+    "sglang-verify": dict(parents_dtype=torch.int32, source_dtype=torch.float32, source_idx_dtype=torch.int32,
+                          slot_dtype=torch.int64, state_dtype=torch.float32, varlen=True, cu_dtype=torch.int32),
 }
 
 

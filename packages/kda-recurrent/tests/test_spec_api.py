@@ -561,6 +561,92 @@ def test_sglang_target_verify_ragged_layout_covers_each_row_and_no_more(device):
     assert bool((inter[3] == 7.0).all())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_sglang_target_verify_malformed_buffer_slots_are_null_and_never_wrap(device):
+    """``intermediate_state_indices`` are device data: a negative slot and one whose row (slot * S + t) is past the
+    32-bit range (2^30 * 4 = 2^32 wraps to row 0 in int32 arithmetic) store nothing, so buffer slot 0, which no
+    request names, stays bitwise untouched; the well-formed request's states land in its slot."""
+    g = torch.Generator().manual_seed(12)
+    N, T, S, H = 3, 2, 4, 4
+    q, k, v, graw = (rnd(g, 1, N * T, H, D, device=device) for _ in range(4))
+    b = rnd(g, N * T, H, device=device)
+    A_log = rnd(g, H, dtype=torch.float32, scale=0.5, device=device)
+    dt_bias = rnd(g, H * D, dtype=torch.float32, scale=0.1, device=device)
+    pool = rnd(g, N + 1, H, D, D, dtype=torch.float32, scale=0.1, device=device)
+    inter = torch.full((3, S, H, D, D), 7.0, device=device)
+    slots = torch.tensor([2**30, -1, 2], dtype=torch.int32, device=device)
+    sglang.kda_target_verify(A_log, dt_bias, q, k, v, graw.reshape(N * T, H * D), b, ssm_states=pool,
+                             cache_indices=torch.arange(1, N + 1, dtype=torch.int32, device=device),
+                             query_start_loc=torch.arange(0, N * T + 1, T, dtype=torch.int32, device=device),
+                             intermediate_states_buffer=inter, intermediate_state_indices=slots, cache_steps=T,
+                             retrieve_parent_token=None, lower_bound=-5.0)
+    assert bool((inter[:2] == 7.0).all())  # slots 0 and 1: no request's
+    rows = list(range(2 * T, 3 * T))
+    for t in range(T):
+        _, s_ref = plain(q[0, rows[:t + 1]], k[0, rows[:t + 1]], v[0, rows[:t + 1]], graw[0, rows[:t + 1]],
+                         b[rows[:t + 1]], A_log, dt_bias, pool[3], lower_bound=-5.0)
+        torch.testing.assert_close(inter[2, t], s_ref, rtol=1e-4, atol=1e-4)
+    assert bool((inter[2, T:] == 7.0).all())
+
+
+def test_adapter_constants_are_made_once_with_their_values():
+    from kda_recurrent.compat import constant
+
+    steps = constant(5, torch.int64, "cpu")
+    assert steps is constant(5, torch.int64, torch.device("cpu")) and steps.tolist() == [0, 1, 2, 3, 4]
+    assert constant(5, torch.int32, "cpu").dtype is torch.int32
+    assert constant(3, torch.float32, "cpu", 1.0).tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sglang_target_verify_captured_first_then_eager_keeps_correct_steps():
+    """The verify's step constant is made inside a CUDA graph capture when the graph is the first call of that step
+    count: that one is not kept (its fill has not run), so an eager call right after capture, before any replay,
+    still stores each state in its own row; the replay agrees with the eager call bit for bit."""
+    from kda_recurrent.compat import _CONSTANTS
+
+    g = torch.Generator().manual_seed(13)
+    N, T, S, H, dev = 2, 7, 7, 4, "cuda"  # 7 steps: a count no other test here uses
+    for key in [key for key in _CONSTANTS if key[0] == T]:
+        del _CONSTANTS[key]
+    q, k, v, graw = (rnd(g, 1, N * T, H, D, device=dev) for _ in range(4))
+    b = rnd(g, N * T, H, device=dev)
+    A_log = rnd(g, H, dtype=torch.float32, scale=0.5, device=dev)
+    dt_bias = rnd(g, H * D, dtype=torch.float32, scale=0.1, device=dev)
+    pool = rnd(g, N + 1, H, D, D, dtype=torch.float32, scale=0.1, device=dev)
+    call = dict(ssm_states=pool, cache_indices=torch.arange(1, N + 1, dtype=torch.int32, device=dev),
+                query_start_loc=torch.arange(0, N * T + 1, T, dtype=torch.int32, device=dev),
+                intermediate_state_indices=torch.tensor([1, 0], dtype=torch.int32, device=dev), cache_steps=T,
+                retrieve_parent_token=None, lower_bound=-5.0)
+    a = graw.reshape(N * T, H * D)
+    captured = torch.zeros(N, S, H, D, D, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        sglang.kda_target_verify(A_log, dt_bias, q, k, v, a, b, intermediate_states_buffer=captured, **call)  # compile
+    torch.cuda.current_stream().wait_stream(side)
+    for key in [key for key in _CONSTANTS if key[0] == T]:
+        del _CONSTANTS[key]
+    with torch.cuda.graph(graph):
+        o_graph = sglang.kda_target_verify(A_log, dt_bias, q, k, v, a, b, intermediate_states_buffer=captured,
+                                           **call)
+    assert not any(key[0] == T for key in _CONSTANTS)  # the one made during capture was not kept
+    eager = torch.zeros_like(captured)
+    o_eager = sglang.kda_target_verify(A_log, dt_bias, q, k, v, a, b, intermediate_states_buffer=eager, **call)
+    for n, slot in enumerate([1, 0]):
+        rows = list(range(n * T, (n + 1) * T))
+        for t in range(T):
+            _, s_ref = plain(q[0, rows[:t + 1]], k[0, rows[:t + 1]], v[0, rows[:t + 1]], graw[0, rows[:t + 1]],
+                             b[rows[:t + 1]], A_log, dt_bias, pool[n + 1], lower_bound=-5.0)
+            torch.testing.assert_close(eager[slot, t], s_ref, rtol=1e-4, atol=1e-4)
+    captured.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager) and torch.equal(o_graph, o_eager)
+
+
 def test_sglang_target_verify_refuses_the_replayssm_ring_mode_it_does_not_write():
     """SGLang's ring mode (``cache_ring=True``: the draft tokens' records go to its ReplaySSM rings, no intermediate
     states) is refused by name before anything runs, not answered with outputs and stale rings."""

@@ -41,3 +41,23 @@ def capability_of(x: torch.Tensor) -> tuple[int, int] | None:
     if got is None:
         got = _CAPABILITY[index] = tuple(torch.cuda.get_device_capability(index))
     return got
+
+
+_CONSTANTS: dict[tuple, torch.Tensor] = {}  # (size, dtype, device, value) -> a read-only constant adapters index with
+
+
+def constant(size: int, dtype: torch.dtype, device: torch.device, value=None) -> torch.Tensor:
+    """A read-only constant [size] of ``dtype`` on ``device``: ``arange(size)`` when ``value`` is None, else ``value``
+    everywhere; made once and kept, so an adapter's per-call index arithmetic launches no fill. While a CUDA graph is
+    being captured on the current stream a new one is made and not kept: its fill is a captured kernel that has not
+    run, so a kept tensor would hold garbage for eager calls until the graph's first replay."""
+    key = (size, dtype, torch.device(device), value)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        if value is None:
+            t = torch.arange(size, dtype=dtype, device=device)
+        else:
+            t = torch.full((size,), value, dtype=dtype, device=device)
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _CONSTANTS[key] = t
+    return t

@@ -13,6 +13,7 @@ from kda_core.call_args import RecurrentArgs
 from kda_core.errors import fail
 from kda_core.oracle import kda_gate_ref
 from kda_core.validation import validate_gate_params, validate_recurrent
+from kda_recurrent.compat import constant
 from kda_recurrent.facade import recurrent_kda
 
 __all__ = ["fused_recurrent_kda_fwd"]
@@ -20,19 +21,6 @@ __all__ = ["fused_recurrent_kda_fwd"]
 # FLA without A_log uses the factor 1.0 where kda uses exp(A_log): the lower-bound gate becomes
 # lb * sigmoid(1.0 * x) (our A_log = 0) and the softplus gate -exp(1.0) * softplus(x) (our A_log = 1).
 _A_LOG_STANDING_IN_FOR_NONE = {True: 0.0, False: 1.0}  # keyed by "lower_bound is not None"
-_constants: dict[tuple, torch.Tensor] = {}  # (kind, size, device, value) -> cached tensor: no per-call allocation
-
-
-def _cached(kind: str, size: int, device: torch.device, value) -> torch.Tensor:
-    key = (kind, size, device, value)
-    t = _constants.get(key)
-    if t is None:
-        if kind == "arange":
-            t = torch.arange(size, dtype=torch.int32, device=device)
-        else:
-            t = torch.full((size,), value, dtype=torch.float32, device=device)
-        _constants[key] = t
-    return t
 
 
 def fused_recurrent_kda_fwd(
@@ -119,7 +107,7 @@ def fused_recurrent_kda_fwd(
     if use_gate_in_kernel and isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and v.dim() == 4:
         H, HV = q.shape[2], v.shape[2]
         if A_log is None:
-            A_log = _cached("full", HV, q.device, _A_LOG_STANDING_IN_FOR_NONE[lower_bound is not None])
+            A_log = constant(HV, torch.float32, q.device, _A_LOG_STANDING_IN_FOR_NONE[lower_bound is not None])
         if HV != H:
             # Per-value-head gate parameters: compute the decay here (kda_gate_ref infers the head count from
             # A_log, so [HV] parameters map one-to-one onto value heads) and hand the kernel a precomputed gate.
@@ -146,7 +134,7 @@ def fused_recurrent_kda_fwd(
             fail("initial_state", f"one row per sequence ([N_seq, HV, V, K], N_seq = {n_seq}) when it is updated "
                  "in place without ssm_state_indices", tuple(initial_state.shape)
                  if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__)
-        indices = _cached("arange", n_seq, q.device, None)
+        indices = constant(n_seq, torch.int32, q.device)
 
     o, final_state = recurrent_kda(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,

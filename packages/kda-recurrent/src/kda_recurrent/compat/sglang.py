@@ -36,7 +36,7 @@ from kda_core.contracts import MAX_TREE_TOKENS, T1_HEAD_COUNTS, NullSlotPolicy
 from kda_core.errors import fail
 from kda_core.oracle import kda_gate_ref
 from kda_core.validation import validate_gate_params, validate_recurrent
-from kda_recurrent.compat import capability_of, optional_entry, shape_text
+from kda_recurrent.compat import capability_of, constant, optional_entry, shape_text
 from kda_recurrent.facade import recurrent_kda
 
 __all__ = ["fused_recurrent_kda_packed_decode", "kda_target_verify"]
@@ -194,8 +194,9 @@ def kda_target_verify(
         query_start_loc: [N + 1] int offsets (device data, bounded in the kernel).
         intermediate_states_buffer: [cache_slots, S, HV, V, K] (or a view of that memory as
             [cache_slots * cache_steps, HV, V, K]) receiving the state after every draft token;
-            intermediate_state_indices: [N] each request's cache slot (``< 0``: no states stored, and then the
-            request has no output either); cache_steps: int, the draft steps of this call (at most S; None: S).
+            intermediate_state_indices: [N] each request's cache slot (``< 0``, or a slot whose rows lie past the
+            buffer: no states stored, and then the request has no output either; the rows are built in int64, so no
+            slot wraps onto another); cache_steps: int, the draft steps of this call (at most S; None: S).
             Request n's token t goes to ``buffer[slot_n, t]``: the 5-D buffer's S is the per-slot stride, as in
             SGLang's later kernel (``fused_sigmoid_gating_delta_rule_update`` of
             ``python/sglang/kernels/ops/attention/fla/fused_sigmoid_gating_recurrent.py``, stored copy without a
@@ -251,10 +252,11 @@ def kda_target_verify(
             fail("intermediate_state_indices", "[N] cache slots with an intermediate_states_buffer", None)
         pool = buf.reshape(-1, HV, V, K)
         stride = cache_steps if per_slot is None else per_slot
-        steps = torch.arange(cache_steps, device=q.device, dtype=intermediate_state_indices.dtype)
-        cache = intermediate_state_indices
-        # request n's step t at row cache * stride + t (t < cache_steps); a negative cache slot nulls every step
-        idx = torch.where(cache[:, None] >= 0, cache[:, None] * stride + steps, torch.full_like(steps, -1))
+        # Request n's step t at pool row cache_n * stride + t (t < cache_steps <= stride), in one elementwise launch
+        # (the steps are a kept constant), in int64 so that no cache slot wraps: a negative one gives negative rows
+        # for every step and a past-the-end one rows past the pool, both null (out_of_range), never another slot.
+        steps = constant(cache_steps, torch.int64, q.device)
+        idx = torch.add(steps, intermediate_state_indices[:, None], alpha=stride)
     args = RecurrentArgs(q, k, v, g, beta, A_log if use_gate else None, dt_bias if use_gate else None, None, pool,
                          False, True, use_gate, lower_bound if use_gate else None, True, query_start_loc, idx, None,
                          out)
