@@ -66,6 +66,7 @@ from kda_core.validation import (
     revalidate_recurrent_t1_varlen,
     validate_recurrent,
 )
+from kda_recurrent.compat import constant
 from kda_recurrent.routes import Path, Route
 
 __all__ = ["recurrent_kda", "explain", "Path", "Route"]
@@ -414,7 +415,7 @@ def _flashinfer_form(args: RecurrentArgs, null_policy: NullSlotPolicy, num_spec_
                      tuple(state.shape) if isinstance(state, torch.Tensor) else None)
             if check_only:
                 return None
-            idx = torch.arange(B * T_spec, dtype=torch.int32, device=q.device).view(B, T_spec)
+            idx = constant(B * T_spec, torch.int32, q.device).view(B, T_spec)  # read only: a kept constant
             args = args._replace(ssm_state_indices=idx)
         elif not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[1] != T_spec:
             fail("ssm_state_indices", f"2-D [N_seq, 1 + num_spec_tokens] = [N_seq, {T_spec}] with num_spec_tokens",
