@@ -58,6 +58,12 @@ def constant(size: int, dtype: torch.dtype, device: torch.device, value=None) ->
             t = torch.arange(size, dtype=dtype, device=device)
         else:
             t = torch.full((size,), value, dtype=dtype, device=device)
-        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if keepable(t):
             _CONSTANTS[key] = t
     return t
+
+
+def keepable(t: torch.Tensor) -> bool:
+    """Whether a tensor an adapter just made may be kept for later calls: not while a CUDA graph is being captured
+    on the current stream, where its memory is the graph's and the kernels that fill it have not run yet."""
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())

@@ -36,7 +36,7 @@ from kda_core.contracts import MAX_TREE_TOKENS, T1_HEAD_COUNTS, NullSlotPolicy
 from kda_core.errors import fail
 from kda_core.oracle import kda_gate_ref
 from kda_core.validation import validate_gate_params, validate_recurrent
-from kda_recurrent.compat import capability_of, constant, optional_entry, shape_text
+from kda_recurrent.compat import capability_of, constant, keepable, optional_entry, shape_text
 from kda_recurrent.facade import recurrent_kda
 
 __all__ = ["fused_recurrent_kda_packed_decode", "kda_target_verify"]
@@ -298,7 +298,7 @@ def _conv_weight(w_q_t, w_k_t, w_v_t, fused_weight):
     got = _stacked.get(key)
     if got is None:
         got = torch.stack(parts)
-        if got.is_cuda and torch.cuda.is_current_stream_capturing():
+        if not keepable(got):
             return got
         if len(_stacked) > 4096:  # weights reloaded many times over: start again
             _stacked.clear()
